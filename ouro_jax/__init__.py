@@ -1,0 +1,28 @@
+"""ouro-jax: inference for Ouro looped language models in JAX.
+
+Public API (lazily imported so that ``import ouro_jax.config`` stays light):
+``OuroConfig``, ``forward``, ``generate``, ``LLM``, ``SamplingParams``.
+"""
+from .config import OuroConfig, PRESETS, get_preset
+
+_LAZY = {
+    "forward": ("ouro_jax.forward", "forward"),
+    "ForwardResult": ("ouro_jax.forward", "ForwardResult"),
+    "generate": ("ouro_jax.generate", "generate"),
+    "GenerateResult": ("ouro_jax.generate", "GenerateResult"),
+    "OuroModel": ("ouro_jax.model", "OuroModel"),
+    "init_params": ("ouro_jax.model", "init_params"),
+    "LLM": ("ouro_jax.llm", "LLM"),
+    "SamplingParams": ("scheduler.sampling_params", "SamplingParams"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        mod, attr = _LAZY[name]
+        return getattr(importlib.import_module(mod), attr)
+    raise AttributeError(f"module 'ouro_jax' has no attribute {name!r}")
+
+
+__all__ = ["OuroConfig", "PRESETS", "get_preset", *_LAZY]
