@@ -1,0 +1,103 @@
+"""The converted layout: a folder with our ``config.json``, a ``ouro_jax_checkpoint.json`` marker and
+an orbax checkpoint of the Flax param tree in ``params/`` (already transposed, already cast)."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from ouro_jax.config import OuroConfig
+from ouro_jax.params import iter_paths, path_to_hf_name
+
+from ._common import (CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, MARKER_NAME, NP_TO_ST, PARAMS_DIR,
+                      CheckpointError, check_inventory, dtype_name, read_config)
+
+
+def save_orbax(folder: str, config: OuroConfig, params: dict, extra: dict | None = None) -> None:
+    """Write ``params`` (a tree of jax arrays, Flax layout) + config + marker into ``folder``, which
+    must already exist and hold none of these.  The marker is written last: a folder without it is
+    not mistaken for a finished conversion."""
+    folder = os.path.abspath(folder)  # orbax wants absolute paths
+    dtypes = sorted({dtype_name(x.dtype) for _, x in iter_paths(params)})
+    dtype = dtypes[0] if len(dtypes) == 1 else "mixed"
+    if dtype != "mixed":
+        config = config.replace(torch_dtype=dtype)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(folder, PARAMS_DIR), params)
+        ckptr.wait_until_finished()
+    config.to_json(os.path.join(folder, CONFIG_NAME))
+    marker = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "dtype": dtype,
+              "params": PARAMS_DIR, **(extra or {})}
+    with open(os.path.join(folder, MARKER_NAME), "w") as f:
+        json.dump(marker, f, indent=2)
+
+
+def read_marker(folder: str) -> dict:
+    p = os.path.join(folder, MARKER_NAME)
+    try:
+        with open(p) as f:
+            m = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p} is not readable JSON: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{p} is not an ouro-jax checkpoint marker")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{p}: checkpoint format version {m.get('format_version')!r} is not "
+                              f"supported by this ouro-jax (it reads version {FORMAT_VERSION})")
+    return m
+
+
+def load_orbax(folder: str, dtype=None, device=None) -> tuple[OuroConfig, dict]:
+    folder = os.path.abspath(os.fspath(folder))
+    marker = read_marker(folder)
+    config = read_config(folder)
+    pdir = os.path.join(folder, marker.get("params", PARAMS_DIR))
+    if not os.path.isdir(pdir):
+        raise CheckpointError(f"converted checkpoint {folder} has no orbax folder {pdir}")
+    device = device if device is not None else jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            meta = ckptr.metadata(pdir).item_metadata
+        except Exception as e:
+            raise CheckpointError(f"corrupt orbax checkpoint {pdir}: {_short(e)}") from None
+        tree = getattr(meta, "tree", None)
+        if not isinstance(tree, dict):
+            raise CheckpointError(f"corrupt orbax checkpoint {pdir}: its tree metadata (_METADATA) is "
+                                  f"missing or unreadable")
+        # Check the stored tree against the config in HF terms (same messages as a HF folder).
+        found, paths = {}, {}
+        for path, meta in iter_paths(tree):
+            try:
+                name = path_to_hf_name(path)
+            except (KeyError, ValueError, IndexError):
+                name = "/".join(path)
+            shape = tuple(meta.shape)
+            if path[-1] == "kernel":
+                shape = tuple(reversed(shape))
+            tag = NP_TO_ST.get(np.dtype(meta.dtype), str(np.dtype(meta.dtype)))
+            found[name] = (tag, shape, PARAMS_DIR)
+            paths[name] = path
+        check_inventory(config, found, pdir)
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(dtype if dtype is not None else m.dtype),
+                                           sharding=sharding), tree)
+        try:
+            params = ckptr.restore(pdir, target)
+        except Exception as e:
+            raise CheckpointError(f"cannot restore orbax checkpoint {pdir}: {_short(e)}") from None
+    return config, _plain_dicts(params)
+
+
+def _short(e: Exception, limit: int = 300) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _plain_dicts(tree):
+    if isinstance(tree, dict):
+        return {k: _plain_dicts(v) for k, v in tree.items()}
+    return tree
