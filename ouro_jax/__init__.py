@@ -6,10 +6,10 @@ Public API (lazily imported so that ``import ouro_jax.config`` stays light):
 from .config import OuroConfig, PRESETS, get_preset
 
 _LAZY = {
-    "forward": ("ouro_jax.forward", "forward"),
-    "ForwardResult": ("ouro_jax.forward", "ForwardResult"),
-    "generate": ("ouro_jax.generate", "generate"),
-    "GenerateResult": ("ouro_jax.generate", "GenerateResult"),
+    "forward": ("ouro_jax.full_forward", "forward"),
+    "ForwardResult": ("ouro_jax.full_forward", "ForwardResult"),
+    "generate": ("ouro_jax.static_generate", "generate"),
+    "GenerateResult": ("ouro_jax.static_generate", "GenerateResult"),
     "OuroModel": ("ouro_jax.model", "OuroModel"),
     "init_params": ("ouro_jax.model", "init_params"),
     "LLM": ("ouro_jax.llm", "LLM"),

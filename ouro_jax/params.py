@@ -29,7 +29,7 @@ import numpy as np
 from .config import OuroConfig
 
 __all__ = ["hf_tensor_shapes", "hf_name_to_path", "path_to_hf_name", "param_shapes",
-           "get_path", "set_path", "iter_paths", "random_hf_tensors"]
+           "get_path", "set_path", "iter_paths", "random_hf_tensors", "random_params"]
 
 _LAYER_PROJ = {
     "self_attn.q_proj": ("self_attn", "q_proj"),
@@ -164,3 +164,13 @@ def random_hf_tensors(config: OuroConfig, seed: int = 0, dtype=np.float32) -> It
             fan_in = shape[-1]
             arr = rng.standard_normal(shape) / np.sqrt(fan_in)
         yield name, arr.astype(dtype)
+
+
+def random_params(config: OuroConfig, seed: int = 0, dtype=np.float32) -> dict:
+    """The param tree of :func:`random_hf_tensors` (numpy leaves, Flax layout) - the same values a
+    random checkpoint written by ``weights.save_random`` holds, without touching the disk."""
+    tree: dict = {}
+    for name, arr in random_hf_tensors(config, seed, np.float32):
+        path, transpose = hf_name_to_path(name)
+        set_path(tree, path, np.ascontiguousarray(arr.T if transpose else arr).astype(dtype))
+    return tree

@@ -1,0 +1,207 @@
+"""The Ouro model in Flax linen, split into prelude / one recurrent loop / coda.
+
+Ouro applies its whole layer stack ``T`` times to the same positions with the same weights. The
+engine batches work at the granularity of *one loop* (rows of different requests at different
+depths share an invocation), so the model exposes exactly that unit:
+
+* ``prelude(ids)``           embed token ids (no scaling);
+* ``recurrent(x, positions, attention, caches)``
+                             one loop: all ``L`` layers, the final norm (applied after every loop)
+                             and the exit gate; returns ``(h, gate_logit, caches)``;
+* ``coda(h)``                ``lm_head``.
+
+Attention is a boundary: every layer calls ``attention(layer_index, q, k, v, cache)`` with
+RoPE-rotated ``q [..., H, hd]`` and ``k, v [..., KVH, hd]`` and gets back ``(out [..., H, hd],
+cache)``. Dense causal attention (``forward``), the dense per-loop cache of ``generate`` and the
+paged Pallas kernels of the engine are all just different ``attention`` objects; the model knows
+nothing about requests, pages or planes.
+
+Rows may have any leading shape (``[B, S]`` for dense use, ``[R]`` for the engine's packed rows).
+Parameters are a plain nested dict (see ``ouro_jax/params.py``); ``model.apply`` is only ever
+called inside ``jax.jit``, so Flax's module traversal happens once, at trace time.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .config import OuroConfig
+
+__all__ = ["OuroModel", "OuroDecoderLayer", "RMSNorm", "rope_cos_sin", "apply_rope", "init_params",
+           "Attention", "dtype_of"]
+
+
+class Attention(Protocol):
+    def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+        ...
+
+
+def dtype_of(name_or_dtype) -> jnp.dtype:
+    if isinstance(name_or_dtype, str):
+        try:
+            return {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}[name_or_dtype]
+        except KeyError:
+            raise ValueError(f"unsupported dtype {name_or_dtype!r}; use bfloat16, float16 or float32") from None
+    return jnp.dtype(name_or_dtype)
+
+
+class RMSNorm(nn.Module):
+    """``w * x * rsqrt(mean(x^2) + eps)`` with statistics and product in float32, rounded once to
+    ``out_dtype`` (the reference rounds before and after the weight product; we round once)."""
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, out_dtype=None):
+        w = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (w.astype(jnp.float32) * y).astype(self.dtype if out_dtype is None else out_dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[..., hd]`` in float32 for absolute positions (identical in every loop)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``x * cos + rotate_half(x) * sin`` (halves split, not interleaved); x is ``[..., heads, hd]``."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[..., None, :] + rot * sin[..., None, :]).astype(x.dtype)
+
+
+def _dense(features: int, dtype, use_bias: bool = False) -> nn.Dense:
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype,
+                    kernel_init=nn.initializers.variance_scaling(1.0, "fan_in", "normal"))
+
+
+class OuroAttentionProjections(nn.Module):
+    config: OuroConfig
+    dtype: Any
+
+    def setup(self):
+        c = self.config
+        self.q_proj = _dense(c.q_size, self.dtype)
+        self.k_proj = _dense(c.kv_size, self.dtype)
+        self.v_proj = _dense(c.kv_size, self.dtype)
+        self.o_proj = _dense(c.hidden_size, self.dtype)
+
+    def __call__(self, x, cos, sin, layer: int, attention: Attention, cache):
+        c = self.config
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(x).reshape(*lead, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(x).reshape(*lead, c.num_key_value_heads, c.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, cache = attention(layer, q, k, v, cache)
+        return self.o_proj(out.reshape(*lead, c.q_size).astype(self.dtype)), cache
+
+
+class OuroMLP(nn.Module):
+    config: OuroConfig
+    dtype: Any
+
+    def setup(self):
+        c = self.config
+        self.gate_proj = _dense(c.intermediate_size, self.dtype)
+        self.up_proj = _dense(c.intermediate_size, self.dtype)
+        self.down_proj = _dense(c.hidden_size, self.dtype)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OuroDecoderLayer(nn.Module):
+    """One layer with Ouro's "sandwich" norms (4 RMSNorms)."""
+    config: OuroConfig
+    dtype: Any
+    layer_index: int = 0
+
+    def setup(self):
+        c = self.config
+        self.self_attn = OuroAttentionProjections(c, self.dtype)
+        self.mlp = OuroMLP(c, self.dtype)
+        self.input_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.input_layernorm_2 = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.post_attention_layernorm_2 = RMSNorm(c.rms_norm_eps, self.dtype)
+
+    def __call__(self, x, cos, sin, attention: Attention, cache, layer=None):
+        """``x`` is the float32 residual stream: matmul inputs are rounded to the model dtype,
+        the residual sums are not (cheap, fused, and it halves the bfloat16 drift over T*L layers)."""
+        layer = self.layer_index if layer is None else layer
+        f32 = jnp.float32
+        a, cache = self.self_attn(self.input_layernorm(x), cos, sin, layer, attention, cache)
+        x = x + self.input_layernorm_2(a, f32)
+        m = self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm_2(m, f32)
+        return x, cache
+
+
+class OuroModel(nn.Module):
+    config: OuroConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
+                                     embedding_init=nn.initializers.normal(1.0))
+        self.layers = [OuroDecoderLayer(c, self.dtype, layer_index=i) for i in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.early_exit_gate = nn.Dense(1, use_bias=True, dtype=jnp.float32, param_dtype=self.dtype)
+        self.lm_head = _dense(c.vocab_size, self.dtype)
+
+    # -- the three stages -------------------------------------------------------------------
+    def prelude(self, ids):
+        return self.embed_tokens(ids)
+
+    def recurrent(self, x, positions, attention: Attention, caches: Sequence[Any]):
+        """One loop of the stack for rows at any depth; the depth lives in ``attention``'s metadata."""
+        c = self.config
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        x = x.astype(jnp.float32)
+        new_caches = []
+        for layer, cache in zip(self.layers, caches):
+            x, cache = layer(x, cos, sin, attention, cache)
+            new_caches.append(cache)
+        h = self.norm(x)  # rounded to the model dtype: what the next loop and the ring see
+        return h, self.gate(h), new_caches
+
+    def gate(self, h):
+        """Exit-gate logit ``h . w + b`` in float32 (one scalar per row)."""
+        return self.early_exit_gate(h.astype(jnp.float32))[..., 0]
+
+    def coda(self, h):
+        """Logits in float32 (accumulated in float32, never rounded to bfloat16): sampling and
+        argmax see the full-precision values."""
+        kernel = self.lm_head.variables["params"]["kernel"] if not self.is_initializing() else None
+        if kernel is None:
+            return self.lm_head(h).astype(jnp.float32)
+        return jnp.dot(h.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+
+    def __call__(self, ids, positions, attention: Attention, caches):
+        # Only used by ``init``: touches every parameter once.
+        h, g, caches = self.recurrent(self.prelude(ids), positions, attention, caches)
+        return self.coda(h), g
+
+
+def init_params(config: OuroConfig, seed: int = 0, dtype="float32") -> dict:
+    """Random parameters with Flax's own initialisers (tests use ``weights.save_random`` instead,
+    whose values are reproducible across dtypes and layouts)."""
+    from .attention import DenseCausalAttention
+
+    dt = dtype_of(dtype)
+    model = OuroModel(config, dt)
+    ids = jnp.zeros((1, 2), jnp.int32)
+    pos = jnp.arange(2)[None]
+    variables = model.init(jax.random.PRNGKey(seed), ids, pos, DenseCausalAttention(),
+                           [None] * config.num_hidden_layers)
+    return jax.tree.map(lambda x: x.astype(dt), variables["params"])

@@ -1,0 +1,52 @@
+"""Token sampling on the device: greedy, temperature, top-k, top-p, one key per row.
+
+Every row carries its own parameters so that one coda call serves requests with different
+sampling settings. The key of a row is derived from the request's seed and the index of the token
+being sampled, never from the batch it happens to be in, so sampled tokens do not depend on
+scheduling (chunk size, bucket, batch composition).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["sample", "row_keys"]
+
+
+def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    """``fold_in(PRNGKey(seed), step)`` per row -> ``[R, 2]`` raw uint32 keys."""
+    def one(seed, step):
+        return jax.random.fold_in(jax.random.PRNGKey(seed), step)
+    return jax.vmap(one)(seeds.astype(jnp.uint32), steps.astype(jnp.uint32))
+
+
+def _filtered_logits(logits, temperature, top_k, top_p):
+    """Scale by temperature and mask everything outside top-k / top-p (per row)."""
+    v = logits.shape[-1]
+    x = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    srt = jnp.sort(x, axis=-1)[:, ::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)
+    probs = jax.nn.softmax(srt, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    keep_sorted = (cum - probs) < top_p[:, None]
+    n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
+    pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
+    thresh = jnp.maximum(kth, pth)
+    return jnp.where(x >= thresh, x, -jnp.inf)
+
+
+def sample(logits, temperature, top_k, top_p, keys):
+    """``logits [R, V]`` (any float), per-row ``temperature [R]``, ``top_k [R]`` (0 = off),
+    ``top_p [R]``, ``keys [R, 2]`` -> token ids ``[R]`` int32. Rows with temperature 0 are greedy."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def stochastic(_):
+        masked = _filtered_logits(logits, temperature, top_k, top_p)
+        drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    # the sort over the vocabulary is only paid for when some row really samples
+    return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
