@@ -59,18 +59,25 @@ class DenseCacheAttention:
     scale: float
 
     def __call__(self, layer, q, k, v, cache):
-        kc, vc = cache
+        """``cache`` is the list of per-layer ``(K, V)``; only entry ``layer`` changes."""
+        kc, vc = cache[layer]
         t, b, smax = kc.shape[:3]
         if self.prefill:
             start = (self.plane, 0, 0, 0, 0)
             kc = jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), start)
             vc = jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), start)
             out = dense_attention(q, k, v, _causal_mask(q.shape[1], k.shape[1]), self.scale)
-            return out, (kc, vc)
+            return out, _replace(cache, layer, (kc, vc))
         rows = jnp.arange(b)
         kc = kc.at[self.plane, rows, self.positions].set(k[:, 0].astype(kc.dtype))
         vc = vc.at[self.plane, rows, self.positions].set(v[:, 0].astype(vc.dtype))
         kp = jax.lax.dynamic_index_in_dim(kc, self.plane, axis=0, keepdims=False)
         vp = jax.lax.dynamic_index_in_dim(vc, self.plane, axis=0, keepdims=False)
         mask = (jnp.arange(smax)[None, :] <= self.positions[:, None])[:, None, :]
-        return dense_attention(q, kp, vp, mask, self.scale), (kc, vc)
+        return dense_attention(q, kp, vp, mask, self.scale), _replace(cache, layer, (kc, vc))
+
+
+def _replace(cache: list, layer: int, entry) -> list:
+    out = list(cache)
+    out[layer] = entry
+    return out

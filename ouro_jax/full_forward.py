@@ -56,11 +56,10 @@ def _forward(params, token_ids, exit_threshold, *, config, dtype_name, exit_at_s
     b, s = token_ids.shape
     pos = jnp.broadcast_to(jnp.arange(s), (b, s))
     attn = DenseCausalAttention(config.attn_scale)
-    caches = [None] * config.num_hidden_layers
     x = model.apply({"params": params}, token_ids, method=OuroModel.prelude)
 
     def one_loop(x, _):
-        h, g, _ = model.apply({"params": params}, x, pos, attn, caches, method=OuroModel.recurrent)
+        h, g, _ = model.apply({"params": params}, x, pos, attn, None, method=OuroModel.recurrent)
         return h, (h, g)
 
     _, (hs, gs) = jax.lax.scan(one_loop, x, None, length=config.num_loops)

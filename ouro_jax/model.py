@@ -5,9 +5,9 @@ engine batches work at the granularity of *one loop* (rows of different requests
 depths share an invocation), so the model exposes exactly that unit:
 
 * ``prelude(ids)``           embed token ids (no scaling);
-* ``recurrent(x, positions, attention, caches)``
+* ``recurrent(x, positions, attention, cache)``
                              one loop: all ``L`` layers, the final norm (applied after every loop)
-                             and the exit gate; returns ``(h, gate_logit, caches)``;
+                             and the exit gate; returns ``(h, gate_logit, cache)``;
 * ``coda(h)``                ``lm_head``.
 
 Attention is a boundary: every layer calls ``attention(layer_index, q, k, v, cache)`` with
@@ -22,7 +22,7 @@ called inside ``jax.jit``, so Flax's module traversal happens once, at trace tim
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
@@ -163,17 +163,24 @@ class OuroModel(nn.Module):
     def prelude(self, ids):
         return self.embed_tokens(ids)
 
-    def recurrent(self, x, positions, attention: Attention, caches: Sequence[Any]):
-        """One loop of the stack for rows at any depth; the depth lives in ``attention``'s metadata."""
+    def recurrent(self, x, positions, attention: Attention, cache: Any):
+        """One loop of the stack for rows at any depth; the depth lives in ``attention``'s metadata.
+
+        ``cache`` is opaque to the model: it is threaded through every layer's attention call
+        (a list of per-layer dense caches, or one stacked paged pool) and returned updated.
+        """
         c = self.config
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         x = x.astype(jnp.float32)
-        new_caches = []
-        for layer, cache in zip(self.layers, caches):
+        for layer in self.layers:
             x, cache = layer(x, cos, sin, attention, cache)
-            new_caches.append(cache)
+        h, g = self.finish_loop(x)
+        return h, g, cache
+
+    def finish_loop(self, x):
+        """Final norm (after every loop) and exit gate: ``(h in the model dtype, gate logit f32)``."""
         h = self.norm(x)  # rounded to the model dtype: what the next loop and the ring see
-        return h, self.gate(h), new_caches
+        return h, self.gate(h)
 
     def gate(self, h):
         """Exit-gate logit ``h . w + b`` in float32 (one scalar per row)."""
@@ -187,9 +194,9 @@ class OuroModel(nn.Module):
             return self.lm_head(h).astype(jnp.float32)
         return jnp.dot(h.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
 
-    def __call__(self, ids, positions, attention: Attention, caches):
+    def __call__(self, ids, positions, attention: Attention, cache):
         # Only used by ``init``: touches every parameter once.
-        h, g, caches = self.recurrent(self.prelude(ids), positions, attention, caches)
+        h, g, cache = self.recurrent(self.prelude(ids), positions, attention, cache)
         return self.coda(h), g
 
 
@@ -202,6 +209,5 @@ def init_params(config: OuroConfig, seed: int = 0, dtype="float32") -> dict:
     model = OuroModel(config, dt)
     ids = jnp.zeros((1, 2), jnp.int32)
     pos = jnp.arange(2)[None]
-    variables = model.init(jax.random.PRNGKey(seed), ids, pos, DenseCausalAttention(),
-                           [None] * config.num_hidden_layers)
+    variables = model.init(jax.random.PRNGKey(seed), ids, pos, DenseCausalAttention(), None)
     return jax.tree.map(lambda x: x.astype(dt), variables["params"])
