@@ -1,0 +1,184 @@
+"""BatchDescriptor: one invocation in the runner's words, numpy arrays padded to a bucket.
+
+The arrays and their meaning are those of docs/contracts.md ("One invocation"). All of them live
+in ONE contiguous int32 buffer with a static layout per bucket key (float32 and uint32 fields are
+bit-views of their int32 words), because every host->device upload costs ~45 us on the H200: the
+runner uploads ``pack()`` once and slices it with the offsets of :func:`descriptor_layout`
+(``lax.bitcast_convert_type`` for the float32 / uint32 fields).
+
+Layout, in order (``R, S, C, F, MB`` from the key, ``P = R``)::
+
+    counts[8]              num_rows, num_segments, num_prelude, num_coda, num_finalize, 0, 0, 0
+    row_ring[R]  row_pos[R]  row_slot[R]                      (padding: 0, 0, -1)
+    seg_q_start[S]  seg_q_len[S]  seg_ctx_len[S]  seg_block_table[S*MB]   (padding: q_len 0)
+    pre_ring[R]  pre_token[R]                                 (padding: ring row 0, token 0)
+    coda_row[C]  coda_temperature[C] f32  coda_top_k[C]  coda_top_p[C] f32
+    coda_seed[C] u32  coda_step[C]                            (padding: row 0, greedy)
+    fin_src[F]  fin_dst[F]                                    (padding: -1)
+
+Rows are laid out segment after segment (``seg_q_start`` ascending, no gaps); real rows come first,
+then padding rows, which read and write the scratch ring row 0 and write no KV slot.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from .buckets import BucketKey, BucketSpec
+
+__all__ = ["BatchDescriptor", "FieldSpec", "descriptor_layout", "build_descriptor"]
+
+_COUNTS = ("num_rows", "num_segments", "num_prelude", "num_coda", "num_finalize")
+
+
+class FieldSpec(NamedTuple):
+    name: str
+    dtype: type
+    shape: tuple
+    offset: int   # in int32 words
+    size: int
+
+
+_FIELDS = (
+    # name, dtype, shape as a function of the key, padding value
+    ("counts", np.int32, lambda k: (8,), 0),
+    ("row_ring", np.int32, lambda k: (k.R,), 0),
+    ("row_pos", np.int32, lambda k: (k.R,), 0),
+    ("row_slot", np.int32, lambda k: (k.R,), -1),
+    ("seg_q_start", np.int32, lambda k: (k.S,), 0),
+    ("seg_q_len", np.int32, lambda k: (k.S,), 0),
+    ("seg_ctx_len", np.int32, lambda k: (k.S,), 0),
+    ("seg_block_table", np.int32, lambda k: (k.S, k.MB), 0),
+    ("pre_ring", np.int32, lambda k: (k.R,), 0),
+    ("pre_token", np.int32, lambda k: (k.R,), 0),
+    ("coda_row", np.int32, lambda k: (k.C,), 0),
+    ("coda_temperature", np.float32, lambda k: (k.C,), 0.0),
+    ("coda_top_k", np.int32, lambda k: (k.C,), 0),
+    ("coda_top_p", np.float32, lambda k: (k.C,), 1.0),
+    ("coda_seed", np.uint32, lambda k: (k.C,), 0),
+    ("coda_step", np.int32, lambda k: (k.C,), 0),
+    ("fin_src", np.int32, lambda k: (k.F,), -1),
+    ("fin_dst", np.int32, lambda k: (k.F,), -1),
+)
+
+ARRAY_NAMES = tuple(f[0] for f in _FIELDS[1:])
+
+
+@functools.lru_cache(maxsize=None)
+def descriptor_layout(key: BucketKey) -> tuple[FieldSpec, ...]:
+    """The static layout of the packed buffer for ``key`` (offsets in int32 words)."""
+    out, off = [], 0
+    for name, dtype, shape_fn, _ in _FIELDS:
+        shape = tuple(shape_fn(key))
+        size = int(np.prod(shape))
+        out.append(FieldSpec(name, dtype, shape, off, size))
+        off += size
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _padding_template(key: BucketKey) -> np.ndarray:
+    buf = np.zeros(sum(f.size for f in descriptor_layout(key)), np.int32)
+    for spec, (_, _, _, pad) in zip(descriptor_layout(key), _FIELDS):
+        buf[spec.offset:spec.offset + spec.size].view(spec.dtype)[:] = pad
+    buf.flags.writeable = False
+    return buf
+
+
+class BatchDescriptor:
+    """Named views into one packed int32 buffer (see the module docstring)."""
+
+    def __init__(self, key: BucketKey, packed: np.ndarray | None = None):
+        self.key = key
+        if packed is None:
+            packed = _padding_template(key).copy()
+        elif packed.dtype != np.int32 or packed.ndim != 1:
+            raise ValueError("BatchDescriptor: packed buffer must be a flat int32 array")
+        layout = descriptor_layout(key)
+        if packed.shape[0] != layout[-1].offset + layout[-1].size:
+            raise ValueError(f"BatchDescriptor: packed buffer has {packed.shape[0]} words, "
+                             f"key {tuple(key)} needs {layout[-1].offset + layout[-1].size}")
+        self._buf = packed
+        for spec in layout:
+            view = packed[spec.offset:spec.offset + spec.size].view(spec.dtype).reshape(spec.shape)
+            setattr(self, spec.name, view)
+
+    # real counts live in the header so that the packed buffer is self-contained
+    num_rows = property(lambda self: int(self.counts[0]))
+    num_segments = property(lambda self: int(self.counts[1]))
+    num_prelude = property(lambda self: int(self.counts[2]))
+    num_coda = property(lambda self: int(self.counts[3]))
+    num_finalize = property(lambda self: int(self.counts[4]))
+
+    def pack(self) -> np.ndarray:
+        """The one int32 array to upload (no copy: the fields are views of it)."""
+        return self._buf
+
+    @classmethod
+    def unpack(cls, key: BucketKey, packed: np.ndarray) -> "BatchDescriptor":
+        return cls(key, np.array(packed, dtype=np.int32, copy=True))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in ARRAY_NAMES}
+
+    def __repr__(self) -> str:
+        return (f"BatchDescriptor(key={tuple(self.key)}, rows={self.num_rows}, segments={self.num_segments}, "
+                f"prelude={self.num_prelude}, coda={self.num_coda}, finalize={self.num_finalize})")
+
+
+def build_descriptor(spec: BucketSpec, tables: np.ndarray, *,
+                     seg_slot, seg_plane, seg_pos, seg_len, seg_ring,
+                     pre_ring, pre_token,
+                     coda_row, coda_temperature, coda_top_k, coda_top_p, coda_seed, coda_step,
+                     fin_src, fin_dst) -> BatchDescriptor:
+    """Lay out segments row after row and pad everything to the smallest fitting bucket.
+
+    ``tables[batch_slot, plane, :MB]`` holds every request's block tables. Segment ``s`` covers
+    positions ``seg_pos[s] .. seg_pos[s] + seg_len[s] - 1`` of the request in ``seg_slot[s]`` at
+    plane ``seg_plane[s]``; its rows read/write ring rows ``seg_ring[s] + i`` (contiguous).
+    """
+    seg_slot = np.asarray(seg_slot, np.int64)
+    seg_plane = np.asarray(seg_plane, np.int64)
+    seg_pos = np.asarray(seg_pos, np.int64)
+    seg_len = np.asarray(seg_len, np.int64)
+    seg_ring = np.asarray(seg_ring, np.int64)
+    nseg = seg_len.shape[0]
+    nrows = int(seg_len.sum())
+    npre, ncoda, nfin = len(pre_ring), len(coda_row), len(fin_src)
+    per_token_pairs = max(1, spec.num_loops - 1)
+    need = max(nrows, npre, ncoda, -(-nfin // per_token_pairs))
+    key = spec.key_for(need)
+    if ncoda > key.C or nfin > key.F:
+        raise ValueError(f"build_descriptor: {ncoda} coda rows / {nfin} finalize pairs exceed key {tuple(key)}")
+    d = BatchDescriptor(key)
+    d.counts[:5] = (nrows, nseg, npre, ncoda, nfin)
+    if nseg:
+        q_start = np.zeros(nseg, np.int64)
+        np.cumsum(seg_len[:-1], out=q_start[1:])
+        within = np.arange(nrows, dtype=np.int64) - np.repeat(q_start, seg_len)
+        pos = np.repeat(seg_pos, seg_len) + within
+        bs = spec.block_size
+        blocks = tables[np.repeat(seg_slot, seg_len), np.repeat(seg_plane, seg_len), pos // bs]
+        d.row_pos[:nrows] = pos
+        d.row_ring[:nrows] = np.repeat(seg_ring, seg_len) + within
+        d.row_slot[:nrows] = blocks.astype(np.int64) * bs + pos % bs
+        d.seg_q_start[:nseg] = q_start
+        d.seg_q_len[:nseg] = seg_len
+        d.seg_ctx_len[:nseg] = seg_pos + seg_len
+        d.seg_block_table[:nseg] = tables[seg_slot, seg_plane]
+    if npre:
+        d.pre_ring[:npre] = pre_ring
+        d.pre_token[:npre] = pre_token
+    if ncoda:
+        d.coda_row[:ncoda] = coda_row
+        d.coda_temperature[:ncoda] = coda_temperature
+        d.coda_top_k[:ncoda] = coda_top_k
+        d.coda_top_p[:ncoda] = coda_top_p
+        d.coda_seed[:ncoda] = coda_seed
+        d.coda_step[:ncoda] = coda_step
+    if nfin:
+        d.fin_src[:nfin] = fin_src
+        d.fin_dst[:nfin] = fin_dst
+    return d

@@ -1,0 +1,196 @@
+"""Request: one prompt, its sampling parameters, its outputs and its progress through the loops.
+
+The request owns its logical progress; the scheduler only snapshots it into ``ScheduledRange``s.
+
+Prompt progress (LAST_EXITED; positions ``0..n-1``; ``F[d]`` = ``prefill_depth_frontiers[d]``)::
+
+    positions  0 ........................................................ n
+    F[T-1]     |=====|                           final depth done (num_prefilled_tokens)
+    F[1]       |==============|
+    F[0]       |=====================|           depth-0 KV written (= num_preluded_tokens)
+    chunks     |  c0   |  c1   |  c2   |  c3   |  ...  aligned at prefill_window_origin
+    ring slot     0       1       2       0      (slot = chunk_index % ring_slots)
+
+``F[0] >= F[1] >= ... >= F[T-1]``, each a contiguous prefix. A range at depth ``d`` starts at
+``F[d]`` (so every earlier position has its depth-``d`` KV), ends at or before ``F[d-1]`` (its
+inputs, the depth-``d-1`` hidden states, exist), stays inside one chunk, and a new chunk may start
+depth 0 only if its ring slot is free: fewer than ``ring_slots`` chunks are resident from the
+oldest unfinished one (``prefill_reclaimable_tokens``). Wavefront uses ``ring_slots = T``, mixed and
+split ``1``; SHARED KV uses chunks of one position (all loops of ``p`` before ``p+1``).
+
+Decode progress: the last generated token (index ``k``, position ``n+k``) is "in flight": it runs
+one loop per invocation at ``decode_depth``; the exit rule decides after each loop whether its
+coda token becomes generated token ``k+1``.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .sampling_params import SamplingParams
+
+__all__ = ["Request", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
+                  "abort": RequestStatus.FINISHED_ABORTED}
+
+
+class Request:
+    def __init__(self, request_id, prompt_token_ids: Sequence[int],
+                 sampling_params: Optional[SamplingParams] = None,
+                 arrival_time: Optional[float] = None, priority: int = 0):
+        self.request_id = request_id
+        ids = np.asarray(prompt_token_ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"Request {request_id!r}: prompt_token_ids must be a flat sequence of ints")
+        if ids.size and int(ids.min()) < 0:
+            raise ValueError(f"Request {request_id!r}: prompt_token_ids must be non-negative")
+        self.prompt_token_ids = ids.astype(np.int32)
+        self.prompt_token_ids.flags.writeable = False
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.arrival_time = time.monotonic() if arrival_time is None else float(arrival_time)
+        self.priority = priority
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        # one per generated token: the 0-based loop whose hidden state produced it
+        self.exit_depths: list[int] = []
+        self.token_times: list[float] = []
+        self.finish_reason: Optional[str] = None
+        self.finish_time: Optional[float] = None
+
+        # resources, set at admission
+        self.batch_slot: Optional[int] = None   # index into the scheduler's table/ring regions
+        self.ring_base: Optional[int] = None    # first ring row of the request's region
+
+        # prompt progress (set up by start_prefill)
+        self.prefill_chunk_size = 0
+        self.prefill_ring_slots = 0
+        self.prefill_window_origin = 0           # > 0 once a cached prefix is reused
+        self.num_preluded_tokens = 0
+        self.prefill_depth_frontiers: list[int] = []
+
+        # decode progress of the token in flight
+        self.decode_depth = 0
+        self.exit_remaining = 1.0
+        self.decode_target_loops: Optional[int] = None
+        self.gates_folded = 0
+        self.pending_gates: list = []          # lazily read gates of this token, in loop order
+        self.pending_finalize: list[tuple[int, int]] = []  # KV slot copies for the next invocation
+
+    # ---------------------------------------------------------------- sizes
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.prompt_token_ids.shape[0])
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """Positions that ever get KV: the prompt and every generated token but the last."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def first_token_time(self) -> Optional[float]:
+        return self.token_times[0] if self.token_times else None
+
+    # -------------------------------------------------------- prompt progress
+    def start_prefill(self, num_loops: int, chunk_size: int, ring_slots: int) -> None:
+        self.prefill_chunk_size = chunk_size
+        self.prefill_ring_slots = ring_slots
+        self.prefill_depth_frontiers = [self.prefill_window_origin] * num_loops
+        self.num_preluded_tokens = self.prefill_window_origin
+
+    @property
+    def num_prefilled_tokens(self) -> int:
+        """Final-depth frontier: prompt positions that have run every loop."""
+        return self.prefill_depth_frontiers[-1]
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.status is RequestStatus.RUNNING and not self.output_token_ids
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is RequestStatus.RUNNING and bool(self.output_token_ids)
+
+    def chunk_start(self, pos: int) -> int:
+        o, c = self.prefill_window_origin, self.prefill_chunk_size
+        return o + ((pos - o) // c) * c
+
+    def chunk_end(self, pos: int) -> int:
+        return min(self.chunk_start(pos) + self.prefill_chunk_size, self.num_prompt_tokens)
+
+    @property
+    def prefill_reclaimable_tokens(self) -> int:
+        """Start of the oldest resident chunk: every chunk before it finished the final depth, so
+        their ring slots may be reused."""
+        f = self.num_prefilled_tokens
+        return f if f >= self.num_prompt_tokens else self.chunk_start(f)
+
+    def ring_row(self, pos: int) -> int:
+        o, c = self.prefill_window_origin, self.prefill_chunk_size
+        return self.ring_base + (((pos - o) // c) % self.prefill_ring_slots) * c + (pos - o) % c
+
+    def ready_range(self, depth: int) -> tuple[int, int]:
+        """The prompt positions ``[start, end)`` that may run loop ``depth`` now (may be empty)."""
+        f = self.prefill_depth_frontiers
+        start = f[depth]
+        if depth == 0:
+            ring_limit = self.prefill_reclaimable_tokens + self.prefill_ring_slots * self.prefill_chunk_size
+            end = min(self.num_prompt_tokens, ring_limit)
+        else:
+            end = f[depth - 1]
+        if start >= end:
+            return start, start
+        return start, min(end, self.chunk_end(start))
+
+    # -------------------------------------------------------- decode progress
+    @property
+    def position_in_flight(self) -> int:
+        """Position of the generated token whose loops run now (``n + k`` for token ``k``)."""
+        return self.num_prompt_tokens + len(self.output_token_ids) - 1
+
+    def start_token(self, target_loops: Optional[int]) -> None:
+        """Reset the per-token exit state for the token that now enters the loops."""
+        self.decode_depth = 0
+        self.exit_remaining = 1.0
+        self.gates_folded = 0
+        self.pending_gates = []
+        self.decode_target_loops = target_loops
+
+    # ----------------------------------------------------------------- output
+    def append_token(self, token_id: int, exit_depth: int, now: float) -> None:
+        self.output_token_ids.append(int(token_id))
+        self.exit_depths.append(int(exit_depth))
+        self.token_times.append(now)
+
+    def finish(self, reason: str, now: Optional[float] = None) -> None:
+        self.status = _FINISH_STATUS[reason]
+        self.finish_reason = reason
+        self.finish_time = time.monotonic() if now is None else now
+        self.pending_gates = []
+        self.pending_finalize = []
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, status={self.status.name}, "
+                f"out={len(self.output_token_ids)})")

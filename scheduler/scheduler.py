@@ -1,0 +1,453 @@
+"""Scheduler: admits requests, picks what the next invocation runs, applies what it returned.
+
+The loop an engine runs::
+
+    plan = scheduler.schedule()            # BatchPlan with .descriptor (None: nothing to run)
+    gates, tokens = runner.step(plan.descriptor)           # device arrays, possibly not ready
+    deltas = scheduler.update(plan, lambda: np.asarray(gates), lambda: np.asarray(tokens))
+
+``update`` reads a result only when the plan needs it: gates only when an exit depends on them
+(``plan.needs_gates``), tokens only when a coda row's token is kept. A prefill-only plan therefore
+never blocks the host, and the device can run ahead while the next plan is built. Exactly one plan
+is in flight: ``schedule`` refuses to run again before ``update`` has seen the previous plan.
+
+What ``update`` applies: prompt frontiers advance (``Request.prefill_depth_frontiers``); the
+prompt's first token comes from the coda of its last position at depth ``T-1``, once every
+position has finished that depth; a decode row's exit rule reads its gate; an exiting row keeps
+the token its (speculative) coda sampled, queues its KV finalize copies (LAST_EXITED, exit at
+``e < T-1``: plane ``e`` -> planes ``e+1..T-1``) for step 1 of the next invocation and refills:
+the next token starts at depth 0 next invocation. Finished and aborted requests give back every
+block and their ring region at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+
+from .block_manager import KVBlockManager
+from .buckets import BucketSpec
+from .descriptor import build_descriptor
+from .exit_policy import (coda_kind, decide_exit, fold_gate, gate_needed, gates_needed_at,
+                          synthetic_exit_loops)
+from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
+from .policies import WaitingQueue, make_policy
+from .request import Request, RequestStatus
+
+__all__ = ["SchedulerConfig", "Scheduler", "RequestDelta"]
+
+ArrayOrThunk = Union[np.ndarray, Callable[[], np.ndarray]]
+
+KV_LAYOUTS = ("last_exited", "shared")
+PREFILL_MODES = ("split", "mixed", "wavefront")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    num_loops: int                      # T
+    num_blocks: int                     # KV pool pages (block 0 is the trash page)
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024  # rows per invocation
+    prefill_chunk_size: int = 128
+    max_model_len: int = 8192
+    kv_layout: str = "last_exited"      # "last_exited" | "shared"
+    prefill_mode: str = "split"         # "split" | "mixed" | "wavefront"
+    policy: str = "fcfs"                # "fcfs" | "priority"
+    eos_token_id: Optional[int] = None
+    buckets: Optional[Sequence[int]] = None   # row buckets; None = powers of two from 8
+    watermark: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_layout", str(self.kv_layout).lower())
+        if self.buckets is not None:
+            object.__setattr__(self, "buckets", tuple(self.buckets))
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond, msg):
+            if not cond:
+                raise ValueError(f"SchedulerConfig: {msg}")
+
+        for name in ("num_loops", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "prefill_chunk_size", "max_model_len"):
+            v = getattr(self, name)
+            need(_is_int(v) and v >= 1, f"{name} must be a positive integer, got {v!r}")
+        need(_is_int(self.num_blocks) and self.num_blocks >= 2,
+             f"num_blocks must be an integer >= 2 (block 0 is the trash page), got {self.num_blocks!r}")
+        need(self.max_num_batched_tokens >= self.max_num_seqs,
+             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+             f"({self.max_num_seqs}): every running request may need a decode row in one invocation")
+        need(self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        need(self.prefill_mode in PREFILL_MODES,
+             f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
+        need(not (self.prefill_mode == "wavefront" and self.kv_layout == "shared"),
+             "prefill_mode='wavefront' needs kv_layout LAST_EXITED: with SHARED KV a position's "
+             "depth 0 reads the final KV of every earlier position, so chunks cannot overlap in depth")
+        need(self.policy in ("fcfs", "priority"), f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        need(self.eos_token_id is None or (_is_int(self.eos_token_id) and self.eos_token_id >= 0),
+             f"eos_token_id must be None or a non-negative integer, got {self.eos_token_id!r}")
+        need(isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0,
+             f"watermark must lie in [0, 1), got {self.watermark!r}")
+        try:
+            self.bucket_spec()
+        except ValueError as e:
+            raise ValueError(f"SchedulerConfig: buckets: {e}") from None
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def num_planes(self) -> int:
+        return self.num_loops if self.kv_layout == "last_exited" else 1
+
+    @property
+    def ring_slots(self) -> int:
+        """Chunks of one request resident in its ring region at once."""
+        return self.num_loops if self.prefill_mode == "wavefront" else 1
+
+    @property
+    def effective_chunk_size(self) -> int:
+        """SHARED KV runs prompts position by position (all loops of ``p`` before ``p+1``)."""
+        return 1 if self.kv_layout == "shared" else self.prefill_chunk_size
+
+    @property
+    def ring_rows_per_request(self) -> int:
+        return self.prefill_chunk_size * self.ring_slots
+
+    @property
+    def num_ring_rows(self) -> int:
+        """Rows of the runner's hidden-state ring: scratch row 0 plus one region per sequence."""
+        return 1 + self.max_num_seqs * self.ring_rows_per_request
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def bucket_spec(self) -> BucketSpec:
+        return BucketSpec(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                          num_loops=self.num_loops, max_model_len=self.max_model_len,
+                          block_size=self.block_size, has_finalize=self.kv_layout == "last_exited",
+                          row_buckets=self.buckets)
+
+
+@dataclasses.dataclass
+class RequestDelta:
+    """What one ``update`` (or ``abort``) added to a request's output."""
+    request_id: object
+    new_token_ids: list[int]
+    new_exit_depths: list[int]
+    finished: bool
+    finish_reason: Optional[str]
+
+
+class _Lazy:
+    """A device result read at most once, and only if some decision needs it."""
+    __slots__ = ("_src", "_val", "_what", "_min_len")
+
+    def __init__(self, src: ArrayOrThunk, what: str, min_len: int):
+        self._src, self._val, self._what, self._min_len = src, None, what, min_len
+
+    def get(self) -> np.ndarray:
+        if self._val is None:
+            v = np.asarray(self._src() if callable(self._src) else self._src).reshape(-1)
+            if v.shape[0] < self._min_len:
+                raise ValueError(f"Scheduler.update: {self._what} has {v.shape[0]} entries, "
+                                 f"the plan needs {self._min_len}")
+            self._val, self._src = v, None
+        return self._val
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.num_loops = config.num_loops
+        self.block_manager = KVBlockManager(config.num_blocks, config.block_size, config.num_planes,
+                                            config.watermark)
+        self.bucket_spec = config.bucket_spec()
+        self.policy = make_policy(config.prefill_mode)
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []            # admission order
+        self._requests: dict[object, Request] = {}  # every unfinished request, by id
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        # block tables of the running requests, by batch slot: [slot, plane, block]
+        self._tables = np.zeros((config.max_num_seqs, config.num_planes, config.max_blocks_per_seq), np.int32)
+        self._inflight: Optional[BatchPlan] = None
+        self._step = 0
+        self._stats = Counter()
+        self._keys_used = Counter()
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; raises ``ValueError`` (changing nothing) if it can never run."""
+        cfg = self.config
+        if not isinstance(request, Request):
+            raise TypeError(f"add_request expects a Request, got {type(request).__name__}")
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r}: a request with this id is already queued or running")
+        if request.status is not RequestStatus.WAITING or request.output_token_ids:
+            raise ValueError(f"request {rid!r}: only a fresh WAITING request can be added (status "
+                             f"{request.status.name})")
+        request.sampling_params.validate(cfg.num_loops)
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        max_tokens = request.sampling_params.max_tokens
+        if n + max_tokens > cfg.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({cfg.max_model_len})")
+        if not self.block_manager.can_ever_fit(request.max_kv_tokens):
+            raise ValueError(f"request {rid!r} can never fit in the KV pool: it needs "
+                             f"{self.block_manager.blocks_needed(request.max_kv_tokens)} blocks "
+                             f"({request.max_kv_tokens} tokens x {cfg.num_planes} planes), the pool "
+                             f"can give {self.block_manager.capacity_blocks}")
+        self._requests[rid] = request
+        self.waiting.add(request)
+
+    def abort(self, request_id) -> Optional[RequestDelta]:
+        """Stop a request now, freeing its blocks and ring region; ``None`` if it is unknown or
+        already finished. A plan in flight that holds it simply skips it in ``update``."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            self._release(req)
+        req.finish("abort")
+        self._stats["aborted"] += 1
+        return RequestDelta(request_id, [], [], True, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id) -> Optional[Request]:
+        return self._requests.get(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def _admit(self) -> None:
+        cfg = self.config
+        while len(self.waiting) and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.peek()
+            if not self.block_manager.can_allocate(req):
+                break  # head-of-line: admission order is the policy's order
+            self.waiting.pop()
+            table = self.block_manager.allocate(req)
+            slot = self._free_slots.pop()
+            self._tables[slot, :, :table.shape[1]] = table
+            req.batch_slot = slot
+            req.ring_base = 1 + slot * cfg.ring_rows_per_request
+            req.start_prefill(cfg.num_loops, cfg.effective_chunk_size, cfg.ring_slots)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+
+    def _release(self, req: Request) -> None:
+        if req.batch_slot is None:
+            return
+        self.block_manager.free(req)
+        self._tables[req.batch_slot] = 0
+        self._free_slots.append(req.batch_slot)
+        req.batch_slot = None
+        self.running.remove(req)
+
+    def _slot_of(self, req: Request, plane: int, pos: int) -> int:
+        bs = self.config.block_size
+        return int(self._tables[req.batch_slot, plane, pos // bs]) * bs + pos % bs
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> Optional[BatchPlan]:
+        """The next invocation, or ``None`` if nothing can run."""
+        if self._inflight is not None:
+            raise RuntimeError("Scheduler.schedule: the previous plan has not been passed to update() yet")
+        t0 = time.perf_counter()
+        cfg, T = self.config, self.num_loops
+        self._admit()
+        sel = self.policy.select(self.running, cfg.max_num_batched_tokens, T)
+        finalize = []
+        for req in self.running:
+            if req.pending_finalize:
+                finalize.extend(req.pending_finalize)
+                req.pending_finalize = []
+        if sel is None and not finalize:
+            self._stats["schedule_time_s"] += time.perf_counter() - t0
+            return None
+        last_exited = cfg.kv_layout == "last_exited"
+
+        ranges: list[ScheduledRange] = []
+        coda: list[CodaRow] = []
+        coda_params: list[tuple] = []
+        seg = ([], [], [], [], [])  # slot, plane, pos, len, ring
+        pre_ring_dec, pre_tok_dec = [], []
+        pre_ring_pr, pre_tok_pr = [], []
+        needs_gates = False
+        row = 0
+        decode = sel.decode if sel else []
+        prompt = sel.prompt if sel else []
+
+        def add_coda(req, r, k, speculative):
+            p = req.sampling_params
+            coda.append(CodaRow(req.request_id, r, k, speculative))
+            coda_params.append((p.temperature, p.top_k, p.top_p, p.seed, k))
+
+        for req in decode:
+            d, pos, base = req.decode_depth, req.position_in_flight, req.ring_base
+            ranges.append(ScheduledRange(req.request_id, Phase.DECODE, d, pos, 1, pos, base, row))
+            for lst, v in zip(seg, (req.batch_slot, d if last_exited else 0, pos, 1, base)):
+                lst.append(v)
+            if d == 0:
+                pre_ring_dec.append(base)
+                pre_tok_dec.append(req.output_token_ids[-1])
+            kind = coda_kind(req.sampling_params, T, d + 1, req.decode_target_loops)
+            if kind != "none":
+                add_coda(req, row, len(req.output_token_ids), kind == "speculative")
+            needs_gates = needs_gates or gate_needed(req.sampling_params, T, d)
+            row += 1
+        for req, d, s, e in prompt:
+            cnt, ring, cs = e - s, req.ring_row(s), req.chunk_start(s)
+            if d == 0:
+                ranges.append(ScheduledRange(req.request_id, Phase.PRELUDE, 0, s, cnt, cs, ring))
+                pre_ring_pr.append(np.arange(ring, ring + cnt))
+                pre_tok_pr.append(req.prompt_token_ids[s:e])
+            ranges.append(ScheduledRange(req.request_id, Phase.RECURRENT, d, s, cnt, cs, ring, row))
+            for lst, v in zip(seg, (req.batch_slot, d if last_exited else 0, s, cnt, ring)):
+                lst.append(v)
+            if d == T - 1 and e == req.num_prompt_tokens:
+                add_coda(req, row + cnt - 1, 0, False)
+            row += cnt
+
+        pre_ring = np.concatenate([np.asarray(pre_ring_dec, np.int64), *pre_ring_pr])
+        pre_tok = np.concatenate([np.asarray(pre_tok_dec, np.int64), *pre_tok_pr])
+        cp = np.asarray(coda_params, np.float64).reshape(-1, 5)
+        fin = np.asarray(finalize, np.int64).reshape(-1, 2)
+        desc = build_descriptor(
+            self.bucket_spec, self._tables,
+            seg_slot=seg[0], seg_plane=seg[1], seg_pos=seg[2], seg_len=seg[3], seg_ring=seg[4],
+            pre_ring=pre_ring, pre_token=pre_tok,
+            coda_row=[c.row for c in coda], coda_temperature=cp[:, 0], coda_top_k=cp[:, 1],
+            coda_top_p=cp[:, 2], coda_seed=cp[:, 3].astype(np.uint32), coda_step=cp[:, 4],
+            fin_src=fin[:, 0], fin_dst=fin[:, 1])
+        plan = BatchPlan(step=self._step, kind=sel.kind if sel else "finalize", ranges=ranges, coda=coda,
+                         finalize=[(int(a), int(b)) for a, b in fin], needs_gates=needs_gates,
+                         needs_tokens=bool(coda), loop_count=sel.loop_count if sel else 0,
+                         num_rows=row, descriptor=desc)
+        self._step += 1
+        self._inflight = plan
+
+        st = self._stats
+        st["invocations"] += 1
+        st["real_rows"] += row
+        st["padded_rows"] += desc.key.R - row
+        st["decode_rows"] += len(decode)
+        st["prefill_rows"] += row - len(decode)
+        st["prelude_tokens"] += len(pre_tok)
+        st["coda_rows"] += len(coda)
+        st["speculative_coda_rows"] += sum(c.speculative for c in coda)
+        st["finalize_pairs"] += len(fin)
+        st[f"{plan.kind}_invocations"] += 1
+        self._keys_used[desc.key.R] += 1
+        st["schedule_time_s"] += time.perf_counter() - t0
+        return plan
+
+    # ------------------------------------------------------------------ update
+    def update(self, plan: BatchPlan, gate_logits: ArrayOrThunk, tokens: ArrayOrThunk) -> list[RequestDelta]:
+        """Apply the results of ``plan``: ``gate_logits [>= num_rows]`` float, ``tokens [>= coda
+        rows]`` int, each an array or a zero-argument callable returning one (read lazily)."""
+        if plan is not self._inflight:
+            raise RuntimeError("Scheduler.update: this plan is not the one in flight")
+        t0 = time.perf_counter()
+        T = self.num_loops
+        gates = _Lazy(gate_logits, "gate_logits", plan.num_rows)
+        toks = _Lazy(tokens, "tokens", len(plan.coda))
+        coda_index = {c.row: i for i, c in enumerate(plan.coda)}
+        now = time.monotonic()
+        deltas: dict[object, RequestDelta] = {}
+
+        for r in plan.ranges:
+            req = self._requests.get(r.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the plan was in flight
+            if r.phase is Phase.PRELUDE:
+                req.num_preluded_tokens = max(req.num_preluded_tokens, r.token_end)
+            elif r.phase is Phase.RECURRENT:
+                f = req.prefill_depth_frontiers
+                assert f[r.depth] == r.token_start, "a prompt range must start at its depth's frontier"
+                f[r.depth] = r.token_end
+                if r.depth == T - 1 and r.token_end == req.num_prompt_tokens:
+                    tok = toks.get()[coda_index[r.row_start + r.token_count - 1]]
+                    self._emit(req, int(tok), T - 1, now, deltas)
+            else:
+                self._apply_decode(req, r, gates, toks, coda_index, now, deltas)
+
+        self._inflight = None
+        self._stats["update_time_s"] += time.perf_counter() - t0
+        return list(deltas.values())
+
+    def _apply_decode(self, req, r, gates, toks, coda_index, now, deltas) -> None:
+        T, params, d = self.num_loops, req.sampling_params, r.depth
+        if gate_needed(params, T, d):
+            req.pending_gates.append((gates, r.row_start))
+        need = gates_needed_at(params, T, d + 1)
+        while req.gates_folded < need:
+            lazy, i = req.pending_gates[req.gates_folded]
+            req.exit_remaining = fold_gate(req.exit_remaining, float(lazy.get()[i]))
+            req.gates_folded += 1
+        if not decide_exit(params, T, d + 1, req.exit_remaining, req.decode_target_loops):
+            req.decode_depth += 1
+            return
+        pos = r.token_start
+        self._emit(req, int(toks.get()[coda_index[r.row_start]]), d, now, deltas)
+        if req.status is RequestStatus.RUNNING and self.config.kv_layout == "last_exited" and d < T - 1:
+            src = self._slot_of(req, d, pos)
+            req.pending_finalize.extend((src, self._slot_of(req, p, pos)) for p in range(d + 1, T))
+
+    def _emit(self, req: Request, tok: int, depth: int, now: float, deltas) -> None:
+        """Record generated token ``tok`` (exit depth ``depth``); finish or start the next token."""
+        req.append_token(tok, depth, now)
+        delta = deltas.get(req.request_id)
+        if delta is None:
+            delta = deltas[req.request_id] = RequestDelta(req.request_id, [], [], False, None)
+        delta.new_token_ids.append(tok)
+        delta.new_exit_depths.append(depth)
+        self._stats["tokens"] += 1
+        params, eos = req.sampling_params, self.config.eos_token_id
+        reason = None
+        if tok in params.stop_token_ids or (not params.ignore_eos and eos is not None and tok == eos):
+            reason = "stop"
+        elif len(req.output_token_ids) >= params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._release(req)
+            req.finish(reason, now)
+            del self._requests[req.request_id]
+            delta.finished, delta.finish_reason = True, reason
+            return
+        k = len(req.output_token_ids)  # index of the token the next loops will produce
+        target = (synthetic_exit_loops(params, self.num_loops, req.request_id, k)
+                  if params.exit_mode == "synthetic" else None)
+        req.start_token(target)
+
+    # ------------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        st = dict(self._stats)
+        for k in ("invocations", "real_rows", "padded_rows", "decode_rows", "prefill_rows", "prelude_tokens",
+                  "coda_rows", "speculative_coda_rows", "finalize_pairs", "tokens", "aborted"):
+            st.setdefault(k, 0)
+        st.setdefault("schedule_time_s", 0.0)
+        st.setdefault("update_time_s", 0.0)
+        st["host_time_s"] = st["schedule_time_s"] + st["update_time_s"]
+        inv = max(1, st["invocations"])
+        st["rows_per_invocation"] = st["real_rows"] / inv
+        st["host_time_per_invocation_s"] = st["host_time_s"] / inv
+        st["row_buckets_used"] = dict(sorted(self._keys_used.items()))
+        st["waiting"], st["running"] = len(self.waiting), len(self.running)
+        st["free_blocks"] = self.block_manager.num_free_blocks
+        return st
