@@ -15,12 +15,11 @@ attention per segment, output scattered back to the ring), the exit gate, and th
 sampling) of the coda rows. Only the gate logits ``[R]`` and sampled tokens ``[C]`` come back,
 copied to the host asynchronously; the host reads them only when the scheduler needs them.
 
-The descriptor travels as two packed arrays (int32 and float32) because every host-to-device
-transfer costs tens of microseconds on the H200 (``docs/performance.md``).
+The descriptor travels as one packed int32 array (``scheduler/descriptor.py`` fixes its layout per
+bucket key) because every host-to-device transfer costs tens of microseconds on the H200.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Any, Iterable
@@ -30,70 +29,34 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import copy_kv_slots
+from scheduler.buckets import BucketKey
+from scheduler.descriptor import descriptor_layout
 
 from .config import OuroConfig
 from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
 from .paged_attention import PagedAttention, attention_plan
 from .sampling import row_keys, sample
 
-__all__ = ["ModelRunner", "BucketDims", "StepHandle", "INT_FIELDS", "FLOAT_FIELDS", "pack_descriptor"]
+__all__ = ["ModelRunner", "StepHandle", "packed_size"]
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class BucketDims:
-    """The static shape of one executable: rows, segments, block-table width, prelude, coda, finalize."""
-    R: int
-    S: int
-    MB: int
-    P: int
-    C: int
-    F: int
-
-
-# (field, size expression over BucketDims) in packing order
-INT_FIELDS = (("row_ring", "R"), ("row_pos", "R"), ("row_slot", "R"), ("seg_q_start", "S"),
-              ("seg_q_len", "S"), ("seg_ctx_len", "S"), ("seg_block_table", "S*MB"), ("pre_ring", "P"),
-              ("pre_token", "P"), ("coda_row", "C"), ("coda_top_k", "C"), ("coda_seed", "C"),
-              ("coda_step", "C"), ("fin_src", "F"), ("fin_dst", "F"))
-FLOAT_FIELDS = (("coda_temperature", "C"), ("coda_top_p", "C"))
-
-
-def _size(expr: str, d: BucketDims) -> int:
-    n = 1
-    for part in expr.split("*"):
-        n *= getattr(d, part)
-    return n
-
-
-def dims_of(desc) -> BucketDims:
-    R = desc.row_ring.shape[0]
-    S, MB = desc.seg_block_table.shape
-    return BucketDims(R=R, S=S, MB=MB, P=desc.pre_ring.shape[0], C=desc.coda_row.shape[0], F=desc.fin_src.shape[0])
-
-
-def pack_descriptor(desc) -> tuple[BucketDims, np.ndarray, np.ndarray]:
-    """Descriptor -> (dims, one int32 array, one float32 array) in the static packing order."""
-    d = dims_of(desc)
-    ints = np.concatenate([np.asarray(getattr(desc, f)).astype(np.int64).astype(np.int32, copy=False).reshape(-1)
-                           if f != "coda_seed" else np.asarray(desc.coda_seed).astype(np.uint32).view(np.int32).reshape(-1)
-                           for f, _ in INT_FIELDS])
-    floats = np.concatenate([np.asarray(getattr(desc, f), np.float32).reshape(-1) for f, _ in FLOAT_FIELDS])
-    return d, ints, floats
-
-
-def _unpack(d: BucketDims, ints, floats) -> dict:
-    out, off = {}, 0
-    for f, e in INT_FIELDS:
-        n = _size(e, d)
-        out[f] = ints[off:off + n]
-        off += n
-    out["seg_block_table"] = out["seg_block_table"].reshape(d.S, d.MB)
-    off = 0
-    for f, e in FLOAT_FIELDS:
-        n = _size(e, d)
-        out[f] = floats[off:off + n]
-        off += n
+def _unpack(key: BucketKey, packed) -> dict:
+    """Device-side views of the packed descriptor (static offsets per key; float32 and uint32
+    fields are bit-casts of their int32 words)."""
+    out = {}
+    for spec in descriptor_layout(key):
+        w = packed[spec.offset:spec.offset + spec.size]
+        if spec.dtype == np.float32:
+            w = jax.lax.bitcast_convert_type(w, jnp.float32)
+        elif spec.dtype == np.uint32:
+            w = jax.lax.bitcast_convert_type(w, jnp.uint32)
+        out[spec.name] = w.reshape(spec.shape)
     return out
+
+
+def packed_size(key: BucketKey) -> int:
+    last = descriptor_layout(key)[-1]
+    return last.offset + last.size
 
 
 class StepHandle:
@@ -118,12 +81,12 @@ class StepHandle:
         return self._tokens_np
 
 
-def _step(params, kp, vp, ring, ints, floats, *, dims: BucketDims, config: OuroConfig, dtype_name: str,
+def _step(params, kp, vp, ring, packed, *, key: BucketKey, config: OuroConfig, dtype_name: str,
           impl: str, interpret: bool, layer_loop: str):
     c = config
     dt = dtype_of(dtype_name)
     model = OuroModel(c, dt)
-    a = _unpack(dims, ints, floats)
+    a = _unpack(key, packed)
 
     # 1. LAST_EXITED finalize: deeper planes of exited tokens take the exit plane's K/V
     kp, vp = copy_kv_slots(kp, vp, a["fin_src"], a["fin_dst"])
@@ -132,7 +95,7 @@ def _step(params, kp, vp, ring, ints, floats, *, dims: BucketDims, config: OuroC
     ring = ring.at[a["pre_ring"]].set(emb.astype(ring.dtype))
     # 3. one loop for every row
     x = ring[a["row_ring"]]
-    plan = attention_plan(impl, dims.R, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+    plan = attention_plan(impl, key.R, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                           a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"])
     attn = PagedAttention(a["row_slot"], a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"],
                           a["seg_block_table"], c.attn_scale, impl, interpret, plan)
@@ -155,7 +118,7 @@ def _step(params, kp, vp, ring, ints, floats, *, dims: BucketDims, config: OuroC
     ring = ring.at[a["row_ring"]].set(h.astype(ring.dtype))
     # 4. coda for the rows that may produce a token
     logits = model.apply({"params": params["top"]}, h[a["coda_row"]], method=OuroModel.coda)
-    keys = row_keys(a["coda_seed"].view(jnp.uint32), a["coda_step"])
+    keys = row_keys(a["coda_seed"], a["coda_step"])
     tokens = sample(logits, a["coda_temperature"], a["coda_top_k"], a["coda_top_p"], keys)
     return kp, vp, ring, g.astype(jnp.float32), tokens
 
@@ -187,11 +150,11 @@ class ModelRunner:
         self._jitted = jax.jit(
             functools.partial(_step, config=c, dtype_name=self.dtype_name, impl=attention,
                               interpret=interpret, layer_loop=layer_loop),
-            static_argnames=("dims",), donate_argnums=(1, 2, 3))
-        self._exe: dict[BucketDims, Any] = {}
+            static_argnames=("key",), donate_argnums=(1, 2, 3))
+        self._exe: dict[BucketKey, Any] = {}
         self.compilations = 0
         self.compile_time = 0.0
-        self.compile_times: dict[BucketDims, float] = {}
+        self.compile_times: dict[BucketKey, float] = {}
         self.dispatch_time = 0.0
         self.wait_time = 0.0
         self.invocations = 0
@@ -211,25 +174,23 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return 2 * self.k_pool.size * self.k_pool.dtype.itemsize
 
-    def _compile(self, dims: BucketDims):
+    def _compile(self, key: BucketKey):
         t = time.perf_counter()
         sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        n_int = sum(_size(e, dims) for _, e in INT_FIELDS)
-        n_float = sum(_size(e, dims) for _, e in FLOAT_FIELDS)
         lowered = self._jitted.lower(jax.tree.map(sds, self.params), sds(self.k_pool), sds(self.v_pool),
-                                     sds(self.ring), jax.ShapeDtypeStruct((n_int,), jnp.int32),
-                                     jax.ShapeDtypeStruct((n_float,), jnp.float32), dims=dims)
+                                     sds(self.ring), jax.ShapeDtypeStruct((packed_size(key),), jnp.int32),
+                                     key=key)
         exe = lowered.compile()
         dt = time.perf_counter() - t
-        self._exe[dims] = exe
+        self._exe[key] = exe
         self.compilations += 1
         self.compile_time += dt
-        self.compile_times[dims] = dt
+        self.compile_times[key] = dt
         return exe
 
-    def warmup(self, dims_list: Iterable[BucketDims], progress: bool = True) -> float:
+    def warmup(self, keys: Iterable[BucketKey], progress: bool = True) -> float:
         """Compile every bucket ahead of time (with a progress bar); returns the seconds spent."""
-        todo = [d for d in dict.fromkeys(dims_list) if d not in self._exe]
+        todo = [k for k in dict.fromkeys(keys) if k not in self._exe]
         t = time.perf_counter()
         it = todo
         if progress and todo:
@@ -241,13 +202,12 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- execute
     def execute(self, desc) -> StepHandle:
-        dims, ints, floats = pack_descriptor(desc)
-        exe = self._exe.get(dims)
+        exe = self._exe.get(desc.key)
         if exe is None:
-            exe = self._compile(dims)  # not warmed up: counted in `compilations`
+            exe = self._compile(desc.key)  # not warmed up: counted in `compilations`
         t = time.perf_counter()
         self.k_pool, self.v_pool, self.ring, gates, tokens = exe(
-            self.params, self.k_pool, self.v_pool, self.ring, jnp.asarray(ints), jnp.asarray(floats))
+            self.params, self.k_pool, self.v_pool, self.ring, jnp.asarray(desc.pack()))
         for arr in (gates, tokens):
             arr.copy_to_host_async()
         self.invocations += 1

@@ -1,7 +1,5 @@
 """The runner on hand-built descriptors (no scheduler): one loop per invocation over the paged
 pool must reproduce the dense forward, loop by loop, and padding must change nothing."""
-from types import SimpleNamespace
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,22 +7,17 @@ import pytest
 
 from ouro_jax import forward, get_preset
 from ouro_jax.params import random_params
-from ouro_jax.runner import BucketDims, ModelRunner
+from ouro_jax.runner import ModelRunner
+from scheduler.buckets import BucketKey
+from scheduler.descriptor import BatchDescriptor
 
 BS, NB = 4, 24
 
 
-def _desc(dims: BucketDims, rows, segs, prelude=(), coda=(), fin=()):
+def _desc(key: BucketKey, rows, segs, prelude=(), coda=(), fin=()):
     """rows: (ring, pos, slot); segs: (q_start, q_len, ctx_len, table); prelude: (ring, token);
-    coda: (row, temperature, top_k, top_p, seed, step); fin: (src, dst)."""
-    R, S, MB, P, C, F = dims.R, dims.S, dims.MB, dims.P, dims.C, dims.F
-    d = SimpleNamespace(
-        row_ring=np.zeros(R, np.int32), row_pos=np.zeros(R, np.int32), row_slot=np.full(R, -1, np.int32),
-        seg_q_start=np.zeros(S, np.int32), seg_q_len=np.zeros(S, np.int32), seg_ctx_len=np.zeros(S, np.int32),
-        seg_block_table=np.zeros((S, MB), np.int32), pre_ring=np.zeros(P, np.int32), pre_token=np.zeros(P, np.int32),
-        coda_row=np.zeros(C, np.int32), coda_temperature=np.zeros(C, np.float32), coda_top_k=np.zeros(C, np.int32),
-        coda_top_p=np.ones(C, np.float32), coda_seed=np.zeros(C, np.uint32), coda_step=np.zeros(C, np.int32),
-        fin_src=np.zeros(F, np.int32), fin_dst=np.full(F, -1, np.int32))
+    coda: (row, temperature, top_k, top_p, seed, step); fin: (src, dst). Everything else padding."""
+    d = BatchDescriptor(key)
     for i, (ring, pos, slot) in enumerate(rows):
         d.row_ring[i], d.row_pos[i], d.row_slot[i] = ring, pos, slot
     for i, (qs, ql, cl, table) in enumerate(segs):
@@ -52,8 +45,8 @@ def test_runner_reproduces_dense_forward(preset, layer_loop):
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 7)
     full = forward(params, cfg, ids[None])
     runner = ModelRunner(cfg, params, num_blocks=NB, block_size=BS, num_ring_rows=16, layer_loop=layer_loop)
-    dims = BucketDims(R=8, S=8, MB=3, P=8, C=8, F=8)
-    runner.warmup([dims], progress=False)
+    key = BucketKey(R=8, S=8, C=8, F=24, MB=3)
+    runner.warmup([key], progress=False)
     tables = [[1 + 3 * d, 2 + 3 * d, 3 + 3 * d] for d in range(T)]  # one block table per plane
     n = 5
     # prompt: 5 tokens, one invocation per depth (split style), ring rows 1..5
@@ -61,7 +54,7 @@ def test_runner_reproduces_dense_forward(preset, layer_loop):
         rows = [(1 + i, i, _slot(tables[d], i)) for i in range(n)]
         prelude = [(1 + i, ids[i]) for i in range(n)] if d == 0 else ()
         coda = [(n - 1, 0.0, 0, 1.0, 0, 0)] if d == T - 1 else ()
-        h = runner.execute(_desc(dims, rows, [(0, n, n, tables[d])], prelude, coda))
+        h = runner.execute(_desc(key, rows, [(0, n, n, tables[d])], prelude, coda))
         np.testing.assert_allclose(h.gates()[:n], full.gate_logits[d, 0, :n], rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(runner.ring[1:1 + n], full.hidden_states[d, 0, :n], rtol=2e-5, atol=2e-5)
     assert runner.compilations == 1
@@ -70,7 +63,7 @@ def test_runner_reproduces_dense_forward(preset, layer_loop):
         for d in range(T):
             rows = [(0, 0, -1), (9, pos, _slot(tables[d], pos))]
             prelude = [(9, ids[pos])] if d == 0 else ()
-            h = runner.execute(_desc(dims, rows, [(0, 0, 0, []), (1, 1, pos + 1, tables[d])], prelude))
+            h = runner.execute(_desc(key, rows, [(0, 0, 0, []), (1, 1, pos + 1, tables[d])], prelude))
             np.testing.assert_allclose(h.gates()[1], full.gate_logits[d, 0, pos], rtol=2e-5, atol=2e-5)
             np.testing.assert_allclose(runner.ring[9], full.hidden_states[d, 0, pos], rtol=2e-5, atol=2e-5)
     assert runner.compilations == 1  # warmed up: nothing compiled during the run
@@ -82,19 +75,19 @@ def test_runner_coda_and_finalize():
     params = jax.tree.map(jnp.asarray, random_params(cfg, 1))
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 4)
     runner = ModelRunner(cfg, params, num_blocks=NB, block_size=BS, num_ring_rows=8)
-    dims = BucketDims(R=8, S=8, MB=2, P=8, C=8, F=8)
+    key = BucketKey(R=8, S=8, C=8, F=24, MB=2)
     tables = [[1 + 2 * d, 2 + 2 * d] for d in range(T)]
     for d in range(T):
         rows = [(1 + i, i, _slot(tables[d], i)) for i in range(4)]
         coda = [(3, 0.0, 0, 1.0, 0, 0), (3, 1.0, 5, 0.9, 7, 0)] if d == T - 1 else ()
-        h = runner.execute(_desc(dims, rows, [(0, 4, 4, tables[d])], [(1 + i, ids[i]) for i in range(4)] if d == 0 else (), coda))
+        h = runner.execute(_desc(key, rows, [(0, 4, 4, tables[d])], [(1 + i, ids[i]) for i in range(4)] if d == 0 else (), coda))
     full = forward(params, cfg, ids[None])
     assert int(h.tokens()[0]) == int(np.argmax(full.logits[0, 3]))
     assert 0 <= int(h.tokens()[1]) < cfg.vocab_size
     # finalize: copy position 2 of plane 0 into planes 1..3, nothing else changes
     k_before = np.asarray(runner.k_pool)
     fin = [(_slot(tables[0], 2), _slot(tables[p], 2)) for p in range(1, T)]
-    runner.execute(_desc(dims, [], [], (), (), fin))
+    runner.execute(_desc(key, [], [], (), (), fin))
     k_after = np.asarray(runner.k_pool)
     kf = k_before.reshape(*k_before.shape[:2], -1, cfg.head_dim)
     expect = kf.copy()

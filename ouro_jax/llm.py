@@ -1,0 +1,299 @@
+"""``LLM``: the engine users drive, vLLM-style.
+
+    llm = LLM("ouro-small")                         # a preset (random weights) or a checkpoint folder
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
+    outs[0].token_ids, outs[0].exit_depths, outs[0].text, outs[0].metrics.ttft
+
+One loop of the engine (``step``): the scheduler picks the next invocation and builds its bucketed
+descriptor; the runner launches the bucket's precompiled executable; the scheduler applies the
+results, reading the device's gates/tokens only when a decision needs them, so prompt-only steps
+never wait for the device and the host builds the next descriptor while the device computes.
+
+``add_request`` / ``step`` / ``abort`` / ``has_unfinished`` let callers drive the loop themselves;
+``stream`` yields outputs as tokens arrive.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import jax
+import numpy as np
+
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+
+from .config import OuroConfig, PRESETS
+from .runner import ModelRunner
+
+__all__ = ["LLM", "RequestOutput", "RequestMetrics"]
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: Optional[float]
+    token_times: list[float]
+    finish_time: Optional[float]
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Time to first token (seconds since the request was added)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def itl(self) -> list[float]:
+        """Inter-token latencies (seconds between consecutive tokens)."""
+        return list(np.diff(self.token_times)) if len(self.token_times) > 1 else []
+
+    @property
+    def tpot(self) -> Optional[float]:
+        """Time per output token after the first."""
+        n = len(self.token_times)
+        return None if n < 2 else (self.token_times[-1] - self.token_times[0]) / (n - 1)
+
+    @property
+    def e2e(self) -> Optional[float]:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: object
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    exit_depths: list[int]
+    text: Optional[str]
+    finished: bool
+    finish_reason: Optional[str]
+    metrics: RequestMetrics
+
+
+def _device_memory_bytes() -> Optional[int]:
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return None
+    return None if not stats else stats.get("bytes_limit")
+
+
+class LLM:
+    """The Ouro engine: loop-level batching, paged depth-plane KV, bucketed compiled steps."""
+
+    def __init__(self, model: Union[str, OuroConfig] = "ouro-small", *, params: Optional[dict] = None,
+                 dtype: Optional[str] = None, seed: int = 0,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 256, prefill_chunk_size: int = 64,
+                 block_size: int = 16, max_model_len: Optional[int] = None,
+                 kv_layout: str = "last_exited", prefill_mode: str = "split", policy: str = "fcfs",
+                 num_blocks: Optional[int] = None, kv_cache_bytes: Optional[int] = None,
+                 gpu_memory_utilization: float = 0.85, buckets: Optional[Sequence[int]] = None,
+                 attention: str = "auto", layer_loop: str = "scan", compile_cache_dir: Optional[str] = None,
+                 warmup: bool = True, progress: bool = True):
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
+        self._enable_compile_cache(compile_cache_dir)
+        self.config, self.params, self.tokenizer = self._load(model, params, dtype, seed)
+        c = self.config
+        self.progress = progress
+        max_model_len = int(max_model_len or min(c.max_position_embeddings, 4096))
+        if max_model_len > c.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({c.max_position_embeddings})")
+        planes = c.num_loops if str(kv_layout).lower() == "last_exited" else 1
+        itemsize = np.dtype(jax.tree.leaves(self.params)[0].dtype).itemsize
+        block_bytes = 2 * c.num_hidden_layers * c.kv_size * block_size * itemsize
+        if num_blocks is None:
+            num_blocks = self._size_pool(block_bytes, kv_cache_bytes, gpu_memory_utilization, max_num_seqs,
+                                         max_model_len, planes, block_size)
+        self.scheduler_config = SchedulerConfig(
+            num_loops=c.num_loops, num_blocks=int(num_blocks), block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, prefill_chunk_size=prefill_chunk_size,
+            max_model_len=max_model_len, kv_layout=kv_layout, prefill_mode=prefill_mode, policy=policy,
+            eos_token_id=c.eos_token_id, buckets=buckets)
+        need = planes * -(-max_model_len // block_size) + 1
+        if num_blocks < need:
+            raise ValueError(f"the KV pool ({num_blocks} blocks of {block_size} tokens) cannot hold one request of "
+                             f"max_model_len={max_model_len} at {planes} plane(s) (needs {need} blocks): lower "
+                             f"max_model_len or give the cache more memory (kv_cache_bytes / num_blocks)")
+        self.scheduler = Scheduler(self.scheduler_config)
+        self.runner = ModelRunner(c, self.params, num_blocks=int(num_blocks), block_size=block_size,
+                                  num_ring_rows=self.scheduler_config.num_ring_rows, attention=attention,
+                                  layer_loop=layer_loop)
+        self._ids = itertools.count()
+        self._live: dict[object, Request] = {}      # queued or running, by id
+        self._finished: dict[object, Request] = {}  # finished, until generate() hands them out
+        self.warmup_time = self.runner.warmup(self.scheduler.bucket_spec.keys(), progress) if warmup else 0.0
+        self._dispatch_time = 0.0
+
+    # ------------------------------------------------------------------------------ setup
+    @staticmethod
+    def _enable_compile_cache(path: Optional[str]) -> None:
+        """Persistent XLA compilation cache (and autotune results with it): a restart compiles nothing."""
+        path = path or os.environ.get("OURO_JAX_COMPILE_CACHE") or os.path.expanduser("~/.cache/ouro_jax/xla")
+        if path.lower() in ("", "off", "none"):
+            return
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+    @staticmethod
+    def _load(model, params, dtype, seed):
+        tokenizer = None
+        if isinstance(model, OuroConfig):
+            config = model
+        elif isinstance(model, str) and model in PRESETS:
+            config = PRESETS[model]
+        elif isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+            from weights import load_checkpoint
+            config, params = load_checkpoint(model, dtype=dtype) if params is None else (OuroConfig.from_json(model), params)
+            tok = os.path.join(model, "tokenizer.json")
+            if os.path.exists(tok):
+                from tokenizers import Tokenizer
+                tokenizer = Tokenizer.from_file(tok)
+        else:
+            raise ValueError(f"model must be a preset ({', '.join(sorted(PRESETS))}), an OuroConfig or a "
+                             f"checkpoint folder; got {model!r}")
+        if params is None:
+            from .model import init_params
+            params = init_params(config, seed, dtype or config.torch_dtype)
+        elif dtype is not None:
+            from .model import dtype_of
+            params = jax.tree.map(lambda x: jax.numpy.asarray(x, dtype_of(dtype)), params)
+        else:
+            params = jax.tree.map(jax.numpy.asarray, params)
+        return config, params, tokenizer
+
+    def _size_pool(self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size):
+        if kv_cache_bytes is None:
+            total = _device_memory_bytes()
+            if total is None:  # CPU: enough for every sequence at full length, capped at 1 GiB
+                want = max_num_seqs * planes * -(-max_model_len // block_size) + 1
+                return int(min(want, max(2, (1 << 30) // block_bytes)))
+            param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+            kv_cache_bytes = int(total * util) - 2 * param_bytes - (2 << 30)  # stacked copy + activations
+        if kv_cache_bytes < 2 * block_bytes:
+            raise ValueError(f"the KV cache budget ({kv_cache_bytes} bytes) holds fewer than 2 blocks of "
+                             f"{block_bytes} bytes")
+        return int(kv_cache_bytes // block_bytes)
+
+    # ------------------------------------------------------------------- request API
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (tokenizer.json in the checkpoint folder); "
+                                 "pass token ids instead")
+            return self.tokenizer.encode(prompt).ids
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        return ids
+
+    def add_request(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
+                    request_id=None, priority: int = 0) -> object:
+        """Validate and queue one request (``ValueError`` before anything changes); returns its id."""
+        ids = self._encode(prompt)
+        rid = next(self._ids) if request_id is None else request_id
+        req = Request(rid, ids, sampling_params or SamplingParams(), priority=priority)
+        self.scheduler.add_request(req)
+        self._live[rid] = req
+        return rid
+
+    def abort(self, request_id) -> bool:
+        """Cancel a request now; every KV block and ring row it held is free on return."""
+        if self.scheduler.abort(request_id) is None:
+            return False
+        self._finished[request_id] = self._live.pop(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one invocation; returns an output for every request that got tokens or finished."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler has unfinished requests but nothing it can run")
+            return []
+        t = time.perf_counter()
+        handle = self.runner.execute(plan.descriptor)
+        self._dispatch_time += time.perf_counter() - t
+        deltas = self.scheduler.update(plan, handle.gates, handle.tokens)
+        outs = []
+        for d in deltas:
+            req = self._live.get(d.request_id)
+            if req is None:
+                continue
+            if d.finished:
+                self._finished[d.request_id] = self._live.pop(d.request_id)
+            outs.append(self._output(req))
+        return outs
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids)
+        return RequestOutput(req.request_id, req.prompt_token_ids.tolist(), list(req.output_token_ids),
+                             list(req.exit_depths), text, req.is_finished, req.finish_reason,
+                             RequestMetrics(req.arrival_time, req.first_token_time, list(req.token_times),
+                                            req.finish_time))
+
+    def stream(self, prompts: Union[Prompt, Sequence[Prompt]],
+               sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> Iterator[RequestOutput]:
+        """Add the prompts and yield a ``RequestOutput`` each time one of them gets tokens."""
+        ids = self._add_all(prompts, sampling_params)
+        mine = set(ids)
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in mine:
+                    yield out
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: Optional[bool] = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in the order of ``prompts``."""
+        ids = self._add_all(prompts, sampling_params)
+        bar = None
+        if (self.progress if use_tqdm is None else use_tqdm):
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        try:
+            while self.has_unfinished():
+                for out in self.step():
+                    if out.finished and bar is not None:
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self._output(self._finished.pop(i)) for i in ids]
+
+    def _add_all(self, prompts, sampling_params) -> list:
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        # validate everything before queueing anything: a bad request leaves the engine untouched
+        encoded = [self._encode(p) for p in prompts]
+        probe = Scheduler(self.scheduler_config)
+        for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
+            probe.add_request(Request(("probe", i), ids, sp))
+        return [self.add_request(ids, sp) for ids, sp in zip(encoded, sampling_params)]
+
+    # ---------------------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        r = self.runner
+        host = s["host_time_s"] - r.wait_time + r.dispatch_time
+        inv = max(1, s["invocations"])
+        return dict(s, recurrent_invocations=s["invocations"], recurrent_rows=s["real_rows"],
+                    compilations=r.compilations, compile_time_s=r.compile_time, warmup_time_s=self.warmup_time,
+                    host_time_s=host, host_time_per_invocation_s=host / inv, device_wait_time_s=r.wait_time,
+                    dispatch_time_s=r.dispatch_time, kv_blocks=self.scheduler_config.num_blocks,
+                    kv_cache_bytes=r.kv_bytes, num_buckets=len(self.scheduler.bucket_spec.keys()))
