@@ -35,6 +35,11 @@ class BucketKey(NamedTuple):
     F: int   # finalize pairs
     MB: int  # block-table columns
 
+    @property
+    def P(self) -> int:
+        """Prelude entries: one per row at most (a token is embedded where its depth 0 runs)."""
+        return self.R
+
 
 @dataclasses.dataclass(frozen=True)
 class BucketSpec:

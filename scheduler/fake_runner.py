@@ -1,0 +1,207 @@
+"""A numpy stand-in for the runner: executes descriptors on a hash "model", and its dense twin.
+
+It exists so that the scheduler and the descriptor contract (docs/contracts.md) can be tested, and
+the scheduler's host cost measured, without JAX. The "model" keeps the data flow of Ouro and
+nothing else: a hidden state is a 64-bit hash; a loop writes ``kv = H(x, pos)`` into the row's KV
+slot, "attends" by summing ``H(kv)`` over every position ``<= pos`` of the segment's plane (an
+order-free reduction), outputs ``h = H(x, attn)``, a gate logit drawn from ``h`` and, for coda rows,
+a token drawn from ``h`` (and from the seed / step when the temperature is positive).
+
+``FakeRunner.step`` follows the contract step by step (finalize, prelude, recurrent, coda) and
+asserts what the contract promises about padding: padding rows write no KV slot and only touch ring
+row 0, real rows never touch the trash page or ring row 0, padded segments / prelude / coda /
+finalize entries are inert, and every KV slot that is read was written before.
+
+``reference_generate`` computes the same model the slow, obvious way (one request at a time,
+position after position, KV planes as plain arrays), so that any scheduling bug (a wrong ring row,
+plane, block, frontier or a missed finalize) changes tokens or exit depths.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .exit_policy import decide_exit, fold_gate, gates_needed_at, synthetic_exit_loops
+from .sampling_params import SamplingParams
+
+__all__ = ["FakeRunner", "reference_generate", "embed", "gate_logit", "sample_token"]
+
+_M1, _M2, _G = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z) -> np.ndarray:
+    """splitmix64 finaliser, elementwise (uint64 wrap-around is intended)."""
+    z = np.asarray(z, np.uint64)
+    with np.errstate(over="ignore"):
+        z = z + _G
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def embed(tokens) -> np.ndarray:
+    return _mix(np.asarray(tokens, np.uint64) ^ np.uint64(0x5EED))
+
+
+def kv_of(x, pos) -> np.ndarray:
+    return _mix(np.asarray(x, np.uint64) ^ _mix(np.asarray(pos, np.uint64) + np.uint64(0xC0FFEE)))
+
+
+def attn_term(kv) -> np.ndarray:
+    return _mix(np.asarray(kv, np.uint64) ^ np.uint64(0xA77E))
+
+
+def loop_out(x, attn) -> np.ndarray:
+    return _mix(np.asarray(x, np.uint64) ^ _mix(np.asarray(attn, np.uint64)))
+
+
+def gate_logit(h) -> np.ndarray:
+    """A logit in [-4, 4] drawn from ``h`` (float32, as the device returns it)."""
+    u = (np.asarray(h, np.uint64) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return (u * 8.0 - 4.0).astype(np.float32)
+
+
+def sample_token(h, temperature, seed, step, vocab_size: int) -> np.ndarray:
+    h = np.asarray(h, np.uint64)
+    greedy = h % np.uint64(vocab_size)
+    with np.errstate(over="ignore"):
+        key = _mix(np.asarray(seed, np.uint64) * np.uint64(1_000_003) + np.asarray(step, np.uint64))
+    drawn = _mix(h ^ key) % np.uint64(vocab_size)
+    return np.where(np.asarray(temperature) > 0, drawn, greedy).astype(np.int32)
+
+
+class FakeRunner:
+    """Executes ``BatchDescriptor``s; ``step`` returns ``(gate_logits [R] f32, tokens [C] i32)``."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_ring_rows: int, vocab_size: int = 101,
+                 check: bool = True):
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.check = check
+        self.kv = np.zeros(num_blocks * block_size, np.uint64)
+        self.kv_written = np.zeros(num_blocks * block_size, bool)
+        self.ring = np.zeros(num_ring_rows, np.uint64)
+        self.invocations = 0
+
+    def step(self, desc) -> tuple[np.ndarray, np.ndarray]:
+        k, bs = desc.key, self.block_size
+        nrows, nseg, npre, ncoda, nfin = (desc.num_rows, desc.num_segments, desc.num_prelude,
+                                          desc.num_coda, desc.num_finalize)
+        if self.check:
+            self._check_padding(desc)
+        # 1. finalize
+        for src, dst in zip(desc.fin_src[:nfin], desc.fin_dst[:nfin]):
+            if self.check:
+                assert self.kv_written[src], "finalize copies a KV slot that was never written"
+            self.kv[dst] = self.kv[src]
+            self.kv_written[dst] = True
+        # 2. prelude (padding writes ring row 0)
+        self.ring[desc.pre_ring] = embed(desc.pre_token)
+        # 3. recurrent: write every real row's K/V, then attend per segment
+        x = self.ring[desc.row_ring]
+        slots = desc.row_slot
+        real = slots >= 0
+        self.kv[slots[real]] = kv_of(x[real], desc.row_pos[real])
+        self.kv_written[slots[real]] = True
+        out = np.zeros(k.R, np.uint64)
+        for s in range(nseg):
+            q0, ql, ctx = int(desc.seg_q_start[s]), int(desc.seg_q_len[s]), int(desc.seg_ctx_len[s])
+            if ql == 0:
+                continue
+            j = np.arange(ctx)
+            ctx_slots = desc.seg_block_table[s, j // bs].astype(np.int64) * bs + j % bs
+            if self.check:
+                assert self.kv_written[ctx_slots].all(), f"segment {s} reads KV slots never written"
+                assert (desc.seg_block_table[s, :(ctx + bs - 1) // bs] != 0).all(), "segment reads the trash page"
+            with np.errstate(over="ignore"):
+                prefix = np.cumsum(attn_term(self.kv[ctx_slots]), dtype=np.uint64)
+            pos = desc.row_pos[q0:q0 + ql]
+            out[q0:q0 + ql] = loop_out(x[q0:q0 + ql], prefix[pos])
+        self.ring[desc.row_ring] = out
+        gates = gate_logit(out)
+        # 4. coda
+        tokens = sample_token(out[desc.coda_row], desc.coda_temperature, desc.coda_seed, desc.coda_step,
+                              self.vocab_size)
+        self.invocations += 1
+        return gates, tokens
+
+    def _check_padding(self, desc) -> None:
+        k = desc.key
+        nrows, nseg, npre, ncoda, nfin = (desc.num_rows, desc.num_segments, desc.num_prelude,
+                                          desc.num_coda, desc.num_finalize)
+        assert (desc.row_slot[nrows:] == -1).all() and (desc.row_ring[nrows:] == 0).all(), "padding row touches state"
+        assert (desc.row_slot[:nrows] >= self.block_size).all(), "real row without a slot, or in the trash page"
+        assert (desc.row_ring[:nrows] > 0).all(), "real row uses the scratch ring row"
+        assert len(set(desc.row_ring[:nrows].tolist())) == nrows, "two rows of one invocation share a ring row"
+        assert (desc.seg_q_len[nseg:] == 0).all() and (desc.seg_q_len[:nseg] > 0).all()
+        assert desc.seg_q_len[:nseg].sum() == nrows
+        q_end = desc.seg_q_start[:nseg] + desc.seg_q_len[:nseg]
+        assert (desc.seg_q_start[:nseg][1:] == q_end[:-1]).all() and (nseg == 0 or desc.seg_q_start[0] == 0)
+        for s in range(nseg):  # the segment's last row sits at ctx_len - 1; rows are consecutive positions
+            q0, ql = int(desc.seg_q_start[s]), int(desc.seg_q_len[s])
+            pos = desc.row_pos[q0:q0 + ql]
+            assert pos[-1] == desc.seg_ctx_len[s] - 1 and (np.diff(pos) == 1).all()
+        assert (desc.pre_ring[npre:] == 0).all() and (desc.pre_ring[:npre] > 0).all(), "prelude padding"
+        assert (desc.coda_row[ncoda:] == 0).all() and (desc.coda_row[:ncoda] < nrows).all()
+        assert (desc.fin_dst[nfin:] == -1).all() and (desc.fin_src[nfin:] == -1).all()
+        assert (desc.fin_src[:nfin] >= 0).all() and (desc.fin_dst[:nfin] >= 0).all()
+        assert k.R >= nrows and k.C >= ncoda and k.F >= nfin and k.S >= nseg
+
+
+def reference_generate(prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], num_loops: int,
+                       *, request_ids: Optional[Sequence] = None, kv_layout: str = "last_exited",
+                       eos_token_id: Optional[int] = None, vocab_size: int = 101) -> list[dict]:
+    """The fake model run one request at a time, token by token; returns per request
+    ``{"tokens", "exit_depths", "finish_reason"}``."""
+    T = num_loops
+    request_ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
+    results = []
+    for rid, prompt, sp in zip(request_ids, prompts, params):
+        n = len(prompt)
+        planes = T if kv_layout == "last_exited" else 1
+        kv = np.zeros((planes, n + sp.max_tokens), np.uint64)
+
+        def loop(x, pos, d):
+            p = min(d, planes - 1)
+            kv[p, pos] = kv_of(x, pos)
+            with np.errstate(over="ignore"):
+                attn = attn_term(kv[p, :pos + 1]).sum(dtype=np.uint64)
+            return loop_out(x, attn)
+
+        for pos in range(n):
+            h = embed(prompt[pos])
+            for d in range(T):
+                h = loop(h, pos, d)
+        tokens = [int(sample_token(h, sp.temperature, sp.seed, 0, vocab_size))]
+        depths = [T - 1]
+        reason = None
+        while True:
+            tok = tokens[-1]
+            if tok in sp.stop_token_ids or (not sp.ignore_eos and eos_token_id is not None and tok == eos_token_id):
+                reason = "stop"
+                break
+            if len(tokens) >= sp.max_tokens:
+                reason = "length"
+                break
+            k = len(tokens)
+            pos = n + k - 1
+            target = synthetic_exit_loops(sp, T, rid, k) if sp.exit_mode == "synthetic" else None
+            h = embed(tok)
+            gates, remaining = [], 1.0
+            for d in range(T):
+                h = loop(h, pos, d)
+                gates.append(float(gate_logit(h)))
+                need = gates_needed_at(sp, T, d + 1)
+                rem = 1.0
+                for g in gates[:need]:
+                    rem = fold_gate(rem, g)
+                if decide_exit(sp, T, d + 1, rem, target):
+                    break
+            e = d
+            if kv_layout == "last_exited":
+                kv[e + 1:, pos] = kv[e, pos]
+            tokens.append(int(sample_token(h, sp.temperature, sp.seed, k, vocab_size)))
+            depths.append(e)
+        results.append({"tokens": tokens, "exit_depths": depths, "finish_reason": reason})
+    return results

@@ -1,0 +1,347 @@
+"""Scheduler invariants under random workloads, run against the numpy fake runner.
+
+Every plan is checked as it is produced (budgets, readiness, ring rows, descriptor rows) and every
+run is compared with the fake model's dense reference, so exit depths and tokens must be the same
+whatever the prefill mode, chunk size, buckets, arrival order or aborts.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler import Phase, Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.fake_runner import FakeRunner, reference_generate
+
+VOCAB = 101
+
+
+class Harness:
+    """Drives a Scheduler with a FakeRunner and checks every plan."""
+
+    def __init__(self, cfg: SchedulerConfig, lazy: bool = False):
+        self.cfg = cfg
+        self.s = Scheduler(cfg)
+        self.fr = FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, VOCAB)
+        self.ring_tag: dict[int, tuple] = {}
+        self.prompt_runs = Counter()      # (rid, pos, depth) -> times run
+        self.lazy = lazy
+        self.reads = []                   # (plan, which) read by update
+        self.plans = []
+        self.max_rows = 0
+        self.max_running = 0
+
+    def step(self):
+        s, cfg, T = self.s, self.cfg, self.cfg.num_loops
+        plan = s.schedule()
+        if plan is None:
+            return None
+        self.check_plan(plan)
+        before = {r.request_id: list(r.prefill_depth_frontiers) for r in s.running}
+        gates, toks = self.fr.step(plan.descriptor)
+        if self.lazy:
+            def thunk(arr, which):
+                def f():
+                    self.reads.append((plan.step, which))
+                    return arr
+                return f
+            deltas = s.update(plan, thunk(gates, "gates"), thunk(toks, "tokens"))
+        else:
+            deltas = s.update(plan, gates, toks)
+        for r in s.running:  # frontiers only move forward and stay ordered by depth
+            f = r.prefill_depth_frontiers
+            assert all(a >= b for a, b in zip(f, f[1:])), f
+            if r.request_id in before:
+                assert all(a >= b for a, b in zip(f, before[r.request_id]))
+        self.plans.append(plan)
+        return deltas
+
+    def check_plan(self, plan):
+        s, cfg, T = self.s, self.cfg, self.cfg.num_loops
+        d = plan.descriptor
+        assert plan.num_rows <= cfg.max_num_batched_tokens
+        assert len(s.running) <= cfg.max_num_seqs
+        self.max_rows = max(self.max_rows, plan.num_rows)
+        self.max_running = max(self.max_running, len(s.running))
+        assert d.num_rows == plan.num_rows and d.num_coda == len(plan.coda)
+        assert plan.needs_tokens == bool(plan.coda)
+        seen = set()
+        prelude = {(r.request_id, r.token_start, r.token_count) for r in plan.ranges_of(Phase.PRELUDE)}
+        # prelude first (step 2), then the loop (step 3)
+        for r in plan.ranges:
+            if r.phase is Phase.PRELUDE:
+                for i in range(r.token_count):
+                    self.ring_tag[r.ring_row_offset + i] = ("embed", r.request_id, r.token_start + i)
+            elif r.phase is Phase.DECODE and r.depth == 0:
+                self.ring_tag[r.ring_row_offset] = ("embed", r.request_id, r.token_start)
+        new_tags = {}
+        for r in plan.ranges:
+            if r.phase is Phase.PRELUDE:
+                continue
+            req = s.get_request(r.request_id)
+            assert req is not None and req.status is RequestStatus.RUNNING
+            key = (r.request_id, r.depth, r.phase)
+            assert key not in seen, "two ranges of one request at one depth"
+            seen.add(key)
+            rows = slice(r.row_start, r.row_start + r.token_count)
+            pos = np.arange(r.token_start, r.token_end)
+            assert (d.row_pos[rows] == pos).all()
+            assert (d.row_ring[rows] == r.ring_row_offset + np.arange(r.token_count)).all()
+            plane = r.depth if cfg.kv_layout == "last_exited" else 0
+            table = s.block_manager.block_table(r.request_id)[plane]
+            bs = cfg.block_size
+            assert (d.row_slot[rows] == table[pos // bs] * bs + pos % bs).all()
+            if r.phase is Phase.RECURRENT:
+                f = req.prefill_depth_frontiers
+                # depth-d work starts exactly at the depth-d KV prefix: every earlier position
+                # has its depth-d KV, none of these positions has it yet
+                assert r.token_start == f[r.depth]
+                # its inputs exist: depth d-1 finished in an EARLIER invocation (or, at depth 0,
+                # the prelude of the same tokens runs first in this one)
+                if r.depth == 0:
+                    assert (r.request_id, r.token_start, r.token_count) in prelude
+                else:
+                    assert r.token_end <= f[r.depth - 1]
+                assert r.token_end <= req.chunk_start(r.token_start) + req.prefill_chunk_size
+                assert req.chunk_start(r.token_start) == r.chunk_start
+                # the ring holds at most ring_slots chunks from the oldest unfinished one
+                assert r.token_end <= req.prefill_reclaimable_tokens + cfg.ring_slots * req.prefill_chunk_size
+                if cfg.kv_layout == "shared":
+                    assert r.token_count == 1 and r.token_start == req.num_prefilled_tokens
+                for p in range(r.token_start, r.token_end):
+                    self.prompt_runs[(r.request_id, p, r.depth)] += 1
+            else:
+                assert r.token_count == 1 and r.token_start == req.position_in_flight
+                assert r.depth == req.decode_depth
+            for i, p in enumerate(range(r.token_start, r.token_end)):
+                want = ("embed", r.request_id, p) if r.depth == 0 else (r.request_id, p, r.depth - 1)
+                assert self.ring_tag.get(r.ring_row_offset + i) == want, \
+                    f"ring row {r.ring_row_offset + i} holds {self.ring_tag.get(r.ring_row_offset + i)}, expected {want}"
+                new_tags[r.ring_row_offset + i] = (r.request_id, p, r.depth)
+        self.ring_tag.update(new_tags)
+        if cfg.prefill_mode == "split":
+            kinds = {r.phase for r in plan.ranges}
+            assert not (Phase.DECODE in kinds and Phase.RECURRENT in kinds), "split mixes prefill and decode"
+            if Phase.RECURRENT in kinds:
+                assert plan.loop_count == T
+        if cfg.prefill_mode in ("split", "mixed"):
+            for rid in {r.request_id for r in plan.ranges_of(Phase.RECURRENT)}:
+                req = s.get_request(rid)
+                chunks = {r.chunk_start for r in plan.ranges_of(Phase.RECURRENT) if r.request_id == rid}
+                assert len(chunks) == 1, "mixed/split: one chunk of a request in flight"
+
+    def check_drained(self):
+        s, cfg = self.s, self.cfg
+        assert not s.has_unfinished() and not s.running and len(s.waiting) == 0
+        assert s.block_manager.num_free_blocks == cfg.num_blocks - 1, "KV blocks leaked"
+        assert s.block_manager.num_used_blocks == 0
+        assert sorted(s._free_slots) == list(range(cfg.max_num_seqs)), "ring regions leaked"
+        assert (s._tables == 0).all()
+
+
+# ----------------------------------------------------------------------------- workloads
+@st.composite
+def workloads(draw):
+    T = draw(st.integers(1, 4))
+    layout = draw(st.sampled_from(["last_exited", "last_exited", "last_exited", "shared"]))
+    modes = ["split", "mixed", "wavefront"] if layout == "last_exited" else ["split", "mixed"]
+    mode = draw(st.sampled_from(modes))
+    max_seqs = draw(st.integers(1, 4))
+    budget = max_seqs + draw(st.integers(0, 24))
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    chunk = draw(st.integers(1, 8))
+    nreq = draw(st.integers(1, 5))
+    eos = draw(st.sampled_from([None, None, 7]))
+    reqs = []
+    for i in range(nreq):
+        n = draw(st.integers(1, 24))
+        prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
+        exit_mode = draw(st.sampled_from(["ouro", "delayed", "fixed", "synthetic"]))
+        max_loops = draw(st.one_of(st.none(), st.integers(1, T)))
+        hi = T if max_loops is None else max_loops
+        min_loops = draw(st.integers(1, hi))
+        kw = {}
+        if exit_mode == "synthetic":
+            if draw(st.booleans()):
+                kw["synthetic_mean_loops"] = draw(st.floats(min_loops, hi))
+            else:
+                kw["synthetic_depths"] = draw(st.lists(st.integers(0, T - 1), min_size=1, max_size=5))
+        sp = SamplingParams(
+            max_tokens=draw(st.integers(1, 6)),
+            temperature=draw(st.sampled_from([0.0, 0.0, 0.8])),
+            seed=draw(st.integers(0, 2 ** 32 - 1)),
+            stop_token_ids=tuple(draw(st.lists(st.integers(0, VOCAB - 1), max_size=2))),
+            ignore_eos=draw(st.booleans()),
+            min_loops=min_loops, max_loops=max_loops,
+            exit_threshold=draw(st.sampled_from([1.0, 0.3, 0.6, 0.9])),
+            exit_mode=exit_mode, **kw)
+        arrival = draw(st.integers(0, 12))
+        abort_at = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(0, 40)))
+        reqs.append(dict(rid=f"r{i}", prompt=prompt, sp=sp, arrival=arrival, abort_at=abort_at,
+                         priority=draw(st.integers(0, 2))))
+    planes = T if layout == "last_exited" else 1
+    need = max(-(-(len(r["prompt"]) + r["sp"].max_tokens - 1) // block_size) * planes for r in reqs)
+    num_blocks = 1 + need + draw(st.integers(0, 3 * need))
+    max_len = max(len(r["prompt"]) + r["sp"].max_tokens for r in reqs) + draw(st.integers(0, 5))
+    buckets = draw(st.sampled_from([None, "fine"]))
+    cfg = SchedulerConfig(num_loops=T, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
+                          max_num_batched_tokens=budget, prefill_chunk_size=chunk, max_model_len=max_len,
+                          kv_layout=layout, prefill_mode=mode, policy=draw(st.sampled_from(["fcfs", "priority"])),
+                          eos_token_id=eos,
+                          buckets=None if buckets is None else tuple(range(1, budget + 1)))
+    return cfg, reqs
+
+
+def run_workload(cfg, reqs, lazy=False):
+    h = Harness(cfg, lazy=lazy)
+    objs = {}
+    pending = sorted(reqs, key=lambda r: r["arrival"])
+    step = 0
+    aborted = set()
+    while pending or h.s.has_unfinished():
+        while pending and pending[0]["arrival"] <= step:
+            r = pending.pop(0)
+            req = Request(r["rid"], r["prompt"], r["sp"], arrival_time=float(step), priority=r["priority"])
+            objs[r["rid"]] = (req, r)
+            h.s.add_request(req)
+        for rid, (req, r) in objs.items():
+            if r["abort_at"] == step and not req.is_finished:
+                delta = h.s.abort(rid)
+                assert delta.finished and delta.finish_reason == "abort"
+                aborted.add(rid)
+        out = h.step()
+        if out is None:
+            assert not h.s.has_unfinished() or pending, "scheduler stalled with unfinished requests"
+        step += 1
+        assert step < 5000
+    h.check_drained()
+    return h, objs, aborted
+
+
+def check_against_reference(cfg, objs, aborted):
+    rids = [rid for rid in objs if rid not in aborted]
+    ref = reference_generate([objs[r][1]["prompt"] for r in rids], [objs[r][1]["sp"] for r in rids],
+                             cfg.num_loops, request_ids=rids, kv_layout=cfg.kv_layout,
+                             eos_token_id=cfg.eos_token_id, vocab_size=VOCAB)
+    for rid, want in zip(rids, ref):
+        req = objs[rid][0]
+        assert req.output_token_ids == want["tokens"], rid
+        assert req.exit_depths == want["exit_depths"], rid
+        assert req.finish_reason == want["finish_reason"], rid
+        assert len(req.token_times) == len(req.output_token_ids)
+    for rid in aborted:
+        assert objs[rid][0].finish_reason == "abort"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.booleans())
+def test_random_workloads_keep_invariants_and_match_reference(wl, lazy):
+    cfg, reqs = wl
+    h, objs, aborted = run_workload(cfg, reqs, lazy=lazy)
+    # every prompt position of a request that finished normally ran every depth exactly once
+    for rid, (req, r) in objs.items():
+        if rid in aborted:
+            continue
+        for p in range(len(r["prompt"])):
+            for dd in range(cfg.num_loops):
+                assert h.prompt_runs[(rid, p, dd)] == 1, (rid, p, dd)
+    check_against_reference(cfg, objs, aborted)
+    if lazy:  # results are read only when the plan said it might need them
+        by_step = {p.step: p for p in h.plans}
+        for step, which in h.reads:
+            p = by_step[step]
+            assert p.needs_gates if which == "gates" else p.needs_tokens
+
+
+@pytest.mark.parametrize("mode", ["split", "mixed", "wavefront"])
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_modes_and_chunks_give_identical_tokens_and_exit_depths(mode, chunk):
+    rng = np.random.default_rng(1)
+    T = 4
+    reqs = []
+    for i in range(6):
+        sp = SamplingParams(max_tokens=8, exit_threshold=0.6, exit_mode=["ouro", "delayed", "synthetic"][i % 3],
+                            synthetic_mean_loops=2.5 if i % 3 == 2 else None, temperature=0.7 * (i % 2), seed=i)
+        reqs.append(dict(rid=i, prompt=rng.integers(0, VOCAB, size=int(rng.integers(3, 40))).tolist(), sp=sp,
+                         arrival=i, abort_at=None, priority=0))
+    cfg = SchedulerConfig(num_loops=T, num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+                          prefill_chunk_size=chunk, max_model_len=64, prefill_mode=mode)
+    h, objs, aborted = run_workload(cfg, reqs)
+    check_against_reference(cfg, objs, aborted)
+    depths = [d for req, _ in objs.values() for d in req.exit_depths[1:]]
+    assert len(set(depths)) > 1, "the workload should exercise early exits"
+
+
+def test_wavefront_fills_more_rows_than_split_at_small_chunk():
+    """Four long prompts, chunk 16: split runs 4 x 16 rows per invocation, wavefront keeps up to
+    T chunks of every prompt in flight (engine-semantics.md; the RFC measured 64 vs 254 rows)."""
+    rows = {}
+    for mode in ("split", "wavefront"):
+        cfg = SchedulerConfig(num_loops=4, num_blocks=4 * 4 * 40 + 1, block_size=16, max_num_seqs=4,
+                              max_num_batched_tokens=1024, prefill_chunk_size=16, max_model_len=1024,
+                              prefill_mode=mode)
+        s = Scheduler(cfg)
+        fr = FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, VOCAB, check=False)
+        for i in range(4):
+            s.add_request(Request(i, np.arange(512) % VOCAB, SamplingParams(max_tokens=1)))
+        while s.has_unfinished():
+            plan = s.schedule()
+            s.update(plan, *fr.step(plan.descriptor))
+        st_ = s.stats()
+        rows[mode] = st_["prefill_rows"] / st_["invocations"]
+    assert rows["split"] == 64
+    assert rows["wavefront"] > 3.5 * rows["split"], rows
+
+
+def test_decode_refill_and_exit_at_loop_level():
+    """A row that exits frees its place: the next token starts at depth 0 in the next invocation,
+    and its KV finalize pairs run in that invocation's step 1."""
+    T = 4
+    cfg = SchedulerConfig(num_loops=T, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+                          prefill_chunk_size=8, max_model_len=32, prefill_mode="mixed")
+    s = Scheduler(cfg)
+    sp = SamplingParams(max_tokens=4, exit_mode="synthetic", synthetic_depths=[3, 1, 0, 2])
+    req = Request("a", [1, 2, 3], sp)
+    s.add_request(req)
+    fr = FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, VOCAB)
+    trace = []
+    while s.has_unfinished():
+        plan = s.schedule()
+        trace.append([(r.phase, r.depth) for r in plan.ranges if r.phase is not Phase.PRELUDE]
+                     + [("fin", len(plan.finalize))])
+        s.update(plan, *fr.step(plan.descriptor))
+    D, R = Phase.DECODE, Phase.RECURRENT
+    assert trace == [
+        [(R, 0), ("fin", 0)], [(R, 1), ("fin", 0)], [(R, 2), ("fin", 0)], [(R, 3), ("fin", 0)],  # prompt
+        [(D, 0), ("fin", 0)], [(D, 1), ("fin", 0)],   # token 0 runs loops 0..1: token 1 exits at depth 1
+        [(D, 0), ("fin", 2)],                          # token 1 starts at once; planes 2, 3 finalized first
+        [(D, 0), ("fin", 3)],                          # token 1 exits at depth 0: planes 1..3 finalized
+        [(D, 1), ("fin", 0)], [(D, 2), ("fin", 0)],    # token 2 exits at depth 2, the last token
+    ]
+    assert req.exit_depths == [3, 1, 0, 2]
+    assert s.block_manager.num_used_blocks == 0
+
+
+def test_abort_frees_everything_at_once_even_with_a_plan_in_flight():
+    cfg = SchedulerConfig(num_loops=2, num_blocks=40, block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+                          prefill_chunk_size=4, max_model_len=40, prefill_mode="wavefront")
+    s = Scheduler(cfg)
+    fr = FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, VOCAB)
+    a, b = Request("a", list(range(20)), SamplingParams(max_tokens=3)), Request("b", [5, 6], SamplingParams(max_tokens=3))
+    s.add_request(a)
+    s.add_request(b)
+    plan = s.schedule()
+    used = s.block_manager.num_used_blocks
+    delta = s.abort("a")
+    assert delta.finished and delta.finish_reason == "abort" and a.status is RequestStatus.FINISHED_ABORTED
+    assert s.block_manager.num_used_blocks < used and a.batch_slot is None
+    s.update(plan, *fr.step(plan.descriptor))          # the in-flight plan skips "a"
+    assert s.abort("a") is None and s.abort("nope") is None
+    while s.has_unfinished():
+        plan = s.schedule()
+        s.update(plan, *fr.step(plan.descriptor))
+    assert b.finish_reason == "length" and len(b.output_token_ids) == 3
+    assert s.block_manager.num_free_blocks == cfg.num_blocks - 1
