@@ -8,3 +8,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import tempfile  # noqa: E402
+
+# One persistent compilation cache for the whole session: the many small engines of the tests
+# compile the same bucket shapes again and again.
+os.environ.setdefault("OURO_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="ouro_jax_xla_"))

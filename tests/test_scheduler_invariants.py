@@ -273,6 +273,27 @@ def test_modes_and_chunks_give_identical_tokens_and_exit_depths(mode, chunk):
     check_against_reference(cfg, objs, aborted)
     depths = [d for req, _ in objs.values() for d in req.exit_depths[1:]]
     assert len(set(depths)) > 1, "the workload should exercise early exits"
+    st_ = h.s.stats()
+    assert st_["invocations"] == len(h.plans)
+    assert st_["real_rows"] == sum(p.num_rows for p in h.plans)
+    assert st_["padded_rows"] == sum(p.descriptor.key.R - p.num_rows for p in h.plans)
+    assert st_["tokens"] == sum(len(req.output_token_ids) for req, _ in objs.values())
+    assert st_["host_time_s"] > 0 and st_["free_blocks"] == cfg.num_blocks - 1
+
+
+def test_shared_layout_runs_prompts_position_by_position():
+    T = 3
+    reqs = [dict(rid=i, prompt=list(range(10 + i, 20 + 2 * i)), sp=SamplingParams(max_tokens=4, exit_threshold=0.5),
+                 arrival=0, abort_at=None, priority=0) for i in range(3)]
+    for mode in ("split", "mixed"):
+        cfg = SchedulerConfig(num_loops=T, num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=8,
+                              prefill_chunk_size=4, max_model_len=40, kv_layout="shared", prefill_mode=mode)
+        h, objs, aborted = run_workload(cfg, reqs)
+        check_against_reference(cfg, objs, aborted)
+        for plan in h.plans:
+            for r in plan.ranges_of(Phase.RECURRENT):
+                assert r.token_count == 1     # one position at a time, all its loops before the next
+        assert all(len(plan.finalize) == 0 for plan in h.plans)
 
 
 def test_wavefront_fills_more_rows_than_split_at_small_chunk():
