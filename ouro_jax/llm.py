@@ -92,6 +92,7 @@ class LLM:
                  num_blocks: Optional[int] = None, kv_cache_bytes: Optional[int] = None,
                  gpu_memory_utilization: float = 0.85, buckets: Optional[Sequence[int]] = None,
                  attention: str = "auto", layer_loop: str = "scan", compile_cache_dir: Optional[str] = None,
+                 num_ring_rows: Optional[int] = None,
                  warmup: bool = True, progress: bool = True):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
@@ -120,8 +121,13 @@ class LLM:
                              f"max_model_len={max_model_len} at {planes} plane(s) (needs {need} blocks): lower "
                              f"max_model_len or give the cache more memory (kv_cache_bytes / num_blocks)")
         self.scheduler = Scheduler(self.scheduler_config)
+        # A larger ring than the scheduler needs is allowed: engines of different chunk sizes and
+        # modes then share executables (same shapes), which benchmark sweeps use to compile once.
+        need_rows = self.scheduler_config.num_ring_rows
+        if num_ring_rows is not None and num_ring_rows < need_rows:
+            raise ValueError(f"num_ring_rows={num_ring_rows} is too small: this configuration needs {need_rows}")
         self.runner = ModelRunner(c, self.params, num_blocks=int(num_blocks), block_size=block_size,
-                                  num_ring_rows=self.scheduler_config.num_ring_rows, attention=attention,
+                                  num_ring_rows=num_ring_rows or need_rows, attention=attention,
                                   layer_loop=layer_loop)
         self._ids = itertools.count()
         self._live: dict[object, Request] = {}      # queued or running, by id

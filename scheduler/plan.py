@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
+from typing import NamedTuple, Optional
+
+import numpy as np
 
 __all__ = ["Phase", "ScheduledRange", "CodaRow", "BatchPlan"]
 
@@ -31,8 +33,8 @@ class Phase(enum.Enum):
     DECODE = "decode"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ScheduledRange:
+class ScheduledRange(NamedTuple):
+    """A snapshot (a tuple: cheap to build for every decode row of every invocation)."""
     request_id: object
     phase: Phase
     depth: int               # loop index (PRELUDE: 0, the depth whose input it prepares)
@@ -47,8 +49,7 @@ class ScheduledRange:
         return self.token_start + self.token_count
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class CodaRow:
+class CodaRow(NamedTuple):
     request_id: object
     row: int                 # row of the invocation whose output is sampled
     token_index: int         # index of the generated token it would become
@@ -61,7 +62,7 @@ class BatchPlan:
     kind: str                                  # "prefill" | "decode" | "mixed"
     ranges: list[ScheduledRange]
     coda: list[CodaRow]
-    finalize: list[tuple[int, int]]            # (src slot, dst slot) KV copies, step 1
+    finalize: np.ndarray                       # [n, 2] (src slot, dst slot) KV copies, step 1
     needs_gates: bool                          # some gate of this plan may decide an exit
     needs_tokens: bool                         # coda rows present
     loop_count: int                            # loops a prompt range of this plan's group runs

@@ -93,7 +93,7 @@ class Request:
         self.decode_target_loops: Optional[int] = None
         self.gates_folded = 0
         self.pending_gates: list = []          # lazily read gates of this token, in loop order
-        self.pending_finalize: list[tuple[int, int]] = []  # KV slot copies for the next invocation
+        self.pending_finalize: list[int] = []  # flat (src, dst) KV slot copies for the next invocation
 
     # ---------------------------------------------------------------- sizes
     @property

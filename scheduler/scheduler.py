@@ -153,13 +153,14 @@ class _Lazy:
     def __init__(self, src: ArrayOrThunk, what: str, min_len: int):
         self._src, self._val, self._what, self._min_len = src, None, what, min_len
 
-    def get(self) -> np.ndarray:
+    def get(self) -> list:
         if self._val is None:
             v = np.asarray(self._src() if callable(self._src) else self._src).reshape(-1)
             if v.shape[0] < self._min_len:
                 raise ValueError(f"Scheduler.update: {self._what} has {v.shape[0]} entries, "
                                  f"the plan needs {self._min_len}")
-            self._val, self._src = v, None
+            # a Python list: the host reads it element by element, numpy scalars are slow there
+            self._val, self._src = v.tolist(), None
         return self._val
 
 
@@ -259,10 +260,6 @@ class Scheduler:
         req.batch_slot = None
         self.running.remove(req)
 
-    def _slot_of(self, req: Request, plane: int, pos: int) -> int:
-        bs = self.config.block_size
-        return int(self._tables[req.batch_slot, plane, pos // bs]) * bs + pos % bs
-
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> Optional[BatchPlan]:
         """The next invocation, or ``None`` if nothing can run."""
@@ -272,7 +269,7 @@ class Scheduler:
         cfg, T = self.config, self.num_loops
         self._admit()
         sel = self.policy.select(self.running, cfg.max_num_batched_tokens, T)
-        finalize = []
+        finalize: list[int] = []  # flat (src, dst) pairs: numpy converts flat int lists fastest
         for req in self.running:
             if req.pending_finalize:
                 finalize.extend(req.pending_finalize)
@@ -284,8 +281,8 @@ class Scheduler:
 
         ranges: list[ScheduledRange] = []
         coda: list[CodaRow] = []
-        coda_params: list[tuple] = []
-        seg = ([], [], [], [], [])  # slot, plane, pos, len, ring
+        coda_params: list = []  # flat (temperature, top_k, top_p, seed, step) per coda row
+        segs: list[int] = []     # flat (batch slot, plane, first position, rows, first ring row)
         pre_ring_dec, pre_tok_dec = [], []
         pre_ring_pr, pre_tok_pr = [], []
         needs_gates = False
@@ -293,23 +290,20 @@ class Scheduler:
         decode = sel.decode if sel else []
         prompt = sel.prompt if sel else []
 
-        def add_coda(req, r, k, speculative):
-            p = req.sampling_params
-            coda.append(CodaRow(req.request_id, r, k, speculative))
-            coda_params.append((p.temperature, p.top_k, p.top_p, p.seed, k))
-
         for req in decode:
-            d, pos, base = req.decode_depth, req.position_in_flight, req.ring_base
+            d, pos, base, p = req.decode_depth, req.position_in_flight, req.ring_base, req.sampling_params
             ranges.append(ScheduledRange(req.request_id, Phase.DECODE, d, pos, 1, pos, base, row))
-            for lst, v in zip(seg, (req.batch_slot, d if last_exited else 0, pos, 1, base)):
-                lst.append(v)
+            segs.extend((req.batch_slot, d if last_exited else 0, pos, 1, base))
             if d == 0:
                 pre_ring_dec.append(base)
                 pre_tok_dec.append(req.output_token_ids[-1])
-            kind = coda_kind(req.sampling_params, T, d + 1, req.decode_target_loops)
+            kind = coda_kind(p, T, d + 1, req.decode_target_loops)
             if kind != "none":
-                add_coda(req, row, len(req.output_token_ids), kind == "speculative")
-            needs_gates = needs_gates or gate_needed(req.sampling_params, T, d)
+                k = len(req.output_token_ids)
+                coda.append(CodaRow(req.request_id, row, k, kind == "speculative"))
+                coda_params.extend((p.temperature, p.top_k, p.top_p, p.seed, k))
+            if not needs_gates:
+                needs_gates = gate_needed(p, T, d)
             row += 1
         for req, d, s, e in prompt:
             cnt, ring, cs = e - s, req.ring_row(s), req.chunk_start(s)
@@ -318,25 +312,27 @@ class Scheduler:
                 pre_ring_pr.append(np.arange(ring, ring + cnt))
                 pre_tok_pr.append(req.prompt_token_ids[s:e])
             ranges.append(ScheduledRange(req.request_id, Phase.RECURRENT, d, s, cnt, cs, ring, row))
-            for lst, v in zip(seg, (req.batch_slot, d if last_exited else 0, s, cnt, ring)):
-                lst.append(v)
+            segs.extend((req.batch_slot, d if last_exited else 0, s, cnt, ring))
             if d == T - 1 and e == req.num_prompt_tokens:
-                add_coda(req, row + cnt - 1, 0, False)
+                p = req.sampling_params
+                coda.append(CodaRow(req.request_id, row + cnt - 1, 0, False))
+                coda_params.extend((p.temperature, p.top_k, p.top_p, p.seed, 0))
             row += cnt
 
         pre_ring = np.concatenate([np.asarray(pre_ring_dec, np.int64), *pre_ring_pr])
         pre_tok = np.concatenate([np.asarray(pre_tok_dec, np.int64), *pre_tok_pr])
-        cp = np.asarray(coda_params, np.float64).reshape(-1, 5)
-        fin = np.asarray(finalize, np.int64).reshape(-1, 2)
+        cp = np.fromiter(coda_params, np.float64, len(coda_params)).reshape(-1, 5)
+        fin = np.fromiter(finalize, np.int64, len(finalize)).reshape(-1, 2)
+        sg = np.fromiter(segs, np.int64, len(segs)).reshape(-1, 5)
         desc = build_descriptor(
             self.bucket_spec, self._tables,
-            seg_slot=seg[0], seg_plane=seg[1], seg_pos=seg[2], seg_len=seg[3], seg_ring=seg[4],
+            seg_slot=sg[:, 0], seg_plane=sg[:, 1], seg_pos=sg[:, 2], seg_len=sg[:, 3], seg_ring=sg[:, 4],
             pre_ring=pre_ring, pre_token=pre_tok,
             coda_row=[c.row for c in coda], coda_temperature=cp[:, 0], coda_top_k=cp[:, 1],
             coda_top_p=cp[:, 2], coda_seed=cp[:, 3].astype(np.uint32), coda_step=cp[:, 4],
             fin_src=fin[:, 0], fin_dst=fin[:, 1])
         plan = BatchPlan(step=self._step, kind=sel.kind if sel else "finalize", ranges=ranges, coda=coda,
-                         finalize=[(int(a), int(b)) for a, b in fin], needs_gates=needs_gates,
+                         finalize=fin, needs_gates=needs_gates,
                          needs_tokens=bool(coda), loop_count=sel.loop_count if sel else 0,
                          num_rows=row, descriptor=desc)
         self._step += 1
@@ -398,16 +394,19 @@ class Scheduler:
         need = gates_needed_at(params, T, d + 1)
         while req.gates_folded < need:
             lazy, i = req.pending_gates[req.gates_folded]
-            req.exit_remaining = fold_gate(req.exit_remaining, float(lazy.get()[i]))
+            req.exit_remaining = fold_gate(req.exit_remaining, lazy.get()[i])
             req.gates_folded += 1
         if not decide_exit(params, T, d + 1, req.exit_remaining, req.decode_target_loops):
             req.decode_depth += 1
             return
-        pos = r.token_start
         self._emit(req, int(toks.get()[coda_index[r.row_start]]), d, now, deltas)
         if req.status is RequestStatus.RUNNING and self.config.kv_layout == "last_exited" and d < T - 1:
-            src = self._slot_of(req, d, pos)
-            req.pending_finalize.extend((src, self._slot_of(req, p, pos)) for p in range(d + 1, T))
+            pos, bs = r.token_start, self.config.block_size
+            off = pos % bs
+            col = self._tables[req.batch_slot, :, pos // bs].tolist()  # the position's block, per plane
+            src = col[d] * bs + off
+            for p in range(d + 1, T):
+                req.pending_finalize += (src, col[p] * bs + off)
 
     def _emit(self, req: Request, tok: int, depth: int, now: float, deltas) -> None:
         """Record generated token ``tok`` (exit depth ``depth``); finish or start the next token."""
