@@ -5,6 +5,8 @@ Subcommands (each a ``_cmd_*`` handler registered by an ``_add_*`` function in :
 - ``convert SRC DST [--dtype bfloat16|float32] [--overwrite] [--no-progress]``
 - ``random-checkpoint DST --preset NAME [--seed N] [--layout hf|orbax] [--dtype ...]
   [--max-shard-bytes N] [--overwrite]``
+- ``demo [--model PRESET|DIR] [--batch N] [--prompt-len N] [--max-tokens N] [--exit-threshold Q]``:
+  the jitted ``generate()`` and the engine on a random-weight model, with tokens, exit depths, tok/s
 
 Heavy imports (jax, orbax) happen inside the handlers, so ``ouro-jax --help`` stays fast.
 """
@@ -61,6 +63,74 @@ def _cmd_random_checkpoint(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- demo
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="generate with a random-weight model: the jitted generate(), then the engine")
+    p.add_argument("--model", default="ouro-small", help="preset name or checkpoint folder (default: ouro-small)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--exit-threshold", type=float, default=0.5,
+                   help="early exit: stop a token's loops once this much exit probability has accumulated")
+    p.add_argument("--prefill-mode", choices=("split", "mixed", "wavefront"), default="wavefront")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=_cmd_demo)
+
+
+def _cmd_demo(args) -> int:
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from . import LLM, SamplingParams, generate
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
+    llm = LLM(args.model, max_num_seqs=max(args.batch, 1), max_num_batched_tokens=256, prefill_chunk_size=16,
+              max_model_len=max(256, args.prompt_len + args.max_tokens), prefill_mode=args.prefill_mode,
+              seed=args.seed, buckets=[8, 32, 64, 256])
+    cfg = llm.config
+    print(f"model {args.model}: {cfg.num_hidden_layers} layers x T={cfg.num_loops} loops, "
+          f"hidden {cfg.hidden_size}, {cfg.num_params / 1e6:.1f}M params (random weights)")
+    rng = np.random.default_rng(args.seed)
+    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, args.prompt_len))) for _ in range(args.batch)]
+
+    # 1. the jitted static-batch generate()
+    ids = jnp.asarray(prompts, jnp.int32)
+    lengths = jnp.full((args.batch,), args.prompt_len, jnp.int32)
+    kw = dict(exit_threshold=args.exit_threshold)
+    generate(llm.params, cfg, ids, lengths, args.max_tokens, **kw).tokens.block_until_ready()  # compile
+    t = time.perf_counter()
+    out = generate(llm.params, cfg, ids, lengths, args.max_tokens, **kw)
+    out.tokens.block_until_ready()
+    dt = time.perf_counter() - t
+    print(f"\ngenerate(): {args.batch} x {args.max_tokens} tokens in {dt * 1e3:.1f} ms = "
+          f"{args.batch * args.max_tokens / dt:.1f} tok/s")
+    for b in range(min(args.batch, 2)):
+        print(f"  tokens      {np.asarray(out.tokens[b]).tolist()}")
+        print(f"  exit depths {np.asarray(out.exit_depths[b]).tolist()}")
+
+    # 2. the engine: loop-level batching over the paged depth-plane KV cache
+    sp = SamplingParams(max_tokens=args.max_tokens, exit_threshold=args.exit_threshold, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    dt = time.perf_counter() - t
+    print(f"\nLLM.generate ({args.prefill_mode} prefill): {args.batch} x {args.max_tokens} tokens in "
+          f"{dt * 1e3:.1f} ms = {args.batch * args.max_tokens / dt:.1f} tok/s")
+    for o in outs[:2]:
+        print(f"  tokens      {o.token_ids}")
+        print(f"  exit depths {o.exit_depths}   (same as generate(): "
+              f"{o.token_ids == np.asarray(out.tokens[o.request_id]).tolist()})")
+    st = llm.stats()
+    print(f"  {st['recurrent_invocations']} recurrent invocations, {st['rows_per_invocation']:.1f} rows each, "
+          f"{st['compilations']} executables compiled at start-up in {st['compile_time_s']:.1f} s, "
+          f"host time {1e3 * st['host_time_per_invocation_s']:.2f} ms/invocation")
+    mean_loops = np.mean([d + 1 for o in outs for d in o.exit_depths[1:]])
+    print(f"  mean loops per generated token: {mean_loops:.2f} of {cfg.num_loops}")
+    return 0
+
+
 # --------------------------------------------------------------------------------- main
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     """The parser and its subparsers object (so further subcommands can be added)."""
@@ -69,6 +139,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_convert(sub)
     _add_random_checkpoint(sub)
+    _add_demo(sub)
     return parser, sub
 
 
