@@ -211,7 +211,7 @@ TUNINGS = st.fixed_dictionaries(dict(
 ))
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches(max_segments=4, max_q=18, max_pages=4), TUNINGS,
        st.sampled_from([np.float32, np.float32, jnp.bfloat16]))
 def test_kernel_interpret_matches_reference(case, tuning, dtype):
@@ -314,7 +314,7 @@ def test_triton_lowering_on_cpu():
 
 @gpu
 @skip_no_gpu
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches(max_segments=6, max_q=40, max_pages=8), TUNINGS,
        st.sampled_from([np.float32, jnp.bfloat16]))
 def test_kernel_gpu_matches_reference(case, tuning, dtype):
