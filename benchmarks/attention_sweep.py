@@ -180,8 +180,25 @@ def useful_flops(n_seg, q_len, ctx):
   return 4.0 * H * HD * keys
 
 
+DECODE_VARIANTS = {
+    "no_prefetch": dict(prefetch=False),
+    "mma_bq16_bk64": dict(block_q=16, block_k=64, num_warps=4, num_stages=3),
+    "bk64_nw8": dict(block_k=64, num_warps=8),
+}
+PREFILL_VARIANTS = {
+    "bq128_bk64": dict(block_q=128, block_k=64, num_warps=8, num_stages=3),
+    "bq128_bk128": dict(block_q=128, block_k=128, num_warps=8, num_stages=2),
+    "min_split_512": dict(min_split_tokens=512),
+    "bq64_bk64": dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
+}
+VARIANT_SHAPES = {("decode", 1, 1, 2048), ("decode", 8, 1, 8192), ("decode", 32, 1, 8192),
+                  ("decode", 128, 1, 2048), ("decode", 256, 1, 2048), ("decode", 1, 1, 32768),
+                  ("prefill", 4, 16, 8192), ("prefill", 1, 1024, 8192),
+                  ("prefill", 4, 2048, 2048), ("prefill", 1, 1024, 32768)}
+
+
 def run_shape(kind, n_seg, q_len, ctx, *, key, reps, tune=None, with_ref=True, with_cudnn=True,
-              unplanned=False):
+              unplanned=False, variants=None):
   c = build_case(key, n_seg, q_len, ctx)
   kv_bytes = n_seg * ctx * KV_TOKEN_BYTES
   est_ms = kv_bytes / 3e9 + (useful_flops(n_seg, q_len, ctx) / 3e11 if kind == "prefill" else 0)
@@ -191,7 +208,8 @@ def run_shape(kind, n_seg, q_len, ctx, *, key, reps, tune=None, with_ref=True, w
   rec = dict(kind=kind, shape=dict(n_seg=n_seg, q_len=q_len, ctx=ctx, rows=n_seg * q_len,
                                    heads=H, kv_heads=KVH, head_dim=HD, block_size=BS,
                                    dtype="bfloat16", layers_in_pool=c["layers"]),
-             n_calls=n_calls, tuning=dict(tune or {}))
+             n_calls=n_calls, tuning=dict(tune or {}),
+             default_tuning=vars(default_tuning(n_seg * q_len, n_seg, H, KVH, HD)))
   # correctness first (one call, layer 0)
   one = ours_fn(1, c["layers"], tune)
   out = one(*args)
@@ -220,6 +238,15 @@ def run_shape(kind, n_seg, q_len, ctx, *, key, reps, tune=None, with_ref=True, w
     log(f"  !! correctness check failed: {errs}")
 
   rec["ours_ms"] = timeit(ours_fn(n_calls, c["layers"], tune), args, n_calls, reps)
+  if variants:
+    rec["variants_ms"] = {}
+    for name, t in variants.items():
+      try:
+        rec["variants_ms"][name] = timeit(ours_fn(n_calls, c["layers"], t), args, n_calls,
+                                          min(reps, 5))
+      except Exception as e:  # noqa: BLE001
+        rec["variants_ms"][name] = None
+        log(f"  variant {name} failed: {type(e).__name__}: {str(e)[:200]}")
   if unplanned:
     rec["ours_unplanned_ms"] = timeit(ours_fn(n_calls, c["layers"], tune, planned=False), args,
                                       n_calls, reps)
@@ -381,6 +408,8 @@ def main():
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--tune", action="store_true", help="time tuning variants first")
   ap.add_argument("--reps", type=int, default=None)
+  ap.add_argument("--variants", action="store_true",
+                  help="also time other tilings on a few shapes (variants_ms)")
   ap.add_argument("--no-copy", action="store_true", help="do not copy to benchmarks/results")
   ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (interpret mode)")
   args = ap.parse_args()
@@ -405,13 +434,29 @@ def main():
     log(f"tuning done in {time.time() - t_start:.0f} s")
 
   records = []
+  path = os.path.join(args.out, "attention_sweep.json")
+
+  def dump(final):
+    result = dict(device=dev.device_kind, jax_version=jax.__version__,
+                  backend=jax.default_backend(), ceilings=ceilings, quick=args.quick,
+                  complete=final, records=records, wall_s=time.time() - t_start)
+    with open(path, "w") as fh:
+      json.dump(result, fh, indent=1)
+
   todo = [("decode", b, 1, c) for b, c in decode_shapes(args.quick)]
   todo += [("prefill", n, q, c) for n, q, c in prefill_shapes(args.quick)]
   for kind, n, q, c in todo:
     t0 = time.time()
     try:
-      rec = run_shape(kind, n, q, c, key=key, reps=reps, unplanned=(kind == "decode"))
+      variants = None
+      if args.variants and (kind, n, q, c) in VARIANT_SHAPES:
+        variants = DECODE_VARIANTS if kind == "decode" else PREFILL_VARIANTS
+      rec = run_shape(kind, n, q, c, key=key, reps=reps, unplanned=(kind == "decode"),
+                      variants=variants)
       records.append(rec)
+      if rec.get("variants_ms"):
+        log("  variants: " + ", ".join(f"{k} {v:.4f}" if v else f"{k} -"
+                                       for k, v in rec["variants_ms"].items()))
       log(f"{kind} {n}x{q}@{c}: ours {rec['ours_ms']:.4f} ms, cudnn {rec['cudnn_ms']}, "
           f"ratio {rec['ratio_to_cudnn']}, err {rec.get('err_vs_reference')}/"
           f"{rec.get('err_vs_cudnn')} ({time.time() - t0:.1f} s)")
@@ -420,13 +465,9 @@ def main():
       traceback.print_exc()
       records.append(dict(kind=kind, shape=dict(n_seg=n, q_len=q, ctx=c), error=str(e)[:500],
                           ours_ms=None, cudnn_ms=None, reference_ms=None, ratio_to_cudnn=None))
+    dump(False)  # partial results survive a time limit
 
-  result = dict(device=dev.device_kind, jax_version=jax.__version__, backend=jax.default_backend(),
-                ceilings=ceilings, quick=args.quick, records=records,
-                wall_s=time.time() - t_start)
-  path = os.path.join(args.out, "attention_sweep.json")
-  with open(path, "w") as fh:
-    json.dump(result, fh, indent=1)
+  dump(True)
   plot([r for r in records if r.get("ours_ms")], os.path.join(args.out, "attention_sweep.png"))
   if not args.no_copy and os.path.abspath(args.out) != os.path.abspath(RESULTS_DIR):
     os.makedirs(RESULTS_DIR, exist_ok=True)

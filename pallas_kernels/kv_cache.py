@@ -79,7 +79,9 @@ def copy_kv_slots(k_pages, v_pages, src, dst):
 
   def upd(pages):
     flat = pages.reshape(*lead, nb * bs, hd)
-    vals = flat[..., s, :]  # [*lead, F, hd]
+    # Materialise the gathered rows before the scatter: fused into one kernel, the gather would
+    # read the buffer the scatter writes, and XLA (GPU) would copy the whole pool to stay safe.
+    vals = jax.lax.optimization_barrier(flat[..., s, :])  # [*lead, F, hd]
     return flat.at[..., d, :].set(vals, mode="drop").reshape(shape)
 
   return upd(k_pages), upd(v_pages)

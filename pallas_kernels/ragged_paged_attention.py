@@ -78,35 +78,55 @@ class Tuning:
   min_split_tokens: int  # never split a context into chunks shorter than this
   num_warps: int
   num_stages: int
+  prefetch: bool = True  # one-row path: load block j+1 while reducing block j
   combine_warps: int = 4
 
 
 def default_tuning(num_rows: int, num_segments: int, num_q_heads: int, num_kv_heads: int,
                    head_dim: int, *, dtype=jnp.bfloat16, block_q=None, block_k=None,
                    extra_items=None, min_split_tokens=None, num_warps=None, num_stages=None,
-                   target_programs=None) -> Tuning:
-  """Heuristic defaults for a bucket ``(R, S)``; any knob given overrides it."""
+                   target_programs=None, prefetch=None) -> Tuning:
+  """Heuristic defaults for a bucket ``(R, S)``; any knob given overrides it.
+
+  Measured on the H200 (benchmarks/attention_sweep.py, tuning pass): one-row tiles with 32-token
+  blocks for decode buckets; for prompt segments the tile height follows the rows per segment
+  (16 / 64 / 128 rows); 128-row tiles run 8 warps with 32-token blocks (best of the variants
+  tried; 128x128 was within 2%).
+  """
   g = num_q_heads // num_kv_heads
   wide = jnp.dtype(dtype).itemsize >= 4  # f32: IEEE dots on CUDA cores, keep tiles small
-  decode_like = num_rows <= 2 * max(num_segments, 1)
+  rows_per_seg = num_rows / max(num_segments, 1)
+  decode_like = rows_per_seg <= 2
   if block_q is None:
-    block_q = 1 if decode_like else max(1, (16 if wide else 64) // g)
+    if decode_like:
+      block_q = 1
+    else:
+      cap = 16 if wide else (16 if rows_per_seg <= 16 else (64 if rows_per_seg <= 64 else 128))
+      block_q = max(1, cap // g)
   m = block_q * g
+  m_pad = 1 if m == 1 else _next_pow2(max(16, m))
   if block_k is None:
-    block_k = 64 if m == 1 else (32 if wide or head_dim > 128 else 64)
+    if m == 1:
+      block_k = 32
+    elif wide or head_dim > 128 or m_pad >= 128:
+      block_k = 32
+    else:
+      block_k = 64
   if num_warps is None:
-    num_warps = 4 if _next_pow2(max(m, 16)) <= 64 else 8
+    num_warps = 8 if m_pad >= 128 else 4
   if num_stages is None:
-    num_stages = 2 if m == 1 else 3
+    num_stages = 2 if (m == 1 or m_pad == 64) else 3
   if target_programs is None:
-    target_programs = 1024
+    target_programs = 512 if decode_like else 1024
   if extra_items is None:
     extra_items = max(1, _cdiv(target_programs, num_kv_heads))
   if min_split_tokens is None:
-    min_split_tokens = 256 if decode_like else 512
+    min_split_tokens = 128 if decode_like else (512 if m_pad <= 16 else 2048)
+  if prefetch is None:
+    prefetch = True
   return Tuning(block_q=int(block_q), block_k=int(block_k), extra_items=int(extra_items),
                 min_split_tokens=int(min_split_tokens), num_warps=int(num_warps),
-                num_stages=int(num_stages))
+                num_stages=int(num_stages), prefetch=bool(prefetch))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,7 +238,7 @@ def make_plan(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, num_q_per_k
 
 def _attn_kernel(items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, *,
                  g: int, m_valid: int, m_pad: int, block_k: int, block_size: int,
-                 scale_log2: float, precision):
+                 scale_log2: float, precision, prefetch: bool):
   w = pl.program_id(0)
   h = pl.program_id(1)
   seg = items_ref[w, 0]
@@ -256,27 +276,38 @@ def _attn_kernel(items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_r
     return kpos, None, k_ref[idx], v_ref[idx]
 
   if m_pad == 1:
-    # One query row (MHA decode): CUDA-core dot products, scalar softmax statistics.
+    # One query row (MHA decode): CUDA-core dot products, scalar softmax statistics. No MMA, so
+    # Triton does not pipeline the loop; with ``prefetch`` block j+1's K/V (and its page ids) are
+    # loaded while block j is reduced (register double buffer; loads past the item's end are
+    # masked off).
     q = q_ref[row0, h, :].astype(jnp.float32) * scale_log2  # [hd]
 
-    def body(masked):
-      def f(j, carry):
-        acc, m_i, l_i = carry
-        _, kvalid, k, v = load_kv(k0 + j * block_k, masked)
-        s = jnp.sum(q[None, :] * k.astype(jnp.float32), axis=1)  # [BK]
-        if masked:
-          s = jnp.where(kvalid, s, NEG)
-        m_new = jnp.maximum(m_i, jnp.max(s))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - m_new)
-        l_new = l_i * alpha + jnp.sum(p)
-        acc = acc * alpha + jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
-        return acc, m_new, l_new
-      return f
+    def step(j, acc, m_i, l_i, k, v):
+      kvalid = k0 + j * block_k + kr < k1
+      s = jnp.sum(q[None, :] * k.astype(jnp.float32), axis=1)  # [BK]
+      s = jnp.where(kvalid, s, NEG)
+      m_new = jnp.maximum(m_i, jnp.max(s))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(s - m_new)
+      l_new = l_i * alpha + jnp.sum(p)
+      acc = acc * alpha + jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
+      return acc, m_new, l_new
 
-    carry = (jnp.zeros((head_dim,), jnp.float32), jnp.float32(NEG), jnp.float32(0.0))
-    carry = lax.fori_loop(0, n_full, body(False), carry)
-    acc, m_i, l_i = lax.fori_loop(n_full, n_blocks, body(True), carry)
+    init = (jnp.zeros((head_dim,), jnp.float32), jnp.float32(NEG), jnp.float32(0.0))
+    if prefetch:
+      def f(j, carry):
+        acc, m_i, l_i, k, v = carry
+        _, _, k_next, v_next = load_kv(k0 + (j + 1) * block_k, True)
+        return (*step(j, acc, m_i, l_i, k, v), k_next, v_next)
+
+      _, _, k_first, v_first = load_kv(k0, True)
+      acc, m_i, l_i, _, _ = lax.fori_loop(0, n_blocks, f, (*init, k_first, v_first))
+    else:
+      def f(j, carry):
+        _, _, k, v = load_kv(k0 + j * block_k, True)
+        return step(j, *carry, k, v)
+
+      acc, m_i, l_i = lax.fori_loop(0, n_blocks, f, init)
     ok = m_i > 0.5 * NEG
     l_safe = jnp.where(ok, l_i, 1.0)
     o = jnp.where(ok, acc / l_safe, 0.0)
@@ -401,25 +432,31 @@ def _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_bl
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "interpret", "block_q", "block_k", "extra_items",
-                     "min_split_tokens", "num_warps", "num_stages", "target_programs"))
+                     "min_split_tokens", "num_warps", "num_stages", "target_programs",
+                     "prefetch"))
 def ragged_paged_attention(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len,
                            seg_block_table, *, layer=None, sm_scale: float,
                            interpret: bool = False, block_q=None, block_k=None,
                            extra_items=None, min_split_tokens=None, num_warps=None,
-                           num_stages=None, target_programs=None, plan: Plan | None = None):
+                           num_stages=None, target_programs=None, prefetch=None,
+                           plan: Plan | None = None):
   """Ragged paged attention (see module docstring). Tuning knobs default by bucket.
 
-  ``plan`` (optional) is ``make_plan(...)`` for the same segment arrays and the same tuning
-  (``default_tuning`` with the same knobs): pass it to build the work list once per step.
+  ``plan`` (optional) is ``make_plan(...)`` for the same segment arrays (built once per step and
+  shared by every layer); the launch takes its ``block_q``/``block_k`` from it.
   """
   _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, layer)
+  if plan is not None:  # the plan fixes the tiling it was built for
+    block_q = plan.block_q if block_q is None else block_q
+    block_k = plan.block_k if block_k is None else block_k
   num_rows, num_heads, head_dim = q.shape
   kvh = k_pages.shape[-4]
   g = num_heads // kvh
   tuning = default_tuning(num_rows, seg_q_len.shape[0], num_heads, kvh, head_dim,
                           dtype=q.dtype, block_q=block_q, block_k=block_k, extra_items=extra_items,
                           min_split_tokens=min_split_tokens, num_warps=num_warps,
-                          num_stages=num_stages, target_programs=target_programs)
+                          num_stages=num_stages, target_programs=target_programs,
+                          prefetch=prefetch)
   if plan is None:
     plan = make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=g,
                      tuning=tuning)
@@ -445,7 +482,8 @@ def _launch(q, k_pages, v_pages, seg_block_table, layer, plan: Plan, *, tuning: 
 
   kernel = functools.partial(
       _attn_kernel, g=g, m_valid=m_valid, m_pad=m_pad, block_k=tuning.block_k,
-      block_size=block_size, scale_log2=float(sm_scale) * LOG2E, precision=precision)
+      block_size=block_size, scale_log2=float(sm_scale) * LOG2E, precision=precision,
+      prefetch=tuning.prefetch)
   operands = [plan.items, seg_block_table.astype(jnp.int32)]
   if has_layer:
     operands.append(jnp.asarray(layer, jnp.int32).reshape(1))
