@@ -1,0 +1,504 @@
+"""REPORT.md from every JSON under ``benchmarks/results/``: each figure next to its floor.
+
+    python -m benchmarks.report [--results benchmarks/results]
+
+Reads ``<workload>.json`` (``benchmarks/run.py``), ``bucket_sweep.json`` / ``bucket_padding.json``
+(``benchmarks/sweep_buckets.py``) and ``generate.json`` (``benchmarks/generate_bench.py``), and
+writes ``REPORT.md`` with the targets of docs/performance.md, one table per workload, the bucket
+sweep, and plots (throughput vs chunk per mode, latency CDFs, bucket roofline, padding by bucket set).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import math
+import os
+from collections import defaultdict
+from typing import Optional
+
+__all__ = ["load_results", "plot_workload", "plot_latency", "plot_bucket_sweep", "write_report", "main"]
+
+GENERATE_MODE = "generate()"
+MODE_ORDER = ("split", "mixed", "wavefront", GENERATE_MODE)
+
+
+# ------------------------------------------------------------------------------------ loading
+def load_results(folder: str) -> dict:
+    out = {}
+    for p in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        try:
+            with open(p) as f:
+                out[os.path.splitext(os.path.basename(p))[0]] = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"skipping {p}: {e}")
+    return out
+
+
+def _ok(records):
+    return [r for r in records if "error" not in r and r.get("headline")]
+
+
+# ------------------------------------------------------------------------------------ plotting
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _series(records):
+    """(label, mode) -> records sorted by chunk."""
+    s = defaultdict(list)
+    for r in _ok(records):
+        s[(r["label"], r["mode"])].append(r)
+    for v in s.values():
+        v.sort(key=lambda r: (r.get("chunk") is None, r.get("chunk") or 0))
+    rank = {m: i for i, m in enumerate(MODE_ORDER)}
+    return dict(sorted(s.items(), key=lambda kv: (kv[0][0], rank.get(kv[0][1], 9))))
+
+
+def plot_workload(result: dict, path: str) -> Optional[str]:
+    """Headline figure (and its floor) vs chunk per mode; bars when there is no chunk sweep."""
+    recs = _ok(result.get("records", []))
+    if not recs:
+        return None
+    plt = _plt()
+    series = _series(recs)
+    swept = any(len({r.get("chunk") for r in v}) > 1 for v in series.values())
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    h0 = recs[0]["headline"]
+    if swept:
+        ax, axf = axes
+        for i, ((label, mode), rs) in enumerate(series.items()):
+            rs = [r for r in rs if r.get("chunk") is not None]
+            if not rs:
+                continue
+            x = [r["chunk"] for r in rs]
+            color = f"C{i}"
+            name = f"{label} {mode}" if len({k[0] for k in series}) > 1 else mode
+            ax.plot(x, [r["headline"]["value"] for r in rs], "o-", color=color, label=name)
+            ax.plot(x, [r["headline"]["floor"] for r in rs], "--", color=color, alpha=0.6)
+            axf.plot(x, [100 * r["headline"]["fraction"] for r in rs], "o-", color=color, label=name)
+        chunks = sorted({r["chunk"] for r in recs if r.get("chunk") is not None})
+        for a in (ax, axf):
+            a.set_xscale("log", base=2)
+            a.set_xticks(chunks, [str(c) for c in chunks])
+            a.set_xlabel("prefill chunk size")
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{h0['metric']} ({h0['unit']}); dashed: floor")
+        axf.set_ylabel("% of floor")
+        ax.legend(fontsize=8)
+        for r in recs:  # generate() baselines: horizontal lines
+            if r["mode"] == GENERATE_MODE and r["headline"]["metric"] == h0["metric"]:
+                ax.axhline(r["headline"]["value"], color="k", ls=":", label=f"generate() {r['label']}")
+    else:
+        ax, axt = axes
+        names = [f"{label}\n{mode}" for (label, mode) in series]
+        vals = [v[0]["headline"]["value"] for v in series.values()]
+        floors = [v[0]["headline"]["floor"] for v in series.values()]
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], vals, 0.4, label="measured")
+        ax.bar([i + 0.2 for i in x], floors, 0.4, label="floor", alpha=0.5)
+        ax.set_xticks(list(x), names, fontsize=7, rotation=45, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{h0['metric']} ({h0['unit']})")
+        ax.legend(fontsize=8)
+        for i, v in enumerate(series.values()):
+            ax.text(i, v[0]["headline"]["value"], f"{100 * v[0]['headline']['fraction']:.0f}%", ha="center",
+                    va="bottom", fontsize=7)
+        tp = [((v[0].get("latency") or {}).get("tpot") or {}).get("p50") for v in series.values()]
+        tf = [(v[0].get("tpot_floor") or {}).get("floor_s") for v in series.values()]
+        axt.bar([i - 0.2 for i in x], [1e3 * t if t else 0 for t in tp], 0.4, label="TPOT p50")
+        axt.bar([i + 0.2 for i in x], [1e3 * t if t else 0 for t in tf], 0.4, label="decode step floor", alpha=0.5)
+        axt.set_xticks(list(x), names, fontsize=7, rotation=45, ha="right")
+        axt.set_ylabel("ms per output token")
+        axt.set_yscale("log")
+        axt.legend(fontsize=8)
+    fig.suptitle(f"{result.get('workload')} on {result.get('device')} (jax {result.get('jax_version')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_latency(result: dict, path: str) -> Optional[str]:
+    """CDFs of TTFT and ITL (of the decode streams where there are tags) per record."""
+    recs = [r for r in _ok(result.get("records", [])) if (r.get("latency") or {}).get("cdf")]
+    if not recs:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    q = [i / 100 for i in range(101)]
+    for i, r in enumerate(recs):
+        lat = r["latency"]
+        by = r.get("latency_by_tag") or {}
+        name = f"{r['label']} {r['mode']} c{r.get('chunk')}"
+        for ax, key, src in ((axes[0], "ttft", lat), (axes[1], "itl", by.get("decode", lat))):
+            pts = (src.get("cdf") or {}).get(key)
+            if pts:
+                ax.plot([max(p, 1e-6) * 1e3 for p in pts], q, color=f"C{i % 10}",
+                        ls="-" if i < 10 else "--", label=name)
+    axes[0].set_xlabel("TTFT (ms)")
+    axes[1].set_xlabel("inter-token latency (ms)" + (" of the decode streams" if recs[0].get("latency_by_tag") else ""))
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_ylabel("fraction of requests / tokens")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"{result.get('workload')}: latency CDFs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_bucket_sweep(result: dict, path: str) -> Optional[str]:
+    dev = (result.get("device_part") or {}).get("buckets")
+    pad = result.get("padding")
+    if not dev and not pad:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    if dev:
+        ax = axes[0]
+        ceil = result.get("ceilings") or {}
+        bw, peak = ceil.get("bandwidth", 4e12), ceil.get("peak_flops", 785e12)
+        xs = [b[k]["intensity"] for b in dev for k in ("decode", "prefill")]
+        lo, hi = max(min(xs) / 2, 1e-2), max(xs) * 2
+        grid = [lo * (hi / lo) ** (i / 100) for i in range(101)]
+        ax.plot(grid, [min(peak, bw * g) / 1e12 for g in grid], "k-", lw=1, label="roofline (measured ceilings)")
+        for kind, m in (("decode", "o"), ("prefill", "s")):
+            ax.scatter([b[kind]["intensity"] for b in dev], [b[kind]["tflops"] for b in dev], marker=m, label=kind)
+            for b in dev:
+                ax.annotate(str(b["R"]), (b[kind]["intensity"], b[kind]["tflops"]), fontsize=6)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("FLOP / byte")
+        ax.set_ylabel("achieved TFLOP/s")
+        ax.set_title("bucket roofline (labels: rows)")
+        ax.legend(fontsize=7)
+        ax = axes[1]
+        R = [b["R"] for b in dev]
+        for kind in ("decode", "prefill"):
+            ax.plot(R, [b[kind]["device_s"] * 1e3 for b in dev], "o-", label=f"{kind} device")
+            ax.plot(R, [b[kind]["floor_s"] * 1e3 for b in dev], "--", label=f"{kind} floor")
+            ax.plot(R, [b[kind]["host_build_s"] * 1e3 for b in dev], ":", label=f"{kind} host build")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bucket rows R")
+        ax.set_ylabel("ms per invocation")
+        ax.legend(fontsize=7)
+    if pad and pad.get("per_workload"):
+        ax = axes[2]
+        wls = list(pad["per_workload"])
+        sets = list(pad["sets"])
+        w = 0.8 / max(1, len(sets))
+        for j, sname in enumerate(sets):
+            ax.bar([i + j * w for i in range(len(wls))],
+                   [100 * pad["per_workload"][wl]["by_set"][sname]["padding_fraction"] for wl in wls], w,
+                   label=f"{sname} ({len(pad['sets'][sname])})")
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(wls))], wls, fontsize=7, rotation=20)
+        ax.set_ylabel("% padded rows")
+        ax.set_title("padding by bucket set (executables)")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------- markdown
+def _f(x, nd=1, scale=1.0, unit=""):
+    if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))):
+        return "–"
+    v = x * scale
+    if abs(v) >= 1000:
+        return f"{v:,.0f}{unit}"
+    if v and abs(v) < 10 ** -nd:
+        return f"{v:.3g}{unit}"
+    return f"{v:.{nd}f}{unit}"
+
+
+def _pct(x):
+    return "–" if x is None else f"{100 * x:.1f}%" if x >= 0.001 or x == 0 else f"{100 * x:.2g}%"
+
+
+def _lat(r, key, p, tag=None):
+    src = ((r.get("latency_by_tag") or {}).get(tag) if tag else None) or r.get("latency") or {}
+    return ((src.get(key) or {}).get(p))
+
+
+def _table(header, rows) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def _workload_table(res: dict) -> str:
+    rows = []
+    tag = "decode" if res.get("workload") == "decode_under_prefill" else None
+    for r in res.get("records", []):
+        if "error" in r:
+            rows.append([r.get("label", ""), r.get("mode", ""), r.get("chunk") or "–", f"ERROR: {r['error'][:120]}"]
+                        + [""] * 13)
+            continue
+        h = r["headline"]
+        hist = r.get("exit_histogram") or {}
+        mem = r.get("peak_bytes_in_use")
+        rows.append([
+            r["label"] + (" (truncated)" if r.get("truncated") else ""), r["mode"], r.get("chunk") or "–",
+            f"{h['metric']}: **{_f(h['value'])}** / {_f(h['floor'])} {h['unit']}",
+            f"**{_pct(h['fraction'])}** {h['bound']}",
+            f"{_pct(r['fraction_of_floor'])} {r['floor_bound']}",
+            _f(r.get("output_tok_s")),
+            f"{_f(_lat(r, 'ttft', 'p50', tag), 1, 1e3)} / {_f(_lat(r, 'ttft', 'p99', tag), 1, 1e3)}",
+            f"{_f(_lat(r, 'itl', 'p50', tag), 2, 1e3)} / {_f(_lat(r, 'itl', 'p99', tag), 2, 1e3)}",
+            f"{_f(_lat(r, 'tpot', 'p50', tag), 2, 1e3)} / {_f(_lat(r, 'tpot', 'p99', tag), 2, 1e3)}"
+            + (f" (floor {_f((r.get('tpot_floor') or {}).get('floor_s'), 2, 1e3)})" if r.get("tpot_floor") else ""),
+            _f(r.get("rows_per_invocation")), _f(r.get("invocations_per_s"), 0),
+            _f(r.get("host_time_per_invocation_s"), 3, 1e3), _f(r.get("time_per_invocation_s"), 3, 1e3),
+            _f(hist.get("mean_loops"), 2), r.get("compilations", "–"),
+            _f(mem / 2 ** 30 if mem else None, 1)])
+    header = ["variant", "mode", "chunk", "headline: measured / floor", "of floor", "whole run of floor",
+              "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "TPOT p50/p99 ms", "rows/inv", "inv/s",
+              "host/inv ms", "wall/inv ms", "mean loops", "compiles", "peak GiB"]
+    return _table(header, rows)
+
+
+def _find(results, workload, pred):
+    res = results.get(workload)
+    if not res:
+        return []
+    return [r for r in _ok(res.get("records", [])) if pred(r)]
+
+
+def _targets(results: dict) -> str:
+    rows = []
+
+    def serve(fixed_c):
+        recs = _find(results, "serve1k", lambda r: r["mode"] != GENERATE_MODE and r.get("exit") == "fixed")
+        if not recs:
+            return None
+        cs = sorted({r["concurrency"] for r in recs})
+        c = cs[0] if fixed_c == "min" else cs[-1]
+        return next(r for r in recs if r["concurrency"] == c)
+
+    for what, pick, goal in (("decode, batch 1 (serve1k c=1, fixed depth)", "min", 0.90),
+                             ("decode, serve1k c=128, fixed depth", "max", 0.85)):
+        r = serve(pick)
+        if r is None:
+            rows.append([what, f">= {goal:.0%} of the bandwidth floor", "not run", "", ""])
+            continue
+        f = r.get("tpot_fraction_of_floor")
+        rows.append([what, f">= {goal:.0%} of the bandwidth floor",
+                     f"TPOT p50 {_f(_lat(r, 'tpot', 'p50'), 2, 1e3)} ms vs floor "
+                     f"{_f(r['tpot_floor']['floor_s'], 2, 1e3)} ms ({r['tpot_floor']['bound']}); whole run "
+                     f"{_pct(r['fraction_of_floor'])} ({r['label']}, {r['mode']})",
+                     _pct(f), "met" if f and f >= goal else "not met"])
+    l4 = {(r["mode"], r.get("chunk")): r for r in _find(results, "long4", lambda r: r["mode"] != GENERATE_MODE)}
+    w16, s16 = l4.get(("wavefront", 16)), l4.get(("split", 16))
+    if w16:
+        h = w16["headline"]
+        ratio = h["value"] / s16["headline"]["value"] if s16 else None
+        ok = h["fraction"] >= 0.85 and (ratio or 0) >= 1.4
+        rows.append(["prefill long4, wavefront chunk 16", ">= 85% of its floor and >= 1.4x split chunk 16",
+                     f"{_f(h['value'])} tok/s vs floor {_f(h['floor'])} ({h['bound']}); "
+                     f"{_f(ratio, 2)}x split", _pct(h["fraction"]), "met" if ok else "not met"])
+    else:
+        rows.append(["prefill long4, wavefront chunk 16", ">= 85% of its floor and >= 1.4x split", "not run", "", ""])
+    c128 = [r for (m, c), r in l4.items() if c == 128]
+    if c128:
+        best = max(c128, key=lambda r: r["headline"]["value"])
+        h = best["headline"]
+        rows.append(["prefill long4, chunk 128", ">= 75% of the FLOP floor (>= 45,000 tok/s)",
+                     f"best {best['mode']}: {_f(h['value'])} tok/s vs floor {_f(h['floor'])} ({h['bound']}); "
+                     + ", ".join(f"{r['mode']} {_f(r['headline']['value'])}" for r in c128),
+                     _pct(h["fraction"]), "met" if h["fraction"] >= 0.75 else "not met"])
+    else:
+        rows.append(["prefill long4, chunk 128", ">= 75% of the FLOP floor", "not run", "", ""])
+    att = [r for r in (results.get("attention_sweep") or {}).get("records", []) if r.get("ratio_to_cudnn")]
+    for kind, goal, unit in (("decode", 0.90, "bandwidth"), ("prefill", 0.85, "TFLOP/s")):
+        rs = sorted(att_r["ratio_to_cudnn"] for att_r in att if att_r.get("kind") == kind)
+        what = f"paged attention kernel, {kind} {'rows' if kind == 'decode' else 'segments'}"
+        if not rs:
+            rows.append([what, f">= {goal:.0%} of cuDNN's {unit}", "not measured (benchmarks/attention_sweep.py)",
+                         "", ""])
+            continue
+        med = rs[len(rs) // 2]
+        rows.append([what, f">= {goal:.0%} of cuDNN's {unit} at the same shape",
+                     f"attention_sweep.json: ours / cuDNN median {med:.2f}, range {rs[0]:.2f}..{rs[-1]:.2f} over "
+                     f"{len(rs)} shapes", _pct(med), "met" if rs[0] >= goal else "not met"])
+    eng = [r for res in results.values() if res.get("benchmark") == "workload"
+           for r in _ok(res.get("records", [])) if r["mode"] != GENERATE_MODE]
+    if eng:
+        shares = sorted(r["host_time_per_invocation_s"] / r["time_per_invocation_s"] for r in eng
+                        if r.get("time_per_invocation_s"))
+        worst = max(eng, key=lambda r: r["host_time_per_invocation_s"] / max(r["time_per_invocation_s"], 1e-12))
+        rows.append(["host overhead", "scheduling + descriptor < 10% of device time per invocation",
+                     f"host / wall per invocation: median {_pct(shares[len(shares) // 2])}, worst "
+                     f"{_pct(shares[-1])} ({worst['label']} {worst['mode']} c{worst.get('chunk')}); wall per "
+                     f"invocation bounds device time from above",
+                     _pct(shares[len(shares) // 2]), "met" if shares[-1] < 0.10 else "not met"])
+        comp = sum(r.get("compilations", 0) + r.get("xla_compilations", 0) for r in eng)
+        rows.append(["recompiles during a run", "0", f"{comp} over {len(eng)} runs", "",
+                     "met" if comp == 0 else "not met"])
+    seen, starts = set(), []
+    for res in results.values():
+        if res.get("benchmark") != "workload":
+            continue
+        for s in res.get("startup", []) + [res.get("process_startup")]:
+            if s and (s.get("elapsed_s"), s.get("warmup_s")) not in seen:
+                seen.add((s.get("elapsed_s"), s.get("warmup_s")))
+                starts.append(s)
+    cold = [s for s in starts if s.get("source") == "compiled"]
+    warm = [s for s in starts if s.get("source") == "persistent cache"]
+    if starts:
+        rows.append(["start-up", "all buckets < 60 s cold, < 10 s with the persistent cache",
+                     f"cold: {', '.join(_f(s['warmup_s']) + ' s' for s in cold) or 'not seen'} "
+                     f"({cold[0]['executables'] if cold else '–'} executables); cached: "
+                     f"{', '.join(_f(s['warmup_s']) + ' s' for s in warm) or 'not seen'}", "",
+                     "met" if cold and warm and max(s['warmup_s'] for s in cold) < 60
+                     and max(s['warmup_s'] for s in warm) < 10 else "–"])
+    return _table(["figure", "target", "measured", "of floor", "status"], rows)
+
+
+def _bucket_section(bs: dict, pad_only: Optional[dict]) -> str:
+    out = []
+    dev = (bs or {}).get("device_part")
+    if dev:
+        out.append(f"Synthetic full descriptors per bucket: decode rows at context {dev['decode_context']}, prefill "
+                   f"segments of {dev['prefill_segment']} rows ending at {dev['prefill_context']}; device time of "
+                   f"back-to-back invocations with the descriptor on the device ({dev['reps']} reps). Executables: "
+                   f"{dev['startup']['source']} ({_f(dev['startup']['warmup_s'])} s).\n")
+        rows = []
+        for b in dev["buckets"]:
+            d, p, m = b["decode"], b["prefill"], b.get("memory") or {}
+            rows.append([b["R"], b["C"], b["F"], b["MB"], _f(b.get("compile_s"), 2),
+                         _f(m.get("temp_bytes", 0) / 2 ** 20 if m else None, 1),
+                         _f(m.get("generated_code_bytes", 0) / 2 ** 20 if m else None, 2),
+                         f"{_f(d['device_s'], 3, 1e3)} ({_pct(d['fraction_of_floor'])} {d['bound']})",
+                         f"{_f(d['gbs'], 0)} GB/s", f"{_f(p['device_s'], 3, 1e3)} ({_pct(p['fraction_of_floor'])} "
+                                                     f"{p['bound']})", f"{_f(p['tflops'], 1)} TFLOP/s",
+                         f"{_f(d['host_build_s'], 0, 1e6)} / {_f(p['host_build_s'], 0, 1e6)}",
+                         f"{_f(d['upload_s'], 0, 1e6)} / {_f(p['upload_s'], 0, 1e6)}"])
+        out.append(_table(["R", "C", "F", "MB", "compile s", "temp MiB", "code MiB", "decode ms (floor)",
+                           "decode GB/s", "prefill ms (floor)", "prefill TFLOP/s", "host build us (dec/pre)",
+                           "upload us (dec/pre)"], rows))
+    pad = (bs or {}).get("padding") or (pad_only or {}).get("padding")
+    if pad:
+        out.append(f"\n**Padding** (scheduler simulated, no device; {pad['num_blocks']} KV blocks, scale "
+                   f"{pad['scale']}): padded rows / rows of the buckets run, and the floor overhead if padding rows "
+                   f"cost their matmul FLOPs.\n")
+        sets = list(pad["sets"])
+        rows = []
+        for wl, v in list(pad["per_workload"].items()) + ([("all", pad["all_workloads"])] if pad.get("all_workloads")
+                                                            else []):
+            bs_ = v["by_set"]
+            rows.append([wl] + [f"{_pct(bs_[s]['padding_fraction'])} / +{_pct(bs_[s]['floor_overhead'])}"
+                                for s in sets])
+        out.append(_table(["workload"] + [f"{s} ({len(pad['sets'][s])})" for s in sets], rows))
+        rows = []
+        for wl, v in list(pad["per_workload"].items()) + ([("all", pad["all_workloads"])] if pad.get("all_workloads")
+                                                            else []):
+            for k, o in v["optimal"].items():
+                rows.append([wl, k, ", ".join(map(str, o["buckets"])), _pct(o["padding_fraction"]),
+                             "+" + _pct(o["floor_overhead"])])
+        out.append("\nBest bucket sets (DP over multiples of 8; objective: padded floor time or padded rows):\n")
+        out.append(_table(["workload", "k, objective", "buckets", "padded rows", "floor overhead"], rows))
+    return "\n".join(out)
+
+
+def write_report(folder: str) -> str:
+    results = load_results(folder)
+    lines = ["# ouro-jax benchmark report", "",
+             f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} from `{folder}`. Every figure is "
+             f"printed next to its floor (`benchmarks/floors.py` model, ceilings measured in the same run); "
+             f"'whole run of floor' prices the schedule actually run (`benchmarks/metrics.py`).", ""]
+    wl = {k: v for k, v in results.items() if v.get("benchmark") == "workload"}
+    any_res = next(iter(wl.values()), None) or results.get("bucket_sweep") or results.get("generate")
+    if any_res:
+        c = any_res.get("ceilings") or {}
+        lines += [f"Device: **{any_res.get('device')}**, jax {any_res.get('jax_version')}; ceilings "
+                  f"{_f(c.get('peak_flops'), 0, 1e-12)} TFLOP/s, {_f(c.get('bandwidth'), 2, 1e-12)} TB/s "
+                  f"({'measured in the run' if c.get('measured') else 'H200 defaults, not measured'}).", ""]
+    lines += ["## Targets (docs/performance.md)", "", _targets(results), ""]
+    order = ["serve1k", "long4", "mixed32", "decode_under_prefill", "mixed128"]
+    for name in sorted(wl, key=lambda n: order.index(n) if n in order else 99):
+        res = wl[name]
+        cfg = res.get("config", {})
+        lines += [f"## {name}", ""]
+        for v in cfg.get("variants", [])[:1]:
+            lines.append(f"{v.get('description', '')}.")
+        lines.append(f"Scale {cfg.get('scale')} (counts x{cfg.get('count_scale')}), preset {cfg.get('preset')} "
+                     f"{cfg.get('dtype')}, engine shape `{cfg.get('engine_shape')}`, time budget "
+                     f"{cfg.get('time_budget_s')} s.")
+        st = res.get("startup", [])
+        s0 = res.get("process_startup") or (st[0] if st else None)
+        if s0:
+            lines.append(f"Start-up of the process's first engine: {s0['executables']} executables, {s0['source']} "
+                         f"in {_f(s0['warmup_s'])} s ({s0['xla_compiles']} XLA compiles, "
+                         f"{s0['persistent_cache_hits']} persistent-cache hits); the {len(st)} engines of this "
+                         f"workload: {', '.join(sorted({x['source'] for x in st}))}.")
+        lines += ["", _workload_table(res), ""]
+        if res.get("skipped"):
+            lines.append("Skipped: " + "; ".join(f"{s['label']} {s['mode']} c{s.get('chunk')} ({s['reason']})"
+                                                 for s in res["skipped"]))
+            lines.append("")
+        for fn, suffix in ((plot_workload, ""), (plot_latency, "_latency")):
+            try:
+                p = fn(res, os.path.join(folder, f"{name}{suffix}.png"))
+            except ImportError:
+                p = None
+            if p:
+                lines += [f"![{name}{suffix}]({os.path.basename(p)})", ""]
+    gen = results.get("generate")
+    if gen and gen.get("records"):
+        lines += ["## generate() static batch (benchmarks/generate_bench.py)", ""]
+        lines.append(_table(["batch", "prompt", "new", "out tok/s", "floor tok/s", "of floor", "first call s"],
+                            [[r["batch"], r["prompt"], r["new_tokens"], _f(r["output_tok_s"]),
+                              _f(r["floor_output_tok_s"]), _pct(r["fraction_of_floor"]), _f(r["first_call_s"])]
+                             for r in gen["records"]]))
+        lines.append("")
+    att = [r for r in (results.get("attention_sweep") or {}).get("records", []) if r.get("ratio_to_cudnn")]
+    if att:
+        lines += ["## Paged attention kernel (benchmarks/attention_sweep.py)", ""]
+        rows = []
+        for r in att:
+            sh = r.get("shape", {})
+            fig = (f"{_f(r.get('gbps'), 0)} / {_f(r.get('cudnn_gbps'), 0)} GB/s" if r.get("kind") == "decode" else
+                   f"{_f(r.get('tflops'), 0)} / {_f(r.get('cudnn_tflops'), 0)} TFLOP/s")
+            rows.append([r.get("kind"), f"{sh.get('n_seg')} x {sh.get('q_len')} @ {sh.get('ctx')}",
+                         _f(r.get("ours_ms"), 4), _f(r.get("cudnn_ms"), 4), fig, _f(r.get("ratio_to_cudnn"), 2)])
+        lines += [_table(["kind", "segments x rows @ context", "ours ms", "cuDNN ms", "ours / cuDNN", "ratio"],
+                         rows), ""]
+    bs, bp = results.get("bucket_sweep"), results.get("bucket_padding")
+    if bs or bp:
+        lines += ["## Bucket sweep", "", _bucket_section(bs, bp), ""]
+        merged = dict(bp or {}, **(bs or {}))
+        if not merged.get("padding") and bp:
+            merged["padding"] = bp.get("padding")
+        try:
+            p = plot_bucket_sweep(merged, os.path.join(folder, "bucket_sweep.png"))
+        except ImportError:
+            p = None
+        if p:
+            lines += [f"![bucket sweep]({os.path.basename(p)})", ""]
+    path = os.path.join(folder, "REPORT.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default="benchmarks/results")
+    a = ap.parse_args(argv)
+    path = write_report(a.results)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The standard workloads of docs/performance.md: seeded, random token ids, ``ignore_eos``.
+
+    long4                 4 requests at t=0, 8064-token prompts, 16 out; swept over modes x chunks
+    mixed32 / mixed128    32 / 128 requests at t=0, prompts uniform in 256..8064, 64 out; same sweep
+    serve1k               closed loop at concurrency c in {1, 32, 128}: 2c requests of 1024 / 128;
+                          a new request is submitted whenever one finishes; fixed depth and
+                          synthetic early exit (mean 2.5 loops)
+    decode_under_prefill  64 decoding streams (128 prompt, 256 out); 8064-token prompts arrive while
+                          they decode (triggered by the streams' progress, so every configuration
+                          sees the same interference); the run stops when the streams finish
+
+Every generator returns a list of ``Workload`` variants (serve1k: one per concurrency and exit mode).
+``scale`` multiplies token lengths (prompts, outputs) and ``count_scale`` request counts and
+concurrencies, so that the whole harness runs on a tiny model on a CPU in seconds.
+
+All workloads share one ``EngineShape`` (max_num_seqs, max_num_batched_tokens, max_model_len,
+block size, buckets, ring rows): every engine of a sweep then has the same executables, compiled
+once (``benchmarks/run.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from scheduler import SamplingParams
+from scheduler.buckets import next_power_of_two
+
+__all__ = ["RequestSpec", "Workload", "EngineShape", "WORKLOADS", "make", "suite_shape", "MODES", "CHUNKS",
+           "SWEEP_MODES", "SWEEP_CHUNKS", "EARLY_EXIT_MEAN_LOOPS"]
+
+MODES = ("split", "mixed", "wavefront")
+CHUNKS = (16, 32, 64, 128)
+# the default sweeps run in priority order (the targets of docs/performance.md first), so that a
+# time budget that cuts a sweep short cuts the least informative configurations
+SWEEP_MODES = ("wavefront", "split", "mixed")
+SWEEP_CHUNKS = (16, 128, 64, 32)
+EARLY_EXIT_MEAN_LOOPS = 2.5
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    prompt: np.ndarray                   # int32 token ids
+    params: SamplingParams
+    tag: str = "main"                    # groups requests for per-tag latency figures
+    after_tokens: Optional[int] = None   # triggered arrival: submit once the background streams
+                                         # have produced this many tokens each (None: at t=0)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.prompt.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShape:
+    """Engine settings that fix executable shapes; identical across a sweep so shapes repeat."""
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 8192
+    block_size: int = 16
+    buckets: Optional[tuple] = None      # None: powers of two from 8 (the engine's default)
+    ring_chunk: int = 128                # the ring holds T chunks of this size per sequence
+
+    def num_ring_rows(self, num_loops: int, chunks: Sequence[int] = ()) -> int:
+        """``1 + max_num_seqs * max_chunk * T``: enough for every mode and chunk of the sweep."""
+        return 1 + self.max_num_seqs * max((self.ring_chunk, *chunks)) * num_loops
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Workload:
+    name: str
+    variant: str                          # e.g. "c=32 fixed"; "" when there is one variant
+    requests: list[RequestSpec]
+    arrival: str                          # "batch" | "closed_loop" | "triggered"
+    concurrency: Optional[int] = None     # closed loop
+    background_tag: Optional[str] = None  # triggered: the streams whose progress triggers arrivals
+    stop_when_background_done: bool = False
+    modes: tuple = SWEEP_MODES            # default sweep, in priority order
+    chunks: tuple = SWEEP_CHUNKS
+    generate_baseline: bool = False       # a static-batch generate() of the same batch applies
+    exit: str = "fixed"                   # "fixed" | "early" (synthetic)
+    description: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.variant}".strip()
+
+    def summary(self) -> dict:
+        p = [r.num_prompt_tokens for r in self.requests]
+        o = [r.params.max_tokens for r in self.requests]
+        tags = sorted({r.tag for r in self.requests})
+        return dict(name=self.name, variant=self.variant, requests=len(self.requests), arrival=self.arrival,
+                    concurrency=self.concurrency, prompt_tokens=int(sum(p)), prompt_min=int(min(p)),
+                    prompt_max=int(max(p)), output_tokens=int(sum(o)), max_tokens=sorted(set(o)), tags=tags,
+                    exit=self.exit, stop_when_background_done=self.stop_when_background_done,
+                    description=self.description)
+
+
+# --------------------------------------------------------------------------------------- helpers
+class _Scaler:
+    def __init__(self, scale: float, count_scale: float):
+        if not (0 < scale <= 1 and 0 < count_scale <= 1):
+            raise ValueError(f"scale and count_scale must lie in (0, 1], got {scale}, {count_scale}")
+        self.scale, self.count_scale = scale, count_scale
+
+    def prompt(self, n: int) -> int:
+        return max(1, round(n * self.scale))
+
+    def out(self, n: int) -> int:
+        return max(2, round(n * self.scale))      # two tokens at least: one inter-token latency
+
+    def count(self, n: int, least: int = 1) -> int:
+        return max(least, round(n * self.count_scale))
+
+
+def _rng(name: str, seed: int) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _ids(rng: np.random.Generator, n: int, vocab_size: int) -> np.ndarray:
+    # token 0 is EOS in the presets; ignore_eos makes it harmless, keeping it out makes logs readable
+    return rng.integers(1, vocab_size, n, dtype=np.int64).astype(np.int32)
+
+
+def _params(max_tokens: int, exit: str = "fixed", seed: int = 0) -> SamplingParams:
+    if exit == "fixed":
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_mode="fixed", seed=seed)
+    if exit == "early":
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_mode="synthetic",
+                              synthetic_mean_loops=EARLY_EXIT_MEAN_LOOPS, seed=seed)
+    raise ValueError(f"exit must be 'fixed' or 'early', got {exit!r}")
+
+
+# ------------------------------------------------------------------------------------- workloads
+def long4(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0) -> list[Workload]:
+    s = _Scaler(scale, count_scale)
+    rng = _rng("long4", seed)
+    n, prompt, out = s.count(4), s.prompt(8064), s.out(16)
+    reqs = [RequestSpec(_ids(rng, prompt, vocab_size), _params(out)) for _ in range(n)]
+    return [Workload("long4", "", reqs, "batch", generate_baseline=True,
+                     description=f"{n} x {prompt}-token prompts at t=0, {out} out")]
+
+
+def _mixed(name: str, count: int, vocab_size: int, scale: float, count_scale: float, seed: int) -> list[Workload]:
+    s = _Scaler(scale, count_scale)
+    rng = _rng(name, seed)
+    n, lo, hi, out = s.count(count, least=2), s.prompt(256), s.prompt(8064), s.out(64)
+    lengths = rng.integers(lo, hi + 1, n)
+    reqs = [RequestSpec(_ids(rng, int(m), vocab_size), _params(out)) for m in lengths]
+    # chunk 128 first: the three modes compared at the cheap end before the expensive small chunks
+    return [Workload(name, "", reqs, "batch", chunks=(128, 16, 64, 32),
+                     description=f"{n} requests at t=0, prompts uniform in {lo}..{hi}, {out} out")]
+
+
+def mixed32(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0) -> list[Workload]:
+    return _mixed("mixed32", 32, vocab_size, scale, count_scale, seed)
+
+
+def mixed128(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0) -> list[Workload]:
+    return _mixed("mixed128", 128, vocab_size, scale, count_scale, seed)
+
+
+def serve1k(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0,
+            concurrency: Sequence[int] = (1, 32, 128), exits: Sequence[str] = ("fixed", "early")) -> list[Workload]:
+    s = _Scaler(scale, count_scale)
+    prompt, out = s.prompt(1024), s.out(128)
+    variants = []
+    for c0 in concurrency:
+        c = s.count(c0)
+        for exit in exits:
+            rng = _rng(f"serve1k-{c0}", seed)  # the same prompts for both exit modes
+            reqs = [RequestSpec(_ids(rng, prompt, vocab_size), _params(out, exit)) for _ in range(2 * c)]
+            variants.append(Workload(
+                "serve1k", f"c={c} {exit}", reqs, "closed_loop", concurrency=c, modes=("split",), chunks=(64,),
+                generate_baseline=exit == "fixed", exit=exit,
+                description=f"closed loop at concurrency {c}: {2 * c} requests of {prompt} prompt / {out} out"
+                            + (f", synthetic early exit (mean {EARLY_EXIT_MEAN_LOOPS} loops)" if exit == "early"
+                               else ", fixed full depth")))
+    return variants
+
+
+def decode_under_prefill(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0,
+                         seed: int = 0) -> list[Workload]:
+    s = _Scaler(scale, count_scale)
+    rng = _rng("decode_under_prefill", seed)
+    streams, sp, so = s.count(64), s.prompt(128), s.out(256)
+    n_long, lp, lo = s.count(4), s.prompt(8064), s.out(16)
+    reqs = [RequestSpec(_ids(rng, sp, vocab_size), _params(so), tag="decode") for _ in range(streams)]
+    # long prompts arrive spread over the streams' lifetime (by their progress, not by wall clock)
+    after = [max(1, round(so * (i + 1) / (n_long + 2))) for i in range(n_long)]
+    reqs += [RequestSpec(_ids(rng, lp, vocab_size), _params(lo), tag="long", after_tokens=a) for a in after]
+    return [Workload("decode_under_prefill", "", reqs, "triggered", background_tag="decode",
+                     stop_when_background_done=True, chunks=(16, 128),
+                     description=f"{streams} decoding streams ({sp} prompt, {so} out); {n_long} prompts of {lp} "
+                                 f"tokens arrive after the streams produced {after} tokens; stops (aborting "
+                                 f"the long prompts) once the streams finish")]
+
+
+WORKLOADS: dict[str, Callable[..., list[Workload]]] = {
+    "long4": long4, "mixed32": mixed32, "mixed128": mixed128, "serve1k": serve1k,
+    "decode_under_prefill": decode_under_prefill,
+}
+
+
+def make(name: str, vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0,
+         **kw) -> list[Workload]:
+    try:
+        fn = WORKLOADS[name]
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
+    return fn(vocab_size, scale, count_scale, seed, **kw)
+
+
+def suite_shape(scale: float = 1.0, count_scale: float = 1.0, **overrides) -> EngineShape:
+    """One engine shape for every standard workload at this scale (8192 tokens at full scale)."""
+    s = _Scaler(scale, count_scale)
+    longest = max(s.prompt(8064) + s.out(64), s.prompt(1024) + s.out(128), s.prompt(128) + s.out(256))
+    shape = EngineShape(max_model_len=next_power_of_two(longest))
+    return dataclasses.replace(shape, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,184 @@
+"""The benchmark harness end to end on the tiny preset (CPU, small scale): every workload through
+``benchmarks.run``, the bucket sweep (device part on the CPU, padding analysis on the scheduler
+alone), and the report. Nothing about speed is asserted: only the JSON schema, that every record
+carries a positive ``fraction_of_floor`` with its floor named, and that nothing recompiled."""
+import importlib.util
+import itertools
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from benchmarks import report, run, sweep_buckets
+from benchmarks.floors import prefill_floor
+from benchmarks.metrics import ScheduleRecorder, floor_of
+from benchmarks.workloads import WORKLOADS, make, suite_shape
+from ouro_jax import get_preset
+from scheduler import SchedulerConfig
+from scheduler.fake_runner import FakeRunner
+
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None  # plots are optional (extra "plots")
+SMALL = ["--preset", "tiny", "--scale", "0.02", "--count-scale", "0.05", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "64", "--buckets", "8", "16", "64", "--no-progress"]
+RECORD_KEYS = {"workload", "variant", "mode", "chunk", "wall_s", "prompt_tok_s", "output_tok_s", "request_throughput",
+               "latency", "invocations", "rows_per_invocation", "invocations_per_s", "host_time_per_invocation_s",
+               "device_wait_time_s", "peak_bytes_in_use", "compilations", "xla_compilations", "exit_histogram",
+               "floor", "fraction_of_floor", "floor_bound", "headline", "startup"}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("results"))
+    args = SMALL + ["--out", out, "--chunk", "16"]
+    h = run.harness_from_args(run.parser().parse_args(["--workload", "long4"] + args))
+    res = run.main(["--workload", *WORKLOADS, "--generate-baseline", "long4", "serve1k", *args], harness=h)
+    sweep = sweep_buckets.main(["--part", "device", "padding", "--out", out, "--reps", "2", "--decode-context", "32",
+                                "--prefill-context", "64", "--prefill-segment", "16", "--chunk", "16", *SMALL[:-1],
+                                "--no-progress", "--no-plot"], harness=h)
+    return out, res, sweep, h
+
+
+def test_every_workload_writes_its_records(results):
+    out, res, _, _ = results
+    assert set(res) == set(WORKLOADS)
+    for name in WORKLOADS:
+        with open(os.path.join(out, f"{name}.json")) as f:
+            d = json.load(f)
+        assert {"device", "jax_version", "config", "ceilings", "records"} <= set(d)
+        assert d["config"]["scale"] == 0.02 and d["config"]["variants"]
+        recs = d["records"]
+        assert recs and not [r for r in recs if "error" in r]
+        for r in recs:
+            assert r["fraction_of_floor"] > 0 and r["floor_bound"] in ("bandwidth", "flops")
+            assert r["headline"]["fraction"] > 0 and r["headline"]["floor"] > 0
+            if r["mode"] == run.GENERATE_MODE:
+                continue
+            assert RECORD_KEYS <= set(r), RECORD_KEYS - set(r)
+            assert r["compilations"] == 0 and r["xla_compilations"] == 0
+            assert r["requests_finished"] == r["requests"] or r["aborted"]
+            assert r["floor"]["invocations"] == r["invocations"]
+            for k in ("ttft", "tpot", "e2e"):
+                assert {"p50", "p90", "p99"} <= set(r["latency"][k])
+        modes = {r["mode"] for r in recs}
+        if name in ("long4", "serve1k"):
+            assert run.GENERATE_MODE in modes
+        if name in ("long4", "mixed32", "mixed128"):
+            assert modes >= {"split", "mixed", "wavefront"}
+            assert all(r["prefill_span"]["fraction_of_floor"] > 0 for r in recs if r["mode"] != run.GENERATE_MODE)
+        assert os.path.exists(os.path.join(out, f"{name}.png")) or not HAVE_MPL
+
+
+def test_serve_and_decode_under_prefill_specifics(results):
+    out, res, _, _ = results
+    serve = [r for r in res["serve1k"]["records"] if r["mode"] != run.GENERATE_MODE]
+    assert {r["exit"] for r in serve} == {"fixed", "early"}
+    assert len({r["concurrency"] for r in serve}) == 3
+    fixed = [r for r in serve if r["exit"] == "fixed"]
+    early = [r for r in serve if r["exit"] == "early"]
+    assert all(r["exit_histogram"]["mean_loops"] == 4 for r in fixed)
+    assert np.mean([r["exit_histogram"]["mean_loops"] for r in early]) < 4
+    assert all(r["tpot_fraction_of_floor"] > 0 for r in serve)
+    dup = res["decode_under_prefill"]["records"]
+    for r in dup:
+        assert set(r["latency_by_tag"]) == {"decode", "long"} or set(r["latency_by_tag"]) == {"decode"}
+        assert r["headline"]["metric"].startswith("decode TPOT")
+
+
+def test_a_run_cut_short_is_recorded_as_truncated(results):
+    _, _, _, h = results
+    wl = make("mixed32", h.config.vocab_size, 0.02, 0.05)[0]
+    r = h.run(wl, "split", 16, deadline=time.monotonic())  # aborts after the first few invocations
+    assert r["truncated"] and r["aborted"] > 0 and r["invocations"] >= 1
+    assert r["prefill_span"]["partial"] and r["fraction_of_floor"] > 0 and r["headline"]["fraction"] > 0
+    assert r["compilations"] == 0 and r["xla_compilations"] == 0
+
+
+def test_floor_of_a_pure_prefill_schedule_is_the_closed_form():
+    """The recorder prices the schedule the way floors.prefill_floor does (long4, split, chunk 16:
+    4 x 16 rows per invocation), on the real 1.4B shape, with the scheduler alone."""
+    cfg = get_preset("ouro-1.4b")
+    shape = suite_shape()
+    wl = make("long4", cfg.vocab_size)[0]
+    sc = SchedulerConfig(num_loops=cfg.num_loops, num_blocks=sweep_buckets.default_num_blocks(cfg, shape),
+                         block_size=16, max_num_seqs=128, max_num_batched_tokens=1024, prefill_chunk_size=16,
+                         max_model_len=shape.max_model_len, prefill_mode="split", eos_token_id=cfg.eos_token_id)
+    rec = ScheduleRecorder(cfg)
+    res = run.drive(sweep_buckets.SimEngine(sc, rec), wl)
+    k = max(res.first_token_step.values())
+    got = floor_of(rec.total(upto=k), 4e12, 785e12)
+    want = prefill_floor(cfg, 4, 8064, 16, 64, 4e12, 785e12)
+    assert got["invocations"] == want["invocations"] and got["bound"] == want["bound"]
+    assert got["floor_s"] == pytest.approx(want["floor_s"], rel=1e-3)  # + one lm_head read
+
+
+@pytest.mark.parametrize("name,mode", [("long4", "wavefront"), ("serve1k", "split"), ("decode_under_prefill", "mixed")])
+def test_padding_simulation_schedules_like_the_fake_runner(name, mode):
+    """Zero results give the schedule that the contract-checking FakeRunner gives (row counts)."""
+    cfg = get_preset("tiny")
+    wl = make(name, cfg.vocab_size, 0.05, 0.1)[-1]
+    sc = SchedulerConfig(num_loops=cfg.num_loops, num_blocks=2000, block_size=8, max_num_seqs=16,
+                         max_num_batched_tokens=64, prefill_chunk_size=16, max_model_len=512, prefill_mode=mode,
+                         eos_token_id=cfg.eos_token_id)
+    needs = []
+    for runner in (None, FakeRunner(2000, 8, sc.num_ring_rows, cfg.vocab_size, check=True)):
+        eng = sweep_buckets.SimEngine(sc, runner=runner)
+        run.drive(eng, wl)
+        needs.append((eng.needs, eng.rows))
+    assert needs[0] == needs[1] and len(needs[0][0]) > 0
+
+
+def test_optimal_buckets_match_brute_force():
+    rng = np.random.default_rng(0)
+    n = 300
+    rows = rng.integers(1, 60, n)
+    inv = dict(need=rows + rng.integers(0, 3, n), rows=rows, bytes=rng.uniform(1e6, 1e7, n),
+               flops=rng.uniform(1e9, 1e10, n))
+    s = dict(layer_flops_per_row=1e8)
+    top, k = 64, 3
+    for obj in ("rows", "floor"):
+        got = sweep_buckets.optimal_buckets(inv, [k], top, s, 1e12, 1e13, objective=obj)[k]
+        cost = lambda b: (sweep_buckets.price(inv, b, s, 1e12, 1e13)["padded_rows"] if obj == "rows"  # noqa: E731
+                          else sweep_buckets.price(inv, b, s, 1e12, 1e13)["floor_overhead"])
+        best = min((list(c) + [top] for m in range(k) for c in itertools.combinations(range(8, top, 8), m)),
+                   key=cost)
+        assert got[-1] == top and len(got) <= k
+        assert cost(got) == pytest.approx(cost(best), rel=1e-9, abs=1e-12)
+
+
+def test_bucket_sweep(results):
+    out, _, sweep, _ = results
+    with open(os.path.join(out, "bucket_sweep.json")) as f:
+        d = json.load(f)
+    buckets = d["device_part"]["buckets"]
+    assert [b["R"] for b in buckets] == [8, 16, 64]
+    for b in buckets:
+        for kind in ("decode", "prefill"):
+            x = b[kind]
+            assert x["device_s"] > 0 and x["fraction_of_floor"] > 0 and x["host_build_s"] > 0
+            assert x["rows"] == b["R"]
+    pad = d["padding"]
+    assert set(pad["per_workload"]) == set(WORKLOADS)
+    for v in list(pad["per_workload"].values()) + [pad["all_workloads"]]:
+        for o in v["optimal"].values():
+            assert o["buckets"] == sorted(o["buckets"]) and o["buckets"][-1] == pad["top_bucket"]
+        rows_opt = {k: o for k, o in v["optimal"].items() if k.endswith("rows")}
+        # the best 4-bucket set pads no more than the 4-bucket sparse candidate
+        assert rows_opt["k=4 rows"]["padded_rows"] <= v["by_set"]["sparse 8,64,256,max"]["padded_rows"] or \
+            len(pad["sets"]["sparse 8,64,256,max"]) > 4
+    for c in pad["configs"]:
+        assert c["floor"]["floor_s"] > 0 and sum(c["need_hist"].values()) == c["invocations"]
+
+
+def test_report(results):
+    out, _, _, _ = results
+    path = report.main(["--results", out])
+    text = open(path).read()
+    assert "## Targets" in text and "## long4" in text and "## Bucket sweep" in text
+    for name in WORKLOADS:
+        assert f"## {name}" in text
+    if HAVE_MPL:
+        assert os.path.exists(os.path.join(out, "bucket_sweep.png"))
+        assert os.path.exists(os.path.join(out, "serve1k_latency.png"))
+        assert "![serve1k](serve1k.png)" in text
