@@ -22,11 +22,11 @@ from ouro_jax import LLM, SamplingParams, get_preset
 from ouro_jax.model import init_params
 
 
-def probe(cfg, params, layer_loop, batch, prompt, new, mode, chunk, ceil):
+def probe(cfg, params, layer_loop, batch, prompt, new, mode, chunk, ceil, buckets):
     llm = LLM(cfg, params=params, max_num_seqs=max(batch, 8), max_num_batched_tokens=1024,
               prefill_chunk_size=chunk, max_model_len=prompt + new + 16, prefill_mode=mode, layer_loop=layer_loop,
               kv_cache_bytes=int(batch * (prompt + new + 32) * cfg.kv_bytes_per_token_plane() * cfg.num_loops * 1.1),
-              buckets=[8, 16, 32, 64, 128, 256, 512, 1024], progress=False)
+              buckets=buckets, progress=False)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(1, cfg.vocab_size, prompt))) for _ in range(batch)]
     sp = SamplingParams(max_tokens=new, ignore_eos=True)
@@ -75,6 +75,7 @@ def main(argv=None):
     ap.add_argument("--layer-loop", nargs="+", default=["scan", "unrolled"])
     ap.add_argument("--mode", default="split")
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--buckets", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args(argv)
     cfg = get_preset(a.preset)
@@ -84,7 +85,7 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     for ll in a.layer_loop:
         for b in a.batch:
-            recs.append(probe(cfg, params, ll, b, a.prompt, a.new, a.mode, a.chunk, ceil))
+            recs.append(probe(cfg, params, ll, b, a.prompt, a.new, a.mode, a.chunk, ceil, a.buckets))
             with open(os.path.join(a.out, "engine_probe.json"), "w") as f:
                 json.dump(dict(device=ceil["device"], jax_version=jax.__version__, preset=a.preset,
                                ceilings=ceil, records=recs), f, indent=2)

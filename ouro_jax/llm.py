@@ -64,7 +64,7 @@ class RequestMetrics:
 @dataclasses.dataclass
 class RequestOutput:
     request_id: object
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]   # the request's read-only array (not copied per step)
     token_ids: list[int]
     exit_depths: list[int]
     text: Optional[str]
@@ -237,14 +237,15 @@ class LLM:
                 continue
             if d.finished:
                 self._finished[d.request_id] = self._live.pop(d.request_id)
-            outs.append(self._output(req))
+            outs.append(self._output(req, with_text=d.finished))
         return outs
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request, with_text: bool = True) -> RequestOutput:
+        """Per-step outputs are cheap (O(new tokens)): text is decoded only when asked for."""
         text = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and with_text:
             text = self.tokenizer.decode(req.output_token_ids)
-        return RequestOutput(req.request_id, req.prompt_token_ids.tolist(), list(req.output_token_ids),
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
                              list(req.exit_depths), text, req.is_finished, req.finish_reason,
                              RequestMetrics(req.arrival_time, req.first_token_time, list(req.token_times),
                                             req.finish_time))
@@ -257,6 +258,8 @@ class LLM:
         while self.has_unfinished():
             for out in self.step():
                 if out.request_id in mine:
+                    if self.tokenizer is not None and out.text is None:
+                        out.text = self.tokenizer.decode(out.token_ids)
                     yield out
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],

@@ -210,7 +210,7 @@ def test_checkpoint_folder_with_tokenizer(tmp_path):
     llm = LLM(str(tmp_path), max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=8, block_size=4,
               max_model_len=32, buckets=[8, 16], progress=False)
     [out] = llm.generate(["w5 w6 w7"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert out.prompt_token_ids == [5, 6, 7]
+    assert list(out.prompt_token_ids) == [5, 6, 7]
     assert out.text == " ".join(f"w{t}" for t in out.token_ids)
     # the same weights through params= give the same tokens
     assert run(make_llm(), [[5, 6, 7]], max_tokens=4) == [(out.token_ids, out.exit_depths)]

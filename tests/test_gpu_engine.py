@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouro_jax import LLM, SamplingParams, generate, get_preset
+from ouro_jax import LLM, SamplingParams, forward, generate, get_preset
 from ouro_jax.params import random_params
 
 pytestmark = [pytest.mark.gpu,
@@ -21,14 +21,25 @@ def model():
     return cfg, jax.tree.map(jnp.asarray, random_params(cfg, 0))
 
 
-@pytest.mark.parametrize("mode", ["split", "wavefront"])
-@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
-def test_pallas_engine_equals_reference_engine_and_generate(model, mode, layer_loop):
+def _diff(a, b):
+    """Where two lists of (tokens, depths) first differ, for the failure message."""
+    out = []
+    for i, ((ta, da), (tb, db)) in enumerate(zip(a, b)):
+        for j, (x, y) in enumerate(zip(zip(ta, da), zip(tb, db))):
+            if x != y:
+                out.append(f"prompt {i} token {j}: {x} vs {y}")
+                break
+    return "; ".join(out)
+
+
+@pytest.mark.parametrize("mode,layer_loop,threshold", [
+    ("split", "scan", 1.0), ("wavefront", "scan", 1.0), ("split", "scan", 0.6), ("wavefront", "unrolled", 0.6)])
+def test_pallas_engine_equals_reference_engine_and_generate(model, mode, layer_loop, threshold):
     cfg, params = model
     rng = np.random.default_rng(0)
     lengths = [5, 40, 77, 130]
     prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in lengths]
-    sp = SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=0.6)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=threshold)
     got = {}
     for attention in ("pallas", "reference"):
         llm = LLM(cfg, params=params, max_num_seqs=4, max_num_batched_tokens=128, prefill_chunk_size=32,
@@ -36,8 +47,13 @@ def test_pallas_engine_equals_reference_engine_and_generate(model, mode, layer_l
                   layer_loop=layer_loop, progress=False)
         got[attention] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert llm.stats()["compilations"] == 3
-    assert got["pallas"] == got["reference"]
-    for (toks, depths), p in zip(got["pallas"], prompts):
-        g = generate(params, cfg, jnp.asarray([p]), [len(p)], 8, exit_threshold=0.6)
-        assert toks == np.asarray(g.tokens[0]).tolist()
-        assert depths == np.asarray(g.exit_depths[0]).tolist()
+    want = []
+    for p in prompts:
+        g = generate(params, cfg, jnp.asarray([p]), [len(p)], 8, exit_threshold=threshold)
+        want.append((np.asarray(g.tokens[0]).tolist(), np.asarray(g.exit_depths[0]).tolist()))
+    if threshold == 1.0:  # fixed depth: greedy over the full forward is a third, independent opinion
+        for (toks, _), p in zip(want, prompts):
+            logits = forward(params, cfg, jnp.asarray([p + toks[:-1]])).logits[0, len(p) - 1:]
+            assert toks == np.asarray(jnp.argmax(logits, -1)).tolist()
+    assert got["reference"] == want, "reference attention vs generate(): " + _diff(got["reference"], want)
+    assert got["pallas"] == got["reference"], "pallas vs reference attention: " + _diff(got["pallas"], got["reference"])
