@@ -73,12 +73,15 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
-def _device_memory_bytes() -> Optional[int]:
+def _device_memory() -> Optional[tuple[int, int]]:
+    """``(bytes_limit, bytes_in_use)`` of the first device, or None where the backend has no stats."""
     try:
         stats = jax.devices()[0].memory_stats()
     except Exception:  # noqa: BLE001 - backends without memory stats
         return None
-    return None if not stats else stats.get("bytes_limit")
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
 class LLM:
@@ -175,12 +178,15 @@ class LLM:
 
     def _size_pool(self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size):
         if kv_cache_bytes is None:
-            total = _device_memory_bytes()
-            if total is None:  # CPU: enough for every sequence at full length, capped at 1 GiB
+            mem = _device_memory()
+            if mem is None:  # CPU: enough for every sequence at full length, capped at 1 GiB
                 want = max_num_seqs * planes * -(-max_model_len // block_size) + 1
                 return int(min(want, max(2, (1 << 30) // block_bytes)))
+            limit, in_use = mem
+            # what is still free of our share (another engine in this process keeps its own pool),
+            # less the runner's stacked copy of the layer weights and room for activations
             param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
-            kv_cache_bytes = int(total * util) - 2 * param_bytes - (2 << 30)  # stacked copy + activations
+            kv_cache_bytes = int(limit * util) - in_use - param_bytes - (2 << 30)
         if kv_cache_bytes < 2 * block_bytes:
             raise ValueError(f"the KV cache budget ({kv_cache_bytes} bytes) holds fewer than 2 blocks of "
                              f"{block_bytes} bytes")

@@ -44,7 +44,7 @@ def test_pallas_engine_equals_reference_engine_and_generate(model, mode, layer_l
     for attention in ("pallas", "reference"):
         llm = LLM(cfg, params=params, max_num_seqs=4, max_num_batched_tokens=128, prefill_chunk_size=32,
                   max_model_len=256, buckets=[8, 32, 128], prefill_mode=mode, attention=attention,
-                  layer_loop=layer_loop, progress=False)
+                  layer_loop=layer_loop, kv_cache_bytes=1 << 30, progress=False)
         got[attention] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert llm.stats()["compilations"] == 3
     want = []
