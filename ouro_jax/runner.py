@@ -63,22 +63,22 @@ class StepHandle:
     """Results of one invocation, still on the device; reading them blocks only then."""
 
     def __init__(self, runner: "ModelRunner", gates: jax.Array, tokens: jax.Array):
-        self._runner, self._gates, self._tokens = runner, gates, tokens
-        self._gates_np = self._tokens_np = None
+        self._runner = runner
+        self._device = {"gates": gates, "tokens": tokens}
+        self._host: dict[str, np.ndarray] = {}
+
+    def _read(self, name: str) -> np.ndarray:
+        if name not in self._host:
+            t = time.perf_counter()
+            self._host[name] = np.asarray(self._device.pop(name))
+            self._runner.wait_time += time.perf_counter() - t  # time the host waited on the device
+        return self._host[name]
 
     def gates(self) -> np.ndarray:
-        if self._gates_np is None:
-            t = time.perf_counter()
-            self._gates_np = np.asarray(self._gates)
-            self._runner.wait_time += time.perf_counter() - t
-        return self._gates_np
+        return self._read("gates")
 
     def tokens(self) -> np.ndarray:
-        if self._tokens_np is None:
-            t = time.perf_counter()
-            self._tokens_np = np.asarray(self._tokens)
-            self._runner.wait_time += time.perf_counter() - t
-        return self._tokens_np
+        return self._read("tokens")
 
 
 def _step(params, kp, vp, ring, packed, *, key: BucketKey, config: OuroConfig, dtype_name: str,
