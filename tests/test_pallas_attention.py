@@ -279,11 +279,9 @@ def test_plan_bounds_and_reuse():
 def test_triton_lowering_on_cpu():
   """The kernels lower to Triton IR (cross-lowering for CUDA from a CPU host, no GPU needed):
   catches unsupported ops in the kernel body before any device time is spent."""
-  try:
-    from jax._src.pallas.triton import gpu_info as gi
-    from jax._src.pallas.triton import pallas_call_registration as pcr
-  except ImportError as e:  # pragma: no cover
-    pytest.skip(f"private Triton lowering modules moved: {e}")
+  # private modules: jax is pinned (==0.11.2), so a move shows up here as a failure, not a skip
+  from jax._src.pallas.triton import gpu_info as gi
+  from jax._src.pallas.triton import pallas_call_registration as pcr
   old = pcr.gpu_info_lib.get_gpu_info
   pcr.gpu_info_lib.get_gpu_info = lambda: gi.get_gpu_info_from_version(gi.GpuVersion.H200)
   try:
