@@ -24,7 +24,8 @@ from .params import get_path, hf_name_to_path, hf_tensor_shapes
 
 __all__ = ["RefWeights", "RefLayer", "load_reference_weights", "from_param_tree", "reference_forward",
            "exit_distribution", "select_logits", "exit_decision", "GreedyResult",
-           "reference_greedy_generate", "rms_norm", "rope_cos_sin", "layer_qkv", "layer_finish"]
+           "reference_greedy_generate", "reference_shared_greedy_generate", "rms_norm", "rope_cos_sin",
+           "layer_qkv", "layer_finish"]
 
 EXIT_MODES = ("ouro", "delayed", "fixed")
 
@@ -303,4 +304,73 @@ def reference_greedy_generate(weights: RefWeights, config: OuroConfig, prompt_id
         depths.append(T - 1)
         if eos_token_id is not None and tok == eos_token_id:
             break
+    return GreedyResult(tokens, exit_depths, float(min_margin), float(min_gap))
+
+
+def reference_shared_greedy_generate(weights: RefWeights, config: OuroConfig, prompt_ids: Sequence[int],
+                                     max_new_tokens: int, *, exit_threshold: float = 1.0,
+                                     min_loops: int = 1, max_loops: int | None = None,
+                                     exit_mode: str = "ouro") -> GreedyResult:
+    """Greedy decoding with the SHARED KV layout: one plane that every loop overwrites.
+
+    Positions run one after another (every loop of ``p`` before ``p+1``). While position ``p`` runs
+    loop ``d`` it reads every earlier position at its *final* K/V (the loop it exited at; ``T-1`` for
+    prompt positions) and its own K/V of loop ``d``. A generated token's loops past its exit loop
+    would only overwrite its own entry, so they are computed and then discarded: its entry keeps
+    the exit loop's K/V.
+    """
+    c, T = config, config.num_loops
+    seq = [int(t) for t in prompt_ids]
+    if not seq:
+        raise ValueError("prompt_ids must not be empty")
+    L = len(weights.layers)
+    k_plane = [[] for _ in range(L)]  # per layer, per position: the K/V the plane holds
+    v_plane = [[] for _ in range(L)]
+    tokens, exit_depths = [], []
+    min_margin = min_gap = np.inf
+
+    def run_position(p: int, tok: int, loops: int):
+        cos, sin = rope_cos_sin(c, np.array([p]))
+        x = weights.embed[[tok]]
+        hs, gates, kvs = [], [], []
+        for _ in range(loops):
+            loop_kv = []
+            for i, lw in enumerate(weights.layers):
+                q, k, v = layer_qkv(lw, c, x, cos, sin)
+                ks = np.concatenate(k_plane[i][:p] + [k]) if p else k
+                vs = np.concatenate(v_plane[i][:p] + [v]) if p else v
+                x = layer_finish(lw, c, x, q, ks, vs, np.ones((1, p + 1), dtype=bool))
+                loop_kv.append((k, v))
+            x = rms_norm(x, weights.norm, c.rms_norm_eps)
+            hs.append(x[0])
+            gates.append(float(x[0] @ weights.gate_w + weights.gate_b))
+            kvs.append(loop_kv)
+        return hs, gates, kvs
+
+    def keep(kvs_of_loop):
+        for i, (k, v) in enumerate(kvs_of_loop):
+            k_plane[i].append(k)
+            v_plane[i].append(v)
+
+    for p, tok in enumerate(seq):          # the prompt: every loop, position by position
+        hs, _, kvs = run_position(p, tok, T)
+        keep(kvs[T - 1])
+    h, e = hs[T - 1], T - 1
+    while True:
+        logits = h @ weights.lm_head.T
+        top2 = np.sort(logits)[-2:]
+        min_gap = min(min_gap, float(top2[1] - top2[0]))
+        tok = int(np.argmax(logits))
+        tokens.append(tok)
+        exit_depths.append(e)
+        if len(tokens) == max_new_tokens:
+            break
+        p = len(seq)
+        seq.append(tok)
+        hs, gates, kvs = run_position(p, tok, T if max_loops is None else max_loops)
+        e, margin = exit_decision(gates, exit_threshold=exit_threshold, min_loops=min_loops,
+                                  max_loops=max_loops, exit_mode=exit_mode)
+        min_margin = min(min_margin, margin)
+        keep(kvs[e])
+        h = hs[e]
     return GreedyResult(tokens, exit_depths, float(min_margin), float(min_gap))

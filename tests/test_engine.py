@@ -12,7 +12,7 @@ import pytest
 
 from ouro_jax import LLM, SamplingParams, get_preset
 from ouro_jax.params import random_params
-from ouro_jax.reference import from_param_tree, reference_greedy_generate
+from ouro_jax.reference import from_param_tree, reference_greedy_generate, reference_shared_greedy_generate
 
 CFG = get_preset("tiny")
 PARAMS = jax.tree.map(jnp.asarray, random_params(CFG, 0))
@@ -118,10 +118,24 @@ def test_seeded_sampling_is_schedule_independent():
     assert a != c
 
 
-def test_shared_layout_runs_and_is_schedule_independent():
-    a = run(make_llm(kv_layout="shared", prefill_chunk_size=4), exit_threshold=0.6)
-    b = run(make_llm(kv_layout="shared", prefill_mode="mixed", buckets=[16, 64]), exit_threshold=0.6)
+@pytest.mark.parametrize("kw", [{}, dict(exit_threshold=0.6)])
+def test_shared_layout_equals_shared_oracle(kw):
+    """SHARED: one plane, prompts position by position; checked against an independent numpy oracle."""
+    prompts = PROMPTS[:4]
+    want, ok = [], []
+    for p in prompts:
+        r = reference_shared_greedy_generate(REF, CFG, p, 6, **kw)
+        want.append((list(r.tokens), list(r.exit_depths)))
+        ok.append(r.min_margin > 1e-4 and r.min_logit_gap > 1e-4)
+    a = run(make_llm(kv_layout="shared", prefill_chunk_size=4), prompts, **kw)
+    b = run(make_llm(kv_layout="shared", prefill_mode="mixed", buckets=[16, 64]), prompts, **kw)
     assert a == b
+    assert_matches(a, want, ok)
+    # SHARED is not a lossless LAST_EXITED: with the same weights the streams differ somewhere
+    assert a != run(make_llm(), prompts, **kw)
+
+
+def test_shared_layout_rejects_wavefront():
     with pytest.raises(ValueError, match="(?i)last_exited"):
         make_llm(kv_layout="shared", prefill_mode="wavefront")
 
