@@ -227,7 +227,7 @@ class Harness:
     """Random weights, ceilings and executables shared by every engine of one process."""
 
     def __init__(self, preset: str = "ouro-1.4b", dtype: Optional[str] = None, shape: Optional[EngineShape] = None,
-                 compile_cache_dir: Optional[str] = None, attention: str = "auto", layer_loop: str = "scan",
+                 compile_cache_dir: Optional[str] = None, attention: str = "auto", layer_loop: str = "unrolled",
                  gpu_memory_utilization: float = 0.9, kv_cache_bytes: Optional[int] = None,
                  quick_ceilings: bool = False, progress: bool = True, warmup_requests: int = 1, seed: int = 0):
         self.t_start = time.monotonic()
@@ -727,7 +727,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-gb", type=float, default=None)
     ap.add_argument("--compile-cache", default=None, help="persistent compilation cache folder")
     ap.add_argument("--attention", default="auto")
-    ap.add_argument("--layer-loop", default="scan", choices=["scan", "unrolled"])
+    ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
     ap.add_argument("--quick-ceilings", action="store_true")
     ap.add_argument("--warmup-requests", type=int, default=1)
     ap.add_argument("--append", action="store_true", help="add records to an existing <workload>.json")

@@ -94,7 +94,7 @@ class LLM:
                  kv_layout: str = "last_exited", prefill_mode: str = "split", policy: str = "fcfs",
                  num_blocks: Optional[int] = None, kv_cache_bytes: Optional[int] = None,
                  gpu_memory_utilization: float = 0.85, buckets: Optional[Sequence[int]] = None,
-                 attention: str = "auto", layer_loop: str = "scan", compile_cache_dir: Optional[str] = None,
+                 attention: str = "auto", layer_loop: str = "unrolled", compile_cache_dir: Optional[str] = None,
                  num_ring_rows: Optional[int] = None,
                  warmup: bool = True, progress: bool = True):
         if not 0.0 < gpu_memory_utilization <= 1.0:
