@@ -230,3 +230,44 @@ def test_checkpoint_folder_with_tokenizer(tmp_path):
     # the same weights through params= give the same tokens
     assert run(make_llm(), [[5, 6, 7]], max_tokens=4) == [(out.token_ids, out.exit_depths)]
     assert out.metrics.ttft is not None and out.metrics.ttft >= 0 and len(out.metrics.itl) == 3
+
+
+LONG = [list(map(int, RNG.integers(1, CFG.vocab_size, n))) for n in (3, 70, 150, 200)]
+
+
+@pytest.fixture(scope="module")
+def long_oracles():
+    return {thr: oracle(LONG, exit_threshold=thr) for thr in (1.0, 0.6)}
+
+
+def _staggered(llm, sp):
+    """Two short requests start decoding first; the long prompts arrive while they decode."""
+    order, ids, steps = [0, 1, 2, 3], {}, 0
+    arrivals = {0: [0, 1], 3: [2], 6: [3]}
+    while order or llm.has_unfinished():
+        for i in arrivals.get(steps, []):
+            ids[llm.add_request(LONG[i], sp)] = i
+            order.remove(i)
+        llm.step()
+        steps += 1
+    got = [None] * len(LONG)
+    for rid, i in ids.items():
+        req = llm._finished.pop(rid)
+        got[i] = (req.output_token_ids, req.exit_depths)
+    return got
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64, 128])
+@pytest.mark.parametrize("budget", [128, 256])
+def test_all_modes_identical_with_long_prompts_and_decode_traffic(chunk, budget, long_oracles):
+    """engine-semantics' equivalence at chunk 16..128 and two token budgets, fixed depth and early
+    exit, with decode rows sharing invocations with the prompts (mixed, wavefront)."""
+    for thr in (1.0, 0.6):
+        results = {}
+        for mode in ("split", "mixed", "wavefront"):
+            llm = make_llm(prefill_mode=mode, prefill_chunk_size=chunk, max_num_batched_tokens=budget,
+                           max_model_len=256, buckets=[8, 32, budget])
+            results[mode] = _staggered(llm, SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=thr))
+            assert llm.stats()["free_blocks"] == llm.scheduler_config.num_blocks - 1
+        assert results["split"] == results["mixed"] == results["wavefront"]
+        assert_matches(results["split"], *long_oracles[thr])
