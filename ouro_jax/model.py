@@ -146,6 +146,19 @@ class OuroDecoderLayer(nn.Module):
         return x, cache
 
 
+class LMHead(nn.Module):
+    """``h @ W`` with logits accumulated and returned in float32 (never rounded to bfloat16), so
+    that sampling and argmax see the full-precision values."""
+    features: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, h):
+        kernel = self.param("kernel", nn.initializers.variance_scaling(1.0, "fan_in", "normal"),
+                            (h.shape[-1], self.features), self.dtype)
+        return jnp.dot(h.astype(self.dtype), kernel, preferred_element_type=jnp.float32)
+
+
 class OuroModel(nn.Module):
     config: OuroConfig
     dtype: Any = jnp.float32
@@ -157,7 +170,7 @@ class OuroModel(nn.Module):
         self.layers = [OuroDecoderLayer(c, self.dtype, layer_index=i) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.early_exit_gate = nn.Dense(1, use_bias=True, dtype=jnp.float32, param_dtype=self.dtype)
-        self.lm_head = _dense(c.vocab_size, self.dtype)
+        self.lm_head = LMHead(c.vocab_size, self.dtype)
 
     # -- the three stages -------------------------------------------------------------------
     def prelude(self, ids):
@@ -187,12 +200,7 @@ class OuroModel(nn.Module):
         return self.early_exit_gate(h.astype(jnp.float32))[..., 0]
 
     def coda(self, h):
-        """Logits in float32 (accumulated in float32, never rounded to bfloat16): sampling and
-        argmax see the full-precision values."""
-        kernel = self.lm_head.variables["params"]["kernel"] if not self.is_initializing() else None
-        if kernel is None:
-            return self.lm_head(h).astype(jnp.float32)
-        return jnp.dot(h.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+        return self.lm_head(h)
 
     def __call__(self, ids, positions, attention: Attention, cache):
         # Only used by ``init``: touches every parameter once.
