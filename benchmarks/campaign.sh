@@ -22,6 +22,8 @@
 #
 #   stage                       what                                                      budget s
 #   (background, CPU)           padding analysis of every workload's sweep (scheduler alone) <= 200
+#   0 gpu-tests                 pytest -m gpu: Pallas engine = reference engine = generate(),
+#                               kernels vs their jnp twins, KV writes in place (gpu_tests.txt)  150
 #   1 serve1k+long4             one process (one start-up, one cold compile):                  225
 #       serve1k                 c = 1, 128, 32 x fixed depth / synthetic early exit
 #                               (split, chunk 64)                                     130 of it
@@ -46,7 +48,7 @@ set -u
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 TOTAL=${CAMPAIGN_SECONDS:-480}
-STAGES=${STAGES:-"serve1k+long4 mixed32+decode_under_prefill generate sweep mixed128"}
+STAGES=${STAGES:-"gpu-tests serve1k+long4 mixed32+decode_under_prefill generate sweep mixed128"}
 RES=${RESULTS:-benchmarks/results}
 OUTDIR=${OUT:-/tmp/ouro_campaign_out}
 mkdir -p "$RES" "$OUTDIR"
@@ -108,6 +110,17 @@ if wants sweep; then  # no GPU needed: beside the GPU stages, one core, low prio
       --json "$RES/bucket_padding.json" --time-budget 200 --no-plot --no-progress ${EXTRA[@]+"${EXTRA[@]}"} \
       > "$RES/bucket_padding_log.txt" 2>&1 ) &
   PAD_PID=$!
+fi
+
+if wants gpu-tests; then  # correctness on the GPU first: Pallas engine vs reference engine vs generate()
+  b=$(budget_for 150)
+  if (( b > 0 )); then
+    say "start gpu-tests (budget $b s)"
+    ( export JAX_PLATFORMS= XLA_FLAGS=; timeout -s INT -k 10 "$b" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+        --tb=short -m gpu tests/ > "$RES/gpu_tests.txt" 2>&1 )
+    say "end gpu-tests (rc $?): $(tail -n 1 "$RES/gpu_tests.txt")"
+    snapshot
+  fi
 fi
 
 run_stage serve1k+long4 225 --workload serve1k long4 --workload-budget serve1k=130 long4=95 \
