@@ -1,4 +1,8 @@
-"""Paged attention sweep on the GPU: our Pallas (Triton) kernel vs cuDNN vs the jnp reference.
+"""Paged attention sweep on the GPU: our Pallas kernels vs cuDNN vs the jnp reference.
+
+``ours_ms`` is the kernel the engine picks for the bucket (``pallas_kernels.dispatch``); prefill
+shapes also time both Pallas kernels (``triton_ms``, ``mgpu_ms``: Triton- and Mosaic-GPU-lowered)
+and record ``selected_kernel`` and ``fastest_kernel``.
 
 Ouro-1.4B heads: H = KVH = 16, head_dim 128, bf16, KV block 16, a stacked ``[L, KVH, NB, BS, hd]``
 pool read through the layer index (as the engine does), block tables over a shuffled pool.
@@ -42,6 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (default_tuning, make_plan,  # noqa: E402
                                                    ragged_paged_attention,
                                                    ragged_paged_attention_reference)
@@ -111,8 +116,19 @@ def dense_kv(c):
 # ----------------------------------------------------------------------------------------------
 
 
-def ours_fn(n_calls, layers, tune, planned=True):
+def ours_fn(n_calls, layers, tune, planned=True, kernel="triton"):
   tune = dict(tune or {})
+  if kernel == "mgpu":
+    @jax.jit
+    def g(q, k, v, qs, ql, cl, bt):
+      plan = None
+      if planned:
+        plan = dispatch.make_kernel_plan("mgpu", q.shape[0], H, KVH, HD, qs, ql, cl)
+      for i in range(n_calls):
+        q = dispatch.paged_attention("mgpu", q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers),
+                                     sm_scale=SCALE, plan=plan)
+      return q
+    return g
 
   @jax.jit
   def f(q, k, v, qs, ql, cl, bt):
@@ -210,9 +226,24 @@ def run_shape(kind, n_seg, q_len, ctx, *, key, reps, tune=None, with_ref=True, w
                                    dtype="bfloat16", layers_in_pool=c["layers"]),
              n_calls=n_calls, tuning=dict(tune or {}),
              default_tuning=vars(default_tuning(n_seg * q_len, n_seg, H, KVH, HD)))
+  # Which Pallas kernel the engine would pick for this bucket; prefill shapes time both kernels
+  # (decode rows never go to the Mosaic kernel: one row per 128-row tile).
+  selected = "triton" if tune else dispatch.select_kernel(n_seg * q_len, n_seg, DT, HD, BS)
+  kernels = ["triton"]
+  if (kind == "prefill" and not tune and dispatch.hopper_available()
+      and not os.environ.get("OURO_JAX_ATTENTION_KERNEL")):
+    kernels.append("mgpu")
+  if selected not in kernels:
+    kernels.append(selected)
+  rec["selected_kernel"] = selected
   # correctness first (one call, layer 0)
-  one = ours_fn(1, c["layers"], tune)
-  out = one(*args)
+  try:
+    out = ours_fn(1, c["layers"], tune, kernel=selected)(*args)
+  except Exception as e:  # noqa: BLE001  (the record says so; the other kernel is still timed)
+    rec["selected_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    log(f"  selected kernel {selected} failed: {rec['selected_error']}")
+    out = ours_fn(1, c["layers"], tune, kernel="triton")(*args)
+    kernels = [k for k in kernels if k != selected]
   ref_out = None
   ks = vs = None
   if with_ref and n_seg * ctx <= MAX_REF_TOKENS:
@@ -237,7 +268,20 @@ def run_shape(kind, n_seg, q_len, ctx, *, key, reps, tune=None, with_ref=True, w
   if not rec["correct"]:
     log(f"  !! correctness check failed: {errs}")
 
-  rec["ours_ms"] = timeit(ours_fn(n_calls, c["layers"], tune), args, n_calls, reps)
+  for kern in kernels:
+    try:
+      if kern != selected and with_ref and rec.get("err_vs_reference") is not None:
+        rec[f"{kern}_err_vs_reference"] = rel_err(ours_fn(1, c["layers"], tune, kernel=kern)(*args),
+                                                  ref_out)
+      rec[f"{kern}_ms"] = timeit(ours_fn(n_calls, c["layers"], tune, kernel=kern), args, n_calls,
+                                 reps)
+    except Exception as e:  # noqa: BLE001
+      rec[f"{kern}_ms"] = None
+      rec[f"{kern}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      log(f"  kernel {kern} failed: {rec[f'{kern}_error']}")
+  rec["ours_ms"] = rec.get(f"{selected}_ms") or rec.get("triton_ms")
+  timed = {k: rec[f"{k}_ms"] for k in kernels if rec.get(f"{k}_ms")}
+  rec["fastest_kernel"] = min(timed, key=timed.get) if timed else None
   if variants:
     rec["variants_ms"] = {}
     for name, t in variants.items():

@@ -13,21 +13,28 @@ from typing import Any
 
 import jax
 
-from pallas_kernels import (make_plan, ragged_paged_attention, ragged_paged_attention_reference,
-                            write_kv)
-from pallas_kernels.ragged_paged_attention import default_tuning
+from pallas_kernels import ragged_paged_attention_reference, write_kv
+from pallas_kernels.dispatch import make_kernel_plan, paged_attention, select_kernel
 
-__all__ = ["PagedAttention", "attention_plan"]
+__all__ = ["PagedAttention", "attention_plan", "resolve_impl"]
+
+
+def resolve_impl(impl: str, num_rows: int, num_segments: int, dtype, head_dim: int,
+                 block_size: int) -> str:
+    """``"pallas"`` becomes the Pallas kernel chosen for this bucket (``"triton"`` or ``"mgpu"``,
+    pallas_kernels/dispatch.py); other values pass through."""
+    if impl == "pallas":
+        return select_kernel(num_rows, num_segments, dtype, head_dim, block_size)
+    return impl
 
 
 def attention_plan(impl: str, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    seg_q_start, seg_q_len, seg_ctx_len):
     """The kernel's work list, built once per invocation and shared by every layer."""
-    if impl != "pallas":
+    if impl == "reference":
         return None
-    tuning = default_tuning(num_rows, seg_q_len.shape[0], num_heads, num_kv_heads, head_dim)
-    return make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows,
-                     num_q_per_kv=num_heads // num_kv_heads, tuning=tuning)
+    return make_kernel_plan(impl, num_rows, num_heads, num_kv_heads, head_dim, seg_q_start,
+                            seg_q_len, seg_ctx_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +45,7 @@ class PagedAttention:
     seg_ctx_len: jax.Array       # [S]
     seg_block_table: jax.Array   # [S, MB]
     scale: float
-    impl: str = "reference"      # "pallas" | "reference"
+    impl: str = "reference"      # "triton" | "mgpu" | "reference" (resolve_impl)
     interpret: bool = False
     plan: Any = None
 
@@ -46,9 +53,9 @@ class PagedAttention:
         kp, vp = cache
         kp, vp = write_kv(kp, vp, k, v, self.row_slot, layer=layer)
         args = (q, kp, vp, self.seg_q_start, self.seg_q_len, self.seg_ctx_len, self.seg_block_table)
-        if self.impl == "pallas":
-            out = ragged_paged_attention(*args, layer=layer, sm_scale=self.scale, interpret=self.interpret,
-                                         plan=self.plan)
+        if self.impl != "reference":
+            out = paged_attention(self.impl, *args, layer=layer, sm_scale=self.scale,
+                                  interpret=self.interpret, plan=self.plan)
         else:
             out = ragged_paged_attention_reference(*args, layer=layer, sm_scale=self.scale)
         return out, (kp, vp)

@@ -34,7 +34,7 @@ from scheduler.descriptor import descriptor_layout
 
 from .config import OuroConfig
 from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
-from .paged_attention import PagedAttention, attention_plan
+from .paged_attention import PagedAttention, attention_plan, resolve_impl
 from .sampling import row_keys, sample
 
 __all__ = ["ModelRunner", "StepHandle", "packed_size"]
@@ -95,6 +95,7 @@ def _step(params, kp, vp, ring, packed, *, key: BucketKey, config: OuroConfig, d
     ring = ring.at[a["pre_ring"]].set(emb.astype(ring.dtype))
     # 3. one loop for every row
     x = ring[a["row_ring"]]
+    impl = resolve_impl(impl, key.R, key.S, dt, c.head_dim, kp.shape[-2])
     plan = attention_plan(impl, key.R, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                           a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"])
     attn = PagedAttention(a["row_slot"], a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"],
@@ -137,8 +138,9 @@ class ModelRunner:
                  interpret: bool = False):
         if attention == "auto":
             attention = "pallas" if jax.default_backend() == "gpu" else "reference"
-        if attention not in ("pallas", "reference"):
-            raise ValueError(f"attention must be 'auto', 'pallas' or 'reference', got {attention!r}")
+        if attention not in ("pallas", "triton", "mgpu", "reference"):
+            raise ValueError("attention must be 'auto', 'pallas' (the faster Pallas kernel per "
+                             "bucket), 'triton', 'mgpu' or 'reference', got " f"{attention!r}")
         if layer_loop not in ("scan", "unrolled"):
             raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
         self.config = config

@@ -32,8 +32,12 @@ skip_no_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (jax.default_ba
 
 
 def make_batch(rng, *, num_heads, kv_heads, head_dim, block_size, seg_specs, extra_rows,
-               num_layers=None, dtype=np.float32, gap_prob=0.3, share_prob=0.2):
-  """seg_specs: list of (q_len, ctx_len); q_len 0 = padding segment. Returns a dict of arrays."""
+               num_layers=None, dtype=np.float32, gap_prob=0.3, share_prob=0.2,
+               tail_poison=np.nan):
+  """seg_specs: list of (q_len, ctx_len); q_len 0 = padding segment. Returns a dict of arrays.
+
+  Unread pages are NaN; the unread tail of a partially read page is ``tail_poison`` (NaN by
+  default; the Mosaic GPU kernel's contract needs it finite, see its module docstring)."""
   s = len(seg_specs)
   max_ctx = max([c for _, c in seg_specs] + [1])
   mb = max(1, math.ceil(max_ctx / block_size)) + int(rng.integers(0, 2))  # sometimes a spare col
@@ -82,8 +86,9 @@ def make_batch(rng, *, num_heads, kv_heads, head_dim, block_size, seg_specs, ext
       for p in range(math.ceil(c / block_size)):
         fill[tables[i, p]] = max(fill[tables[i, p]], min(block_size, c - p * block_size))
   for page in range(num_blocks):
-    k[..., page, fill[page]:, :] = np.nan
-    v[..., page, fill[page]:, :] = np.nan
+    poison = np.nan if fill[page] == 0 else tail_poison
+    k[..., page, fill[page]:, :] = poison
+    v[..., page, fill[page]:, :] = poison
   q = rng.standard_normal((num_rows, num_heads, head_dim)).astype(np.float32)
   covered = np.zeros(num_rows, bool)
   for i, (ql, _) in enumerate(seg_specs):

@@ -1,0 +1,93 @@
+"""Which Pallas attention kernel serves a bucket: the Triton-lowered one or the Mosaic GPU one.
+
+The engine compiles one executable per bucket, so the choice is made once per bucket shape, at
+trace time, from static facts: the device, dtype, head_dim, block size and the bucket's rows per
+segment. The rule comes from the H200 sweep (benchmarks/attention_sweep.py times both kernels on
+every prefill shape and records which one this function picks next to both timings;
+tests/test_attention_dispatch.py checks the rule against those records):
+
+* decode rows and short segments -> Triton (split-K over the context, 16-row MMA tiles, per-token
+  masked page gathers; the Mosaic kernel's 128-row tiles would be mostly padding);
+* segments of ``MGPU_MIN_ROWS_PER_SEGMENT`` rows or more on Hopper, bf16/f16 -> Mosaic GPU
+  (TMA page copies, wgmma, warp specialisation).
+
+``OURO_JAX_ATTENTION_KERNEL=triton|mgpu`` forces one kernel (benchmarks, debugging).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, NamedTuple
+
+import jax
+
+from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+from pallas_kernels.ragged_paged_attention import (default_tuning, make_plan,
+                                                   ragged_paged_attention)
+
+# Rows per segment (bucket average) from which the Mosaic GPU kernel is used.
+MGPU_MIN_ROWS_PER_SEGMENT = 128
+KERNELS = ("triton", "mgpu")
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_available() -> bool:
+    """A CUDA device of compute capability 9.x or newer is the default device."""
+    if jax.default_backend() != "gpu":
+        return False
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return int(str(cc).split(".")[0]) >= 9
+    except ValueError:
+        return False
+
+
+def select_kernel(num_rows: int, num_segments: int, dtype, head_dim: int, block_size: int, *,
+                  hopper: bool | None = None) -> str:
+    """``"triton"`` or ``"mgpu"`` for a bucket (see the module docstring)."""
+    forced = os.environ.get("OURO_JAX_ATTENTION_KERNEL", "").strip().lower()
+    if forced:
+        if forced not in KERNELS:
+            raise ValueError(f"OURO_JAX_ATTENTION_KERNEL must be one of {KERNELS}, got {forced!r}")
+        return forced
+    if hopper is None:
+        hopper = hopper_available()
+    if not hopper or mgpu.supported(dtype, head_dim, block_size) is not None:
+        return "triton"
+    rows_per_segment = num_rows / max(num_segments, 1)
+    return "mgpu" if rows_per_segment >= MGPU_MIN_ROWS_PER_SEGMENT else "triton"
+
+
+class MgpuPlan(NamedTuple):
+    """Tile packing of the Mosaic GPU kernel (``ragged_paged_attention_mgpu.tile_rows``)."""
+    tiles: jax.Array
+    src: jax.Array
+    dst: jax.Array
+
+
+def make_kernel_plan(kernel: str, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                     seg_q_start, seg_q_len, seg_ctx_len) -> Any:
+    """The chosen kernel's per-invocation work list, built once and shared by every layer."""
+    if kernel == "mgpu":
+        return MgpuPlan(*mgpu.tile_rows(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows,
+                                        block_q=64))
+    tuning = default_tuning(num_rows, seg_q_len.shape[0], num_heads, num_kv_heads, head_dim)
+    return make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows,
+                     num_q_per_kv=num_heads // num_kv_heads, tuning=tuning)
+
+
+def paged_attention(kernel: str, q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len,
+                    seg_block_table, *, layer=None, sm_scale: float, plan=None,
+                    interpret: bool = False):
+    """Run the chosen kernel (``plan`` from ``make_kernel_plan`` for the same kernel, or None)."""
+    args = (q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table)
+    if kernel == "mgpu":
+        if interpret:
+            raise ValueError("the Mosaic GPU kernel has no CPU interpret mode (wgmma); "
+                             "use kernel='triton'")
+        return mgpu.ragged_paged_attention_mgpu(*args, layer=layer, sm_scale=sm_scale,
+                                                packing=plan)
+    if kernel != "triton":
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    return ragged_paged_attention(*args, layer=layer, sm_scale=sm_scale, interpret=interpret,
+                                  plan=plan)

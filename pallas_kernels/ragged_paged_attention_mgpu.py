@@ -1,0 +1,308 @@
+"""Ragged paged attention for long prompt segments on Hopper (Pallas, Mosaic GPU lowering).
+
+Same contract as ``ragged_paged_attention`` (docs/contracts.md), written for the case the
+Triton-lowered kernel handles worst: prompt segments of hundreds or thousands of rows, where the
+work is tensor-core bound (0.45-0.50x cuDNN for 1024-row chunks, benchmarks/results/
+attention_sweep.json). Triton's lowering has no TMA and no wgmma on this path; this kernel is
+written the FlashAttention-3 way with Mosaic GPU primitives:
+
+* one CTA = one *query tile* of ``2 * block_q`` rows of one segment x one query head; two compute
+  warpgroups own ``block_q`` rows each (wgmma with a register accumulator, online softmax in f32,
+  exp2 domain), a third (memory) warpgroup streams K/V into a ring of ``max_concurrent_steps``
+  shared-memory slots;
+* a K/V step of ``block_kv`` tokens is ``block_kv / block_size`` TMA copies, one per page, each
+  addressed through the segment's block table (``[L, KVH, NB, BS, hd]`` pool, the traced layer
+  index read inside the kernel: the pool is never sliced);
+* causal masking only on the steps that cross the diagonal; steps past a warpgroup's last row are
+  skipped (the warpgroup still releases their slots so the memory warpgroup never stalls).
+
+Query rows are gathered into tile-packed order before the kernel and scattered back after it
+(``[num_tiles * 2 * block_q, H, hd]``, a few MB at most), so every TMA is in bounds and a tile
+never writes rows of another segment. Rows covered by no segment come out as zeros.
+
+Limits (checked): bfloat16/float16, head_dim a multiple of 64, ``block_size`` a multiple of 8 that
+divides ``block_kv``. One condition is not checked: the slots of a segment's last page past its
+context are read and multiplied by zero probabilities, so they must hold finite values (the
+engine's pool is zero-initialised and only ever written with K/V, so they do); a NaN there would
+leak through ``0 * NaN`` in the P.V product. Whole pages past the context are never read (the
+step loads the segment's first page in their place). The Triton kernel masks its loads per token
+and has no such condition.
+
+Decode rows and short segments stay on the Triton kernel: ``select_impl`` chooses per bucket from
+the measured crossover (see ``ragged_paged_attention_auto``).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.ragged_paged_attention import _check_args, _cdiv, num_tiles, query_tiles
+
+LOG2E = math.log2(math.e)
+NEG = -1e30  # finite "minus infinity": rows with no visible key never produce inf - inf
+COMPUTE_WGS = 2
+
+
+def supported(q_dtype, head_dim: int, block_size: int, block_kv: int = 64) -> str | None:
+    """Why this kernel cannot serve a launch (``None`` when it can)."""
+    if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(q_dtype).name} (needs bfloat16 or float16)"
+    if head_dim % 64:
+        return f"head_dim {head_dim} (needs a multiple of 64)"
+    if block_size % 8 or block_kv % block_size:
+        return f"block_size {block_size} (needs a multiple of 8 dividing block_kv={block_kv})"
+    return None
+
+
+def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: int):
+    """Tiles of ``2 * block_q`` rows and, per packed tile row, the source row (``num_rows`` = none).
+
+    Returns ``(tiles [T, 4] int32: seg, row0, nrows, pos0; src [T * 2 * block_q] int32;
+    dst [num_rows] int32)``: ``q_tiles = q[src]`` packs the queries and ``out = out_tiles[dst]``
+    unpacks the result (``dst`` points at an all-zero row for rows of no segment).
+    """
+    bt = COMPUTE_WGS * block_q
+    t = query_tiles(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=bt)
+    n_t = t.seg.shape[0]
+    i = jnp.arange(bt, dtype=jnp.int32)
+    ok = i[None, :] < t.nrows[:, None]
+    src = jnp.where(ok, t.row0[:, None] + i[None, :], num_rows).reshape(-1)
+    flat = jnp.arange(n_t * bt, dtype=jnp.int32)
+    zero_row = n_t * bt  # one extra zero row appended after the tiles
+    dst = jnp.full((num_rows,), zero_row, jnp.int32).at[src].set(flat, mode="drop")
+    tiles = jnp.stack([t.seg, t.row0, t.nrows, t.pos0], axis=1).astype(jnp.int32)
+    return tiles, src, dst
+
+
+def _kernel(tiles_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int,
+            block_q: int, block_kv: int, block_size: int, steps: int, scale_log2: float,
+            max_blocks: int, num_pages: int):
+    smem, kv_ready, kv_free, sched = scoped
+    qo_smem2, k_smem, v_smem = smem
+    k_ready, v_ready, q_ready = kv_ready
+    k_free, v_free = kv_free
+    head = lax.axis_index("heads")
+    t = lax.axis_index("tiles")
+    wg = lax.axis_index("wg")
+    seg = tiles_ref[t, 0]
+    nrows = tiles_ref[t, 2]
+    pos0 = tiles_ref[t, 3]
+    tile_steps = jnp.where(nrows > 0, _cdiv(pos0 + nrows, block_kv), 0)
+    head_dim = q_ref.shape[-1]
+    dtype = q_ref.dtype
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        qo_smem = qo_smem2.at[wg]
+        first = wg * block_q  # this warpgroup's first row within the tile
+        rows = jnp.clip(nrows - first, 0, block_q)
+        q_pos0 = pos0 + first
+        kv_steps = jnp.where(rows > 0, _cdiv(q_pos0 + rows, block_kv), 0)
+        # Steps whose keys all sit at or before this warpgroup's first query position.
+        full_steps = jnp.clip(lax.div(q_pos0 + 1, block_kv), 0, kv_steps)
+
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t * (COMPUTE_WGS * block_q) + first, block_q), head],
+                                qo_smem, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        m_i = plgpu.layout_cast(jnp.full((block_q,), NEG, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA)
+
+        @pl.when(kv_steps > 0)
+        def _():
+            plgpu.barrier_wait(k_ready.at[0])
+
+        pl.when(wg == 1)(schedule_barrier)
+
+        def kv_step(step, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(step, jnp.int32(steps))
+
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                schedule_barrier()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            s = s * scale_log2
+            if masked:
+                qi = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
+                                            layout=plgpu.Layout.WGMMA)
+                ki = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
+                                            layout=plgpu.Layout.WGMMA)
+                s = jnp.where(q_pos0 + qi >= step * block_kv + ki, s, NEG)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p_lo = p.astype(dtype)
+            acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p_lo))
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(sched)
+
+            def pv_scope(acc_ref):
+                plgpu.wgmma(acc_ref, p_lo, v_smem.at[slot])
+                nxt = step + 1
+
+                @pl.when(nxt < kv_steps)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(steps))])
+
+            acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        def drain(step, _):
+            # Steps this warpgroup does not need: release the slots and keep the schedule
+            # barrier in step with the other warpgroup.
+            slot = lax.rem(step, jnp.int32(steps))
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            schedule_barrier()
+            schedule_barrier()
+
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_step, masked=True),
+                                      carry)
+        lax.fori_loop(kv_steps, tile_steps, drain, None)
+        pl.when(wg == 0)(schedule_barrier)
+
+        l_safe = jnp.where(l_i > 0, l_i, 1.0)
+        acc = acc / lax.broadcast_in_dim(l_safe, (block_q, head_dim), [0])
+        qo_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            qo_smem, out_ref.at[pl.ds(t * (COMPUTE_WGS * block_q) + first, block_q), head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kvh = lax.div(head, jnp.int32(g))
+        layer = layer_ref[0]
+        pages = block_kv // block_size
+
+        ctx_pages = _cdiv(pos0 + nrows, block_size)
+
+        def issue(step, slot, which):
+            src_ref, dst_ref, bar = ((k_ref, k_smem, k_ready) if which == "k"
+                                     else (v_ref, v_smem, v_ready))
+            for j in range(pages):
+                # Pages past the tile's context are masked out, but P.V still multiplies them
+                # by zero: load the segment's first page instead of whatever the table's tail
+                # names, so they hold real (finite) K/V.
+                blk = step * pages + j
+                blk = jnp.where(blk < ctx_pages, jnp.minimum(blk, max_blocks - 1), 0)
+                page = jnp.clip(bt_ref[seg, blk], 0, num_pages - 1)
+                plgpu.copy_gmem_to_smem(src_ref.at[layer, kvh, page],
+                                        dst_ref.at[slot, pl.ds(j * block_size, block_size)],
+                                        bar.at[slot])
+
+        for i in range(steps):
+            @pl.when(i < tile_steps)
+            def _():
+                issue(jnp.int32(i), i, "k")
+                issue(jnp.int32(i), i, "v")
+
+        @pl.loop(0, jnp.maximum(tile_steps - steps, 0))
+        def _(step):
+            nxt = step + steps
+            slot = lax.rem(step, jnp.int32(steps))
+            plgpu.barrier_wait(k_free.at[slot])
+            issue(nxt, slot, "k")
+            plgpu.barrier_wait(v_free.at[slot])
+            issue(nxt, slot, "v")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_kv",
+                                             "max_concurrent_steps"))
+def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len,
+                                seg_block_table, *, layer=None, sm_scale: float, block_q: int = 64,
+                                block_kv: int = 64, max_concurrent_steps: int = 2, packing=None):
+    """Mosaic GPU twin of ``ragged_paged_attention`` (same arguments; see module docstring).
+
+    ``packing``: ``tile_rows(...)`` of the same segment arrays (built once per step and shared by
+    every layer), or None to build it here. There is no CPU interpret mode: Pallas' GPU
+    interpreter does not model wgmma.
+    """
+    _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, layer)
+    if layer is None:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    num_rows, num_heads, head_dim = q.shape
+    _, kvh, num_pages, block_size, _ = k_pages.shape
+    why = supported(q.dtype, head_dim, block_size, block_kv)
+    if why is not None:
+        raise ValueError(f"ragged_paged_attention_mgpu cannot serve {why}")
+    if block_q != 64 or max_concurrent_steps < 2:
+        raise ValueError("block_q must be 64 (one wgmma M tile per warpgroup) and "
+                         "max_concurrent_steps >= 2")
+    g = num_heads // kvh
+    if packing is None:
+        packing = tile_rows(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows,
+                            block_q=block_q)
+    tiles, src, dst = packing
+    n_t = tiles.shape[0]
+    q_tiles = jnp.take(q, src, axis=0, mode="fill", fill_value=0)
+    tile_rows_total = n_t * COMPUTE_WGS * block_q
+
+    def entry(tiles_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref):
+        tiling = plgpu.TilingTransform((8, 64))
+        swizzle = plgpu.SwizzleTransform(128)
+        ts = (tiling, swizzle)
+        scratch = [
+            plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), q.dtype, transforms=ts),
+            plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), q.dtype, transforms=ts),
+            plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), q.dtype, transforms=ts),
+        ]
+        pages = block_kv // block_size
+        pl.run_scoped(
+            lambda *scoped: _kernel(
+                tiles_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, g=g,
+                block_q=block_q, block_kv=block_kv, block_size=block_size,
+                steps=max_concurrent_steps, scale_log2=float(sm_scale) * LOG2E,
+                max_blocks=seg_block_table.shape[1], num_pages=num_pages),
+            scratch,
+            (plgpu.Barrier(num_arrivals=pages, num_barriers=max_concurrent_steps),
+             plgpu.Barrier(num_arrivals=pages, num_barriers=max_concurrent_steps),
+             plgpu.Barrier(num_barriers=COMPUTE_WGS)),
+            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=max_concurrent_steps),) * 2,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            collective_axes="wg",
+        )
+
+    out_tiles = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((tile_rows_total, num_heads, head_dim), q.dtype),
+        grid=(num_heads, n_t),
+        grid_names=("heads", "tiles"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(tiles, seg_block_table.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
+      q_tiles, k_pages, v_pages)
+    out_tiles = jnp.concatenate([out_tiles, jnp.zeros((1, num_heads, head_dim), q.dtype)])
+    return jnp.take(out_tiles, dst, axis=0)
+
+
+def mgpu_tiles(num_rows: int, num_segments: int, block_q: int = 64) -> int:
+    """Query tiles the kernel launches for a bucket (static)."""
+    return num_tiles(num_rows, num_segments, COMPUTE_WGS * block_q)
