@@ -115,7 +115,7 @@ if wants sweep; then  # no GPU needed: beside the GPU stages, one core, low prio
 fi
 
 if wants gpu-tests; then  # correctness on the GPU first: Pallas engine vs reference engine vs generate()
-  b=$(budget_for 150)
+  b=$(budget_for "${GPU_TESTS_SECONDS:-150}")
   if (( b > 0 )); then
     say "start gpu-tests (budget $b s)"
     ( export JAX_PLATFORMS= XLA_FLAGS=; timeout -s INT -k 10 "$b" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
