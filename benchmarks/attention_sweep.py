@@ -228,7 +228,8 @@ def run_shape(kind, n_seg, q_len, ctx, *, key, reps, tune=None, with_ref=True, w
              default_tuning=vars(default_tuning(n_seg * q_len, n_seg, H, KVH, HD)))
   # Which Pallas kernel the engine would pick for this bucket; prefill shapes time both kernels
   # (decode rows never go to the Mosaic kernel: one row per 128-row tile).
-  selected = "triton" if tune else dispatch.select_kernel(n_seg * q_len, n_seg, DT, HD, BS)
+  selected = "triton" if tune else dispatch.select_kernel(n_seg * q_len, n_seg, DT, HD, BS,
+                                                              num_heads=H)
   kernels = ["triton"]
   if (kind == "prefill" and not tune and dispatch.hopper_available()
       and not os.environ.get("OURO_JAX_ATTENTION_KERNEL")):

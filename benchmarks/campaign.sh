@@ -25,7 +25,8 @@
 #   0 gpu-tests                 pytest -m gpu: Pallas engine = reference engine = generate(),
 #                               kernels vs their jnp twins, KV writes in place (gpu_tests.txt)  150
 #   attention (not default)     benchmarks/attention_sweep.py: both Pallas kernels vs cuDNN    230
-#   profile (not default)       benchmarks/profile_step.py: device time per kernel, per bucket 120
+#   profile (not default; runs after generate) benchmarks/profile_step.py: device time per
+#                               kernel, per bucket                                           120
 #   1 serve1k+long4             one process (one start-up, one cold compile):                  225
 #       serve1k                 c = 1, 128, 32 x fixed depth / synthetic early exit
 #                               (split, chunk 64)                                     130 of it
@@ -119,7 +120,7 @@ if wants gpu-tests; then  # correctness on the GPU first: Pallas engine vs refer
   if (( b > 0 )); then
     say "start gpu-tests (budget $b s)"
     ( export JAX_PLATFORMS= XLA_FLAGS=; timeout -s INT -k 10 "$b" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
-        --tb=short -m gpu tests/ > "$RES/gpu_tests.txt" 2>&1 )
+        --tb=short --durations=15 -m gpu ${GPU_TESTS_PATHS:-tests/} > "$RES/gpu_tests.txt" 2>&1 )
     say "end gpu-tests (rc $?): $(tail -n 1 "$RES/gpu_tests.txt")"
     snapshot
   fi
@@ -132,17 +133,6 @@ if wants attention; then  # kernel sweep: Triton vs Mosaic GPU vs cuDNN vs refer
     ( export JAX_PLATFORMS= XLA_FLAGS=; timeout -s INT -k 10 "$b" python3 benchmarks/attention_sweep.py \
         --out "$RES" --no-copy > "$RES/attention_sweep.log" 2>&1 )
     say "end attention sweep (rc $?): $(tail -n 1 "$RES/attention_sweep.log")"
-    snapshot
-  fi
-fi
-
-if wants profile; then  # where one invocation's device time goes, per kernel (profile_step.json)
-  b=$(budget_for 120)
-  if (( b > 0 )); then
-    say "start profile (budget $b s)"
-    timeout -s INT -k 10 "$(hard_limit "$b")" python3 -m benchmarks.profile_step ${PROFILE_ARGS:-} \
-      --out "$RES/profile_step.json" >> "$LOG" 2>&1
-    say "end profile (rc $?)"
     snapshot
   fi
 fi
@@ -164,6 +154,17 @@ if wants sweep; then
     snapshot
   else
     say "skip bucket sweep: $(left) s left"
+  fi
+fi
+
+if wants profile; then  # where one invocation's device time goes, per kernel (profile_step.json)
+  b=$(budget_for 120)
+  if (( b > 0 )); then
+    say "start profile (budget $b s)"
+    timeout -s INT -k 10 "$(hard_limit "$b")" python3 -m benchmarks.profile_step ${PROFILE_ARGS:-} \
+      --out "$RES/profile_step.json" >> "$LOG" 2>&1
+    say "end profile (rc $?)"
+    snapshot
   fi
 fi
 

@@ -20,11 +20,12 @@ __all__ = ["PagedAttention", "attention_plan", "resolve_impl"]
 
 
 def resolve_impl(impl: str, num_rows: int, num_segments: int, dtype, head_dim: int,
-                 block_size: int) -> str:
+                 block_size: int, num_heads: int) -> str:
     """``"pallas"`` becomes the Pallas kernel chosen for this bucket (``"triton"`` or ``"mgpu"``,
     pallas_kernels/dispatch.py); other values pass through."""
     if impl == "pallas":
-        return select_kernel(num_rows, num_segments, dtype, head_dim, block_size)
+        return select_kernel(num_rows, num_segments, dtype, head_dim, block_size,
+                             num_heads=num_heads)
     return impl
 
 
