@@ -292,6 +292,10 @@ def _targets(results: dict) -> str:
             rows.append([what, f">= {goal:.0%} of the bandwidth floor", "not run", "", ""])
             continue
         f = r.get("tpot_fraction_of_floor")
+        if r.get("tpot_floor") is None:  # cut short before a token came out
+            rows.append([what, f">= {goal:.0%} of the bandwidth floor",
+                         f"no TPOT ({'truncated' if r.get('truncated') else 'no tokens'})", "", ""])
+            continue
         rows.append([what, f">= {goal:.0%} of the bandwidth floor",
                      f"TPOT p50 {_f(_lat(r, 'tpot', 'p50'), 2, 1e3)} ms vs floor "
                      f"{_f(r['tpot_floor']['floor_s'], 2, 1e3)} ms ({r['tpot_floor']['bound']}); whole run "

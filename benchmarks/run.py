@@ -586,6 +586,17 @@ def print_table(records: list, file=None) -> None:
 
 
 # ----------------------------------------------------------------------------------------- main
+def _rkey(r: dict) -> tuple:
+    return (r.get("label"), r.get("mode"), r.get("chunk"))
+
+
+def _merge_records(prev: list, new: list) -> list:
+    """``--append``: a new run of a configuration replaces an earlier record of it (e.g. one cut
+    short by the time budget); other earlier records are kept."""
+    fresh = {_rkey(r) for r in new}
+    return [r for r in prev if _rkey(r) not in fresh] + new
+
+
 def _result(h: Harness, name: str, args, variants: list[Workload], records: list, skipped: list,
             prev: Optional[dict], first_startup: int = 0) -> dict:
     return dict(benchmark="workload", workload=name, device=h.device, jax_version=jax.__version__,
@@ -597,8 +608,9 @@ def _result(h: Harness, name: str, args, variants: list[Workload], records: list
                             variants=[v.summary() for v in variants]),
                 ceilings=h.ceilings, startup=(prev or {}).get("startup", []) + h.startups[first_startup:],
                 process_startup=(prev or {}).get("process_startup") or (h.startups[0] if h.startups else None),
-                records=(prev or {}).get("records", []) + records,
-                skipped=(prev or {}).get("skipped", []) + skipped)
+                records=_merge_records((prev or {}).get("records", []), records),
+                skipped=[k for k in (prev or {}).get("skipped", []) if _rkey(k) not in
+                         {_rkey(r) for r in records}] + skipped)
 
 
 def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:

@@ -1,0 +1,66 @@
+"""Merge a newer run's ``<workload>.json`` into the committed one, record by record.
+
+A configuration (label, mode, chunk) measured again replaces the older record, unless the newer
+one was cut short (``truncated``) and the older one was not: then the older stays and the newer
+is listed under ``skipped``. Records kept from the older file are tagged with that file's
+``layer_loop`` and ``run`` (``--old-tag``) so that a table never mixes engine versions silently.
+
+    python -m benchmarks.merge_results OLD.json NEW.json --old-tag "run 1 (scan)" -o OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _key(r: dict) -> tuple:
+    return (r.get("label"), r.get("mode"), r.get("chunk"))
+
+
+def merge(old: dict, new: dict, old_tag: str, new_tag: str) -> dict:
+    old_layer = old.get("config", {}).get("layer_loop", "scan")
+    new_by = {_key(r): r for r in new.get("records", [])}
+    out_records, skipped = [], list(new.get("skipped", []))
+    for r in old.get("records", []):
+        n = new_by.get(_key(r))
+        if n is None or (n.get("truncated") and not r.get("truncated")):
+            r = dict(r)
+            r.setdefault("run", old_tag)
+            r.setdefault("layer_loop", old_layer)
+            out_records.append(r)
+            if n is not None:
+                skipped.append(dict(label=n.get("label"), mode=n.get("mode"), chunk=n.get("chunk"),
+                                    reason=f"{new_tag}: truncated (kept {old_tag})"))
+                del new_by[_key(r)]
+    for r in new.get("records", []):
+        if _key(r) in new_by:
+            r = dict(r)
+            r.setdefault("run", new_tag)
+            r.setdefault("layer_loop", new.get("config", {}).get("layer_loop", "unrolled"))
+            out_records.append(r)
+    done = {_key(r) for r in out_records}
+    res = dict(new)
+    res["records"] = out_records
+    res["skipped"] = [s for s in skipped if _key(s) not in done or "truncated" in s.get("reason", "")]
+    return res
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old")
+    ap.add_argument("new")
+    ap.add_argument("-o", "--out", required=True)
+    ap.add_argument("--old-tag", default="earlier run")
+    ap.add_argument("--new-tag", default="latest run")
+    a = ap.parse_args(argv)
+    with open(a.old) as f:
+        old = json.load(f)
+    with open(a.new) as f:
+        new = json.load(f)
+    with open(a.out, "w") as f:
+        json.dump(merge(old, new, a.old_tag, a.new_tag), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
