@@ -80,7 +80,7 @@ def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: in
     return tiles, src, dst
 
 
-def _kernel(tiles_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int,
+def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int, num_tiles: int,
             block_q: int, block_kv: int, block_size: int, steps: int, scale_log2: float,
             max_blocks: int, num_pages: int):
     smem, kv_ready, kv_free, sched = scoped
@@ -90,9 +90,10 @@ def _kernel(tiles_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, 
     head = lax.axis_index("heads")
     t = lax.axis_index("tiles")
     wg = lax.axis_index("wg")
-    seg = tiles_ref[t, 0]
-    nrows = tiles_ref[t, 2]
-    pos0 = tiles_ref[t, 3]
+    seg = meta_ref[t * 4]
+    nrows = meta_ref[t * 4 + 2]
+    pos0 = meta_ref[t * 4 + 3]
+    bt0 = 4 * num_tiles  # the block table follows the tiles, the layer index comes last
     tile_steps = jnp.where(nrows > 0, _cdiv(pos0 + nrows, block_kv), 0)
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
@@ -198,7 +199,7 @@ def _kernel(tiles_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, 
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
         kvh = lax.div(head, jnp.int32(g))
-        layer = layer_ref[0]
+        layer = meta_ref[meta_ref.shape[0] - 1]
         pages = block_kv // block_size
 
         ctx_pages = _cdiv(pos0 + nrows, block_size)
@@ -212,7 +213,7 @@ def _kernel(tiles_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, 
                 # names, so they hold real (finite) K/V.
                 blk = step * pages + j
                 blk = jnp.where(blk < ctx_pages, jnp.minimum(blk, max_blocks - 1), 0)
-                page = jnp.clip(bt_ref[seg, blk], 0, num_pages - 1)
+                page = jnp.clip(meta_ref[bt0 + seg * max_blocks + blk], 0, num_pages - 1)
                 plgpu.copy_gmem_to_smem(src_ref.at[layer, kvh, page],
                                         dst_ref.at[slot, pl.ds(j * block_size, block_size)],
                                         bar.at[slot])
@@ -262,9 +263,14 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg
     tiles, src, dst = packing
     n_t = tiles.shape[0]
     q_tiles = jnp.take(q, src, axis=0, mode="fill", fill_value=0)
+    # Mosaic GPU wants every operand 256-byte aligned. In the engine the block table is a slice of
+    # the step's packed descriptor, which XLA passes as an unaligned view ("Input buffer 1 is not
+    # 256-byte aligned" on the H200): tiles, table and layer go in as one freshly computed array.
+    meta = jnp.concatenate([tiles.reshape(-1), seg_block_table.astype(jnp.int32).reshape(-1),
+                            jnp.asarray(layer, jnp.int32).reshape(1)])
     tile_rows_total = n_t * COMPUTE_WGS * block_q
 
-    def entry(tiles_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref):
+    def entry(meta_ref, q_ref, k_ref, v_ref, out_ref):
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
         ts = (tiling, swizzle)
@@ -276,7 +282,7 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg
         pages = block_kv // block_size
         pl.run_scoped(
             lambda *scoped: _kernel(
-                tiles_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, g=g,
+                meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, g=g, num_tiles=n_t,
                 block_q=block_q, block_kv=block_kv, block_size=block_size,
                 steps=max_concurrent_steps, scale_log2=float(sm_scale) * LOG2E,
                 max_blocks=seg_block_table.shape[1], num_pages=num_pages),
@@ -297,8 +303,7 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(tiles, seg_block_table.astype(jnp.int32), jnp.asarray(layer, jnp.int32).reshape(1),
-      q_tiles, k_pages, v_pages)
+    )(meta, q_tiles, k_pages, v_pages)
     out_tiles = jnp.concatenate([out_tiles, jnp.zeros((1, num_heads, head_dim), q.dtype)])
     return jnp.take(out_tiles, dst, axis=0)
 
