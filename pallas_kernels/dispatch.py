@@ -13,6 +13,13 @@ tests/test_attention_dispatch.py checks the rule against those records):
   specialisation). Measured: 1.8-2.8x the Triton kernel on 1024-2048-row segments.
 
 ``OURO_JAX_ATTENTION_KERNEL=triton|mgpu`` forces one kernel (benchmarks, debugging).
+
+In the engine every bucket has as many segment slots as rows (``S = R``, scheduler/buckets.py), so
+the rule, which only sees the bucket, picks Triton for every engine bucket. Serving the long
+segments of an invocation with the Mosaic kernel and the rest with Triton needs a per-segment
+split at run time; it is not built. Forcing ``mgpu`` in the engine on the H200 first failed with
+"Input buffer 1 is not 256-byte aligned" (the block table was a view into the packed descriptor);
+the kernel now takes one freshly computed int32 array instead, which has not yet run on a GPU.
 """
 from __future__ import annotations
 
