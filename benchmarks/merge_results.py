@@ -17,27 +17,41 @@ def _key(r: dict) -> tuple:
     return (r.get("label"), r.get("mode"), r.get("chunk"))
 
 
-def merge(old: dict, new: dict, old_tag: str, new_tag: str) -> dict:
-    old_layer = old.get("config", {}).get("layer_loop", "scan")
-    new_by = {_key(r): r for r in new.get("records", [])}
-    out_records, skipped = [], list(new.get("skipped", []))
-    for r in old.get("records", []):
+def merge_records(old: list, new: list, old_tag: str | None = None,
+                  new_tag: str | None = None) -> tuple[list, list]:
+    """The rule of the module docstring on two record lists: ``(records, skipped)``, where
+    ``skipped`` lists the newer records that lost to a complete older one. Tags are added only
+    when given (``benchmarks.run --append`` merges runs of one engine version)."""
+    new_by = {_key(r): r for r in new}
+    out, skipped = [], []
+    for r in old:
         n = new_by.get(_key(r))
         if n is None or (n.get("truncated") and not r.get("truncated")):
             r = dict(r)
-            r.setdefault("run", old_tag)
-            r.setdefault("layer_loop", old_layer)
-            out_records.append(r)
+            if old_tag:
+                r.setdefault("run", old_tag)
+            out.append(r)
             if n is not None:
                 skipped.append(dict(label=n.get("label"), mode=n.get("mode"), chunk=n.get("chunk"),
-                                    reason=f"{new_tag}: truncated (kept {old_tag})"))
+                                    reason=f"{new_tag or 'newer run'}: truncated (kept "
+                                           f"{old_tag or 'the earlier record'})"))
                 del new_by[_key(r)]
-    for r in new.get("records", []):
+    for r in new:
         if _key(r) in new_by:
             r = dict(r)
-            r.setdefault("run", new_tag)
-            r.setdefault("layer_loop", new.get("config", {}).get("layer_loop", "unrolled"))
-            out_records.append(r)
+            if new_tag:
+                r.setdefault("run", new_tag)
+            out.append(r)
+    return out, skipped
+
+
+def merge(old: dict, new: dict, old_tag: str, new_tag: str) -> dict:
+    old_layer = old.get("config", {}).get("layer_loop", "scan")
+    new_layer = new.get("config", {}).get("layer_loop", "unrolled")
+    tagged = lambda recs, layer: [{"layer_loop": layer, **r} for r in recs]  # noqa: E731
+    out_records, lost = merge_records(tagged(old.get("records", []), old_layer),
+                                      tagged(new.get("records", []), new_layer), old_tag, new_tag)
+    skipped = list(new.get("skipped", [])) + lost
     done = {_key(r) for r in out_records}
     res = dict(new)
     res["records"] = out_records

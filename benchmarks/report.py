@@ -116,7 +116,13 @@ def plot_workload(result: dict, path: str) -> Optional[str]:
         axt.set_ylabel("ms per output token")
         axt.set_yscale("log")
         axt.legend(fontsize=8)
-    fig.suptitle(f"{result.get('workload')} on {result.get('device')} (jax {result.get('jax_version')})")
+    return _finish(plt, fig, path,
+                   f"{result.get('workload')} on {result.get('device')} (jax {result.get('jax_version')})")
+
+
+def _finish(plt, fig, path: str, title: Optional[str] = None) -> str:
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -147,11 +153,7 @@ def plot_latency(result: dict, path: str) -> Optional[str]:
         ax.set_ylabel("fraction of requests / tokens")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"{result.get('workload')}: latency CDFs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, path, f"{result.get('workload')}: latency CDFs")
 
 
 def plot_bucket_sweep(result: dict, path: str) -> Optional[str]:
@@ -203,10 +205,7 @@ def plot_bucket_sweep(result: dict, path: str) -> Optional[str]:
         ax.set_ylabel("% padded rows")
         ax.set_title("padding by bucket set (executables)")
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, path)
 
 
 # ----------------------------------------------------------------------------------- markdown

@@ -586,15 +586,16 @@ def print_table(records: list, file=None) -> None:
 
 
 # ----------------------------------------------------------------------------------------- main
-def _rkey(r: dict) -> tuple:
-    return (r.get("label"), r.get("mode"), r.get("chunk"))
-
-
-def _merge_records(prev: list, new: list) -> list:
-    """``--append``: a new run of a configuration replaces an earlier record of it (e.g. one cut
-    short by the time budget); other earlier records are kept."""
-    fresh = {_rkey(r) for r in new}
-    return [r for r in prev if _rkey(r) not in fresh] + new
+def _appended(prev: Optional[dict], records: list, skipped: list) -> dict:
+    """``--append``: records and skips of the earlier file merged with this run's
+    (benchmarks/merge_results.py: a re-run configuration replaces the earlier record unless it was
+    cut short and the earlier one was not)."""
+    from benchmarks.merge_results import merge_records
+    merged, lost = merge_records((prev or {}).get("records", []), records)
+    done = {(r.get("label"), r.get("mode"), r.get("chunk")) for r in records}
+    old_skips = [k for k in (prev or {}).get("skipped", [])
+                 if (k.get("label"), k.get("mode"), k.get("chunk")) not in done]
+    return dict(records=merged, skipped=old_skips + skipped + lost)
 
 
 def _result(h: Harness, name: str, args, variants: list[Workload], records: list, skipped: list,
@@ -608,9 +609,7 @@ def _result(h: Harness, name: str, args, variants: list[Workload], records: list
                             variants=[v.summary() for v in variants]),
                 ceilings=h.ceilings, startup=(prev or {}).get("startup", []) + h.startups[first_startup:],
                 process_startup=(prev or {}).get("process_startup") or (h.startups[0] if h.startups else None),
-                records=_merge_records((prev or {}).get("records", []), records),
-                skipped=[k for k in (prev or {}).get("skipped", []) if _rkey(k) not in
-                         {_rkey(r) for r in records}] + skipped)
+                **_appended(prev, records, skipped))
 
 
 def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:

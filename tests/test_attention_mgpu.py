@@ -7,8 +7,8 @@ spent). On the GPU (``-m gpu``): kernel == jnp reference on hypothesis-drawn rag
 rows, GQA, head_dim 64/128, stacked pool), and at Ouro-1.4B shapes. There is no CPU interpret mode
 for this kernel (Pallas' GPU interpreter does not model wgmma).
 """
+import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -182,11 +182,5 @@ def test_mgpu_ouro_shapes(specs):
   plan = dispatch.make_kernel_plan("mgpu", b["q"].shape[0], 16, 16, 128,
                                    jnp.asarray(b["q_start"]), jnp.asarray(b["q_len"]),
                                    jnp.asarray(b["ctx_len"]))
-  got2 = run(functools_partial_plan(plan), b, 128 ** -0.5)
+  got2 = run(functools.partial(dispatch.paged_attention, "mgpu", plan=plan), b, 128 ** -0.5)
   np.testing.assert_array_equal(got2, got)
-
-
-def functools_partial_plan(plan):
-  def f(*args, **kw):
-    return dispatch.paged_attention("mgpu", *args, plan=plan, **kw)
-  return f
