@@ -123,7 +123,7 @@ def ours_fn(n_calls, layers, tune, planned=True, kernel="triton"):
     def g(q, k, v, qs, ql, cl, bt):
       plan = None
       if planned:
-        plan = dispatch.make_kernel_plan("mgpu", q.shape[0], H, KVH, HD, qs, ql, cl)
+        plan = dispatch.make_kernel_plan("mgpu", q.shape[0], H, KVH, HD, qs, ql, cl, bt)
       for i in range(n_calls):
         q = dispatch.paged_attention("mgpu", q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers),
                                      sm_scale=SCALE, plan=plan)

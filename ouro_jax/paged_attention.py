@@ -30,12 +30,12 @@ def resolve_impl(impl: str, num_rows: int, num_segments: int, dtype, head_dim: i
 
 
 def attention_plan(impl: str, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                   seg_q_start, seg_q_len, seg_ctx_len):
+                   seg_q_start, seg_q_len, seg_ctx_len, seg_block_table):
     """The kernel's work list, built once per invocation and shared by every layer."""
     if impl == "reference":
         return None
     return make_kernel_plan(impl, num_rows, num_heads, num_kv_heads, head_dim, seg_q_start,
-                            seg_q_len, seg_ctx_len)
+                            seg_q_len, seg_ctx_len, seg_block_table)
 
 
 @dataclasses.dataclass(frozen=True)

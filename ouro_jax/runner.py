@@ -97,7 +97,7 @@ def _step(params, kp, vp, ring, packed, *, key: BucketKey, config: OuroConfig, d
     x = ring[a["row_ring"]]
     impl = resolve_impl(impl, key.R, key.S, dt, c.head_dim, kp.shape[-2], c.num_attention_heads)
     plan = attention_plan(impl, key.R, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                          a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"])
+                          a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
     attn = PagedAttention(a["row_slot"], a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"],
                           a["seg_block_table"], c.attn_scale, impl, interpret, plan)
     if layer_loop == "unrolled":

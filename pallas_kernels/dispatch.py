@@ -19,13 +19,14 @@ the rule, which only sees the bucket, picks Triton for every engine bucket. Serv
 segments of an invocation with the Mosaic kernel and the rest with Triton needs a per-segment
 split at run time; it is not built. Forcing ``mgpu`` in the engine on the H200 first failed with
 "Input buffer 1 is not 256-byte aligned" (the block table was a view into the packed descriptor);
-the kernel now takes one freshly computed int32 array instead, which has not yet run on a GPU.
+the kernel now takes the tiles and the table as one freshly computed int32 array, built once per
+invocation (``make_packing``); that revision has not yet run on a GPU.
 """
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
@@ -73,19 +74,12 @@ def select_kernel(num_rows: int, num_segments: int, dtype, head_dim: int, block_
     return "triton"
 
 
-class MgpuPlan(NamedTuple):
-    """Tile packing of the Mosaic GPU kernel (``ragged_paged_attention_mgpu.tile_rows``)."""
-    tiles: jax.Array
-    src: jax.Array
-    dst: jax.Array
-
-
 def make_kernel_plan(kernel: str, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                     seg_q_start, seg_q_len, seg_ctx_len) -> Any:
+                     seg_q_start, seg_q_len, seg_ctx_len, seg_block_table) -> Any:
     """The chosen kernel's per-invocation work list, built once and shared by every layer."""
     if kernel == "mgpu":
-        return MgpuPlan(*mgpu.tile_rows(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows,
-                                        block_q=64))
+        return mgpu.make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table,
+                                 num_rows=num_rows)
     tuning = default_tuning(num_rows, seg_q_len.shape[0], num_heads, num_kv_heads, head_dim)
     return make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows,
                      num_q_per_kv=num_heads // num_kv_heads, tuning=tuning)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,8 @@ def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: in
 
     Returns ``(tiles [T, 4] int32: seg, row0, nrows, pos0; src [T * 2 * block_q] int32;
     dst [num_rows] int32)``: ``q_tiles = q[src]`` packs the queries and ``out = out_tiles[dst]``
-    unpacks the result (``dst`` points at an all-zero row for rows of no segment).
+    unpacks the result (``dst`` is ``T * 2 * block_q``, one past the last tile row, for rows of
+    no segment: a gather with zero fill).
     """
     bt = COMPUTE_WGS * block_q
     t = query_tiles(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=bt)
@@ -74,13 +76,35 @@ def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: in
     ok = i[None, :] < t.nrows[:, None]
     src = jnp.where(ok, t.row0[:, None] + i[None, :], num_rows).reshape(-1)
     flat = jnp.arange(n_t * bt, dtype=jnp.int32)
-    zero_row = n_t * bt  # one extra zero row appended after the tiles
-    dst = jnp.full((num_rows,), zero_row, jnp.int32).at[src].set(flat, mode="drop")
+    dst = jnp.full((num_rows,), n_t * bt, jnp.int32).at[src].set(flat, mode="drop")
     tiles = jnp.stack([t.seg, t.row0, t.nrows, t.pos0], axis=1).astype(jnp.int32)
     return tiles, src, dst
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int, num_tiles: int,
+class Packing(NamedTuple):
+    """Per-invocation inputs of the kernel, built once and shared by every layer.
+
+    ``meta``: the tiles (``[T, 4]``: seg, row0, nrows, pos0) followed by the block table, flat
+    int32, one freshly computed array. Mosaic GPU wants every operand 256-byte aligned; in the
+    engine the block table is a slice of the step's packed descriptor, which XLA passed as an
+    unaligned view ("Input buffer 1 is not 256-byte aligned" on the H200). ``src``/``dst``: the
+    row packing of ``tile_rows``.
+    """
+    meta: jax.Array
+    src: jax.Array
+    dst: jax.Array
+
+
+def make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, *, num_rows: int,
+                 block_q: int = 64) -> Packing:
+    tiles, src, dst = tile_rows(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows,
+                                block_q=block_q)
+    meta = jnp.concatenate([tiles.reshape(-1), seg_block_table.astype(jnp.int32).reshape(-1)])
+    return Packing(meta, src, dst)
+
+
+def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int,
+            num_tiles: int,
             block_q: int, block_kv: int, block_size: int, steps: int, scale_log2: float,
             max_blocks: int, num_pages: int):
     smem, kv_ready, kv_free, sched = scoped
@@ -93,7 +117,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int, num_tiles
     seg = meta_ref[t * 4]
     nrows = meta_ref[t * 4 + 2]
     pos0 = meta_ref[t * 4 + 3]
-    bt0 = 4 * num_tiles  # the block table follows the tiles, the layer index comes last
+    bt0 = 4 * num_tiles  # the block table follows the tiles
     tile_steps = jnp.where(nrows > 0, _cdiv(pos0 + nrows, block_kv), 0)
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
@@ -199,7 +223,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int, num_tiles
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
         kvh = lax.div(head, jnp.int32(g))
-        layer = meta_ref[meta_ref.shape[0] - 1]
+        layer = layer_ref[0]
         pages = block_kv // block_size
 
         ctx_pages = _cdiv(pos0 + nrows, block_size)
@@ -241,8 +265,8 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg
                                 block_kv: int = 64, max_concurrent_steps: int = 2, packing=None):
     """Mosaic GPU twin of ``ragged_paged_attention`` (same arguments; see module docstring).
 
-    ``packing``: ``tile_rows(...)`` of the same segment arrays (built once per step and shared by
-    every layer), or None to build it here. There is no CPU interpret mode: Pallas' GPU
+    ``packing``: ``make_packing(...)`` of the same segment arrays (built once per step and shared
+    by every layer), or None to build it here. There is no CPU interpret mode: Pallas' GPU
     interpreter does not model wgmma.
     """
     _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, layer)
@@ -258,19 +282,14 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg
                          "max_concurrent_steps >= 2")
     g = num_heads // kvh
     if packing is None:
-        packing = tile_rows(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows,
-                            block_q=block_q)
-    tiles, src, dst = packing
-    n_t = tiles.shape[0]
+        packing = make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table,
+                               num_rows=num_rows, block_q=block_q)
+    meta, src, dst = packing
+    tile_rows_total = src.shape[0]
+    n_t = tile_rows_total // (COMPUTE_WGS * block_q)
     q_tiles = jnp.take(q, src, axis=0, mode="fill", fill_value=0)
-    # Mosaic GPU wants every operand 256-byte aligned. In the engine the block table is a slice of
-    # the step's packed descriptor, which XLA passes as an unaligned view ("Input buffer 1 is not
-    # 256-byte aligned" on the H200): tiles, table and layer go in as one freshly computed array.
-    meta = jnp.concatenate([tiles.reshape(-1), seg_block_table.astype(jnp.int32).reshape(-1),
-                            jnp.asarray(layer, jnp.int32).reshape(1)])
-    tile_rows_total = n_t * COMPUTE_WGS * block_q
 
-    def entry(meta_ref, q_ref, k_ref, v_ref, out_ref):
+    def entry(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref):
         tiling = plgpu.TilingTransform((8, 64))
         swizzle = plgpu.SwizzleTransform(128)
         ts = (tiling, swizzle)
@@ -282,7 +301,7 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg
         pages = block_kv // block_size
         pl.run_scoped(
             lambda *scoped: _kernel(
-                meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, g=g, num_tiles=n_t,
+                meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, g=g, num_tiles=n_t,
                 block_q=block_q, block_kv=block_kv, block_size=block_size,
                 steps=max_concurrent_steps, scale_log2=float(sm_scale) * LOG2E,
                 max_blocks=seg_block_table.shape[1], num_pages=num_pages),
@@ -303,9 +322,8 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(meta, q_tiles, k_pages, v_pages)
-    out_tiles = jnp.concatenate([out_tiles, jnp.zeros((1, num_heads, head_dim), q.dtype)])
-    return jnp.take(out_tiles, dst, axis=0)
+    )(meta, jnp.asarray(layer, jnp.int32).reshape(1), q_tiles, k_pages, v_pages)
+    return jnp.take(out_tiles, dst, axis=0, mode="fill", fill_value=0)
 
 
 def mgpu_tiles(num_rows: int, num_segments: int, block_q: int = 64) -> int:

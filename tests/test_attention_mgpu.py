@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention_mgpu import (ragged_paged_attention_mgpu, supported,
+from pallas_kernels.ragged_paged_attention_mgpu import (make_packing,
+                                                        ragged_paged_attention_mgpu, supported,
                                                         tile_rows)
 from tests.test_pallas_attention import assert_close, make_batch, run
 
@@ -63,6 +64,20 @@ def test_tile_packing_round_trip(segs, extra):
     if nrows:
       assert 0 < nrows <= 128 and starts[seg] <= row0 and row0 + nrows <= starts[seg] + lens[seg]
       assert pos0 == ctx[seg] - lens[seg] + (row0 - starts[seg])
+
+
+def test_packing_meta_is_tiles_then_table():
+  """The kernel reads tile t's fields at meta[4t:4t+4] and the table at meta[4T + seg*MB + j]."""
+  qs, ql, cl = (jnp.array(x, jnp.int32) for x in ([0, 300], [300, 5], [300, 900]))
+  table = jnp.arange(2 * 7, dtype=jnp.int32).reshape(2, 7) + 100
+  pk = make_packing(qs, ql, cl, table, num_rows=310)
+  tiles, src, dst = tile_rows(qs, ql, cl, num_rows=310, block_q=64)
+  n_t = tiles.shape[0]
+  assert src.shape[0] == n_t * 128
+  np.testing.assert_array_equal(pk.meta[:4 * n_t], np.asarray(tiles).reshape(-1))
+  np.testing.assert_array_equal(pk.meta[4 * n_t:], np.asarray(table).reshape(-1))
+  np.testing.assert_array_equal(pk.src, src)
+  np.testing.assert_array_equal(pk.dst, dst)
 
 
 def test_select_kernel_rule(monkeypatch):
@@ -181,6 +196,6 @@ def test_mgpu_ouro_shapes(specs):
   # the dispatcher's plan path gives the same result
   plan = dispatch.make_kernel_plan("mgpu", b["q"].shape[0], 16, 16, 128,
                                    jnp.asarray(b["q_start"]), jnp.asarray(b["q_len"]),
-                                   jnp.asarray(b["ctx_len"]))
+                                   jnp.asarray(b["ctx_len"]), jnp.asarray(b["tables"]))
   got2 = run(functools.partial(dispatch.paged_attention, "mgpu", plan=plan), b, 128 ** -0.5)
   np.testing.assert_array_equal(got2, got)
