@@ -24,6 +24,8 @@
 #   (background, CPU)           padding analysis of every workload's sweep (scheduler alone) <= 200
 #   0 gpu-tests                 pytest -m gpu: Pallas engine = reference engine = generate(),
 #                               kernels vs their jnp twins, KV writes in place (gpu_tests.txt)  150
+#   mgpu-check (not default)    Mosaic GPU kernel: its GPU tests (kernel, engine forced onto it,
+#                               autotune off) and benchmarks/mgpu_tune.py                      200
 #   attention (not default)     benchmarks/attention_sweep.py: both Pallas kernels vs cuDNN    230
 #   profile (not default; runs after generate) benchmarks/profile_step.py: device time per
 #                               kernel, per bucket                                           120
@@ -122,6 +124,22 @@ if wants gpu-tests; then  # correctness on the GPU first: Pallas engine vs refer
     ( export JAX_PLATFORMS= XLA_FLAGS=; timeout -s INT -k 10 "$b" python3 -m pytest -q -p no:cacheprovider -p no:warnings \
         --tb=short --durations=15 -m gpu ${GPU_TESTS_PATHS:-tests/} > "$RES/gpu_tests.txt" 2>&1 )
     say "end gpu-tests (rc $?): $(tail -n 1 "$RES/gpu_tests.txt")"
+    snapshot
+  fi
+fi
+
+if wants mgpu-check; then  # the Mosaic GPU kernel: correctness (kernel, engine forced onto it), tuning
+  b=$(budget_for 200)
+  if (( b > 0 )); then
+    say "start mgpu-check (budget $b s)"
+    ( export JAX_PLATFORMS= XLA_FLAGS=--xla_gpu_autotune_level=0; timeout -s INT -k 10 "$(( b - 50 ))" \
+        python3 -m pytest -q -p no:cacheprovider --tb=short -m gpu tests/test_attention_mgpu.py \
+        "tests/test_gpu_engine.py::test_mosaic_kernel_engine_equals_triton_kernel_engine" \
+        > "$RES/gpu_tests_mgpu.txt" 2>&1 )
+    say "end mgpu tests (rc $?): $(tail -n 1 "$RES/gpu_tests_mgpu.txt")"
+    ( export JAX_PLATFORMS= XLA_FLAGS=; timeout -s INT -k 5 45 python3 benchmarks/mgpu_tune.py \
+        "$RES/mgpu_tune.json" > "$RES/mgpu_tune.log" 2>&1 )
+    say "end mgpu tune (rc $?)"
     snapshot
   fi
 fi
