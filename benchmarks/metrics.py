@@ -90,6 +90,10 @@ class ScheduleRecorder:
     def observe(self, desc) -> None:
         if not self.enabled:
             return
+        if hasattr(desc, "steps"):  # a fused decode step: each sub-step is one loop's invocation
+            for sub in desc.steps:
+                self.observe(sub)
+            return
         c = desc.counts
         nseg = int(c[1])
         self._raw.append((int(c[0]), int(c[3]), int(c[4]), desc.seg_q_len[:nseg].copy(),

@@ -491,7 +491,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-context", type=int, default=1024)
     ap.add_argument("--prefill-context", type=int, default=4096)
     ap.add_argument("--prefill-segment", type=int, default=128)
-    ap.add_argument("--attention", default="auto", choices=["auto", "pallas", "reference"])
+    ap.add_argument("--attention", default="auto", choices=["auto", "pallas", "triton", "mgpu", "hybrid", "reference"],
+                    help="the engine's attention (benchmarks.run --attention); a forced kernel compares kernels per bucket")
     ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
     ap.add_argument("--scale", type=float, default=1.0, help="suite_shape's scale (sets max_model_len)")
     ap.add_argument("--max-num-seqs", type=int, default=None)

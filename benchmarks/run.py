@@ -50,7 +50,7 @@ from benchmarks.workloads import CHUNKS, MODES, WORKLOADS, EngineShape, Workload
 from ouro_jax import LLM, get_preset
 from ouro_jax.model import init_params
 from ouro_jax.runner import packed_size
-from scheduler import SamplingParams
+from scheduler import BucketKey, SamplingParams
 
 __all__ = ["Harness", "drive", "DriveResult", "main", "save_json", "CompileEvents"]
 
@@ -229,8 +229,14 @@ class Harness:
     def __init__(self, preset: str = "ouro-1.4b", dtype: Optional[str] = None, shape: Optional[EngineShape] = None,
                  compile_cache_dir: Optional[str] = None, attention: str = "auto", layer_loop: str = "unrolled",
                  gpu_memory_utilization: float = 0.9, kv_cache_bytes: Optional[int] = None,
-                 quick_ceilings: bool = False, progress: bool = True, warmup_requests: int = 1, seed: int = 0):
+                 quick_ceilings: bool = False, progress: bool = True, warmup_requests: int = 1, seed: int = 0,
+                 fused_decode_max_rows: int = 0, fused_decode_tokens: int = 1):
         self.t_start = time.monotonic()
+        # fused decode steps (scheduler): records of such engines carry a label suffix, so that
+        # they sit next to the loop-by-loop records of the same workload instead of replacing them
+        self.fused_decode_max_rows, self.fused_decode_tokens = fused_decode_max_rows, fused_decode_tokens
+        self.label_suffix = (f" fused{fused_decode_max_rows}x{fused_decode_tokens}"
+                             if fused_decode_max_rows else "")
         LLM._enable_compile_cache(compile_cache_dir)  # before anything compiles
         self.events = CompileEvents()
         self.preset = preset
@@ -271,6 +277,8 @@ class Harness:
         return dict(preset=self.preset, dtype=self.dtype, model=self.config.to_dict(),
                     engine_shape=self.shape.to_dict(),
                     attention=self.attention, layer_loop=self.layer_loop,
+                    fused_decode_max_rows=self.fused_decode_max_rows,
+                    fused_decode_tokens=self.fused_decode_tokens,
                     gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_bytes=self.kv_cache_bytes,
                     compile_cache_dir=self.compile_cache_dir or os.environ.get("OURO_JAX_COMPILE_CACHE"),
                     warmup_requests=self.warmup_requests, params_init_s=self.params_s, ceilings_s=self.ceilings_s,
@@ -286,10 +294,11 @@ class Harness:
                   prefill_mode=mode, buckets=sh.buckets, gpu_memory_utilization=self.gpu_memory_utilization,
                   kv_cache_bytes=self.kv_cache_bytes, attention=self.attention, layer_loop=self.layer_loop,
                   compile_cache_dir=self.compile_cache_dir, num_ring_rows=sh.num_ring_rows(c.num_loops, chunks),
+                  fused_decode_max_rows=self.fused_decode_max_rows, fused_decode_tokens=self.fused_decode_tokens,
                   warmup=False, progress=False)
         construct_s = time.perf_counter() - t
         r = llm.runner
-        keys = llm.scheduler.bucket_spec.keys()
+        keys = llm.executable_keys()
         sig = (tuple(r.k_pool.shape), str(r.k_pool.dtype), tuple(r.ring.shape), tuple(keys), r.attention,
                r.layer_loop, r.dtype_name)
         ev0 = self.events.snapshot()
@@ -303,7 +312,8 @@ class Harness:
             # jitted `stage` computation compiled once per array size: warm it for every bucket here so
             # that the first timed run of a process does not count those compiles.
             for k in keys:
-                jnp.asarray(np.zeros(packed_size(k), np.int32)).block_until_ready()
+                shape = (packed_size(k),) if isinstance(k, BucketKey) else (k[1], packed_size(k[0]))
+                jnp.asarray(np.zeros(shape, np.int32)).block_until_ready()
             self._executables[sig] = dict(r._exe)
             ev1 = self.events.snapshot()
             hits, compiles = ev1[2] - ev0[2], (ev1[0] - ev0[0]) - (ev1[2] - ev0[2])
@@ -315,9 +325,12 @@ class Harness:
                   warmup_s=warm_s, xla_compiles=(ev1[0] - ev0[0]) - (ev1[2] - ev0[2]),
                   xla_compile_requests_s=ev1[1] - ev0[1],
                   persistent_cache_hits=ev1[2] - ev0[2], runner_compile_time_s=r.compile_time,
-                  per_bucket_s={str(k.R): v for k, v in r.compile_times.items()},
+                  per_bucket_s={(str(k.R) if isinstance(k, BucketKey) else f"fused {k[0].R}x{k[1]}"): v
+                                for k, v in r.compile_times.items()},
                   kv_blocks=r.num_blocks, kv_cache_bytes=r.kv_bytes, ring_rows=r.num_ring_rows,
-                  buckets=[k.R for k in keys], elapsed_s=self.elapsed())
+                  buckets=[k.R for k in keys if isinstance(k, BucketKey)],
+                  fused_steps=[[k[0].R, k[1]] for k in keys if not isinstance(k, BucketKey)],
+                  elapsed_s=self.elapsed())
         self.startups.append(st)
         return llm, st
 
@@ -384,8 +397,8 @@ class Harness:
         inv = max(1, stats.get("invocations", 0))
         fl = floor_of(rec.total(), self.bw, self.peak)
         hist = exit_histogram(with_tokens, T)
-        r = dict(workload=wl.name, variant=wl.variant, label=wl.label, mode=mode, chunk=chunk, exit=wl.exit,
-                 arrival=wl.arrival, concurrency=wl.concurrency, requests=len(wl.requests),
+        r = dict(workload=wl.name, variant=wl.variant, label=wl.label + self.label_suffix, mode=mode, chunk=chunk,
+                 exit=wl.exit, arrival=wl.arrival, concurrency=wl.concurrency, requests=len(wl.requests),
                  requests_submitted=len(res.submitted), requests_finished=len(finished),
                  truncated=res.truncated, aborted=len(res.aborted), wall_s=wall, prompt_tokens=n_prompt,
                  output_tokens=n_out, prompt_tok_s=n_prompt / wall, output_tok_s=n_out / wall,
@@ -400,6 +413,9 @@ class Harness:
                  padded_rows=padded, padding_fraction=padded / max(1, real + padded),
                  invocations_per_s=stats.get("invocations", 0) / wall, time_per_invocation_s=wall / inv,
                  host_time_per_invocation_s=stats.get("host_time_s", 0.0) / inv,
+                 # launches: executables run (a fused decode step is one launch of many invocations)
+                 launches=stats.get("launches", 0), fused_launches=stats.get("fused_launches", 0),
+                 host_time_per_launch_s=stats.get("host_time_s", 0.0) / max(1, stats.get("launches", 0)),
                  schedule_time_per_invocation_s=stats.get("schedule_time_s", 0.0) / inv,
                  update_time_per_invocation_s=stats.get("update_time_s", 0.0) / inv,
                  dispatch_time_per_invocation_s=stats.get("dispatch_time_s", 0.0) / inv,
@@ -737,8 +753,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--kv-cache-gb", type=float, default=None)
     ap.add_argument("--compile-cache", default=None, help="persistent compilation cache folder")
-    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--attention", default="auto",
+                    choices=["auto", "pallas", "triton", "mgpu", "hybrid", "reference"],
+                    help="attention of the engine: auto (pallas on GPU), pallas (kernel chosen per "
+                         "bucket, pallas_kernels/dispatch.py), a forced Pallas kernel (triton, "
+                         "mgpu, or hybrid: segments of >= 128 rows on mgpu, the rest on triton), "
+                         "or the jnp reference")
     ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
+    ap.add_argument("--fused-decode-max-rows", type=int, default=0,
+                    help="fused decode steps (T loops per token in one executable) for up to this many "
+                         "decode rows; 0 = loop by loop. Records get a ' fusedRxK' label suffix")
+    ap.add_argument("--fused-decode-tokens", type=int, default=1, help="tokens per fused decode step")
     ap.add_argument("--quick-ceilings", action="store_true")
     ap.add_argument("--warmup-requests", type=int, default=1)
     ap.add_argument("--append", action="store_true", help="add records to an existing <workload>.json")
@@ -753,7 +778,8 @@ def harness_from_args(a) -> Harness:
                         block_size=a.block_size, buckets=tuple(a.buckets) if a.buckets else None)
     return Harness(a.preset, a.dtype, shape, a.compile_cache, a.attention, a.layer_loop, a.gpu_memory_utilization,
                    None if a.kv_cache_gb is None else int(a.kv_cache_gb * 1e9), a.quick_ceilings,
-                   not a.no_progress, a.warmup_requests, a.seed)
+                   not a.no_progress, a.warmup_requests, a.seed, a.fused_decode_max_rows,
+                   a.fused_decode_tokens)
 
 
 def main(argv=None, harness: Optional[Harness] = None) -> dict:

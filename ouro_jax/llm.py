@@ -95,7 +95,8 @@ class LLM:
                  num_blocks: Optional[int] = None, kv_cache_bytes: Optional[int] = None,
                  gpu_memory_utilization: float = 0.85, buckets: Optional[Sequence[int]] = None,
                  attention: str = "auto", layer_loop: str = "unrolled", compile_cache_dir: Optional[str] = None,
-                 num_ring_rows: Optional[int] = None,
+                 num_ring_rows: Optional[int] = None, fused_decode_max_rows: int = 0,
+                 fused_decode_tokens: int = 1,
                  warmup: bool = True, progress: bool = True):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
@@ -117,7 +118,8 @@ class LLM:
             num_loops=c.num_loops, num_blocks=int(num_blocks), block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, prefill_chunk_size=prefill_chunk_size,
             max_model_len=max_model_len, kv_layout=kv_layout, prefill_mode=prefill_mode, policy=policy,
-            eos_token_id=c.eos_token_id, buckets=buckets)
+            eos_token_id=c.eos_token_id, buckets=buckets, fused_decode_max_rows=fused_decode_max_rows,
+            fused_decode_tokens=fused_decode_tokens)
         need = planes * -(-max_model_len // block_size) + 1
         if num_blocks < need:
             raise ValueError(f"the KV pool ({num_blocks} blocks of {block_size} tokens) cannot hold one request of "
@@ -135,7 +137,12 @@ class LLM:
         self._ids = itertools.count()
         self._live: dict[object, Request] = {}      # queued or running, by id
         self._finished: dict[object, Request] = {}  # finished, until generate() hands them out
-        self.warmup_time = self.runner.warmup(self.scheduler.bucket_spec.keys(), progress) if warmup else 0.0
+        self.warmup_time = self.runner.warmup(self.executable_keys(), progress) if warmup else 0.0
+
+    def executable_keys(self) -> list:
+        """Every executable a run can launch: one per row bucket, and one per fused decode step
+        shape (``(key, n)``) when ``fused_decode_max_rows`` is set."""
+        return list(self.scheduler.bucket_spec.keys()) + self.scheduler_config.fused_steps()
 
     # ------------------------------------------------------------------------------ setup
     @staticmethod
@@ -313,6 +320,7 @@ class LLM:
         host = s["host_time_s"] - r.wait_time
         inv = max(1, s["invocations"])
         return dict(s, recurrent_invocations=s["invocations"], recurrent_rows=s["real_rows"],
+                    host_time_per_launch_s=host / max(1, s["launches"]),
                     compilations=r.compilations, compile_time_s=r.compile_time, warmup_time_s=self.warmup_time,
                     host_time_s=host, host_time_per_invocation_s=host / inv, device_wait_time_s=r.wait_time,
                     dispatch_time_s=r.dispatch_time, dispatch_time_per_invocation_s=r.dispatch_time / inv,

@@ -15,6 +15,13 @@ attention per segment, output scattered back to the ring), the exit gate, and th
 sampling) of the coda rows. Only the gate logits ``[R]`` and sampled tokens ``[C]`` come back,
 copied to the host asynchronously; the host reads them only when the scheduler needs them.
 
+Fused decode steps (``scheduler`` decides when; ``fused_decode_max_rows``): one executable runs
+``n = T * tokens`` loops of the same decode rows in a device-side ``fori_loop``, feeding each
+token's sampled id to the next token's prelude on the device. At small batches a loop is short
+(~2.1 ms of device time at 8 rows, Ouro-1.4B) and every launch, upload and token readback costs the
+host a fixed few hundred microseconds (docs/performance.md); a fused step pays them once per ``n``
+loops. It runs only tokens that certainly run all ``T`` loops, so no loop is wasted.
+
 The descriptor travels as one packed int32 array (``scheduler/descriptor.py`` fixes its layout per
 bucket key) because every host-to-device transfer costs tens of microseconds on the H200.
 """
@@ -81,8 +88,13 @@ class StepHandle:
         return self._read("tokens")
 
 
-def _step(params, kp, vp, ring, packed, *, key: BucketKey, config: OuroConfig, dtype_name: str,
-          impl: str, interpret: bool, layer_loop: str):
+def _loop(params, kp, vp, ring, packed, previous_tokens, *, key: BucketKey, config: OuroConfig,
+          dtype_name: str, impl: str, interpret: bool, layer_loop: str):
+    """One invocation's work (the module docstring's four steps) on one descriptor.
+
+    ``previous_tokens [C]``: the tokens sampled by the sub-step before this one in a fused decode
+    step; embedded instead of ``pre_token`` when the descriptor's ``feed_previous_tokens`` is set.
+    """
     c = config
     dt = dtype_of(dtype_name)
     model = OuroModel(c, dt)
@@ -91,7 +103,12 @@ def _step(params, kp, vp, ring, packed, *, key: BucketKey, config: OuroConfig, d
     # 1. LAST_EXITED finalize: deeper planes of exited tokens take the exit plane's K/V
     kp, vp = copy_kv_slots(kp, vp, a["fin_src"], a["fin_dst"])
     # 2. prelude: embed into ring rows (padding writes the scratch row 0)
-    emb = model.apply({"params": params["top"]}, a["pre_token"], method=OuroModel.prelude)
+    pre_token = a["pre_token"]
+    if previous_tokens is not None:
+        prev = jnp.zeros((key.R,), jnp.int32).at[:key.C].set(previous_tokens[:key.R])
+        feed = (a["counts"][5] == 1) & (jnp.arange(key.R) < a["counts"][2])
+        pre_token = jnp.where(feed, prev, pre_token)
+    emb = model.apply({"params": params["top"]}, pre_token, method=OuroModel.prelude)
     ring = ring.at[a["pre_ring"]].set(emb.astype(ring.dtype))
     # 3. one loop for every row
     x = ring[a["row_ring"]]
@@ -121,7 +138,32 @@ def _step(params, kp, vp, ring, packed, *, key: BucketKey, config: OuroConfig, d
     logits = model.apply({"params": params["top"]}, h[a["coda_row"]], method=OuroModel.coda)
     keys = row_keys(a["coda_seed"], a["coda_step"])
     tokens = sample(logits, a["coda_temperature"], a["coda_top_k"], a["coda_top_p"], keys)
-    return kp, vp, ring, g.astype(jnp.float32), tokens
+    return kp, vp, ring, g.astype(jnp.float32), tokens.astype(jnp.int32)
+
+
+def _step(params, kp, vp, ring, packed, **kw):
+    """One loop: the executable of a bucket."""
+    return _loop(params, kp, vp, ring, packed, None, **kw)
+
+
+def _fused_step(params, kp, vp, ring, packed, **kw):
+    """A fused decode step: ``packed [n, words]`` holds ``n`` descriptors of one key, run in order
+    in a ``fori_loop`` (the body is one loop, so it compiles like one bucket, not ``n``), each
+    sub-step's sampled tokens carried to the next one's prelude. The KV pools and the ring are
+    loop carries updated in place, as the ``scan`` layer loop does. Returns ``gates [n, R]`` and
+    ``tokens [n, C]``."""
+    key = kw["key"]
+    n = packed.shape[0]
+
+    def body(i, carry):
+        kp, vp, ring, prev, gates, tokens = carry
+        kp, vp, ring, g, tok = _loop(params, kp, vp, ring, packed[i], prev, **kw)
+        return kp, vp, ring, tok, gates.at[i].set(g), tokens.at[i].set(tok)
+
+    init = (kp, vp, ring, jnp.zeros((key.C,), jnp.int32), jnp.zeros((n, key.R), jnp.float32),
+            jnp.zeros((n, key.C), jnp.int32))
+    kp, vp, ring, _, gates, tokens = jax.lax.fori_loop(0, n, body, init)
+    return kp, vp, ring, gates, tokens
 
 
 class ModelRunner:
@@ -138,9 +180,10 @@ class ModelRunner:
                  interpret: bool = False):
         if attention == "auto":
             attention = "pallas" if jax.default_backend() == "gpu" else "reference"
-        if attention not in ("pallas", "triton", "mgpu", "reference"):
+        if attention not in ("pallas", "triton", "mgpu", "hybrid", "reference"):
             raise ValueError("attention must be 'auto', 'pallas' (the faster Pallas kernel per "
-                             "bucket), 'triton', 'mgpu' or 'reference', got " f"{attention!r}")
+                             "bucket), 'triton', 'mgpu', 'hybrid' or 'reference', got "
+                             f"{attention!r}")
         if layer_loop not in ("scan", "unrolled"):
             raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
         self.config = config
@@ -155,11 +198,14 @@ class ModelRunner:
         self.v_pool = jnp.zeros(pool_shape, self.dtype)
         self.ring = jnp.zeros((num_ring_rows, c.hidden_size), self.dtype)
         self.num_blocks, self.block_size, self.num_ring_rows = num_blocks, block_size, num_ring_rows
-        self._jitted = jax.jit(
-            functools.partial(_step, config=c, dtype_name=self.dtype_name, impl=attention,
-                              interpret=interpret, layer_loop=layer_loop),
-            static_argnames=("key",), donate_argnums=(1, 2, 3))
-        self._exe: dict[BucketKey, Any] = {}
+        static = dict(config=c, dtype_name=self.dtype_name, impl=attention, interpret=interpret,
+                      layer_loop=layer_loop)
+        self._jitted = jax.jit(functools.partial(_step, **static), static_argnames=("key",),
+                               donate_argnums=(1, 2, 3))
+        self._jitted_fused = jax.jit(functools.partial(_fused_step, **static), static_argnames=("key",),
+                                     donate_argnums=(1, 2, 3))
+        # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
+        self._exe: dict[Any, Any] = {}
         self._device = jax.devices()[0]
         self.compilations = 0
         self.compile_time = 0.0
@@ -183,12 +229,17 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return 2 * self.k_pool.size * self.k_pool.dtype.itemsize
 
-    def _compile(self, key: BucketKey):
+    def _compile(self, key):
+        """``key``: a ``BucketKey`` (one loop) or ``(BucketKey, n)`` (a fused decode step)."""
         t = time.perf_counter()
         sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        lowered = self._jitted.lower(jax.tree.map(sds, self.params), sds(self.k_pool), sds(self.v_pool),
-                                     sds(self.ring), jax.ShapeDtypeStruct((packed_size(key),), jnp.int32),
-                                     key=key)
+        if isinstance(key, BucketKey):
+            fn, bucket, shape = self._jitted, key, (packed_size(key),)
+        else:
+            bucket, n = key
+            fn, shape = self._jitted_fused, (n, packed_size(bucket))
+        lowered = fn.lower(jax.tree.map(sds, self.params), sds(self.k_pool), sds(self.v_pool),
+                           sds(self.ring), jax.ShapeDtypeStruct(shape, jnp.int32), key=bucket)
         exe = lowered.compile()
         dt = time.perf_counter() - t
         self._exe[key] = exe
@@ -197,8 +248,9 @@ class ModelRunner:
         self.compile_times[key] = dt
         return exe
 
-    def warmup(self, keys: Iterable[BucketKey], progress: bool = True) -> float:
-        """Compile every bucket ahead of time (with a progress bar); returns the seconds spent."""
+    def warmup(self, keys: Iterable, progress: bool = True) -> float:
+        """Compile every bucket ahead of time (with a progress bar); returns the seconds spent.
+        ``keys``: ``BucketKey`` s and ``(BucketKey, n)`` fused decode steps."""
         todo = [k for k in dict.fromkeys(keys) if k not in self._exe]
         t = time.perf_counter()
         it = todo
@@ -211,9 +263,11 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- execute
     def execute(self, desc) -> StepHandle:
-        exe = self._exe.get(desc.key)
+        """Launch ``desc`` (a ``BatchDescriptor``, or a ``StackedDescriptor``: one fused step)."""
+        key = desc.key if not hasattr(desc, "steps") else (desc.key, desc.n)
+        exe = self._exe.get(key)
         if exe is None:
-            exe = self._compile(desc.key)  # not warmed up: counted in `compilations`
+            exe = self._compile(key)  # not warmed up: counted in `compilations`
         t = time.perf_counter()
         # device_put, not jnp.asarray: the latter stages through a small jitted copy per shape
         self.k_pool, self.v_pool, self.ring, gates, tokens = exe(

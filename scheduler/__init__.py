@@ -6,7 +6,7 @@ key (docs/contracts.md).
 """
 from .block_manager import KVBlockManager
 from .buckets import BucketKey, BucketSpec
-from .descriptor import BatchDescriptor, build_descriptor, descriptor_layout
+from .descriptor import BatchDescriptor, StackedDescriptor, build_descriptor, descriptor_layout
 from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
 from .policies import MixedPolicy, SplitPolicy, WaitingQueue, WavefrontPolicy
 from .request import Request, RequestStatus
@@ -14,7 +14,7 @@ from .sampling_params import SamplingParams
 from .scheduler import RequestDelta, Scheduler, SchedulerConfig
 
 __all__ = [
-    "KVBlockManager", "BucketKey", "BucketSpec", "BatchDescriptor", "build_descriptor", "descriptor_layout",
+    "KVBlockManager", "BucketKey", "BucketSpec", "BatchDescriptor", "StackedDescriptor", "build_descriptor", "descriptor_layout",
     "BatchPlan", "CodaRow", "Phase", "ScheduledRange", "MixedPolicy", "SplitPolicy", "WaitingQueue",
     "WavefrontPolicy", "Request", "RequestStatus", "SamplingParams", "RequestDelta", "Scheduler",
     "SchedulerConfig",

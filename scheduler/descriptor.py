@@ -8,13 +8,18 @@ runner uploads ``pack()`` once and slices it with the offsets of :func:`descript
 
 Layout, in order (``R, S, C, F, MB`` from the key, ``P = R``)::
 
-    counts[8]              num_rows, num_segments, num_prelude, num_coda, num_finalize, 0, 0, 0
+    counts[8]              num_rows, num_segments, num_prelude, num_coda, num_finalize,
+                           feed_previous_tokens, 0, 0
     row_ring[R]  row_pos[R]  row_slot[R]                      (padding: 0, 0, -1)
     seg_q_start[S]  seg_q_len[S]  seg_ctx_len[S]  seg_block_table[S*MB]   (padding: q_len 0)
     pre_ring[R]  pre_token[R]                                 (padding: ring row 0, token 0)
     coda_row[C]  coda_temperature[C] f32  coda_top_k[C]  coda_top_p[C] f32
     coda_seed[C] u32  coda_step[C]                            (padding: row 0, greedy)
     fin_src[F]  fin_dst[F]                                    (padding: -1)
+
+``feed_previous_tokens`` (0 or 1) is set only inside a fused decode step (``StackedDescriptor``):
+prelude entry ``i`` then embeds the token that the previous sub-step's coda row ``i`` sampled on
+the device, instead of ``pre_token[i]``, so several tokens run without a host round trip.
 
 Rows are laid out segment after segment (``seg_q_start`` ascending, no gaps); real rows come first,
 then padding rows, which read and write the scratch ring row 0 and write no KV slot.
@@ -28,7 +33,7 @@ import numpy as np
 
 from .buckets import BucketKey, BucketSpec
 
-__all__ = ["BatchDescriptor", "FieldSpec", "descriptor_layout", "build_descriptor"]
+__all__ = ["BatchDescriptor", "StackedDescriptor", "FieldSpec", "descriptor_layout", "build_descriptor"]
 
 _COUNTS = ("num_rows", "num_segments", "num_prelude", "num_coda", "num_finalize")
 
@@ -111,6 +116,7 @@ class BatchDescriptor:
     num_prelude = property(lambda self: int(self.counts[2]))
     num_coda = property(lambda self: int(self.counts[3]))
     num_finalize = property(lambda self: int(self.counts[4]))
+    feed_previous_tokens = property(lambda self: bool(self.counts[5]))
 
     def pack(self) -> np.ndarray:
         """The one int32 array to upload (no copy: the fields are views of it)."""
@@ -128,16 +134,40 @@ class BatchDescriptor:
                 f"prelude={self.num_prelude}, coda={self.num_coda}, finalize={self.num_finalize})")
 
 
+class StackedDescriptor:
+    """A fused decode step: ``n`` descriptors of one key, run in order by one executable.
+
+    Sub-step ``i`` is loop ``i % T`` of token ``i // T`` for the same decode rows (see
+    ``Scheduler`` on fused decode). One upload (``pack()``: ``[n, words]`` int32) and one launch
+    replace ``n`` of each; the results come back as ``gates [n, R]`` and ``tokens [n, C]``.
+    """
+
+    def __init__(self, steps: list[BatchDescriptor]):
+        if not steps or any(d.key != steps[0].key for d in steps):
+            raise ValueError("StackedDescriptor: needs one or more descriptors of one key")
+        self.key = steps[0].key
+        self.steps = steps
+        self.n = len(steps)
+
+    def pack(self) -> np.ndarray:
+        return np.stack([d.pack() for d in self.steps])
+
+    def __repr__(self) -> str:
+        return f"StackedDescriptor(key={tuple(self.key)}, n={self.n})"
+
+
 def build_descriptor(spec: BucketSpec, tables: np.ndarray, *,
                      seg_slot, seg_plane, seg_pos, seg_len, seg_ring,
                      pre_ring, pre_token,
                      coda_row, coda_temperature, coda_top_k, coda_top_p, coda_seed, coda_step,
-                     fin_src, fin_dst) -> BatchDescriptor:
+                     fin_src, fin_dst, key: BucketKey | None = None,
+                     feed_previous_tokens: bool = False) -> BatchDescriptor:
     """Lay out segments row after row and pad everything to the smallest fitting bucket.
 
     ``tables[batch_slot, plane, :MB]`` holds every request's block tables. Segment ``s`` covers
     positions ``seg_pos[s] .. seg_pos[s] + seg_len[s] - 1`` of the request in ``seg_slot[s]`` at
     plane ``seg_plane[s]``; its rows read/write ring rows ``seg_ring[s] + i`` (contiguous).
+    ``key`` forces a bucket (the sub-steps of a fused decode step share one); it must fit.
     """
     seg_slot = np.asarray(seg_slot, np.int64)
     seg_plane = np.asarray(seg_plane, np.int64)
@@ -149,11 +179,14 @@ def build_descriptor(spec: BucketSpec, tables: np.ndarray, *,
     npre, ncoda, nfin = len(pre_ring), len(coda_row), len(fin_src)
     per_token_pairs = max(1, spec.num_loops - 1)
     need = max(nrows, npre, ncoda, -(-nfin // per_token_pairs))
-    key = spec.key_for(need)
+    if key is None:
+        key = spec.key_for(need)
+    elif need > key.R:
+        raise ValueError(f"build_descriptor: {need} rows / prelude / coda entries exceed key {tuple(key)}")
     if ncoda > key.C or nfin > key.F:
         raise ValueError(f"build_descriptor: {ncoda} coda rows / {nfin} finalize pairs exceed key {tuple(key)}")
     d = BatchDescriptor(key)
-    d.counts[:5] = (nrows, nseg, npre, ncoda, nfin)
+    d.counts[:6] = (nrows, nseg, npre, ncoda, nfin, int(bool(feed_previous_tokens)))
     if nseg:
         q_start = np.zeros(nseg, np.int64)
         np.cumsum(seg_len[:-1], out=q_start[1:])

@@ -84,7 +84,15 @@ class FakeRunner:
         self.ring = np.zeros(num_ring_rows, np.uint64)
         self.invocations = 0
 
-    def step(self, desc) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, desc, previous_tokens: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+        if hasattr(desc, "steps"):  # a fused decode step: sub-steps in order, tokens fed forward
+            gates, tokens, prev = [], [], None
+            for sub in desc.steps:
+                g, t = self.step(sub, prev)
+                gates.append(g)
+                tokens.append(t)
+                prev = t
+            return np.stack(gates), np.stack(tokens)
         k, bs = desc.key, self.block_size
         nrows, nseg, npre, ncoda, nfin = (desc.num_rows, desc.num_segments, desc.num_prelude,
                                           desc.num_coda, desc.num_finalize)
@@ -96,8 +104,11 @@ class FakeRunner:
                 assert self.kv_written[src], "finalize copies a KV slot that was never written"
             self.kv[dst] = self.kv[src]
             self.kv_written[dst] = True
-        # 2. prelude (padding writes ring row 0)
-        self.ring[desc.pre_ring] = embed(desc.pre_token)
+        # 2. prelude (padding writes ring row 0); a fused sub-step embeds the previous one's tokens
+        pre_token = desc.pre_token.copy()
+        if desc.feed_previous_tokens:
+            pre_token[:npre] = previous_tokens[:npre]
+        self.ring[desc.pre_ring] = embed(pre_token)
         # 3. recurrent: write every real row's K/V, then attend per segment
         x = self.ring[desc.row_ring]
         slots = desc.row_slot

@@ -67,7 +67,8 @@ class BatchPlan:
     needs_tokens: bool                         # coda rows present
     loop_count: int                            # loops a prompt range of this plan's group runs
     num_rows: int
-    descriptor: Optional[object] = None        # BatchDescriptor
+    descriptor: Optional[object] = None        # BatchDescriptor (StackedDescriptor when fused)
+    sub_plans: Optional[list] = None           # fused decode: one plan per sub-step, in order
 
     def ranges_of(self, phase: Phase) -> list[ScheduledRange]:
         return [r for r in self.ranges if r.phase is phase]

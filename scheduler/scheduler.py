@@ -22,6 +22,7 @@ block and their ring region at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import Counter
 from typing import Callable, Optional, Sequence, Union
@@ -29,8 +30,8 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 
 from .block_manager import KVBlockManager
-from .buckets import BucketSpec
-from .descriptor import build_descriptor
+from .buckets import BucketKey, BucketSpec
+from .descriptor import StackedDescriptor, build_descriptor
 from .exit_policy import (coda_kind, decide_exit, fold_gate, gate_needed, gates_needed_at,
                           synthetic_exit_loops)
 from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
@@ -64,6 +65,8 @@ class SchedulerConfig:
     eos_token_id: Optional[int] = None
     buckets: Optional[Sequence[int]] = None   # row buckets; None = powers of two from 8
     watermark: float = 0.0
+    fused_decode_max_rows: int = 0      # fused decode steps for up to this many rows; 0 = off
+    fused_decode_tokens: int = 1        # tokens per fused decode step (each T loops)
 
     def __post_init__(self):
         object.__setattr__(self, "kv_layout", str(self.kv_layout).lower())
@@ -96,6 +99,11 @@ class SchedulerConfig:
              f"eos_token_id must be None or a non-negative integer, got {self.eos_token_id!r}")
         need(isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0,
              f"watermark must lie in [0, 1), got {self.watermark!r}")
+        need(_is_int(self.fused_decode_max_rows) and 0 <= self.fused_decode_max_rows <= self.max_num_seqs,
+             f"fused_decode_max_rows must be an integer in [0, max_num_seqs={self.max_num_seqs}], "
+             f"got {self.fused_decode_max_rows!r}")
+        need(_is_int(self.fused_decode_tokens) and self.fused_decode_tokens >= 1,
+             f"fused_decode_tokens must be a positive integer, got {self.fused_decode_tokens!r}")
         try:
             self.bucket_spec()
         except ValueError as e:
@@ -128,6 +136,17 @@ class SchedulerConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    def fused_steps(self) -> list[tuple[BucketKey, int]]:
+        """Every ``(key, n)`` a fused decode step can use (the runner compiles them at start):
+        the row buckets up to the one holding ``fused_decode_max_rows``, ``n = T`` (one token) and
+        ``n = T * fused_decode_tokens``."""
+        if not self.fused_decode_max_rows:
+            return []
+        spec = self.bucket_spec()
+        top = spec.key_for(self.fused_decode_max_rows).R
+        ns = sorted({self.num_loops, self.num_loops * self.fused_decode_tokens})
+        return [(spec.key_for_bucket(r), n) for r in spec.row_buckets if r <= top for n in ns]
 
     def bucket_spec(self) -> BucketSpec:
         return BucketSpec(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
@@ -162,6 +181,20 @@ class _Lazy:
             # a Python list: the host reads it element by element, numpy scalars are slow there
             self._val, self._src = v.tolist(), None
         return self._val
+
+
+class _Whole:
+    """The ``[n, ...]`` result of a fused step, read once, handed out one sub-step at a time."""
+    __slots__ = ("_src", "_val")
+
+    def __init__(self, src: ArrayOrThunk):
+        self._src, self._val = src, None
+
+    def row(self, i: int) -> np.ndarray:
+        if self._val is None:
+            self._val = np.asarray(self._src() if callable(self._src) else self._src)
+            self._src = None
+        return self._val[i]
 
 
 class Scheduler:
@@ -277,6 +310,11 @@ class Scheduler:
         if sel is None and not finalize:
             self._stats["schedule_time_s"] += time.perf_counter() - t0
             return None
+        fused = self._fused_tokens(sel, finalize)
+        if fused:
+            plan = self._schedule_fused(sel.decode, finalize, fused)
+            self._stats["schedule_time_s"] += time.perf_counter() - t0
+            return plan
         last_exited = cfg.kv_layout == "last_exited"
 
         ranges: list[ScheduledRange] = []
@@ -340,6 +378,7 @@ class Scheduler:
 
         st = self._stats
         st["invocations"] += 1
+        st["launches"] += 1
         st["real_rows"] += row
         st["padded_rows"] += desc.key.R - row
         st["decode_rows"] += len(decode)
@@ -353,6 +392,122 @@ class Scheduler:
         st["schedule_time_s"] += time.perf_counter() - t0
         return plan
 
+    # ------------------------------------------------------------ fused decode
+    def _full_depth(self, req: Request, k: int) -> bool:
+        """Does generated token ``k`` of ``req`` certainly run all ``T`` loops (no gate or draw can
+        end it sooner)? Only such tokens run in fused decode steps, which run every loop."""
+        T, p = self.num_loops, req.sampling_params
+        if p.resolved_max_loops(T) != T:
+            return False
+        if p.exit_mode == "fixed" or p.exit_threshold >= 1.0 and p.exit_mode in ("ouro", "delayed"):
+            return True
+        if p.exit_mode == "synthetic":
+            target = (req.decode_target_loops if k == len(req.output_token_ids)
+                      else synthetic_exit_loops(p, T, req.request_id, k))
+            return target == T
+        return False
+
+    def _fused_tokens(self, sel, finalize: list) -> int:
+        """How many tokens the next step may run fused (0: run one loop, the usual way).
+
+        A fused step runs ``T`` loops per token for every row in lock step and hands the device's
+        sampled token of one token to the next one's prelude, so it needs: only decode rows, all at
+        depth 0 and of tokens that certainly run all ``T`` loops (fixed depth, or a synthetic draw
+        of ``T``); no prompt work anywhere and nothing to admit (it would wait ``T`` loops or more);
+        and every row with that many tokens left. Tokens and exit depths are the same as loop by
+        loop (tests/test_fused_decode.py): the sub-steps are the very descriptors the loop-by-loop
+        path would have run for these rows.
+        """
+        cfg = self.config
+        if not cfg.fused_decode_max_rows or sel is None or sel.prompt or not sel.decode:
+            return 0
+        rows = sel.decode
+        if len(rows) > cfg.fused_decode_max_rows or len(rows) != len(self.running):
+            return 0
+        if len(self.waiting) and len(self.running) < cfg.max_num_seqs:
+            return 0
+        need = max(len(rows), -(-len(finalize) // 2 // max(1, self.num_loops - 1)))
+        if self.bucket_spec.key_for(need).R > self.bucket_spec.key_for(cfg.fused_decode_max_rows).R:
+            return 0
+        for want in sorted({cfg.fused_decode_tokens, 1}, reverse=True):
+            ok = True
+            for req in rows:
+                k = len(req.output_token_ids)
+                if (req.decode_depth != 0 or req.sampling_params.max_tokens - k < want
+                        or not all(self._full_depth(req, k + j) for j in range(want))):
+                    ok = False
+                    break
+            if ok:
+                return want
+        return 0
+
+    def _schedule_fused(self, rows: list[Request], finalize: list, tokens: int) -> BatchPlan:
+        """``tokens * T`` sub-steps (loop ``d`` of token ``j`` is sub-step ``j * T + d``), each
+        the descriptor the loop-by-loop path builds for these rows, in one bucket; finalize copies
+        go with sub-step 0 and token ``j > 0`` embeds the token its row sampled at sub-step
+        ``j * T - 1`` on the device (``feed_previous_tokens``)."""
+        cfg, T = self.config, self.num_loops
+        plane = (lambda d: d) if cfg.kv_layout == "last_exited" else (lambda d: 0)
+        fin = np.fromiter(finalize, np.int64, len(finalize)).reshape(-1, 2)
+        n = len(rows)
+        slots = np.array([r.batch_slot for r in rows], np.int64)
+        bases = np.array([r.ring_base for r in rows], np.int64)
+        pos0 = np.array([r.position_in_flight for r in rows], np.int64)
+        k0 = [len(r.output_token_ids) for r in rows]
+        p = [r.sampling_params for r in rows]
+        temp = np.array([x.temperature for x in p], np.float64)
+        top_k = np.array([x.top_k for x in p], np.float64)
+        top_p = np.array([x.top_p for x in p], np.float64)
+        seed = np.array([x.seed for x in p], np.uint32)
+        ones = np.ones(n, np.int64)
+        empty = np.zeros(0, np.int64)
+        subs, descs, key = [], [], None
+        for j in range(tokens):
+            for d in range(T):
+                ranges = [ScheduledRange(r.request_id, Phase.DECODE, d, int(pos0[i]) + j, 1,
+                                         int(pos0[i]) + j, int(bases[i]), i) for i, r in enumerate(rows)]
+                coda = ([CodaRow(r.request_id, i, k0[i] + j, False) for i, r in enumerate(rows)]
+                        if d == T - 1 else [])
+                first = j == 0 and d == 0
+                desc = build_descriptor(
+                    self.bucket_spec, self._tables, seg_slot=slots, seg_plane=ones * plane(d),
+                    seg_pos=pos0 + j, seg_len=ones, seg_ring=bases,
+                    pre_ring=bases if d == 0 else empty,
+                    pre_token=np.array([r.output_token_ids[-1] for r in rows]) if first
+                    else (np.zeros(n, np.int64) if d == 0 else empty),
+                    coda_row=np.arange(n) if coda else empty,
+                    coda_temperature=temp if coda else empty, coda_top_k=top_k if coda else empty,
+                    coda_top_p=top_p if coda else empty, coda_seed=seed if coda else empty,
+                    coda_step=np.array(k0) + j if coda else empty,
+                    fin_src=fin[:, 0] if first else empty, fin_dst=fin[:, 1] if first else empty,
+                    key=key, feed_previous_tokens=d == 0 and j > 0)
+                key = desc.key
+                descs.append(desc)
+                subs.append(BatchPlan(step=self._step, kind="decode", ranges=ranges, coda=coda,
+                                      finalize=fin if first else fin[:0], needs_gates=False,
+                                      needs_tokens=bool(coda), loop_count=1, num_rows=n, descriptor=desc))
+        m = len(descs)
+        plan = BatchPlan(step=self._step, kind="fused_decode", ranges=[r for s in subs for r in s.ranges],
+                         coda=[c for s in subs for c in s.coda], finalize=fin, needs_gates=False,
+                         needs_tokens=True, loop_count=1, num_rows=n,
+                         descriptor=StackedDescriptor(descs), sub_plans=subs)
+        self._step += 1
+        self._inflight = plan
+        st = self._stats
+        st["invocations"] += m
+        st["launches"] += 1
+        st["fused_launches"] += 1
+        st["fused_loops"] += m
+        st["real_rows"] += m * n
+        st["padded_rows"] += m * (key.R - n)
+        st["decode_rows"] += m * n
+        st["prelude_tokens"] += tokens * n
+        st["coda_rows"] += tokens * n
+        st["finalize_pairs"] += len(fin)
+        st["decode_invocations"] += m
+        self._keys_used[key.R] += m
+        return plan
+
     # ------------------------------------------------------------------ update
     def update(self, plan: BatchPlan, gate_logits: ArrayOrThunk, tokens: ArrayOrThunk) -> list[RequestDelta]:
         """Apply the results of ``plan``: ``gate_logits [>= num_rows]`` float, ``tokens [>= coda
@@ -360,13 +515,23 @@ class Scheduler:
         if plan is not self._inflight:
             raise RuntimeError("Scheduler.update: this plan is not the one in flight")
         t0 = time.perf_counter()
+        deltas: dict[object, RequestDelta] = {}
+        if plan.sub_plans is None:
+            self._apply(plan, _Lazy(gate_logits, "gate_logits", plan.num_rows),
+                        _Lazy(tokens, "tokens", len(plan.coda)), deltas)
+        else:  # a fused step: [n, R] gates and [n, C] tokens, applied sub-step after sub-step
+            whole = _Whole(tokens)
+            for i, sub in enumerate(plan.sub_plans):
+                self._apply(sub, _Lazy(lambda: [], "gate_logits", 0),
+                            _Lazy(functools.partial(whole.row, i), "tokens", len(sub.coda)), deltas)
+        self._inflight = None
+        self._stats["update_time_s"] += time.perf_counter() - t0
+        return list(deltas.values())
+
+    def _apply(self, plan: BatchPlan, gates: "_Lazy", toks: "_Lazy", deltas: dict) -> None:
         T = self.num_loops
-        gates = _Lazy(gate_logits, "gate_logits", plan.num_rows)
-        toks = _Lazy(tokens, "tokens", len(plan.coda))
         coda_index = {c.row: i for i, c in enumerate(plan.coda)}
         now = time.monotonic()
-        deltas: dict[object, RequestDelta] = {}
-
         for r in plan.ranges:
             req = self._requests.get(r.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -381,11 +546,9 @@ class Scheduler:
                     tok = toks.get()[coda_index[r.row_start + r.token_count - 1]]
                     self._emit(req, int(tok), T - 1, now, deltas)
             else:
+                assert r.depth == req.decode_depth and r.token_start == req.position_in_flight, \
+                    "a decode range must be the loop its request has in flight"
                 self._apply_decode(req, r, gates, toks, coda_index, now, deltas)
-
-        self._inflight = None
-        self._stats["update_time_s"] += time.perf_counter() - t0
-        return list(deltas.values())
 
     def _apply_decode(self, req, r, gates, toks, coda_index, now, deltas) -> None:
         T, params, d = self.num_loops, req.sampling_params, r.depth
@@ -438,7 +601,8 @@ class Scheduler:
     def stats(self) -> dict:
         st = dict(self._stats)
         for k in ("invocations", "real_rows", "padded_rows", "decode_rows", "prefill_rows", "prelude_tokens",
-                  "coda_rows", "speculative_coda_rows", "finalize_pairs", "tokens", "aborted"):
+                  "coda_rows", "speculative_coda_rows", "finalize_pairs", "tokens", "aborted",
+                  "launches", "fused_launches", "fused_loops"):
             st.setdefault(k, 0)
         st.setdefault("schedule_time_s", 0.0)
         st.setdefault("update_time_s", 0.0)

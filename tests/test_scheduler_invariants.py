@@ -33,13 +33,23 @@ class Harness:
         self.plans = []
         self.max_rows = 0
         self.max_running = 0
+        self.fused = 0                    # fused decode steps run
 
     def step(self):
         s, cfg, T = self.s, self.cfg, self.cfg.num_loops
         plan = s.schedule()
         if plan is None:
             return None
-        self.check_plan(plan)
+        if plan.sub_plans is None:
+            self.check_plan(plan)
+        else:  # a fused decode step: sub-step i is loop i % T of the rows' token i // T
+            assert plan.kind == "fused_decode" and len(plan.sub_plans) % T == 0
+            assert plan.descriptor.n == len(plan.sub_plans)
+            for i, sub in enumerate(plan.sub_plans):
+                assert sub.descriptor is plan.descriptor.steps[i] and sub.descriptor.key == plan.descriptor.key
+                assert sub.descriptor.feed_previous_tokens == (i % T == 0 and i > 0)
+                self.check_plan(sub, decode_at=(i // T, i % T))
+            self.fused += 1
         before = {r.request_id: list(r.prefill_depth_frontiers) for r in s.running}
         gates, toks = self.fr.step(plan.descriptor)
         if self.lazy:
@@ -59,7 +69,8 @@ class Harness:
         self.plans.append(plan)
         return deltas
 
-    def check_plan(self, plan):
+    def check_plan(self, plan, decode_at=(0, None)):
+        """``decode_at``: (tokens ahead of the one in flight, depth) of a fused sub-step's rows."""
         s, cfg, T = self.s, self.cfg, self.cfg.num_loops
         d = plan.descriptor
         assert plan.num_rows <= cfg.max_num_batched_tokens
@@ -114,8 +125,8 @@ class Harness:
                 for p in range(r.token_start, r.token_end):
                     self.prompt_runs[(r.request_id, p, r.depth)] += 1
             else:
-                assert r.token_count == 1 and r.token_start == req.position_in_flight
-                assert r.depth == req.decode_depth
+                assert r.token_count == 1 and r.token_start == req.position_in_flight + decode_at[0]
+                assert r.depth == (req.decode_depth if decode_at[1] is None else decode_at[1])
             for i, p in enumerate(range(r.token_start, r.token_end)):
                 want = ("embed", r.request_id, p) if r.depth == 0 else (r.request_id, p, r.depth - 1)
                 assert self.ring_tag.get(r.ring_row_offset + i) == want, \
@@ -191,7 +202,9 @@ def workloads(draw):
                           max_num_batched_tokens=budget, prefill_chunk_size=chunk, max_model_len=max_len,
                           kv_layout=layout, prefill_mode=mode, policy=draw(st.sampled_from(["fcfs", "priority"])),
                           eos_token_id=eos,
-                          buckets=None if buckets is None else tuple(range(1, budget + 1)))
+                          buckets=None if buckets is None else tuple(range(1, budget + 1)),
+                          fused_decode_max_rows=draw(st.sampled_from([0, 0, max_seqs])),
+                          fused_decode_tokens=draw(st.integers(1, 3)))
     return cfg, reqs
 
 

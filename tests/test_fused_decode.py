@@ -1,0 +1,149 @@
+"""Fused decode steps: ``T`` loops (times several tokens) of the same decode rows in one executable.
+
+They must change nothing a user can see: token ids, exit depths and finish reasons are the same as
+loop by loop, against the fake model's dense reference (scheduler alone, numpy) and against the
+reference's greedy generation and the loop-by-loop engine (the JAX runner on a tiny model). The
+fused path must also really run (stats), compile nothing after start-up, and step aside whenever a
+row could exit early, prompt work is pending or a request waits for admission.
+"""
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ouro_jax import LLM, SamplingParams, get_preset
+from ouro_jax.params import random_params
+from ouro_jax.reference import from_param_tree, reference_greedy_generate
+from scheduler import SchedulerConfig
+from scheduler.descriptor import StackedDescriptor, build_descriptor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_scheduler_invariants import VOCAB, check_against_reference, run_workload  # noqa: E402
+
+
+# ------------------------------------------------------------------ scheduler + fake runner
+def _reqs(rng, n, **sp):
+    return [dict(rid=i, prompt=rng.integers(0, VOCAB, size=int(rng.integers(3, 20))).tolist(),
+                 sp=SamplingParams(**{"max_tokens": int(rng.integers(1, 9)), "temperature": 0.7 * (i % 2),
+                                      "seed": i, **sp}),
+                 arrival=0, abort_at=None, priority=0) for i in range(n)]
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_fused_steps_match_reference_with_stops_and_odd_lengths(layout, tokens):
+    """Fixed depth, sampled and greedy rows, stop tokens that end a row mid-step, max_tokens not
+    a multiple of the tokens per step: identical to the dense reference, and fused steps ran."""
+    rng = np.random.default_rng(3)
+    reqs = _reqs(rng, 3, exit_mode="fixed", stop_token_ids=(5, 17))
+    cfg = SchedulerConfig(num_loops=4, num_blocks=200, block_size=4, max_num_seqs=3, max_num_batched_tokens=12,
+                          prefill_chunk_size=4, max_model_len=40, kv_layout=layout, fused_decode_max_rows=3,
+                          fused_decode_tokens=tokens)
+    h, objs, aborted = run_workload(cfg, reqs)
+    check_against_reference(cfg, objs, aborted)
+    st = h.s.stats()
+    assert h.fused > 0 and st["fused_launches"] == h.fused
+    assert st["launches"] == len(h.plans) and st["invocations"] == st["launches"] - h.fused + st["fused_loops"]
+    assert st["fused_loops"] % cfg.num_loops == 0
+    if tokens > 1:  # steps of `tokens` tokens ran, not only single-token ones
+        assert any(p.descriptor.n == tokens * cfg.num_loops for p in h.plans if p.sub_plans)
+
+
+def test_fused_steps_never_hold_a_row_that_may_exit_early():
+    """Early-exit rows (ouro, synthetic draws below T, max_loops < T) run loop by loop; a fused
+    step never contains one, and the results still match the reference."""
+    rng = np.random.default_rng(5)
+    reqs = (_reqs(rng, 2, exit_mode="fixed", max_tokens=6)
+            + [dict(r, rid=10 + i) for i, r in enumerate(_reqs(rng, 2, exit_mode="ouro", exit_threshold=0.5,
+                                                               max_tokens=6))]
+            + [dict(r, rid=20 + i) for i, r in enumerate(_reqs(rng, 2, exit_mode="synthetic",
+                                                               synthetic_mean_loops=3.0, max_tokens=6))]
+            + [dict(r, rid=30) for r in _reqs(rng, 1, exit_mode="fixed", max_loops=2, max_tokens=6)])
+    cfg = SchedulerConfig(num_loops=4, num_blocks=400, block_size=4, max_num_seqs=2, max_num_batched_tokens=12,
+                          prefill_chunk_size=4, max_model_len=40, fused_decode_max_rows=2, fused_decode_tokens=2)
+    h, objs, aborted = run_workload(cfg, reqs)
+    check_against_reference(cfg, objs, aborted)
+    fused_ids = {r.request_id for p in h.plans if p.sub_plans for r in p.ranges}
+    assert fused_ids, "the fixed-depth pair should have run fused"
+    assert not fused_ids & {10, 11, 30}, "rows that may exit early must not run fused"
+    for p in h.plans:  # synthetic rows run fused only for tokens drawn at full depth
+        if p.sub_plans:
+            assert all(r.request_id in (0, 1, 20, 21) for r in p.ranges)
+
+
+def test_no_fusion_while_prompts_wait_or_prefill():
+    """A request that waits for admission, or one still prefilling, keeps every step loop-sized."""
+    rng = np.random.default_rng(7)
+    reqs = _reqs(rng, 4, exit_mode="fixed")
+    for i, r in enumerate(reqs):
+        r["arrival"] = 3 * i
+    cfg = SchedulerConfig(num_loops=4, num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=12,
+                          prefill_chunk_size=4, max_model_len=40, fused_decode_max_rows=4)
+    h, objs, aborted = run_workload(cfg, reqs)
+    check_against_reference(cfg, objs, aborted)
+    for p in h.plans:
+        if p.sub_plans:
+            assert all(r.phase.name == "DECODE" for r in p.ranges)
+
+
+def test_stacked_descriptor_contract():
+    cfg = SchedulerConfig(num_loops=2, num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+                          max_model_len=16, fused_decode_max_rows=2, fused_decode_tokens=3)
+    spec = cfg.bucket_spec()
+    tables = np.zeros((2, 2, 4), np.int32)
+    kw = dict(seg_slot=[0], seg_plane=[0], seg_pos=[0], seg_len=[1], seg_ring=[1], pre_ring=[1], pre_token=[3],
+              coda_row=[], coda_temperature=[], coda_top_k=[], coda_top_p=[], coda_seed=[], coda_step=[],
+              fin_src=[], fin_dst=[])
+    a = build_descriptor(spec, tables, **kw)
+    b = build_descriptor(spec, tables, **kw, key=a.key, feed_previous_tokens=True)
+    assert b.feed_previous_tokens and not a.feed_previous_tokens
+    s = StackedDescriptor([a, b])
+    assert s.pack().shape == (2, a.pack().shape[0]) and s.key == a.key
+    with pytest.raises(ValueError):
+        StackedDescriptor([])
+    with pytest.raises(ValueError, match="exceed"):
+        build_descriptor(spec, tables, **{**kw, "seg_len": [9], "seg_slot": [0]}, key=a.key)
+    assert cfg.fused_steps() == [(spec.key_for_bucket(8), 2), (spec.key_for_bucket(8), 6)]
+    with pytest.raises(ValueError, match="fused_decode_max_rows"):
+        SchedulerConfig(num_loops=2, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=8,
+                        fused_decode_max_rows=3)
+    with pytest.raises(ValueError, match="fused_decode_tokens"):
+        SchedulerConfig(num_loops=2, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=8,
+                        fused_decode_tokens=0)
+
+
+# ------------------------------------------------------------------------ the JAX engine
+CFG = get_preset("tiny")
+PARAMS = jax.tree.map(jnp.asarray, random_params(CFG, 0))
+REF = from_param_tree(CFG, random_params(CFG, 0))
+PROMPTS = [list(map(int, np.random.default_rng(1).integers(1, CFG.vocab_size, n))) for n in (3, 9, 17)]
+
+
+def _engine(**kw):
+    return LLM(CFG, params=PARAMS, max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=8,
+               block_size=4, max_model_len=48, buckets=[8, 32], progress=False, **kw)
+
+
+@pytest.mark.parametrize("layout,tokens", [("last_exited", 1), ("last_exited", 3), ("shared", 2)])
+def test_engine_fused_equals_loop_by_loop_and_reference(layout, tokens):
+    sp = [SamplingParams(max_tokens=7, ignore_eos=True, exit_mode="fixed"),
+          SamplingParams(max_tokens=5, ignore_eos=True, exit_mode="fixed", temperature=0.8, top_k=20, seed=4),
+          SamplingParams(max_tokens=6, ignore_eos=True, exit_mode="fixed")]
+    plain = _engine(kv_layout=layout).generate(PROMPTS, sp, use_tqdm=False)
+    llm = _engine(kv_layout=layout, fused_decode_max_rows=4, fused_decode_tokens=tokens)
+    fused = llm.generate(PROMPTS, sp, use_tqdm=False)
+    for a, b in zip(plain, fused):
+        assert (a.token_ids, a.exit_depths, a.finish_reason) == (b.token_ids, b.exit_depths, b.finish_reason)
+        assert len(b.metrics.token_times) == len(b.token_ids)
+    if layout == "last_exited":  # greedy rows against the full-recompute reference
+        for i in (0, 2):
+            r = reference_greedy_generate(REF, CFG, PROMPTS[i], sp[i].max_tokens)
+            if r.min_logit_gap > 1e-4:
+                assert fused[i].token_ids == list(r.tokens)
+    st = llm.stats()
+    assert st["fused_launches"] > 0 and st["launches"] < st["recurrent_invocations"]
+    assert st["compilations"] == len(llm.executable_keys())  # all at start-up, nothing since
+    assert st["free_blocks"] == llm.scheduler_config.num_blocks - 1
