@@ -21,8 +21,9 @@ __all__ = ["PagedAttention", "attention_plan", "resolve_impl"]
 
 def resolve_impl(impl: str, num_rows: int, num_segments: int, dtype, head_dim: int,
                  block_size: int, num_heads: int) -> str:
-    """``"pallas"`` becomes the Pallas kernel chosen for this bucket (``"triton"`` or ``"mgpu"``,
-    pallas_kernels/dispatch.py); other values pass through."""
+    """``"pallas"`` becomes the Pallas kernel chosen for this bucket (``"triton"``, ``"mgpu"`` or
+    ``"hybrid"``: long segments on Mosaic GPU, the rest on Triton, split per segment at run time;
+    pallas_kernels/dispatch.py); other values (a forced kernel, ``"reference"``) pass through."""
     if impl == "pallas":
         return select_kernel(num_rows, num_segments, dtype, head_dim, block_size,
                              num_heads=num_heads)
@@ -31,7 +32,8 @@ def resolve_impl(impl: str, num_rows: int, num_segments: int, dtype, head_dim: i
 
 def attention_plan(impl: str, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    seg_q_start, seg_q_len, seg_ctx_len, seg_block_table):
-    """The kernel's work list, built once per invocation and shared by every layer."""
+    """The kernel's work list, built once per invocation and shared by every layer (for
+    ``"hybrid"`` both kernels' work lists and the row mask that merges their outputs)."""
     if impl == "reference":
         return None
     return make_kernel_plan(impl, num_rows, num_heads, num_kv_heads, head_dim, seg_q_start,
@@ -46,7 +48,7 @@ class PagedAttention:
     seg_ctx_len: jax.Array       # [S]
     seg_block_table: jax.Array   # [S, MB]
     scale: float
-    impl: str = "reference"      # "triton" | "mgpu" | "reference" (resolve_impl)
+    impl: str = "reference"      # "triton" | "mgpu" | "hybrid" | "reference" (resolve_impl)
     interpret: bool = False
     plan: Any = None
 

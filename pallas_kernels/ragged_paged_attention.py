@@ -145,8 +145,21 @@ def _searchsorted_right(sorted_arr, queries):
                           method="scan_unrolled").astype(jnp.int32)
 
 
-def num_tiles(num_rows: int, num_segments: int, block_q: int) -> int:
-  return max(1, min(num_rows, (num_rows + num_segments * (block_q - 1)) // block_q))
+def num_tiles(num_rows: int, num_segments: int, block_q: int, min_segment_rows: int = 1) -> int:
+  """Static bound on the query tiles of ``block_q`` rows that ``num_segments`` segments need.
+
+  A segment of ``n`` rows needs ``ceil(n / block_q) <= (n + block_q - 1) / block_q`` tiles; the
+  segments cover at most ``num_rows`` rows, so ``k`` segments that hold rows need at most
+  ``(num_rows + k * (block_q - 1)) // block_q`` tiles, and never more than ``num_rows`` (a tile
+  holds a row). ``k`` is ``num_segments``, or fewer when every segment that holds rows is known
+  to hold at least ``min_segment_rows`` of them (``k <= num_rows // min_segment_rows``): the
+  hybrid dispatch (pallas_kernels/dispatch.py) gives the Mosaic kernel only segments of 128 rows
+  or more, and in the engine's buckets (``S = R``) the generic bound would be ``R`` tiles.
+  """
+  k = num_segments
+  if min_segment_rows > 1:
+    k = min(k, num_rows // min_segment_rows)
+  return max(1, min(num_rows, (num_rows + k * (block_q - 1)) // block_q))
 
 
 class Tiles(NamedTuple):
@@ -156,9 +169,18 @@ class Tiles(NamedTuple):
   pos0: jax.Array  # [T] position of the first row
 
 
-def query_tiles(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: int) -> Tiles:
+def query_tiles(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: int,
+                max_tiles: int | None = None) -> Tiles:
+  """Each segment cut into tiles of at most ``block_q`` rows, in segment order, then empty tiles.
+
+  ``max_tiles`` (static) sets the number of tiles; by default it is ``num_tiles(num_rows, S,
+  block_q)``, which holds for any segments covering at most ``num_rows`` rows. A caller that
+  knows more (every segment with rows has >= 128 of them) passes a smaller bound from
+  ``num_tiles(..., min_segment_rows=...)``; tiles past the bound would be dropped, so it must be
+  a true bound.
+  """
   num_segments = seg_q_len.shape[0]
-  t_max = num_tiles(num_rows, num_segments, block_q)
+  t_max = num_tiles(num_rows, num_segments, block_q) if max_tiles is None else int(max_tiles)
   q_len = jnp.maximum(seg_q_len.astype(jnp.int32), 0)
   n_qt = _cdiv(q_len, block_q)
   cum = jnp.cumsum(n_qt)

@@ -28,8 +28,13 @@ leak through ``0 * NaN`` in the P.V product. Whole pages past the context are ne
 step loads the segment's first page in their place). The Triton kernel masks its loads per token
 and has no such condition.
 
-Decode rows and short segments stay on the Triton kernel: ``select_impl`` chooses per bucket from
-the measured crossover (see ``ragged_paged_attention_auto``).
+Decode rows and short segments stay on the Triton kernel: ``dispatch.select_kernel`` chooses per
+bucket from the measured crossover, or splits one invocation per segment (``"hybrid"``: segments
+of 128 rows or more here, the rest on Triton; pallas_kernels/dispatch.py). For the hybrid split
+the packing takes a small static tile bound (``max_tiles``, from ``mgpu_tiles(...,
+min_segment_rows=128)``), so most launches hold a few padding tiles (``nrows == 0``); such a tile
+returns at once: no Q load, no K/V step, no store (its rows of the packed output are never
+unpacked).
 """
 from __future__ import annotations
 
@@ -61,8 +66,11 @@ def supported(q_dtype, head_dim: int, block_size: int, block_kv: int = 64) -> st
     return None
 
 
-def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: int):
+def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: int,
+              max_tiles: int | None = None):
     """Tiles of ``2 * block_q`` rows and, per packed tile row, the source row (``num_rows`` = none).
+
+    ``max_tiles``: static tile count (``query_tiles``); default the bound for any segments.
 
     Returns ``(tiles [T, 4] int32: seg, row0, nrows, pos0; src [T * 2 * block_q] int32;
     dst [num_rows] int32)``: ``q_tiles = q[src]`` packs the queries and ``out = out_tiles[dst]``
@@ -70,7 +78,8 @@ def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: in
     no segment: a gather with zero fill).
     """
     bt = COMPUTE_WGS * block_q
-    t = query_tiles(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=bt)
+    t = query_tiles(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=bt,
+                    max_tiles=max_tiles)
     n_t = t.seg.shape[0]
     i = jnp.arange(bt, dtype=jnp.int32)
     ok = i[None, :] < t.nrows[:, None]
@@ -96,9 +105,12 @@ class Packing(NamedTuple):
 
 
 def make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, *, num_rows: int,
-                 block_q: int = 64) -> Packing:
+                 block_q: int = 64, max_tiles: int | None = None) -> Packing:
+    """The kernel's per-invocation inputs. ``max_tiles`` (static) bounds the launch's tiles: the
+    default holds for any segments (in the engine's ``S = R`` buckets that is ``R`` tiles); the
+    hybrid dispatch passes ``mgpu_tiles(R, S, min_segment_rows=128)``, about ``R / 64``."""
     tiles, src, dst = tile_rows(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows,
-                                block_q=block_q)
+                                block_q=block_q, max_tiles=max_tiles)
     meta = jnp.concatenate([tiles.reshape(-1), seg_block_table.astype(jnp.int32).reshape(-1)])
     return Packing(meta, src, dst)
 
@@ -129,95 +141,101 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        qo_smem = qo_smem2.at[wg]
-        first = wg * block_q  # this warpgroup's first row within the tile
-        rows = jnp.clip(nrows - first, 0, block_q)
-        q_pos0 = pos0 + first
-        kv_steps = jnp.where(rows > 0, _cdiv(q_pos0 + rows, block_kv), 0)
-        # Steps whose keys all sit at or before this warpgroup's first query position.
-        full_steps = jnp.clip(lax.div(q_pos0 + 1, block_kv), 0, kv_steps)
 
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t * (COMPUTE_WGS * block_q) + first, block_q), head],
-                                qo_smem, q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
+        # A padding tile (nrows == 0: past the invocation's last tile, see ``mgpu_tiles``) does
+        # nothing: the memory warpgroup issues no K/V (``tile_steps == 0``), and here no Q load,
+        # no schedule barrier and no store (its packed output rows are never unpacked).
+        @pl.when(nrows > 0)
+        def _tile():
+            qo_smem = qo_smem2.at[wg]
+            first = wg * block_q  # this warpgroup's first row within the tile
+            rows = jnp.clip(nrows - first, 0, block_q)
+            q_pos0 = pos0 + first
+            kv_steps = jnp.where(rows > 0, _cdiv(q_pos0 + rows, block_kv), 0)
+            # Steps whose keys all sit at or before this warpgroup's first query position.
+            full_steps = jnp.clip(lax.div(q_pos0 + 1, block_kv), 0, kv_steps)
 
-        m_i = plgpu.layout_cast(jnp.full((block_q,), NEG, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32),
-                                plgpu.Layout.WGMMA)
+            q_rows = pl.ds(t * (COMPUTE_WGS * block_q) + first, block_q)
+            plgpu.copy_gmem_to_smem(q_ref.at[q_rows, head], qo_smem, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
 
-        @pl.when(kv_steps > 0)
-        def _():
-            plgpu.barrier_wait(k_ready.at[0])
+            m_i = plgpu.layout_cast(jnp.full((block_q,), NEG, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA)
 
-        pl.when(wg == 1)(schedule_barrier)
+            @pl.when(kv_steps > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[0])
 
-        def kv_step(step, carry, masked: bool):
-            acc, m_i, l_i = carry
-            slot = lax.rem(step, jnp.int32(steps))
+            pl.when(wg == 1)(schedule_barrier)
 
-            def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+            def kv_step(step, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = lax.rem(step, jnp.int32(steps))
+
+                def qk_scope(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    schedule_barrier()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = s * scale_log2
+                if masked:
+                    qi = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
+                                                layout=plgpu.Layout.WGMMA)
+                    ki = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
+                                                layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(q_pos0 + qi >= step * block_kv + ki, s, NEG)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p_lo = p.astype(dtype)
+                acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p_lo))
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(sched)
+
+                def pv_scope(acc_ref):
+                    plgpu.wgmma(acc_ref, p_lo, v_smem.at[slot])
+                    nxt = step + 1
+
+                    @pl.when(nxt < kv_steps)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(steps))])
+
+                acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            def drain(step, _):
+                # Steps this warpgroup does not need: release the slots and keep the schedule
+                # barrier in step with the other warpgroup.
+                slot = lax.rem(step, jnp.int32(steps))
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
                 schedule_barrier()
-                return acc_ref[...]
+                schedule_barrier()
 
-            s = pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            s = s * scale_log2
-            if masked:
-                qi = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
-                                            layout=plgpu.Layout.WGMMA)
-                ki = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
-                                            layout=plgpu.Layout.WGMMA)
-                s = jnp.where(q_pos0 + qi >= step * block_kv + ki, s, NEG)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
-            p_lo = p.astype(dtype)
-            acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p_lo))
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(sched)
+            carry = (acc, m_i, l_i)
+            carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
+            acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
+                                          functools.partial(kv_step, masked=True), carry)
+            lax.fori_loop(kv_steps, tile_steps, drain, None)
+            pl.when(wg == 0)(schedule_barrier)
 
-            def pv_scope(acc_ref):
-                plgpu.wgmma(acc_ref, p_lo, v_smem.at[slot])
-                nxt = step + 1
-
-                @pl.when(nxt < kv_steps)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(steps))])
-
-            acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l_i
-
-        def drain(step, _):
-            # Steps this warpgroup does not need: release the slots and keep the schedule
-            # barrier in step with the other warpgroup.
-            slot = lax.rem(step, jnp.int32(steps))
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            schedule_barrier()
-            schedule_barrier()
-
-        carry = (acc, m_i, l_i)
-        carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_step, masked=True),
-                                      carry)
-        lax.fori_loop(kv_steps, tile_steps, drain, None)
-        pl.when(wg == 0)(schedule_barrier)
-
-        l_safe = jnp.where(l_i > 0, l_i, 1.0)
-        acc = acc / lax.broadcast_in_dim(l_safe, (block_q, head_dim), [0])
-        qo_smem[...] = acc.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            qo_smem, out_ref.at[pl.ds(t * (COMPUTE_WGS * block_q) + first, block_q), head])
-        plgpu.wait_smem_to_gmem(0)
+            l_safe = jnp.where(l_i > 0, l_i, 1.0)
+            acc = acc / lax.broadcast_in_dim(l_safe, (block_q, head_dim), [0])
+            qo_smem[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                qo_smem, out_ref.at[pl.ds(t * (COMPUTE_WGS * block_q) + first, block_q), head])
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
@@ -326,6 +344,14 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg
     return jnp.take(out_tiles, dst, axis=0, mode="fill", fill_value=0)
 
 
-def mgpu_tiles(num_rows: int, num_segments: int, block_q: int = 64) -> int:
-    """Query tiles the kernel launches for a bucket (static)."""
-    return num_tiles(num_rows, num_segments, COMPUTE_WGS * block_q)
+def mgpu_tiles(num_rows: int, num_segments: int, block_q: int = 64, *,
+               min_segment_rows: int = 1) -> int:
+    """Query tiles the kernel launches for a bucket (static).
+
+    ``min_segment_rows``: every segment that holds rows holds at least this many (the hybrid
+    split's long segments, 128). Then at most ``R // min_segment_rows`` segments hold rows and a
+    segment of ``n >= 128`` rows spans ``ceil(n / 128) < n / 128 + 1 <= 2n / 128`` tiles, so the
+    bound ``(R + (R // 128) * 127) // 128`` stays under ``R / 64`` whatever ``S`` is.
+    """
+    return num_tiles(num_rows, num_segments, COMPUTE_WGS * block_q,
+                     min_segment_rows=min_segment_rows)

@@ -65,8 +65,11 @@ def test_pallas_engine_equals_reference_engine_and_generate(model, mode, layer_l
 
 def test_mosaic_kernel_engine_equals_triton_kernel_engine(model):
     """bf16, where the Mosaic GPU kernel applies: the engine forced onto it (every bucket, decode
-    rows included) gives the tokens and exit depths of the engine on the Triton kernel, and the
-    automatic choice ("pallas") gives them too. Chunks of 128 rows put long segments in play."""
+    rows included) or onto the per-segment split ("hybrid": segments of >= 128 rows on Mosaic,
+    the rest on Triton) gives the tokens and exit depths of the engine on the Triton kernel, and
+    the automatic choice ("pallas") gives them too. Chunks of up to 192 rows put long segments in
+    play next to short ones in one invocation: a fresh 129-row prompt (two tiles, the second of
+    one row) with 64-, 56- and 7-row prompts, then a 136-row chunk after 56 rows of history."""
     from pallas_kernels.dispatch import hopper_available
     if not hopper_available():
         pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
@@ -76,10 +79,11 @@ def test_mosaic_kernel_engine_equals_triton_kernel_engine(model):
     prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (300, 129, 64, 7)]
     sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.6)
     got = {}
-    for attention in ("triton", "mgpu", "pallas"):
+    for attention in ("triton", "mgpu", "hybrid", "pallas"):
         llm = LLM(cfg, params=params, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=256,
-                  prefill_chunk_size=128, max_model_len=512, buckets=[8, 32, 256],
+                  prefill_chunk_size=192, max_model_len=512, buckets=[8, 32, 256],
                   attention=attention, kv_cache_bytes=1 << 30, progress=False)
         got[attention] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got["mgpu"] == got["triton"], "mgpu vs triton kernel: " + _diff(got["mgpu"], got["triton"])
+    assert got["hybrid"] == got["triton"], "hybrid vs triton kernel: " + _diff(got["hybrid"], got["triton"])
     assert got["pallas"] == got["triton"], "auto vs triton kernel: " + _diff(got["pallas"], got["triton"])
