@@ -53,9 +53,15 @@ from pallas_kernels.ragged_paged_attention import _check_args, _cdiv, num_tiles,
 LOG2E = math.log2(math.e)
 NEG = -1e30  # finite "minus infinity": rows with no visible key never produce inf - inf
 COMPUTE_WGS = 2
+# K/V tokens per pipeline step (``block_kv / block_size`` page copies) and steps in flight. Tuned on
+# the H200 (benchmarks/mgpu_tune.py, results/mgpu_tune.json): 128 x 2 beat 64 x 2 by 7-16% on
+# 1x1024@8K, 4x2048@2K and 1x1024@32K in two runs, with the same error against the reference;
+# 3 or 4 steps were faster on one shape and slower on another.
+BLOCK_KV = 128
+MAX_CONCURRENT_STEPS = 2
 
 
-def supported(q_dtype, head_dim: int, block_size: int, block_kv: int = 64) -> str | None:
+def supported(q_dtype, head_dim: int, block_size: int, block_kv: int = BLOCK_KV) -> str | None:
     """Why this kernel cannot serve a launch (``None`` when it can)."""
     if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(q_dtype).name} (needs bfloat16 or float16)"
@@ -280,7 +286,8 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int
                                              "max_concurrent_steps"))
 def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len,
                                 seg_block_table, *, layer=None, sm_scale: float, block_q: int = 64,
-                                block_kv: int = 64, max_concurrent_steps: int = 2, packing=None):
+                                block_kv: int = BLOCK_KV, max_concurrent_steps: int = MAX_CONCURRENT_STEPS,
+                                packing=None):
     """Mosaic GPU twin of ``ragged_paged_attention`` (same arguments; see module docstring).
 
     ``packing``: ``make_packing(...)`` of the same segment arrays (built once per step and shared
