@@ -346,7 +346,9 @@ class Harness:
 
     # -------------------------------------------------------------------------------- runs
     def run(self, wl: Workload, mode: str, chunk: int, chunks: Sequence[int] = (),
-            deadline: Optional[float] = None) -> dict:
+            timeout: Optional[float] = None) -> dict:
+        """``timeout``: seconds the measured run may take; it starts after the engine's start-up
+        (compilation) and warm-up request, which a configuration must not be charged for."""
         llm, st = self.engine(mode, chunk, chunks)
         try:
             rec = ScheduleRecorder(self.config, np.dtype(llm.runner.dtype).itemsize).attach(llm.runner)
@@ -359,6 +361,7 @@ class Harness:
                 from tqdm.auto import tqdm
                 bar = tqdm(total=len(wl.requests), desc=f"{wl.label} {mode} c{chunk}", unit="req",
                            mininterval=0.5 if sys.stderr.isatty() else 10.0, file=sys.stderr)
+            deadline = None if timeout is None else time.monotonic() + timeout
             try:
                 res = drive(llm, wl, deadline=deadline, bar=bar, sync=llm.runner.synchronize)
             finally:
@@ -683,17 +686,17 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
             print(f"skip {wl.label} {mode} chunk {chunk}: {reason}", flush=True)
             save()
             continue
-        deadline = None
+        timeout = None
         limits = [x for x in (args.config_timeout,
                               None if args.time_budget is None else max(5.0, args.time_budget - h.elapsed()),
                               None if wl_budget is None else max(5.0, wl_budget - used))
                   if x is not None]
         if limits:
-            deadline = time.monotonic() + min(limits)
+            timeout = min(limits)
         t = time.monotonic()
         try:
             if kind == "engine":
-                rec = h.run(wl, mode, chunk, all_chunks, deadline)
+                rec = h.run(wl, mode, chunk, all_chunks, timeout)
             else:
                 rec = h.run_generate(wl, args.generate_reps)
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
