@@ -6,7 +6,6 @@ import importlib.util
 import itertools
 import json
 import os
-import time
 
 import numpy as np
 import pytest
