@@ -27,10 +27,13 @@ timeout -s INT -k 10 "$(cap 120)" python3 -m benchmarks.run --workload long4 --c
   --no-progress --no-plot --append --out $R/hybrid --time-budget 110 --config-timeout 40 > "$O/long4_hybrid_run6.log" 2>&1
 echo "[$(el)] long4 wavefront 128 rc $?"
 cp $R/hybrid/long4.json "$O/hybrid_long4.json"
-timeout -s INT -k 10 "$(cap 400)" python3 -m benchmarks.run --workload mixed128 --chunk 128 64 --mode split mixed wavefront \
-  --no-progress --no-plot --append --out $R --time-budget "$(( $(left) - 12 ))" --config-timeout 120 \
-  > "$O/mixed128_run6.log" 2>&1
-echo "[$(el)] mixed128 rc $?"
+timeout -s INT -k 10 "$(cap 160)" python3 -m benchmarks.run --workload mixed128 --chunk 128 --mode split mixed \
+  --no-progress --no-plot --append --out $R --time-budget 150 --config-timeout 70 > "$O/mixed128_run6.log" 2>&1
+echo "[$(el)] mixed128 chunk 128 rc $?"
+timeout -s INT -k 10 "$(cap 400)" python3 -m benchmarks.run --workload mixed128 --chunk 64 --mode wavefront split mixed \
+  --no-progress --no-plot --append --out $R --time-budget "$(( $(left) - 12 ))" --config-timeout 90 \
+  >> "$O/mixed128_run6.log" 2>&1
+echo "[$(el)] mixed128 chunk 64 rc $?"
 cp $R/mixed128.json "$O/"
 grep -hE "tok/s|skip|rror" "$O/long4_hybrid_run6.log" "$O/mixed128_run6.log" | cut -c1-330
 grep -hE "^== |attention  |mosaic" "$O/profile_auto_run6.log"
