@@ -49,7 +49,10 @@ model, 4 heads) off the Mosaic kernel altogether.
 Forcing ``mgpu`` in the engine on the H200 first failed with "Input buffer 1 is not 256-byte
 aligned" (the block table was a view into the packed descriptor); the kernel now takes the tiles
 and the table as one freshly computed int32 array, built once per invocation (``make_packing``).
-Neither that revision nor ``"hybrid"`` has run on a GPU yet (CPU: cross-lowered for CUDA only).
+Both now pass on the H200 (runs 5 and 6 of benchmarks/results: the kernels against the jnp
+reference on hypothesis-drawn batches, and engines forced onto ``mgpu`` and ``hybrid`` giving the
+Triton engine's tokens). Measured there with the rule: a prefill:1024 invocation of 128-row
+segments at 4K context 10.7 ms against 17.7 ms with Triton alone (benchmarks/profile_step.py).
 """
 from __future__ import annotations
 

@@ -426,7 +426,8 @@ class Scheduler:
             return 0
         if len(self.waiting) and len(self.running) < cfg.max_num_seqs:
             return 0
-        need = max(len(rows), -(-len(finalize) // 2 // max(1, self.num_loops - 1)))
+        pairs = len(finalize) // 2  # finalize is a flat (src, dst) list
+        need = max(len(rows), -(-pairs // max(1, self.num_loops - 1)))  # as build_descriptor sizes it
         if self.bucket_spec.key_for(need).R > self.bucket_spec.key_for(cfg.fused_decode_max_rows).R:
             return 0
         for want in sorted({cfg.fused_decode_tokens, 1}, reverse=True):

@@ -132,7 +132,7 @@ def test_engine_fused_equals_loop_by_loop_and_reference(layout, tokens):
     sp = [SamplingParams(max_tokens=7, ignore_eos=True, exit_mode="fixed"),
           SamplingParams(max_tokens=5, ignore_eos=True, exit_mode="fixed", temperature=0.8, top_k=20, seed=4),
           SamplingParams(max_tokens=6, ignore_eos=True, exit_mode="fixed")]
-    plain = _engine(kv_layout=layout).generate(PROMPTS, sp, use_tqdm=False)
+    plain = _engine(kv_layout=layout, fused_decode_max_rows=0).generate(PROMPTS, sp, use_tqdm=False)
     llm = _engine(kv_layout=layout, fused_decode_max_rows=4, fused_decode_tokens=tokens)
     fused = llm.generate(PROMPTS, sp, use_tqdm=False)
     for a, b in zip(plain, fused):

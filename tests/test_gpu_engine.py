@@ -46,7 +46,7 @@ def test_pallas_engine_equals_reference_engine_and_generate(model, mode, layer_l
                   max_model_len=256, buckets=[8, 32, 128], prefill_mode=mode, attention=attention,
                   layer_loop=layer_loop, kv_cache_bytes=1 << 30, progress=False)
         got[attention] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
-        assert llm.stats()["compilations"] == 3
+        assert llm.stats()["compilations"] == len(llm.executable_keys())
     # One right-padded batch per check (one compilation each: compiles dominate this test's time).
     width = max(lengths)
     padded = jnp.asarray([p + [0] * (width - len(p)) for p in prompts])
