@@ -118,14 +118,14 @@ def dense_kv(c):
 
 def ours_fn(n_calls, layers, tune, planned=True, kernel="triton"):
   tune = dict(tune or {})
-  if kernel == "mgpu":
+  if kernel != "triton":  # "mgpu" or "hybrid": through the dispatcher, as the engine runs them
     @jax.jit
     def g(q, k, v, qs, ql, cl, bt):
       plan = None
       if planned:
-        plan = dispatch.make_kernel_plan("mgpu", q.shape[0], H, KVH, HD, qs, ql, cl, bt)
+        plan = dispatch.make_kernel_plan(kernel, q.shape[0], H, KVH, HD, qs, ql, cl, bt)
       for i in range(n_calls):
-        q = dispatch.paged_attention("mgpu", q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers),
+        q = dispatch.paged_attention(kernel, q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers),
                                      sm_scale=SCALE, plan=plan)
       return q
     return g
