@@ -147,3 +147,22 @@ def test_engine_fused_equals_loop_by_loop_and_reference(layout, tokens):
     assert st["fused_launches"] > 0 and st["launches"] < st["recurrent_invocations"]
     assert st["compilations"] == len(llm.executable_keys())  # all at start-up, nothing since
     assert st["free_blocks"] == llm.scheduler_config.num_blocks - 1
+
+
+def test_fused_step_updates_the_pool_in_place():
+    """The fused step carries the KV pools through a ``fori_loop``: no copy of the pool in the
+    compiled step, and the donated buffers come back at the same address (a copy of a 120 GB pool
+    would not even fit on the H200)."""
+    from ouro_jax.runner import ModelRunner
+    from test_kv_cache import _pool_copies
+
+    llm = _engine(fused_decode_max_rows=4, fused_decode_tokens=2, warmup=False)
+    r = llm.runner
+    key = next(k for k in llm.executable_keys() if not hasattr(k, "R"))
+    assert isinstance(r, ModelRunner) and len(key) == 2
+    exe = r._compile(key)
+    assert not _pool_copies(exe.as_text(), r.k_pool.shape)
+    ptr = r.k_pool.unsafe_buffer_pointer()
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=5, ignore_eos=True, exit_mode="fixed"), use_tqdm=False)
+    assert llm.stats()["fused_launches"] > 0
+    assert r.k_pool.unsafe_buffer_pointer() == ptr
