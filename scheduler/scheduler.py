@@ -521,10 +521,10 @@ class Scheduler:
             self._apply(plan, _Lazy(gate_logits, "gate_logits", plan.num_rows),
                         _Lazy(tokens, "tokens", len(plan.coda)), deltas)
         else:  # a fused step: [n, R] gates and [n, C] tokens, applied sub-step after sub-step
-            whole = _Whole(tokens)
+            all_gates, all_tokens = _Whole(gate_logits), _Whole(tokens)
             for i, sub in enumerate(plan.sub_plans):
-                self._apply(sub, _Lazy(lambda: [], "gate_logits", 0),
-                            _Lazy(functools.partial(whole.row, i), "tokens", len(sub.coda)), deltas)
+                self._apply(sub, _Lazy(functools.partial(all_gates.row, i), "gate_logits", sub.num_rows),
+                            _Lazy(functools.partial(all_tokens.row, i), "tokens", len(sub.coda)), deltas)
         self._inflight = None
         self._stats["update_time_s"] += time.perf_counter() - t0
         return list(deltas.values())
