@@ -376,36 +376,37 @@ class Scheduler:
         self._step += 1
         self._inflight = plan
 
-        st = self._stats
+        self._count_loop(plan, len(decode))
+        self._stats["launches"] += 1
+        self._stats["schedule_time_s"] += time.perf_counter() - t0
+        return plan
+
+    def _count_loop(self, plan: BatchPlan, decode_rows: int) -> None:
+        """Counters of one loop's invocation (a fused step counts each of its sub-steps)."""
+        st, desc = self._stats, plan.descriptor
         st["invocations"] += 1
-        st["launches"] += 1
-        st["real_rows"] += row
-        st["padded_rows"] += desc.key.R - row
-        st["decode_rows"] += len(decode)
-        st["prefill_rows"] += row - len(decode)
-        st["prelude_tokens"] += len(pre_tok)
-        st["coda_rows"] += len(coda)
-        st["speculative_coda_rows"] += sum(c.speculative for c in coda)
-        st["finalize_pairs"] += len(fin)
+        st["real_rows"] += plan.num_rows
+        st["padded_rows"] += desc.key.R - plan.num_rows
+        st["decode_rows"] += decode_rows
+        st["prefill_rows"] += plan.num_rows - decode_rows
+        st["prelude_tokens"] += desc.num_prelude
+        st["coda_rows"] += len(plan.coda)
+        st["speculative_coda_rows"] += sum(c.speculative for c in plan.coda)
+        st["finalize_pairs"] += len(plan.finalize)
         st[f"{plan.kind}_invocations"] += 1
         self._keys_used[desc.key.R] += 1
-        st["schedule_time_s"] += time.perf_counter() - t0
-        return plan
 
     # ------------------------------------------------------------ fused decode
     def _full_depth(self, req: Request, k: int) -> bool:
         """Does generated token ``k`` of ``req`` certainly run all ``T`` loops (no gate or draw can
         end it sooner)? Only such tokens run in fused decode steps, which run every loop."""
         T, p = self.num_loops, req.sampling_params
-        if p.resolved_max_loops(T) != T:
-            return False
-        if p.exit_mode == "fixed" or p.exit_threshold >= 1.0 and p.exit_mode in ("ouro", "delayed"):
-            return True
+        target = None
         if p.exit_mode == "synthetic":
             target = (req.decode_target_loops if k == len(req.output_token_ids)
                       else synthetic_exit_loops(p, T, req.request_id, k))
-            return target == T
-        return False
+        # the exit rule's own answer: no loop before the T-th can sample (and so end) the token
+        return all(coda_kind(p, T, done, target) == "none" for done in range(1, T))
 
     def _fused_tokens(self, sel, finalize: list) -> int:
         """How many tokens the next step may run fused (0: run one loop, the usual way).
@@ -494,19 +495,12 @@ class Scheduler:
                          descriptor=StackedDescriptor(descs), sub_plans=subs)
         self._step += 1
         self._inflight = plan
+        for sub in subs:
+            self._count_loop(sub, n)
         st = self._stats
-        st["invocations"] += m
         st["launches"] += 1
         st["fused_launches"] += 1
-        st["fused_loops"] += m
-        st["real_rows"] += m * n
-        st["padded_rows"] += m * (key.R - n)
-        st["decode_rows"] += m * n
-        st["prelude_tokens"] += tokens * n
-        st["coda_rows"] += tokens * n
-        st["finalize_pairs"] += len(fin)
-        st["decode_invocations"] += m
-        self._keys_used[key.R] += m
+        st["fused_loops"] += len(subs)
         return plan
 
     # ------------------------------------------------------------------ update
