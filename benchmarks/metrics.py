@@ -155,6 +155,29 @@ def latency(outputs: Iterable) -> dict:
                 cdf=dict(ttft=_cdf(ttft), itl=_cdf(itl), tpot=_cdf(tpot), e2e=_cdf(e2e)))
 
 
+def mean_decoding_streams(outputs: Iterable) -> Optional[float]:
+    """Time-averaged number of streams between their first and last token, over the span in which
+    any stream is in that phase. When requests arrive together and finish prefill at different
+    times (mixed32, mixed128), this is the batch a decode step really holds on average; pricing
+    the TPOT floor at every request decoding at once instead gives a "floor" above what a stream
+    measures. ``None`` when no stream produced two tokens."""
+    spans = [(o.metrics.token_times[0], o.metrics.token_times[-1]) for o in outputs
+             if len(o.metrics.token_times) > 1]
+    spans = [(a, b) for a, b in spans if b > a]
+    if not spans:
+        return None
+    busy = sum(b - a for a, b in spans)
+    # the union of the spans, so that a gap in which no stream decodes does not dilute the mean
+    union, end = 0.0, -np.inf
+    for a, b in sorted(spans):
+        if a > end:
+            union += b - a
+        elif b > end:
+            union += b - end
+        end = max(end, b)
+    return busy / union
+
+
 def exit_histogram(outputs: Iterable, num_loops: int) -> dict:
     """Exit depths of generated tokens after the first (the first always comes from loop T-1)."""
     counts = np.zeros(num_loops, np.int64)

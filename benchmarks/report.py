@@ -15,6 +15,7 @@ import glob
 import json
 import math
 import os
+import re
 from collections import defaultdict
 from typing import Optional
 
@@ -109,7 +110,7 @@ def plot_workload(result: dict, path: str) -> Optional[str]:
             ax.text(i, v[0]["headline"]["value"], f"{100 * v[0]['headline']['fraction']:.0f}%", ha="center",
                     va="bottom", fontsize=7)
         tp = [((v[0].get("latency") or {}).get("tpot") or {}).get("p50") for v in series.values()]
-        tf = [(v[0].get("tpot_floor") or {}).get("floor_s") for v in series.values()]
+        tf = [_tpot_floor_s(v[0]) for v in series.values()]
         axt.bar([i - 0.2 for i in x], [1e3 * t if t else 0 for t in tp], 0.4, label="TPOT p50")
         axt.bar([i + 0.2 for i in x], [1e3 * t if t else 0 for t in tf], 0.4, label="decode step floor", alpha=0.5)
         axt.set_xticks(list(x), names, fontsize=7, rotation=45, ha="right")
@@ -224,6 +225,17 @@ def _pct(x):
     return "–" if x is None else f"{100 * x:.1f}%" if x >= 0.001 or x == 0 else f"{100 * x:.2g}%"
 
 
+def _tpot_floor_s(r: dict) -> Optional[float]:
+    """The decode-step floor a record's TPOT is read against. Records of batch-arrival workloads
+    written before ``tpot_floor.batch_from`` existed priced the step at every request decoding at
+    once, which lies above what a stream measures (streams reach decode one after another); they
+    carry no per-request timing to price it again, so they get no floor instead of a wrong one."""
+    tf = r.get("tpot_floor") or {}
+    if not tf or (r.get("arrival") == "batch" and "batch_from" not in tf):
+        return None
+    return tf.get("floor_s")
+
+
 def _lat(r, key, p, tag=None):
     src = ((r.get("latency_by_tag") or {}).get(tag) if tag else None) or r.get("latency") or {}
     return ((src.get(key) or {}).get(p))
@@ -235,13 +247,28 @@ def _table(header, rows) -> str:
     return "\n".join(out)
 
 
+_MODE_ORDER = {"split": 0, "mixed": 1, "wavefront": 2}
+
+
+def _row_order(r: dict) -> tuple:
+    """Rows of one variant grouped by chunk, modes side by side: the comparison a table is read for."""
+    return (r.get("label", ""), r.get("chunk") or 0, _MODE_ORDER.get(r.get("mode"), 3), r.get("mode", ""))
+
+
+def _run_short(r: dict) -> str:
+    """'run N' out of a merged record's tag ('2026-11-30 run 7 (unrolled, ...)'); records of one
+    table can come from different device calls and engine versions, and the table says which."""
+    m = re.search(r"run \d+", r.get("run") or "")
+    return m.group(0) if m else "–"
+
+
 def _workload_table(res: dict) -> str:
     rows = []
     tag = "decode" if res.get("workload") == "decode_under_prefill" else None
-    for r in res.get("records", []):
+    for r in sorted(res.get("records", []), key=_row_order):
         if "error" in r:
             rows.append([r.get("label", ""), r.get("mode", ""), r.get("chunk") or "–", f"ERROR: {r['error'][:120]}"]
-                        + [""] * 13)
+                        + [""] * 13 + [_run_short(r)])
             continue
         h = r["headline"]
         hist = r.get("exit_histogram") or {}
@@ -255,14 +282,14 @@ def _workload_table(res: dict) -> str:
             f"{_f(_lat(r, 'ttft', 'p50', tag), 1, 1e3)} / {_f(_lat(r, 'ttft', 'p99', tag), 1, 1e3)}",
             f"{_f(_lat(r, 'itl', 'p50', tag), 2, 1e3)} / {_f(_lat(r, 'itl', 'p99', tag), 2, 1e3)}",
             f"{_f(_lat(r, 'tpot', 'p50', tag), 2, 1e3)} / {_f(_lat(r, 'tpot', 'p99', tag), 2, 1e3)}"
-            + (f" (floor {_f((r.get('tpot_floor') or {}).get('floor_s'), 2, 1e3)})" if r.get("tpot_floor") else ""),
+            + (f" (floor {_f(_tpot_floor_s(r), 2, 1e3)})" if _tpot_floor_s(r) else ""),
             _f(r.get("rows_per_invocation")), _f(r.get("invocations_per_s"), 0),
             _f(r.get("host_time_per_invocation_s"), 3, 1e3), _f(r.get("time_per_invocation_s"), 3, 1e3),
             _f(hist.get("mean_loops"), 2), r.get("compilations", "–"),
-            _f(mem / 2 ** 30 if mem else None, 1)])
+            _f(mem / 2 ** 30 if mem else None, 1), _run_short(r)])
     header = ["variant", "mode", "chunk", "headline: measured / floor", "of floor", "whole run of floor",
               "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "TPOT p50/p99 ms", "rows/inv", "inv/s",
-              "host/inv ms", "wall/inv ms", "mean loops", "compiles", "peak GiB"]
+              "host/inv ms", "wall/inv ms", "mean loops", "compiles", "peak GiB", "run"]
     return _table(header, rows)
 
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from benchmarks import ceilings as ceilings_mod
 from benchmarks.floors import decode_step_floor, generate_floor, prefill_floor
-from benchmarks.metrics import ScheduleRecorder, exit_histogram, floor_of, latency
+from benchmarks.metrics import ScheduleRecorder, exit_histogram, floor_of, latency, mean_decoding_streams
 from benchmarks.workloads import CHUNKS, MODES, WORKLOADS, EngineShape, Workload, make, suite_shape
 from ouro_jax import LLM, get_preset
 from ouro_jax.model import init_params
@@ -463,6 +463,13 @@ class Harness:
         tag = wl.background_tag
         dec_outs = [o for o in with_tokens if tag is None or res.specs[o.request_id].tag == tag]
         batch = (wl.concurrency or (len([s for s in res.specs.values() if s.tag == tag]) if tag else len(wl.requests)))
+        batch_from = "concurrency" if wl.concurrency else ("tagged streams" if tag else "requests")
+        if wl.arrival == "batch" and dec_outs:
+            # all requests arrive at once but reach decode one after another: price the step at the
+            # streams that really decode together (time average), not at all of them
+            m = mean_decoding_streams(dec_outs)
+            if m:
+                batch, batch_from = max(1, round(m)), f"mean decoding streams ({m:.1f})"
         if dec_outs:
             specs = [res.specs[o.request_id] for o in dec_outs]
             ctx = float(np.mean([s.num_prompt_tokens + s.params.max_tokens / 2 for s in specs]))
@@ -470,7 +477,8 @@ class Harness:
             dfl = decode_step_floor(c, batch, ctx, loops, self.bw, self.peak)
             tp = (r.get("latency_by_tag", {}).get(tag) or r["latency"]) if tag else r["latency"]
             tpot = (tp.get("tpot") or {}).get("p50")
-            r["tpot_floor"] = dict(floor_s=dfl["floor_s"], bound=dfl["bound"], batch=batch, context=ctx, loops=loops)
+            r["tpot_floor"] = dict(floor_s=dfl["floor_s"], bound=dfl["bound"], batch=batch, batch_from=batch_from,
+                                  context=ctx, loops=loops)
             r["tpot_fraction_of_floor"] = dfl["floor_s"] / tpot if tpot else None
         r["headline"] = self._headline(wl, r)
         r["startup"] = startup
