@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import report, run, sweep_buckets
 from benchmarks.floors import prefill_floor
-from benchmarks.metrics import ScheduleRecorder, floor_of
+from benchmarks.metrics import ScheduleRecorder, floor_of, mean_decoding_streams
 from benchmarks.workloads import WORKLOADS, make, suite_shape
 from ouro_jax import get_preset
 from scheduler import SchedulerConfig
@@ -66,6 +66,10 @@ def test_every_workload_writes_its_records(results):
         if name in ("long4", "mixed32", "mixed128"):
             assert modes >= {"split", "mixed", "wavefront"}
             assert all(r["prefill_span"]["fraction_of_floor"] > 0 for r in recs if r["mode"] != run.GENERATE_MODE)
+        if name in ("mixed32", "mixed128"):  # batch arrival: the TPOT floor's batch is what decoded together
+            for r in recs:
+                tf = r["tpot_floor"]
+                assert tf["batch_from"].startswith("mean decoding streams") and 1 <= tf["batch"] <= r["requests"]
         assert os.path.exists(os.path.join(out, f"{name}.png")) or not HAVE_MPL
 
 
@@ -83,6 +87,26 @@ def test_serve_and_decode_under_prefill_specifics(results):
     for r in dup:
         assert set(r["latency_by_tag"]) == {"decode", "long"} or set(r["latency_by_tag"]) == {"decode"}
         assert r["headline"]["metric"].startswith("decode TPOT")
+
+
+class _Out:
+    def __init__(self, times):
+        self.metrics = type("M", (), {"token_times": list(times)})()
+
+
+def test_mean_decoding_streams_is_the_time_average_over_the_union_of_spans():
+    # two streams overlap on [1, 2]; a third decodes alone on [5, 6]; the gap [3, 5] is not counted
+    outs = [_Out([0.0, 1.0, 2.0]), _Out([1.0, 3.0]), _Out([5.0, 6.0]), _Out([7.0]), _Out([])]
+    assert mean_decoding_streams(outs) == pytest.approx((2 + 2 + 1) / (3 + 1))
+    assert mean_decoding_streams([_Out([0.0, 2.0])] * 4) == pytest.approx(4.0)
+    assert mean_decoding_streams([_Out([1.0])]) is None
+
+
+def test_report_gives_old_batch_records_no_tpot_floor():
+    old = dict(arrival="batch", tpot_floor=dict(floor_s=0.1, bound="bandwidth"))
+    assert report._tpot_floor_s(old) is None
+    assert report._tpot_floor_s(dict(old, tpot_floor=dict(old["tpot_floor"], batch_from="mean"))) == 0.1
+    assert report._tpot_floor_s(dict(arrival="closed_loop", tpot_floor=old["tpot_floor"])) == 0.1
 
 
 def test_a_run_cut_short_is_recorded_as_truncated(results):
