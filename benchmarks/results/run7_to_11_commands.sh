@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# H200 calls 7-10 (session 4, 2026-11-30): the configurations issue #5 still lacked, mixed128
+# H200 calls 7-11 (session 4, 2026-11-30): the configurations issue #5 still lacked, mixed128
 # wavefront chunk 128 and mixed32 chunk 128 again on the current engine (hybrid attention), a
 # fused-decode serve1k c=1 record, the kernel sweep at the Mosaic kernel's block_kv 128, and a
 # same-call A/B of fused decode in the main engine shape. One call per CALL value, in order:
-#   CALL=a bash benchmarks/results/run7_to_10_commands.sh     # run 7
-#   CALL=b ...  run 8;  CALL=c ...  run 9;  CALL=d ...  run 10
+#   CALL=a bash benchmarks/results/run7_to_11_commands.sh     # run 7
+#   CALL=b ...  run 8;  CALL=c ...  run 9;  CALL=d ...  run 10;  CALL=e ...  run 11
 # Results go to benchmarks/results (merged with --append); records were tagged with their run
-# afterwards, and the logs are run{7,8,9,10}_pending_*_log.txt.
+# afterwards, and the logs are run{7,8,9,10,11}_pending_*_log.txt.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS= OURO_JAX_COMPILE_CACHE=$PWD/.jax_cache
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 XLA_FLAGS=
@@ -42,6 +42,13 @@ case "${CALL:-a}" in
     timeout -s INT -k 10 "$(left)" python3 benchmarks/attention_sweep.py --out $R --no-copy > "$O/attention_sweep.log" 2>&1
     echo "[$(el)] sweep rc $?"
     cp $R/decode_under_prefill.json $R/serve1k.json $R/attention_sweep.json "$O/" ;;
+  e)  # run 11: long4 (every chunk x mode, and the generate() baseline) and decode_under_prefill
+      # chunk 16 on the current engine, replacing run-2 records that predate hybrid attention and
+      # the Triton kernel's empty-item fix (which sped up every S = R bucket, wavefront's most)
+    run 200 --workload long4 --chunk 16 32 64 128 --mode split mixed wavefront --generate-baseline long4 \
+      --config-timeout 40
+    run 90 --workload decode_under_prefill --chunk 16 --mode split mixed wavefront --config-timeout 30
+    cp $R/long4.json $R/decode_under_prefill.json "$O/" ;;
   d)  # run 10: run 9's fused c=1 record (77.96 out tok/s) sat below run 3's loop-by-loop one (80.35)
       # in the main engine shape (128 seqs, 1024 tokens); one call, same machine, all three
     for f in "0 1" "8 1" "8 4"; do set -- $f
