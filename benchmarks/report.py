@@ -388,14 +388,17 @@ def _targets(results: dict) -> str:
                 seen.add((s.get("elapsed_s"), s.get("warmup_s")))
                 starts.append(s)
     cold = [s for s in starts if s.get("source") == "compiled"]
-    warm = [s for s in starts if s.get("source") == "persistent cache"]
+    # "compiled + persistent cache": every executable came from the cache and only small helper
+    # jits compiled (a start-up is cached when it has at least one cache hit per executable)
+    warm = [s for s in starts if "persistent cache" in (s.get("source") or "")
+            and (s.get("persistent_cache_hits") or 0) >= (s.get("executables") or 1)]
     if starts:
         rows.append(["start-up", "all buckets < 60 s cold, < 10 s with the persistent cache",
                      f"cold: {', '.join(_f(s['warmup_s']) + ' s' for s in cold) or 'not seen'} "
                      f"({cold[0]['executables'] if cold else '–'} executables); cached: "
                      f"{', '.join(_f(s['warmup_s']) + ' s' for s in warm) or 'not seen'}", "",
-                     "met" if cold and warm and max(s['warmup_s'] for s in cold) < 60
-                     and max(s['warmup_s'] for s in warm) < 10 else "–"])
+                     "–" if not (cold and warm) else "met" if max(s['warmup_s'] for s in cold) < 60
+                     and max(s['warmup_s'] for s in warm) < 10 else "not met"])
     return _table(["figure", "target", "measured", "of floor", "status"], rows)
 
 
