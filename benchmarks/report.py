@@ -268,7 +268,7 @@ def _workload_table(res: dict) -> str:
     for r in sorted(res.get("records", []), key=_row_order):
         if "error" in r:
             rows.append([r.get("label", ""), r.get("mode", ""), r.get("chunk") or "–", f"ERROR: {r['error'][:120]}"]
-                        + [""] * 13 + [_run_short(r)])
+                        + [""] * 14 + [_run_short(r)])
             continue
         h = r["headline"]
         hist = r.get("exit_histogram") or {}
@@ -284,12 +284,13 @@ def _workload_table(res: dict) -> str:
             f"{_f(_lat(r, 'tpot', 'p50', tag), 2, 1e3)} / {_f(_lat(r, 'tpot', 'p99', tag), 2, 1e3)}"
             + (f" (floor {_f(_tpot_floor_s(r), 2, 1e3)})" if _tpot_floor_s(r) else ""),
             _f(r.get("rows_per_invocation")), _f(r.get("invocations_per_s"), 0),
+            _f(r.get("schedule_time_per_invocation_s"), 3, 1e3),
             _f(r.get("host_time_per_invocation_s"), 3, 1e3), _f(r.get("time_per_invocation_s"), 3, 1e3),
             _f(hist.get("mean_loops"), 2), r.get("compilations", "–"),
             _f(mem / 2 ** 30 if mem else None, 1), _run_short(r)])
     header = ["variant", "mode", "chunk", "headline: measured / floor", "of floor", "whole run of floor",
               "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "TPOT p50/p99 ms", "rows/inv", "inv/s",
-              "host/inv ms", "wall/inv ms", "mean loops", "compiles", "peak GiB", "run"]
+              "schedule/inv ms", "host/inv ms", "wall/inv ms", "mean loops", "compiles", "peak GiB", "run"]
     return _table(header, rows)
 
 
