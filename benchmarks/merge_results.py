@@ -45,18 +45,25 @@ def merge_records(old: list, new: list, old_tag: str | None = None,
     return out, skipped
 
 
+def merge_lists(old_records: list, old_skipped: list, records: list, skipped: list,
+                old_tag: str | None = None, new_tag: str | None = None) -> dict:
+    """``records`` and ``skipped`` of two results merged (``merge_records``'s rule). A skip note
+    stays only while its configuration has no record, or when it says a newer run was cut short
+    and lost to the older record; ``benchmarks.run --append`` and ``merge`` both use this."""
+    out, lost = merge_records(old_records, records, old_tag, new_tag)
+    done = {_key(r) for r in out}
+    notes = list(old_skipped) + list(skipped) + lost
+    return dict(records=out,
+                skipped=[s for s in notes if _key(s) not in done or "truncated" in s.get("reason", "")])
+
+
 def merge(old: dict, new: dict, old_tag: str, new_tag: str) -> dict:
     old_layer = old.get("config", {}).get("layer_loop", "scan")
     new_layer = new.get("config", {}).get("layer_loop", "unrolled")
     tagged = lambda recs, layer: [{"layer_loop": layer, **r} for r in recs]  # noqa: E731
-    out_records, lost = merge_records(tagged(old.get("records", []), old_layer),
-                                      tagged(new.get("records", []), new_layer), old_tag, new_tag)
-    skipped = list(new.get("skipped", [])) + lost
-    done = {_key(r) for r in out_records}
-    res = dict(new)
-    res["records"] = out_records
-    res["skipped"] = [s for s in skipped if _key(s) not in done or "truncated" in s.get("reason", "")]
-    return res
+    return dict(new, **merge_lists(tagged(old.get("records", []), old_layer), old.get("skipped", []),
+                                   tagged(new.get("records", []), new_layer), new.get("skipped", []),
+                                   old_tag, new_tag))
 
 
 def main(argv=None) -> None:

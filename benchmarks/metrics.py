@@ -155,6 +155,23 @@ def latency(outputs: Iterable) -> dict:
                 cdf=dict(ttft=_cdf(ttft), itl=_cdf(itl), tpot=_cdf(tpot), e2e=_cdf(e2e)))
 
 
+def interval_union(intervals: list) -> tuple[float, float]:
+    """(union length, span) of ``[(start, end)]``: how long at least one interval is open, and
+    from the first start to the last end."""
+    if not intervals:
+        return 0.0, 0.0
+    iv = sorted(intervals)
+    total, cur_s, cur_e = 0.0, iv[0][0], iv[0][1]
+    for s, e in iv[1:]:
+        if s > cur_e:
+            total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    total += cur_e - cur_s
+    return total, max(e for _, e in iv) - iv[0][0]
+
+
 def mean_decoding_streams(outputs: Iterable) -> Optional[float]:
     """Time-averaged number of streams between their first and last token, over the span in which
     any stream is in that phase. When requests arrive together and finish prefill at different
@@ -166,16 +183,8 @@ def mean_decoding_streams(outputs: Iterable) -> Optional[float]:
     spans = [(a, b) for a, b in spans if b > a]
     if not spans:
         return None
-    busy = sum(b - a for a, b in spans)
-    # the union of the spans, so that a gap in which no stream decodes does not dilute the mean
-    union, end = 0.0, -np.inf
-    for a, b in sorted(spans):
-        if a > end:
-            union += b - a
-        elif b > end:
-            union += b - end
-        end = max(end, b)
-    return busy / union
+    # over the union of the spans, so that a gap in which no stream decodes does not dilute it
+    return sum(b - a for a, b in spans) / interval_union(spans)[0]
 
 
 def exit_histogram(outputs: Iterable, num_loops: int) -> dict:

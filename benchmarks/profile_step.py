@@ -45,7 +45,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from benchmarks.floors import shape as model_shape
-from benchmarks.metrics import floor_of, invocation_cost
+from benchmarks.metrics import floor_of, interval_union, invocation_cost
 from benchmarks.sweep_buckets import synthetic_descriptor
 from benchmarks.workloads import suite_shape
 
@@ -125,22 +125,6 @@ def categorise(name: str) -> str:
     return "other"
 
 
-def _union_ns(intervals: list) -> tuple[float, float]:
-    """(union length, span) of ``[(start, end)]``."""
-    if not intervals:
-        return 0.0, 0.0
-    iv = sorted(intervals)
-    total, cur_s, cur_e = 0.0, iv[0][0], iv[0][1]
-    for s, e in iv[1:]:
-        if s > cur_e:
-            total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        elif e > cur_e:
-            cur_e = e
-    total += cur_e - cur_s
-    return total, max(e for _, e in iv) - iv[0][0]
-
-
 def _op_of(op_name: Optional[str]) -> Optional[str]:
     return op_name.rsplit("/", 1)[-1] if op_name else None
 
@@ -182,7 +166,7 @@ def aggregate(events: Iterable[dict], invocations: int, top: int = 25, hlo_ops: 
     n = max(1, int(invocations))
     evs = [e for e in events if e.get("duration_ns") is not None]
     total = float(sum(e["duration_ns"] for e in evs))
-    busy, span = _union_ns([(float(e["start_ns"]), float(e["start_ns"]) + float(e["duration_ns"])) for e in evs])
+    busy, span = interval_union([(float(e["start_ns"]), float(e["start_ns"]) + float(e["duration_ns"])) for e in evs])
     starts = sorted(float(e["start_ns"]) for e in evs)
     ends = sorted(float(e["start_ns"]) + float(e["duration_ns"]) for e in evs)
     # gaps between one kernel's end and the next kernel's start on a serial timeline (launch latency)

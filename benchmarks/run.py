@@ -45,11 +45,12 @@ import numpy as np
 
 from benchmarks import ceilings as ceilings_mod
 from benchmarks.floors import decode_step_floor, generate_floor, prefill_floor
+from benchmarks.merge_results import merge_lists
 from benchmarks.metrics import ScheduleRecorder, exit_histogram, floor_of, latency, mean_decoding_streams
 from benchmarks.workloads import CHUNKS, MODES, WORKLOADS, EngineShape, Workload, make, suite_shape
 from ouro_jax import LLM, get_preset
 from ouro_jax.model import init_params
-from ouro_jax.runner import packed_size
+from ouro_jax.runner import packed_shape
 from scheduler import BucketKey, SamplingParams
 
 __all__ = ["Harness", "drive", "DriveResult", "main", "save_json", "CompileEvents"]
@@ -312,8 +313,7 @@ class Harness:
             # jitted `stage` computation compiled once per array size: warm it for every bucket here so
             # that the first timed run of a process does not count those compiles.
             for k in keys:
-                shape = (packed_size(k),) if isinstance(k, BucketKey) else (k[1], packed_size(k[0]))
-                jnp.asarray(np.zeros(shape, np.int32)).block_until_ready()
+                jnp.asarray(np.zeros(packed_shape(k), np.int32)).block_until_ready()
             self._executables[sig] = dict(r._exe)
             ev1 = self.events.snapshot()
             hits, compiles = ev1[2] - ev0[2], (ev1[0] - ev0[0]) - (ev1[2] - ev0[2])
@@ -613,18 +613,6 @@ def print_table(records: list, file=None) -> None:
 
 
 # ----------------------------------------------------------------------------------------- main
-def _appended(prev: Optional[dict], records: list, skipped: list) -> dict:
-    """``--append``: records and skips of the earlier file merged with this run's
-    (benchmarks/merge_results.py: a re-run configuration replaces the earlier record unless it was
-    cut short and the earlier one was not)."""
-    from benchmarks.merge_results import merge_records
-    merged, lost = merge_records((prev or {}).get("records", []), records)
-    done = {(r.get("label"), r.get("mode"), r.get("chunk")) for r in records}
-    old_skips = [k for k in (prev or {}).get("skipped", [])
-                 if (k.get("label"), k.get("mode"), k.get("chunk")) not in done]
-    return dict(records=merged, skipped=old_skips + skipped + lost)
-
-
 def _result(h: Harness, name: str, args, variants: list[Workload], records: list, skipped: list,
             prev: Optional[dict], first_startup: int = 0) -> dict:
     return dict(benchmark="workload", workload=name, device=h.device, jax_version=jax.__version__,
@@ -636,7 +624,8 @@ def _result(h: Harness, name: str, args, variants: list[Workload], records: list
                             variants=[v.summary() for v in variants]),
                 ceilings=h.ceilings, startup=(prev or {}).get("startup", []) + h.startups[first_startup:],
                 process_startup=(prev or {}).get("process_startup") or (h.startups[0] if h.startups else None),
-                **_appended(prev, records, skipped))
+                **merge_lists((prev or {}).get("records", []), (prev or {}).get("skipped", []),
+                              records, skipped))
 
 
 def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:

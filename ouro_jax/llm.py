@@ -109,10 +109,11 @@ class LLM:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                              f"({c.max_position_embeddings})")
         if fused_decode_max_rows is None:
-            # Fused decode steps for the smallest row bucket by default: measured on the H200
-            # (benchmarks/results/fused_decode/serve1k.json) 9% more output tok/s at c=1 for one
-            # extra executable (~7 s cold). More tokens per step (fused_decode_tokens) gain more
-            # (18% at 4) but hand tokens out in bursts, so that stays opt-in.
+            # Fused decode steps for the smallest row bucket by default: on the H200, serve1k at
+            # c=1, one call each, +9% output tok/s in an 8-seq engine (run 5, results/fused_decode/)
+            # and +15% in the benchmark's 128-seq engine (run 10, results/fused_decode_main/), for
+            # one extra executable (~7 s cold). More tokens per step (fused_decode_tokens) gain
+            # more (+18% / +21% at 4) but hand tokens out in bursts, so that stays opt-in.
             fused_decode_max_rows = min(8, max_num_seqs)
         planes = c.num_loops if str(kv_layout).lower() == "last_exited" else 1
         itemsize = np.dtype(jax.tree.leaves(self.params)[0].dtype).itemsize

@@ -44,7 +44,7 @@ from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
 from .paged_attention import PagedAttention, attention_plan, resolve_impl
 from .sampling import row_keys, sample
 
-__all__ = ["ModelRunner", "StepHandle", "packed_size"]
+__all__ = ["ModelRunner", "StepHandle", "packed_size", "packed_shape"]
 
 
 def _unpack(key: BucketKey, packed) -> dict:
@@ -64,6 +64,15 @@ def _unpack(key: BucketKey, packed) -> dict:
 def packed_size(key: BucketKey) -> int:
     last = descriptor_layout(key)[-1]
     return last.offset + last.size
+
+
+def packed_shape(key) -> tuple[int, ...]:
+    """The uploaded int32 array of an executable: ``[words]`` for a bucket key, ``[n, words]``
+    for a fused decode step ``(BucketKey, n)``."""
+    if isinstance(key, BucketKey):
+        return (packed_size(key),)
+    bucket, n = key
+    return (n, packed_size(bucket))
 
 
 class StepHandle:
@@ -233,13 +242,11 @@ class ModelRunner:
         """``key``: a ``BucketKey`` (one loop) or ``(BucketKey, n)`` (a fused decode step)."""
         t = time.perf_counter()
         sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        if isinstance(key, BucketKey):
-            fn, bucket, shape = self._jitted, key, (packed_size(key),)
-        else:
-            bucket, n = key
-            fn, shape = self._jitted_fused, (n, packed_size(bucket))
+        fused = not isinstance(key, BucketKey)
+        fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
         lowered = fn.lower(jax.tree.map(sds, self.params), sds(self.k_pool), sds(self.v_pool),
-                           sds(self.ring), jax.ShapeDtypeStruct(shape, jnp.int32), key=bucket)
+                           sds(self.ring), jax.ShapeDtypeStruct(packed_shape(key), jnp.int32),
+                           key=bucket)
         exe = lowered.compile()
         dt = time.perf_counter() - t
         self._exe[key] = exe

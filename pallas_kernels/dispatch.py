@@ -10,7 +10,8 @@ records, both as swept and as the engine's ``S = R`` bucket of the same rows):
   masked page gathers; the Mosaic kernel's 128-row tiles would be mostly padding);
 * segments of ``MGPU_MIN_ROWS_PER_SEGMENT`` rows or more on Hopper, bf16/f16, with enough query
   tiles x heads to fill the GPU (``MGPU_MIN_CTAS``) -> Mosaic GPU (TMA page copies, wgmma, warp
-  specialisation). Measured: 1.8-2.8x the Triton kernel on 1024-2048-row segments.
+  specialisation). Measured on 1024-2048-row segments: 1.8-2.8x the Triton kernel at block_kv 64
+  (run 2), 1.6-2.3x at the current 128 (run 9, benchmarks/results/attention_sweep.json).
 
 A bucket with few segment slots (``S < R``, benchmarks and kernel sweeps) says how long its
 segments are (``R / S`` rows each, on average), and one kernel serves it: ``"mgpu"`` or
@@ -72,7 +73,8 @@ from pallas_kernels.ragged_paged_attention import (Plan, default_tuning, make_pl
 MGPU_MIN_ROWS_PER_SEGMENT = 128
 # ...provided its grid (query tiles x query heads) has at least this many CTAs. It does not split
 # the context, so a lone segment under-fills the 132 SMs: 1 x 256 rows at 32K context (32 CTAs)
-# ran 0.63 ms against Triton's 0.39 ms (split-K), 4 x 128 at 8K (64 CTAs) 0.21 against 0.25.
+# ran 0.63 ms against Triton's 0.39 ms (split-K), 4 x 128 at 8K (64 CTAs) 0.21 against 0.25
+# (run 2, block_kv 64; run 9 at block_kv 128: 0.54 against 0.35, and 0.19 against 0.22).
 MGPU_MIN_CTAS = 64
 # Fewest rows of an S = R bucket served by the per-segment split (see the module docstring).
 HYBRID_MIN_ROWS = 256

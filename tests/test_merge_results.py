@@ -1,6 +1,6 @@
 """benchmarks.merge_results: a re-run replaces a record unless it was cut short and the older one
 was not (the rule `benchmarks.run --append` uses too)."""
-from benchmarks.merge_results import merge, merge_records
+from benchmarks.merge_results import merge, merge_lists, merge_records
 
 
 def rec(label, mode, chunk, value, truncated=False):
@@ -25,3 +25,14 @@ def test_merge_tags_layer_loop_from_each_file():
     assert [(r["label"], r["layer_loop"], r["run"]) for r in res["records"]] == [
         ("a", "scan", "run 1"), ("b", "unrolled", "run 2")]
     assert [s["label"] for s in res["skipped"]] == ["c"]
+
+
+def test_merge_lists_keeps_a_skip_note_only_while_its_configuration_is_missing():
+    old_skips = [dict(label="a", mode="split", chunk=16, reason="time budget"),
+                 dict(label="e", mode="split", chunk=16, reason="time budget")]
+    new_skips = [dict(label="b", mode="split", chunk=16, reason="time budget")]
+    res = merge_lists([rec("b", "split", 16, 2)], old_skips,
+                      [rec("a", "split", 16, 1), rec("b", "split", 16, 20, True)], new_skips)
+    assert sorted(r["label"] for r in res["records"]) == ["a", "b"]
+    # a and b have records now; e is still missing; b's truncated re-run lost to the old record
+    assert [(s["label"], "truncated" in s["reason"]) for s in res["skipped"]] == [("e", False), ("b", True)]
