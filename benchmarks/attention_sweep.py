@@ -26,6 +26,7 @@ engine builds it once per step for all layers); ``ours_unplanned_ms`` (decode) r
 Usage: PYTHONPATH=. python3 benchmarks/attention_sweep.py [--out DIR] [--quick] [--tune]
 Writes DIR/attention_sweep.json (and .png), also copied to benchmarks/results/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,13 +48,16 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from pallas_kernels import dispatch  # noqa: E402
-from pallas_kernels.ragged_paged_attention import (default_tuning, make_plan,  # noqa: E402
-                                                   ragged_paged_attention,
-                                                   ragged_paged_attention_reference)
+from pallas_kernels.ragged_paged_attention import (
+    default_tuning,
+    make_plan,  # noqa: E402
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 
 H, KVH, HD, BS = 16, 16, 128, 16
 DT = jnp.bfloat16
-SCALE = HD ** -0.5
+SCALE = HD**-0.5
 KV_TOKEN_BYTES = KVH * HD * 2 * 2  # K and V, bf16
 L2_DEFEAT_BYTES = 512 << 20
 MAX_TOKENS = 4 << 20  # B*C cap: pool + dense copy + reference gather must fit
@@ -66,7 +70,7 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 
 
 def log(*a):
-  print(*a, flush=True)
+    print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -75,40 +79,42 @@ def log(*a):
 
 
 def build_case(key, n_seg, q_len, ctx):
-  """n_seg segments of q_len rows at context ctx; layers so that the pool defeats L2."""
-  mb = math.ceil(ctx / BS)
-  kv_bytes = n_seg * mb * BS * KV_TOKEN_BYTES
-  layers = int(min(8, max(1, math.ceil(L2_DEFEAT_BYTES / kv_bytes))))
-  nb = n_seg * mb + 1  # + trash page 0
-  k1, k2, k3, k4 = jax.random.split(key, 4)
-  shape = (layers, KVH, nb, BS, HD)
-  k_pages = jax.random.normal(k1, shape, DT)
-  v_pages = jax.random.normal(k2, shape, DT)
-  perm = np.random.default_rng(0).permutation(np.arange(1, nb)).astype(np.int32)
-  tables = jnp.asarray(perm.reshape(n_seg, mb))
-  r = n_seg * q_len
-  q = jax.random.normal(k3, (r, H, HD), DT)
-  seg = dict(q_start=jnp.arange(n_seg, dtype=jnp.int32) * q_len,
-             q_len=jnp.full((n_seg,), q_len, jnp.int32),
-             ctx_len=jnp.full((n_seg,), ctx, jnp.int32), tables=tables)
-  return dict(q=q, k=k_pages, v=v_pages, seg=seg, layers=layers, n_seg=n_seg, q_len=q_len,
-              ctx=ctx)
+    """n_seg segments of q_len rows at context ctx; layers so that the pool defeats L2."""
+    mb = math.ceil(ctx / BS)
+    kv_bytes = n_seg * mb * BS * KV_TOKEN_BYTES
+    layers = int(min(8, max(1, math.ceil(L2_DEFEAT_BYTES / kv_bytes))))
+    nb = n_seg * mb + 1  # + trash page 0
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    shape = (layers, KVH, nb, BS, HD)
+    k_pages = jax.random.normal(k1, shape, DT)
+    v_pages = jax.random.normal(k2, shape, DT)
+    perm = np.random.default_rng(0).permutation(np.arange(1, nb)).astype(np.int32)
+    tables = jnp.asarray(perm.reshape(n_seg, mb))
+    r = n_seg * q_len
+    q = jax.random.normal(k3, (r, H, HD), DT)
+    seg = dict(
+        q_start=jnp.arange(n_seg, dtype=jnp.int32) * q_len,
+        q_len=jnp.full((n_seg,), q_len, jnp.int32),
+        ctx_len=jnp.full((n_seg,), ctx, jnp.int32),
+        tables=tables,
+    )
+    return dict(q=q, k=k_pages, v=v_pages, seg=seg, layers=layers, n_seg=n_seg, q_len=q_len, ctx=ctx)
 
 
 @jax.jit
 def _dense_layer(pages, tables):
-  # pages [KVH, NB, BS, hd], tables [B, MB] -> [B, MB*BS, KVH, hd]
-  d = pages[:, tables]  # [KVH, B, MB, BS, hd]
-  kvh, b, mb, bs, hd = d.shape
-  return jnp.transpose(d, (1, 2, 3, 0, 4)).reshape(b, mb * bs, kvh, hd)
+    # pages [KVH, NB, BS, hd], tables [B, MB] -> [B, MB*BS, KVH, hd]
+    d = pages[:, tables]  # [KVH, B, MB, BS, hd]
+    kvh, b, mb, bs, hd = d.shape
+    return jnp.transpose(d, (1, 2, 3, 0, 4)).reshape(b, mb * bs, kvh, hd)
 
 
 def dense_kv(c):
-  ks, vs = [], []
-  for l in range(c["layers"]):
-    ks.append(_dense_layer(c["k"][l], c["seg"]["tables"]))
-    vs.append(_dense_layer(c["v"][l], c["seg"]["tables"]))
-  return ks, vs
+    ks, vs = [], []
+    for l in range(c["layers"]):
+        ks.append(_dense_layer(c["k"][l], c["seg"]["tables"]))
+        vs.append(_dense_layer(c["v"][l], c["seg"]["tables"]))
+    return ks, vs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,72 +123,90 @@ def dense_kv(c):
 
 
 def ours_fn(n_calls, layers, tune, planned=True, kernel="triton"):
-  tune = dict(tune or {})
-  if kernel != "triton":  # "mgpu" or "hybrid": through the dispatcher, as the engine runs them
-    @jax.jit
-    def g(q, k, v, qs, ql, cl, bt):
-      plan = None
-      if planned:
-        plan = dispatch.make_kernel_plan(kernel, q.shape[0], H, KVH, HD, qs, ql, cl, bt)
-      for i in range(n_calls):
-        q = dispatch.paged_attention(kernel, q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers),
-                                     sm_scale=SCALE, plan=plan)
-      return q
-    return g
+    tune = dict(tune or {})
+    if kernel != "triton":  # "mgpu" or "hybrid": through the dispatcher, as the engine runs them
 
-  @jax.jit
-  def f(q, k, v, qs, ql, cl, bt):
-    plan = None
-    if planned:
-      t = default_tuning(q.shape[0], ql.shape[0], H, KVH, HD, **tune)
-      plan = make_plan(qs, ql, cl, num_rows=q.shape[0], num_q_per_kv=H // KVH, tuning=t)
-    for i in range(n_calls):
-      q = ragged_paged_attention(q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers),
-                                 sm_scale=SCALE, plan=plan, interpret=INTERPRET, **tune)
-    return q
-  return f
+        @jax.jit
+        def g(q, k, v, qs, ql, cl, bt):
+            plan = None
+            if planned:
+                plan = dispatch.make_kernel_plan(kernel, q.shape[0], H, KVH, HD, qs, ql, cl, bt)
+            for i in range(n_calls):
+                q = dispatch.paged_attention(
+                    kernel, q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers), sm_scale=SCALE, plan=plan
+                )
+            return q
+
+        return g
+
+    @jax.jit
+    def f(q, k, v, qs, ql, cl, bt):
+        plan = None
+        if planned:
+            t = default_tuning(q.shape[0], ql.shape[0], H, KVH, HD, **tune)
+            plan = make_plan(qs, ql, cl, num_rows=q.shape[0], num_q_per_kv=H // KVH, tuning=t)
+        for i in range(n_calls):
+            q = ragged_paged_attention(
+                q,
+                k,
+                v,
+                qs,
+                ql,
+                cl,
+                bt,
+                layer=jnp.int32(i % layers),
+                sm_scale=SCALE,
+                plan=plan,
+                interpret=INTERPRET,
+                **tune,
+            )
+        return q
+
+    return f
 
 
 def ref_fn(n_calls, layers):
-  @jax.jit
-  def f(q, k, v, qs, ql, cl, bt):
-    for i in range(n_calls):
-      q = ragged_paged_attention_reference(q, k, v, qs, ql, cl, bt,
-                                           layer=jnp.int32(i % layers), sm_scale=SCALE)
-    return q
-  return f
+    @jax.jit
+    def f(q, k, v, qs, ql, cl, bt):
+        for i in range(n_calls):
+            q = ragged_paged_attention_reference(q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers), sm_scale=SCALE)
+        return q
+
+    return f
 
 
 def cudnn_fn(n_calls, layers, n_seg, q_len, causal):
-  @jax.jit
-  def f(q, ks, vs):
-    for i in range(n_calls):
-      qb = q.reshape(n_seg, q_len, H, HD)
-      o = jax.nn.dot_product_attention(qb, ks[i % layers], vs[i % layers], scale=SCALE,
-                                       is_causal=causal, implementation="cudnn")
-      q = o.reshape(n_seg * q_len, H, HD)
-    return q
-  return f
+    @jax.jit
+    def f(q, ks, vs):
+        for i in range(n_calls):
+            qb = q.reshape(n_seg, q_len, H, HD)
+            o = jax.nn.dot_product_attention(
+                qb, ks[i % layers], vs[i % layers], scale=SCALE, is_causal=causal, implementation="cudnn"
+            )
+            q = o.reshape(n_seg * q_len, H, HD)
+        return q
+
+    return f
 
 
 def timeit(fn, args, n_calls, reps):
-  jax.block_until_ready(fn(*args))  # compile
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts) * 1e3 / n_calls
+    jax.block_until_ready(fn(*args))  # compile
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3 / n_calls
 
 
 def rel_err(a, b):
-  a = np.asarray(a, np.float32)
-  b = np.asarray(b, np.float32)
-  if not np.isfinite(a).all():
-    return float("nan")
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    a = np.asarray(a, np.float32)
+    b = np.asarray(b, np.float32)
+    if not np.isfinite(a).all():
+        return float("nan")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,9 +215,9 @@ def rel_err(a, b):
 
 
 def useful_flops(n_seg, q_len, ctx):
-  # QK^T and PV, causal: row i attends ctx - q_len + i + 1 keys
-  keys = n_seg * (q_len * (ctx - q_len) + q_len * (q_len + 1) / 2)
-  return 4.0 * H * HD * keys
+    # QK^T and PV, causal: row i attends ctx - q_len + i + 1 keys
+    keys = n_seg * (q_len * (ctx - q_len) + q_len * (q_len + 1) / 2)
+    return 4.0 * H * HD * keys
 
 
 DECODE_VARIANTS = {
@@ -207,117 +231,143 @@ PREFILL_VARIANTS = {
     "min_split_512": dict(min_split_tokens=512),
     "bq64_bk64": dict(block_q=64, block_k=64, num_warps=4, num_stages=2),
 }
-VARIANT_SHAPES = {("decode", 1, 1, 2048), ("decode", 8, 1, 8192), ("decode", 32, 1, 8192),
-                  ("decode", 128, 1, 2048), ("decode", 256, 1, 2048), ("decode", 1, 1, 32768),
-                  ("prefill", 4, 16, 8192), ("prefill", 1, 1024, 8192),
-                  ("prefill", 4, 2048, 2048), ("prefill", 1, 1024, 32768)}
+VARIANT_SHAPES = {
+    ("decode", 1, 1, 2048),
+    ("decode", 8, 1, 8192),
+    ("decode", 32, 1, 8192),
+    ("decode", 128, 1, 2048),
+    ("decode", 256, 1, 2048),
+    ("decode", 1, 1, 32768),
+    ("prefill", 4, 16, 8192),
+    ("prefill", 1, 1024, 8192),
+    ("prefill", 4, 2048, 2048),
+    ("prefill", 1, 1024, 32768),
+}
 
 
-def run_shape(kind, n_seg, q_len, ctx, *, key, reps, tune=None, with_ref=True, with_cudnn=True,
-              unplanned=False, variants=None):
-  c = build_case(key, n_seg, q_len, ctx)
-  kv_bytes = n_seg * ctx * KV_TOKEN_BYTES
-  est_ms = kv_bytes / 3e9 + (useful_flops(n_seg, q_len, ctx) / 3e11 if kind == "prefill" else 0)
-  n_calls = max(c["layers"], 16 if est_ms < 0.2 else (4 if est_ms < 5 else 2))
-  args = (c["q"], c["k"], c["v"], c["seg"]["q_start"], c["seg"]["q_len"], c["seg"]["ctx_len"],
-          c["seg"]["tables"])
-  rec = dict(kind=kind, shape=dict(n_seg=n_seg, q_len=q_len, ctx=ctx, rows=n_seg * q_len,
-                                   heads=H, kv_heads=KVH, head_dim=HD, block_size=BS,
-                                   dtype="bfloat16", layers_in_pool=c["layers"]),
-             n_calls=n_calls, tuning=dict(tune or {}),
-             default_tuning=vars(default_tuning(n_seg * q_len, n_seg, H, KVH, HD)))
-  # Which Pallas kernel the engine would pick for this bucket; prefill shapes time both kernels
-  # (decode rows never go to the Mosaic kernel: one row per 128-row tile).
-  selected = "triton" if tune else dispatch.select_kernel(n_seg * q_len, n_seg, DT, HD, BS,
-                                                              num_heads=H)
-  kernels = ["triton"]
-  if (kind == "prefill" and not tune and dispatch.hopper_available()
-      and not os.environ.get("OURO_JAX_ATTENTION_KERNEL")):
-    kernels.append("mgpu")
-  if selected not in kernels:
-    kernels.append(selected)
-  rec["selected_kernel"] = selected
-  # correctness first (one call, layer 0)
-  try:
-    out = ours_fn(1, c["layers"], tune, kernel=selected)(*args)
-  except Exception as e:  # noqa: BLE001  (the record says so; the other kernel is still timed)
-    rec["selected_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    log(f"  selected kernel {selected} failed: {rec['selected_error']}")
-    out = ours_fn(1, c["layers"], tune, kernel="triton")(*args)
-    kernels = [k for k in kernels if k != selected]
-  ref_out = None
-  ks = vs = None
-  if with_ref and n_seg * ctx <= MAX_REF_TOKENS:
-    ref_out = ref_fn(1, c["layers"])(*args)
-    rec["err_vs_reference"] = rel_err(out, ref_out)
-  if with_cudnn:
-    ks, vs = dense_kv(c)
-    causal = kind == "prefill" and q_len == ctx
-    rec["cudnn_mask"] = "causal" if causal else (
-        "none (decode: every key visible)" if kind == "decode"
-        else "none over the whole context (over-counts chunk^2/2)")
+def run_shape(
+    kind, n_seg, q_len, ctx, *, key, reps, tune=None, with_ref=True, with_cudnn=True, unplanned=False, variants=None
+):
+    c = build_case(key, n_seg, q_len, ctx)
+    kv_bytes = n_seg * ctx * KV_TOKEN_BYTES
+    est_ms = kv_bytes / 3e9 + (useful_flops(n_seg, q_len, ctx) / 3e11 if kind == "prefill" else 0)
+    n_calls = max(c["layers"], 16 if est_ms < 0.2 else (4 if est_ms < 5 else 2))
+    args = (c["q"], c["k"], c["v"], c["seg"]["q_start"], c["seg"]["q_len"], c["seg"]["ctx_len"], c["seg"]["tables"])
+    rec = dict(
+        kind=kind,
+        shape=dict(
+            n_seg=n_seg,
+            q_len=q_len,
+            ctx=ctx,
+            rows=n_seg * q_len,
+            heads=H,
+            kv_heads=KVH,
+            head_dim=HD,
+            block_size=BS,
+            dtype="bfloat16",
+            layers_in_pool=c["layers"],
+        ),
+        n_calls=n_calls,
+        tuning=dict(tune or {}),
+        default_tuning=vars(default_tuning(n_seg * q_len, n_seg, H, KVH, HD)),
+    )
+    # Which Pallas kernel the engine would pick for this bucket; prefill shapes time both kernels
+    # (decode rows never go to the Mosaic kernel: one row per 128-row tile).
+    selected = "triton" if tune else dispatch.select_kernel(n_seg * q_len, n_seg, DT, HD, BS, num_heads=H)
+    kernels = ["triton"]
+    if (
+        kind == "prefill"
+        and not tune
+        and dispatch.hopper_available()
+        and not os.environ.get("OURO_JAX_ATTENTION_KERNEL")
+    ):
+        kernels.append("mgpu")
+    if selected not in kernels:
+        kernels.append(selected)
+    rec["selected_kernel"] = selected
+    # correctness first (one call, layer 0)
     try:
-      cd = cudnn_fn(1, c["layers"], n_seg, q_len, causal)
-      cd_out = cd(c["q"], ks, vs)
-      if kind == "decode" or causal:
-        rec["err_vs_cudnn"] = rel_err(out, cd_out)
-    except Exception as e:  # noqa: BLE001
-      rec["cudnn_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      with_cudnn = False
-  errs = [rec.get("err_vs_reference"), rec.get("err_vs_cudnn")]
-  rec["correct"] = all(e is None or e < 2e-2 for e in errs) and any(e is not None for e in errs)
-  if not rec["correct"]:
-    log(f"  !! correctness check failed: {errs}")
+        out = ours_fn(1, c["layers"], tune, kernel=selected)(*args)
+    except Exception as e:  # noqa: BLE001  (the record says so; the other kernel is still timed)
+        rec["selected_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        log(f"  selected kernel {selected} failed: {rec['selected_error']}")
+        out = ours_fn(1, c["layers"], tune, kernel="triton")(*args)
+        kernels = [k for k in kernels if k != selected]
+    ref_out = None
+    ks = vs = None
+    if with_ref and n_seg * ctx <= MAX_REF_TOKENS:
+        ref_out = ref_fn(1, c["layers"])(*args)
+        rec["err_vs_reference"] = rel_err(out, ref_out)
+    if with_cudnn:
+        ks, vs = dense_kv(c)
+        causal = kind == "prefill" and q_len == ctx
+        rec["cudnn_mask"] = (
+            "causal"
+            if causal
+            else (
+                "none (decode: every key visible)"
+                if kind == "decode"
+                else "none over the whole context (over-counts chunk^2/2)"
+            )
+        )
+        try:
+            cd = cudnn_fn(1, c["layers"], n_seg, q_len, causal)
+            cd_out = cd(c["q"], ks, vs)
+            if kind == "decode" or causal:
+                rec["err_vs_cudnn"] = rel_err(out, cd_out)
+        except Exception as e:  # noqa: BLE001
+            rec["cudnn_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            with_cudnn = False
+    errs = [rec.get("err_vs_reference"), rec.get("err_vs_cudnn")]
+    rec["correct"] = all(e is None or e < 2e-2 for e in errs) and any(e is not None for e in errs)
+    if not rec["correct"]:
+        log(f"  !! correctness check failed: {errs}")
 
-  for kern in kernels:
-    try:
-      if kern != selected and with_ref and rec.get("err_vs_reference") is not None:
-        rec[f"{kern}_err_vs_reference"] = rel_err(ours_fn(1, c["layers"], tune, kernel=kern)(*args),
-                                                  ref_out)
-      rec[f"{kern}_ms"] = timeit(ours_fn(n_calls, c["layers"], tune, kernel=kern), args, n_calls,
-                                 reps)
-    except Exception as e:  # noqa: BLE001
-      rec[f"{kern}_ms"] = None
-      rec[f"{kern}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      log(f"  kernel {kern} failed: {rec[f'{kern}_error']}")
-  rec["ours_ms"] = rec.get(f"{selected}_ms") or rec.get("triton_ms")
-  timed = {k: rec[f"{k}_ms"] for k in kernels if rec.get(f"{k}_ms")}
-  rec["fastest_kernel"] = min(timed, key=timed.get) if timed else None
-  if variants:
-    rec["variants_ms"] = {}
-    for name, t in variants.items():
-      try:
-        rec["variants_ms"][name] = timeit(ours_fn(n_calls, c["layers"], t), args, n_calls,
-                                          min(reps, 5))
-      except Exception as e:  # noqa: BLE001
-        rec["variants_ms"][name] = None
-        log(f"  variant {name} failed: {type(e).__name__}: {str(e)[:200]}")
-  if unplanned:
-    rec["ours_unplanned_ms"] = timeit(ours_fn(n_calls, c["layers"], tune, planned=False), args,
-                                      n_calls, reps)
-  rec["cudnn_ms"] = None
-  if with_cudnn:
-    rec["cudnn_ms"] = timeit(cudnn_fn(n_calls, c["layers"], n_seg, q_len,
-                                      rec["cudnn_mask"] == "causal"),
-                             (c["q"], ks, vs), n_calls, reps)
-  rec["reference_ms"] = None
-  if ref_out is not None:
-    nr = min(n_calls, 4)
-    rec["reference_ms"] = timeit(ref_fn(nr, c["layers"]), args, nr, max(3, reps // 2))
-  if kind == "decode":
-    rec["gbps"] = kv_bytes / (rec["ours_ms"] * 1e-3) / 1e9
-    if rec["cudnn_ms"]:
-      rec["cudnn_gbps"] = kv_bytes / (rec["cudnn_ms"] * 1e-3) / 1e9
-  else:
-    fl = useful_flops(n_seg, q_len, ctx)
-    rec["tflops"] = fl / (rec["ours_ms"] * 1e-3) / 1e12
-    rec["gbps"] = kv_bytes / (rec["ours_ms"] * 1e-3) / 1e9
-    if rec["cudnn_ms"]:
-      rec["cudnn_tflops"] = fl / (rec["cudnn_ms"] * 1e-3) / 1e12
-  rec["ratio_to_cudnn"] = (rec["cudnn_ms"] / rec["ours_ms"]) if rec["cudnn_ms"] else None
-  del c, ks, vs, out, ref_out
-  gc.collect()
-  return rec
+    for kern in kernels:
+        try:
+            if kern != selected and with_ref and rec.get("err_vs_reference") is not None:
+                rec[f"{kern}_err_vs_reference"] = rel_err(ours_fn(1, c["layers"], tune, kernel=kern)(*args), ref_out)
+            rec[f"{kern}_ms"] = timeit(ours_fn(n_calls, c["layers"], tune, kernel=kern), args, n_calls, reps)
+        except Exception as e:  # noqa: BLE001
+            rec[f"{kern}_ms"] = None
+            rec[f"{kern}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"  kernel {kern} failed: {rec[f'{kern}_error']}")
+    rec["ours_ms"] = rec.get(f"{selected}_ms") or rec.get("triton_ms")
+    timed = {k: rec[f"{k}_ms"] for k in kernels if rec.get(f"{k}_ms")}
+    rec["fastest_kernel"] = min(timed, key=timed.get) if timed else None
+    if variants:
+        rec["variants_ms"] = {}
+        for name, t in variants.items():
+            try:
+                rec["variants_ms"][name] = timeit(ours_fn(n_calls, c["layers"], t), args, n_calls, min(reps, 5))
+            except Exception as e:  # noqa: BLE001
+                rec["variants_ms"][name] = None
+                log(f"  variant {name} failed: {type(e).__name__}: {str(e)[:200]}")
+    if unplanned:
+        rec["ours_unplanned_ms"] = timeit(ours_fn(n_calls, c["layers"], tune, planned=False), args, n_calls, reps)
+    rec["cudnn_ms"] = None
+    if with_cudnn:
+        rec["cudnn_ms"] = timeit(
+            cudnn_fn(n_calls, c["layers"], n_seg, q_len, rec["cudnn_mask"] == "causal"), (c["q"], ks, vs), n_calls, reps
+        )
+    rec["reference_ms"] = None
+    if ref_out is not None:
+        nr = min(n_calls, 4)
+        rec["reference_ms"] = timeit(ref_fn(nr, c["layers"]), args, nr, max(3, reps // 2))
+    if kind == "decode":
+        rec["gbps"] = kv_bytes / (rec["ours_ms"] * 1e-3) / 1e9
+        if rec["cudnn_ms"]:
+            rec["cudnn_gbps"] = kv_bytes / (rec["cudnn_ms"] * 1e-3) / 1e9
+    else:
+        fl = useful_flops(n_seg, q_len, ctx)
+        rec["tflops"] = fl / (rec["ours_ms"] * 1e-3) / 1e12
+        rec["gbps"] = kv_bytes / (rec["ours_ms"] * 1e-3) / 1e9
+        if rec["cudnn_ms"]:
+            rec["cudnn_tflops"] = fl / (rec["cudnn_ms"] * 1e-3) / 1e12
+    rec["ratio_to_cudnn"] = (rec["cudnn_ms"] / rec["ours_ms"]) if rec["cudnn_ms"] else None
+    del c, ks, vs, out, ref_out
+    gc.collect()
+    return rec
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,203 +376,248 @@ def run_shape(kind, n_seg, q_len, ctx, *, key, reps, tune=None, with_ref=True, w
 
 
 def decode_shapes(quick):
-  if SMOKE:
-    return [(2, 64)]
-  if quick:
-    return [(1, 2048), (8, 8192), (64, 4096), (256, 2048)]
-  out = []
-  for b in (1, 8, 32, 128, 256):
-    for c in (512, 2048, 8192, 32768):
-      if b * c <= MAX_TOKENS:
-        out.append((b, c))
-  return out
+    if SMOKE:
+        return [(2, 64)]
+    if quick:
+        return [(1, 2048), (8, 8192), (64, 4096), (256, 2048)]
+    out = []
+    for b in (1, 8, 32, 128, 256):
+        for c in (512, 2048, 8192, 32768):
+            if b * c <= MAX_TOKENS:
+                out.append((b, c))
+    return out
 
 
 def prefill_shapes(quick):
-  if SMOKE:
-    return [(1, 16, 64)]
-  if quick:
-    return [(4, 16, 8192), (1, 1024, 8192), (4, 2048, 2048)]
-  return [(4, 16, 8192), (1, 16, 32768), (4, 128, 8192), (1, 256, 32768), (1, 1024, 1024),
-          (1, 1024, 8192), (1, 1024, 32768), (4, 2048, 2048)]
+    if SMOKE:
+        return [(1, 16, 64)]
+    if quick:
+        return [(4, 16, 8192), (1, 1024, 8192), (4, 2048, 2048)]
+    return [
+        (4, 16, 8192),
+        (1, 16, 32768),
+        (4, 128, 8192),
+        (1, 256, 32768),
+        (1, 1024, 1024),
+        (1, 1024, 8192),
+        (1, 1024, 32768),
+        (4, 2048, 2048),
+    ]
 
 
 def measure_ceilings():
-  out = {}
-  try:
-    x = jnp.ones((1 << 30,), jnp.bfloat16)  # 2 GiB
-    f = jax.jit(lambda a: a * 2)
-    ms = timeit(f, (x,), 1, 7)
-    out["copy_tbps_read_plus_write"] = 2 * x.nbytes / (ms * 1e-3) / 1e12
-    del x
-  except Exception as e:  # noqa: BLE001
-    out["copy_error"] = str(e)[:200]
-  return out
+    out = {}
+    try:
+        x = jnp.ones((1 << 30,), jnp.bfloat16)  # 2 GiB
+        f = jax.jit(lambda a: a * 2)
+        ms = timeit(f, (x,), 1, 7)
+        out["copy_tbps_read_plus_write"] = 2 * x.nbytes / (ms * 1e-3) / 1e12
+        del x
+    except Exception as e:  # noqa: BLE001
+        out["copy_error"] = str(e)[:200]
+    return out
 
 
 def tune(key, reps):
-  """Time tuning variants on representative shapes; returns records (not part of the sweep)."""
-  dec = [dict(block_q=1, block_k=bk, num_warps=nw, num_stages=2)
-         for bk, nw in ((32, 4), (64, 4), (128, 4), (64, 8), (128, 8))]
-  dec += [dict(block_q=16, block_k=bk, num_warps=4, num_stages=ns)
-          for bk, ns in ((32, 3), (64, 3), (128, 2))]
-  pre = [dict(block_q=bq, block_k=bk, num_warps=nw, num_stages=ns)
-         for bq, bk, nw, ns in ((64, 64, 4, 2), (64, 64, 8, 3), (64, 32, 8, 3), (128, 64, 8, 2),
-                                (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2),
-                                (64, 128, 8, 2))]
-  shapes = [("decode", 8, 1, 8192, dec), ("decode", 128, 1, 2048, dec),
-            ("decode", 1, 1, 32768, dec[:3] + [dict(target_programs=t) for t in (512, 2048)]),
-            ("prefill", 1, 1024, 8192, pre), ("prefill", 4, 2048, 2048, pre)]
-  recs = []
-  for kind, n, ql, ctx, variants in shapes:
-    c = build_case(key, n, ql, ctx)
-    args = (c["q"], c["k"], c["v"], c["seg"]["q_start"], c["seg"]["q_len"],
-            c["seg"]["ctx_len"], c["seg"]["tables"])
-    kv_bytes = n * ctx * KV_TOKEN_BYTES
-    n_calls = max(c["layers"], 8)
-    for t in variants:
-      try:
-        ms = timeit(ours_fn(n_calls, c["layers"], t), args, n_calls, reps)
-        r = dict(kind=kind, shape=dict(n_seg=n, q_len=ql, ctx=ctx), tuning=t, ours_ms=ms,
-                 gbps=kv_bytes / (ms * 1e-3) / 1e9,
-                 tflops=useful_flops(n, ql, ctx) / (ms * 1e-3) / 1e12)
-        recs.append(r)
-        log(f"tune {kind} {n}x{ql}@{ctx} {t}: {ms:.4f} ms ({r['gbps']:.0f} GB/s, "
-            f"{r['tflops']:.1f} TF/s)")
-      except Exception as e:  # noqa: BLE001
-        log(f"tune {kind} {n}x{ql}@{ctx} {t} FAILED: {type(e).__name__}: {str(e)[:300]}")
-    del c, args
-    gc.collect()
-  return recs
+    """Time tuning variants on representative shapes; returns records (not part of the sweep)."""
+    dec = [
+        dict(block_q=1, block_k=bk, num_warps=nw, num_stages=2)
+        for bk, nw in ((32, 4), (64, 4), (128, 4), (64, 8), (128, 8))
+    ]
+    dec += [dict(block_q=16, block_k=bk, num_warps=4, num_stages=ns) for bk, ns in ((32, 3), (64, 3), (128, 2))]
+    pre = [
+        dict(block_q=bq, block_k=bk, num_warps=nw, num_stages=ns)
+        for bq, bk, nw, ns in (
+            (64, 64, 4, 2),
+            (64, 64, 8, 3),
+            (64, 32, 8, 3),
+            (128, 64, 8, 2),
+            (128, 64, 8, 3),
+            (128, 32, 8, 3),
+            (128, 128, 8, 2),
+            (64, 128, 8, 2),
+        )
+    ]
+    shapes = [
+        ("decode", 8, 1, 8192, dec),
+        ("decode", 128, 1, 2048, dec),
+        ("decode", 1, 1, 32768, dec[:3] + [dict(target_programs=t) for t in (512, 2048)]),
+        ("prefill", 1, 1024, 8192, pre),
+        ("prefill", 4, 2048, 2048, pre),
+    ]
+    recs = []
+    for kind, n, ql, ctx, variants in shapes:
+        c = build_case(key, n, ql, ctx)
+        args = (c["q"], c["k"], c["v"], c["seg"]["q_start"], c["seg"]["q_len"], c["seg"]["ctx_len"], c["seg"]["tables"])
+        kv_bytes = n * ctx * KV_TOKEN_BYTES
+        n_calls = max(c["layers"], 8)
+        for t in variants:
+            try:
+                ms = timeit(ours_fn(n_calls, c["layers"], t), args, n_calls, reps)
+                r = dict(
+                    kind=kind,
+                    shape=dict(n_seg=n, q_len=ql, ctx=ctx),
+                    tuning=t,
+                    ours_ms=ms,
+                    gbps=kv_bytes / (ms * 1e-3) / 1e9,
+                    tflops=useful_flops(n, ql, ctx) / (ms * 1e-3) / 1e12,
+                )
+                recs.append(r)
+                log(f"tune {kind} {n}x{ql}@{ctx} {t}: {ms:.4f} ms ({r['gbps']:.0f} GB/s, {r['tflops']:.1f} TF/s)")
+            except Exception as e:  # noqa: BLE001
+                log(f"tune {kind} {n}x{ql}@{ctx} {t} FAILED: {type(e).__name__}: {str(e)[:300]}")
+        del c, args
+        gc.collect()
+    return recs
 
 
 def plot(records, path):
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except Exception as e:  # noqa: BLE001
-    log(f"no plot: {e}")
-    return
-  fig, axes = plt.subplots(1, 2, figsize=(14, 5))
-  dec = [r for r in records if r["kind"] == "decode" and r.get("ratio_to_cudnn")]
-  for b in sorted({r["shape"]["n_seg"] for r in dec}):
-    rs = sorted((r for r in dec if r["shape"]["n_seg"] == b), key=lambda r: r["shape"]["ctx"])
-    axes[0].plot([r["shape"]["ctx"] for r in rs], [r["gbps"] for r in rs], "o-", label=f"ours B={b}")
-    axes[0].plot([r["shape"]["ctx"] for r in rs], [r["cudnn_gbps"] for r in rs], "x--",
-                 label=f"cuDNN B={b}")
-  axes[0].set_xscale("log", base=2)
-  axes[0].set_xlabel("context")
-  axes[0].set_ylabel("KV GB/s")
-  axes[0].set_title("decode (H=KVH=16, hd=128, bf16)")
-  axes[0].legend(fontsize=6, ncol=2)
-  pre = [r for r in records if r["kind"] == "prefill" and r.get("ratio_to_cudnn")]
-  labels = [f"{r['shape']['n_seg']}x{r['shape']['q_len']}@{r['shape']['ctx']}" for r in pre]
-  x = np.arange(len(pre))
-  axes[1].bar(x - 0.2, [r["tflops"] for r in pre], 0.4, label="ours")
-  axes[1].bar(x + 0.2, [r["cudnn_tflops"] for r in pre], 0.4, label="cuDNN")
-  axes[1].set_xticks(x, labels, rotation=30, fontsize=7)
-  axes[1].set_ylabel("useful TFLOP/s")
-  axes[1].set_title("prefill segments")
-  axes[1].legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  log(f"wrote {path}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        log(f"no plot: {e}")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    dec = [r for r in records if r["kind"] == "decode" and r.get("ratio_to_cudnn")]
+    for b in sorted({r["shape"]["n_seg"] for r in dec}):
+        rs = sorted((r for r in dec if r["shape"]["n_seg"] == b), key=lambda r: r["shape"]["ctx"])
+        axes[0].plot([r["shape"]["ctx"] for r in rs], [r["gbps"] for r in rs], "o-", label=f"ours B={b}")
+        axes[0].plot([r["shape"]["ctx"] for r in rs], [r["cudnn_gbps"] for r in rs], "x--", label=f"cuDNN B={b}")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("context")
+    axes[0].set_ylabel("KV GB/s")
+    axes[0].set_title("decode (H=KVH=16, hd=128, bf16)")
+    axes[0].legend(fontsize=6, ncol=2)
+    pre = [r for r in records if r["kind"] == "prefill" and r.get("ratio_to_cudnn")]
+    labels = [f"{r['shape']['n_seg']}x{r['shape']['q_len']}@{r['shape']['ctx']}" for r in pre]
+    x = np.arange(len(pre))
+    axes[1].bar(x - 0.2, [r["tflops"] for r in pre], 0.4, label="ours")
+    axes[1].bar(x + 0.2, [r["cudnn_tflops"] for r in pre], 0.4, label="cuDNN")
+    axes[1].set_xticks(x, labels, rotation=30, fontsize=7)
+    axes[1].set_ylabel("useful TFLOP/s")
+    axes[1].set_title("prefill segments")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
 
 
 def table(records):
-  lines = [f"{'kind':8} {'shape':22} {'ours ms':>9} {'cudnn ms':>9} {'ref ms':>9} "
-           f"{'ours':>10} {'cudnn':>10} {'ratio':>6} {'err':>8}"]
-  for r in records:
-    s = r["shape"]
-    shp = f"{s['n_seg']}x{s['q_len']}@{s['ctx']}"
-    unit = "TF/s" if r["kind"] == "prefill" else "GB/s"
-    ours = r.get("tflops") if r["kind"] == "prefill" else r.get("gbps")
-    cud = r.get("cudnn_tflops") if r["kind"] == "prefill" else r.get("cudnn_gbps")
-    f = lambda v, w=9, p=4: (f"{v:{w}.{p}f}" if v is not None else f"{'-':>{w}}")  # noqa: E731
-    err = r.get("err_vs_reference", r.get("err_vs_cudnn"))
-    lines.append(f"{r['kind']:8} {shp:22} {f(r['ours_ms'])} {f(r['cudnn_ms'])} "
-                 f"{f(r['reference_ms'])} {f(ours, 6, 0)} {unit} {f(cud, 6, 0)} {unit} "
-                 f"{f(r['ratio_to_cudnn'], 6, 2)} {f(err, 8, 5)}")
-  return "\n".join(lines)
+    lines = [
+        f"{'kind':8} {'shape':22} {'ours ms':>9} {'cudnn ms':>9} {'ref ms':>9} "
+        f"{'ours':>10} {'cudnn':>10} {'ratio':>6} {'err':>8}"
+    ]
+    for r in records:
+        s = r["shape"]
+        shp = f"{s['n_seg']}x{s['q_len']}@{s['ctx']}"
+        unit = "TF/s" if r["kind"] == "prefill" else "GB/s"
+        ours = r.get("tflops") if r["kind"] == "prefill" else r.get("gbps")
+        cud = r.get("cudnn_tflops") if r["kind"] == "prefill" else r.get("cudnn_gbps")
+        f = lambda v, w=9, p=4: f"{v:{w}.{p}f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+        err = r.get("err_vs_reference", r.get("err_vs_cudnn"))
+        lines.append(
+            f"{r['kind']:8} {shp:22} {f(r['ours_ms'])} {f(r['cudnn_ms'])} "
+            f"{f(r['reference_ms'])} {f(ours, 6, 0)} {unit} {f(cud, 6, 0)} {unit} "
+            f"{f(r['ratio_to_cudnn'], 6, 2)} {f(err, 8, 5)}"
+        )
+    return "\n".join(lines)
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default=RESULTS_DIR)
-  ap.add_argument("--quick", action="store_true")
-  ap.add_argument("--tune", action="store_true", help="time tuning variants first")
-  ap.add_argument("--reps", type=int, default=None)
-  ap.add_argument("--variants", action="store_true",
-                  help="also time other tilings on a few shapes (variants_ms)")
-  ap.add_argument("--no-copy", action="store_true", help="do not copy to benchmarks/results")
-  ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (interpret mode)")
-  args = ap.parse_args()
-  global INTERPRET, SMOKE
-  if args.smoke:
-    INTERPRET = SMOKE = True
-    args.no_copy = True
-  os.makedirs(args.out, exist_ok=True)
-  reps = args.reps or (5 if args.quick else 7)
-  key = jax.random.PRNGKey(0)
-  dev = jax.devices()[0]
-  log(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-  t_start = time.time()
-  ceilings = measure_ceilings()
-  log(f"ceilings: {ceilings}")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="time tuning variants first")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--variants", action="store_true", help="also time other tilings on a few shapes (variants_ms)")
+    ap.add_argument("--no-copy", action="store_true", help="do not copy to benchmarks/results")
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (interpret mode)")
+    args = ap.parse_args()
+    global INTERPRET, SMOKE
+    if args.smoke:
+        INTERPRET = SMOKE = True
+        args.no_copy = True
+    os.makedirs(args.out, exist_ok=True)
+    reps = args.reps or (5 if args.quick else 7)
+    key = jax.random.PRNGKey(0)
+    dev = jax.devices()[0]
+    log(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    t_start = time.time()
+    ceilings = measure_ceilings()
+    log(f"ceilings: {ceilings}")
 
-  if args.tune:
-    recs = tune(key, reps)
-    with open(os.path.join(args.out, "attention_tune.json"), "w") as fh:
-      json.dump(dict(device=dev.device_kind, jax_version=jax.__version__, records=recs), fh,
-                indent=1)
-    log(f"tuning done in {time.time() - t_start:.0f} s")
+    if args.tune:
+        recs = tune(key, reps)
+        with open(os.path.join(args.out, "attention_tune.json"), "w") as fh:
+            json.dump(dict(device=dev.device_kind, jax_version=jax.__version__, records=recs), fh, indent=1)
+        log(f"tuning done in {time.time() - t_start:.0f} s")
 
-  records = []
-  path = os.path.join(args.out, "attention_sweep.json")
+    records = []
+    path = os.path.join(args.out, "attention_sweep.json")
 
-  def dump(final):
-    result = dict(device=dev.device_kind, jax_version=jax.__version__,
-                  backend=jax.default_backend(), ceilings=ceilings, quick=args.quick,
-                  complete=final, records=records, wall_s=time.time() - t_start)
-    with open(path, "w") as fh:
-      json.dump(result, fh, indent=1)
+    def dump(final):
+        result = dict(
+            device=dev.device_kind,
+            jax_version=jax.__version__,
+            backend=jax.default_backend(),
+            ceilings=ceilings,
+            quick=args.quick,
+            complete=final,
+            records=records,
+            wall_s=time.time() - t_start,
+        )
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=1)
 
-  todo = [("decode", b, 1, c) for b, c in decode_shapes(args.quick)]
-  todo += [("prefill", n, q, c) for n, q, c in prefill_shapes(args.quick)]
-  for kind, n, q, c in todo:
-    t0 = time.time()
-    try:
-      variants = None
-      if args.variants and (kind, n, q, c) in VARIANT_SHAPES:
-        variants = DECODE_VARIANTS if kind == "decode" else PREFILL_VARIANTS
-      rec = run_shape(kind, n, q, c, key=key, reps=reps, unplanned=(kind == "decode"),
-                      variants=variants)
-      records.append(rec)
-      if rec.get("variants_ms"):
-        log("  variants: " + ", ".join(f"{k} {v:.4f}" if v else f"{k} -"
-                                       for k, v in rec["variants_ms"].items()))
-      log(f"{kind} {n}x{q}@{c}: ours {rec['ours_ms']:.4f} ms, cudnn {rec['cudnn_ms']}, "
-          f"ratio {rec['ratio_to_cudnn']}, err {rec.get('err_vs_reference')}/"
-          f"{rec.get('err_vs_cudnn')} ({time.time() - t0:.1f} s)")
-    except Exception as e:  # noqa: BLE001
-      log(f"{kind} {n}x{q}@{c} FAILED: {type(e).__name__}: {str(e)[:500]}")
-      traceback.print_exc()
-      records.append(dict(kind=kind, shape=dict(n_seg=n, q_len=q, ctx=c), error=str(e)[:500],
-                          ours_ms=None, cudnn_ms=None, reference_ms=None, ratio_to_cudnn=None))
-    dump(False)  # partial results survive a time limit
+    todo = [("decode", b, 1, c) for b, c in decode_shapes(args.quick)]
+    todo += [("prefill", n, q, c) for n, q, c in prefill_shapes(args.quick)]
+    for kind, n, q, c in todo:
+        t0 = time.time()
+        try:
+            variants = None
+            if args.variants and (kind, n, q, c) in VARIANT_SHAPES:
+                variants = DECODE_VARIANTS if kind == "decode" else PREFILL_VARIANTS
+            rec = run_shape(kind, n, q, c, key=key, reps=reps, unplanned=(kind == "decode"), variants=variants)
+            records.append(rec)
+            if rec.get("variants_ms"):
+                log(
+                    "  variants: " + ", ".join(f"{k} {v:.4f}" if v else f"{k} -" for k, v in rec["variants_ms"].items())
+                )
+            log(
+                f"{kind} {n}x{q}@{c}: ours {rec['ours_ms']:.4f} ms, cudnn {rec['cudnn_ms']}, "
+                f"ratio {rec['ratio_to_cudnn']}, err {rec.get('err_vs_reference')}/"
+                f"{rec.get('err_vs_cudnn')} ({time.time() - t0:.1f} s)"
+            )
+        except Exception as e:  # noqa: BLE001
+            log(f"{kind} {n}x{q}@{c} FAILED: {type(e).__name__}: {str(e)[:500]}")
+            traceback.print_exc()
+            records.append(
+                dict(
+                    kind=kind,
+                    shape=dict(n_seg=n, q_len=q, ctx=c),
+                    error=str(e)[:500],
+                    ours_ms=None,
+                    cudnn_ms=None,
+                    reference_ms=None,
+                    ratio_to_cudnn=None,
+                )
+            )
+        dump(False)  # partial results survive a time limit
 
-  dump(True)
-  plot([r for r in records if r.get("ours_ms")], os.path.join(args.out, "attention_sweep.png"))
-  if not args.no_copy and os.path.abspath(args.out) != os.path.abspath(RESULTS_DIR):
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    for name in ("attention_sweep.json", "attention_sweep.png"):
-      src = os.path.join(args.out, name)
-      if os.path.exists(src):
-        shutil.copy(src, os.path.join(RESULTS_DIR, name))
-  log(table([r for r in records if r.get("ours_ms")]))
-  log(f"wrote {path} in {time.time() - t_start:.0f} s")
+    dump(True)
+    plot([r for r in records if r.get("ours_ms")], os.path.join(args.out, "attention_sweep.png"))
+    if not args.no_copy and os.path.abspath(args.out) != os.path.abspath(RESULTS_DIR):
+        os.makedirs(RESULTS_DIR, exist_ok=True)
+        for name in ("attention_sweep.json", "attention_sweep.png"):
+            src = os.path.join(args.out, name)
+            if os.path.exists(src):
+                shutil.copy(src, os.path.join(RESULTS_DIR, name))
+    log(table([r for r in records if r.get("ours_ms")]))
+    log(f"wrote {path} in {time.time() - t_start:.0f} s")
 
 
 if __name__ == "__main__":
-  main()
+    main()

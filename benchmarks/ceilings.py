@@ -1,4 +1,5 @@
 """Ceilings measured in the same run as the figure they bound: bf16 matmul TFLOP/s, copy bandwidth."""
+
 from __future__ import annotations
 
 import time
@@ -27,7 +28,7 @@ def measure(quick: bool = False) -> dict:
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
     mm = jax.jit(lambda x, y: x @ y)
-    peak = 2 * n ** 3 / _time(mm, a, b)
+    peak = 2 * n**3 / _time(mm, a, b)
     x = jnp.ones((512 * 1024 * 1024,), jnp.float32)  # 2 GiB
     cp = jax.jit(lambda v: v * 2)
     bw = 2 * x.nbytes / _time(cp, x)

@@ -6,6 +6,7 @@ form (``scan`` over stacked layers vs ``unrolled``), with compile times and host
 Decode rate = tokens generated after every request's first token, over the time since then; floors
 from ``benchmarks/floors.py`` with the ceilings measured in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,19 @@ from ouro_jax.model import init_params
 
 
 def probe(cfg, params, layer_loop, batch, prompt, new, mode, chunk, ceil, buckets):
-    llm = LLM(cfg, params=params, max_num_seqs=max(batch, 8), max_num_batched_tokens=1024,
-              prefill_chunk_size=chunk, max_model_len=prompt + new + 16, prefill_mode=mode, layer_loop=layer_loop,
-              kv_cache_bytes=int(batch * (prompt + new + 32) * cfg.kv_bytes_per_token_plane() * cfg.num_loops * 1.1),
-              buckets=buckets, progress=False)
+    llm = LLM(
+        cfg,
+        params=params,
+        max_num_seqs=max(batch, 8),
+        max_num_batched_tokens=1024,
+        prefill_chunk_size=chunk,
+        max_model_len=prompt + new + 16,
+        prefill_mode=mode,
+        layer_loop=layer_loop,
+        kv_cache_bytes=int(batch * (prompt + new + 32) * cfg.kv_bytes_per_token_plane() * cfg.num_loops * 1.1),
+        buckets=buckets,
+        progress=False,
+    )
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(1, cfg.vocab_size, prompt))) for _ in range(batch)]
     sp = SamplingParams(max_tokens=new, ignore_eos=True)
@@ -48,20 +58,36 @@ def probe(cfg, params, layer_loop, batch, prompt, new, mode, chunk, ceil, bucket
     dec_inv = st["invocations"] - inv_at_first
     pf = prefill_floor(cfg, batch, prompt, chunk, 1024, ceil["bandwidth"], ceil["peak_flops"])
     df = decode_step_floor(cfg, batch, prompt + new / 2, cfg.num_loops, ceil["bandwidth"], ceil["peak_flops"])
-    rec = dict(layer_loop=layer_loop, mode=mode, chunk=chunk, batch=batch, prompt=prompt, new=new,
-               compile_s=st["compile_time_s"], executables=st["compilations"],
-               prefill_s=pre_s, prefill_tok_s=batch * prompt / pre_s, prefill_floor_tok_s=batch * prompt / pf["floor_s"],
-               decode_tok_s=batch * (new - 1) / dec_s, decode_floor_tok_s=batch / df["floor_s"],
-               decode_ms_per_invocation=1e3 * dec_s / max(1, dec_inv),
-               host_ms_per_invocation=1e3 * st["host_time_per_invocation_s"],
-               rows_per_invocation=st["rows_per_invocation"], invocations=st["invocations"])
+    rec = dict(
+        layer_loop=layer_loop,
+        mode=mode,
+        chunk=chunk,
+        batch=batch,
+        prompt=prompt,
+        new=new,
+        compile_s=st["compile_time_s"],
+        executables=st["compilations"],
+        prefill_s=pre_s,
+        prefill_tok_s=batch * prompt / pre_s,
+        prefill_floor_tok_s=batch * prompt / pf["floor_s"],
+        decode_tok_s=batch * (new - 1) / dec_s,
+        decode_floor_tok_s=batch / df["floor_s"],
+        decode_ms_per_invocation=1e3 * dec_s / max(1, dec_inv),
+        host_ms_per_invocation=1e3 * st["host_time_per_invocation_s"],
+        rows_per_invocation=st["rows_per_invocation"],
+        invocations=st["invocations"],
+    )
     rec["prefill_fraction_of_floor"] = rec["prefill_tok_s"] / rec["prefill_floor_tok_s"]
     rec["decode_fraction_of_floor"] = rec["decode_tok_s"] / rec["decode_floor_tok_s"]
-    print(f"{layer_loop:8s} {mode:9s} chunk {chunk:4d} batch {batch:4d}: compile {rec['compile_s']:6.1f} s "
-          f"({rec['executables']} exe) | prefill {rec['prefill_tok_s']:9.0f} tok/s (floor {rec['prefill_floor_tok_s']:9.0f}) "
-          f"| decode {rec['decode_tok_s']:8.1f} tok/s (floor {rec['decode_floor_tok_s']:8.1f}, "
-          f"{100 * rec['decode_fraction_of_floor']:4.1f}%) {rec['decode_ms_per_invocation']:6.2f} ms/inv, "
-          f"host {rec['host_ms_per_invocation']:5.2f} ms/inv", flush=True)
+    print(
+        f"{layer_loop:8s} {mode:9s} chunk {chunk:4d} batch {batch:4d}: compile {rec['compile_s']:6.1f} s "
+        f"({rec['executables']} exe) "
+        f"| prefill {rec['prefill_tok_s']:9.0f} tok/s (floor {rec['prefill_floor_tok_s']:9.0f}) "
+        f"| decode {rec['decode_tok_s']:8.1f} tok/s (floor {rec['decode_floor_tok_s']:8.1f}, "
+        f"{100 * rec['decode_fraction_of_floor']:4.1f}%) {rec['decode_ms_per_invocation']:6.2f} ms/inv, "
+        f"host {rec['host_ms_per_invocation']:5.2f} ms/inv",
+        flush=True,
+    )
     del llm
     return rec
 
@@ -87,8 +113,13 @@ def main(argv=None):
         for b in a.batch:
             recs.append(probe(cfg, params, ll, b, a.prompt, a.new, a.mode, a.chunk, ceil, a.buckets))
             with open(os.path.join(a.out, "engine_probe.json"), "w") as f:
-                json.dump(dict(device=ceil["device"], jax_version=jax.__version__, preset=a.preset,
-                               ceilings=ceil, records=recs), f, indent=2)
+                json.dump(
+                    dict(
+                        device=ceil["device"], jax_version=jax.__version__, preset=a.preset, ceilings=ceil, records=recs
+                    ),
+                    f,
+                    indent=2,
+                )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ run: a recurrent invocation reads every layer weight once whatever its rows; eve
 decode row reads the K/V of its whole context at its plane once per layer; matmuls and attention
 cost FLOPs. Use the ceilings measured in the same run (``benchmarks/ceilings.py``).
 """
+
 from __future__ import annotations
 
 from ouro_jax.config import OuroConfig
@@ -14,13 +15,19 @@ def shape(c: OuroConfig, dtype_bytes: int = 2) -> dict:
     d, f = c.hidden_size, c.intermediate_size
     layer_params = d * c.q_size * 2 + d * c.kv_size * 2 + 3 * d * f
     L = c.num_hidden_layers
-    return dict(layer_bytes=dtype_bytes * L * layer_params, layer_flops_per_row=2 * L * layer_params,
-                kv_bytes_per_token_plane=2 * L * c.kv_size * dtype_bytes, head_bytes=dtype_bytes * d * c.vocab_size,
-                head_flops_per_row=2 * d * c.vocab_size, attn_flops_per_query_key=4 * c.q_size * L)
+    return dict(
+        layer_bytes=dtype_bytes * L * layer_params,
+        layer_flops_per_row=2 * L * layer_params,
+        kv_bytes_per_token_plane=2 * L * c.kv_size * dtype_bytes,
+        head_bytes=dtype_bytes * d * c.vocab_size,
+        head_flops_per_row=2 * d * c.vocab_size,
+        attn_flops_per_query_key=4 * c.q_size * L,
+    )
 
 
-def prefill_floor(c: OuroConfig, requests: int, prompt: int, chunk: int, rows_per_invocation: int,
-                  bw: float, peak: float) -> dict:
+def prefill_floor(
+    c: OuroConfig, requests: int, prompt: int, chunk: int, rows_per_invocation: int, bw: float, peak: float
+) -> dict:
     s = shape(c)
     T = c.num_loops
     rows = requests * prompt * T
@@ -28,26 +35,38 @@ def prefill_floor(c: OuroConfig, requests: int, prompt: int, chunk: int, rows_pe
     n = -(-prompt // chunk)
     ctx_sum = sum(min((i + 1) * chunk, prompt) for i in range(n))
     kv = requests * T * ctx_sum * s["kv_bytes_per_token_plane"]
-    pairs = requests * T * sum(min(chunk, prompt - i * chunk) * (i * chunk + (min(chunk, prompt - i * chunk) + 1) / 2)
-                               for i in range(n))
+    pairs = (
+        requests
+        * T
+        * sum(min(chunk, prompt - i * chunk) * (i * chunk + (min(chunk, prompt - i * chunk) + 1) / 2) for i in range(n))
+    )
     flops = rows * s["layer_flops_per_row"] + pairs * s["attn_flops_per_query_key"]
     weights = invocations * s["layer_bytes"]
     t = max((weights + kv) / bw, flops / peak)
-    return dict(floor_s=t, bound="bandwidth" if (weights + kv) / bw >= flops / peak else "flops",
-                bytes=weights + kv, flops=flops, invocations=invocations)
+    return dict(
+        floor_s=t,
+        bound="bandwidth" if (weights + kv) / bw >= flops / peak else "flops",
+        bytes=weights + kv,
+        flops=flops,
+        invocations=invocations,
+    )
 
 
 def decode_step_floor(c: OuroConfig, batch: int, context: float, loops: float, bw: float, peak: float) -> dict:
     """One decode step of ``batch`` rows (each running ``loops`` loops on average) at ``context``."""
     s = shape(c)
     b = loops * (s["layer_bytes"] + batch * context * s["kv_bytes_per_token_plane"]) + s["head_bytes"]
-    f = loops * batch * (s["layer_flops_per_row"] + context * s["attn_flops_per_query_key"]) + batch * s["head_flops_per_row"]
+    f = (
+        loops * batch * (s["layer_flops_per_row"] + context * s["attn_flops_per_query_key"])
+        + batch * s["head_flops_per_row"]
+    )
     t = max(b / bw, f / peak)
     return dict(floor_s=t, bound="bandwidth" if b / bw >= f / peak else "flops", bytes=b, flops=f)
 
 
-def generate_floor(c: OuroConfig, batch: int, prompt: int, new_tokens: int, bw: float, peak: float,
-                   loops: float | None = None) -> dict:
+def generate_floor(
+    c: OuroConfig, batch: int, prompt: int, new_tokens: int, bw: float, peak: float, loops: float | None = None
+) -> dict:
     """Static-batch generation: one-shot prefill of the whole prompt, then ``new_tokens - 1`` steps."""
     loops = c.num_loops if loops is None else loops
     pre = prefill_floor(c, batch, prompt, prompt, batch * prompt, bw, peak)

@@ -7,6 +7,7 @@ compiled once, then timed ``--reps`` times; the figure is output tokens per seco
 call (prefill included) and its fraction of the floor of the same schedule (one-shot prefill +
 ``new-1`` decode steps at full depth), with the ceilings measured in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,9 @@ from ouro_jax import generate, get_preset
 from ouro_jax.model import init_params
 
 
-def run(preset: str, batches, prompt: int, new: int, reps: int, dtype: str, quick_ceilings: bool,
-        on_record=None) -> dict:
+def run(
+    preset: str, batches, prompt: int, new: int, reps: int, dtype: str, quick_ceilings: bool, on_record=None
+) -> dict:
     cfg = get_preset(preset)
     ceil = ceilings.measure(quick_ceilings)
     params = init_params(cfg, 0, dtype)
@@ -45,24 +47,54 @@ def run(preset: str, batches, prompt: int, new: int, reps: int, dtype: str, quic
             times.append(time.perf_counter() - t)
         best = float(np.median(times))
         fl = generate_floor(cfg, b, prompt, new, ceil["bandwidth"], ceil["peak_flops"])
-        rec = dict(batch=b, prompt=prompt, new_tokens=new, seconds=best, seconds_all=times,
-                   first_call_s=compile_s, output_tok_s=b * new / best, floor_s=fl["floor_s"],
-                   floor_output_tok_s=b * new / fl["floor_s"], fraction_of_floor=fl["floor_s"] / best,
-                   prefill_floor_s=fl["prefill_floor_s"], decode_floor_s=fl["decode_floor_s"],
-                   mean_exit_depth=float(np.mean(np.asarray(out.exit_depths))))
+        rec = dict(
+            batch=b,
+            prompt=prompt,
+            new_tokens=new,
+            seconds=best,
+            seconds_all=times,
+            first_call_s=compile_s,
+            output_tok_s=b * new / best,
+            floor_s=fl["floor_s"],
+            floor_output_tok_s=b * new / fl["floor_s"],
+            fraction_of_floor=fl["floor_s"] / best,
+            prefill_floor_s=fl["prefill_floor_s"],
+            decode_floor_s=fl["decode_floor_s"],
+            mean_exit_depth=float(np.mean(np.asarray(out.exit_depths))),
+        )
         records.append(rec)
         if on_record:
-            on_record(dict(benchmark="generate", device=ceil["device"], jax_version=jax.__version__,
-                           preset=preset, dtype=dtype, ceilings=ceil, records=records))
-        print(f"batch {b:4d}: {rec['output_tok_s']:9.1f} out tok/s  ({best * 1e3:8.1f} ms; floor "
-              f"{fl['floor_s'] * 1e3:8.1f} ms = {rec['floor_output_tok_s']:9.1f} tok/s; "
-              f"{100 * rec['fraction_of_floor']:5.1f}% of floor; first call {compile_s:6.1f} s)", flush=True)
-    return dict(benchmark="generate", device=ceil["device"], jax_version=jax.__version__, preset=preset,
-                dtype=dtype, ceilings=ceil, records=records)
+            on_record(
+                dict(
+                    benchmark="generate",
+                    device=ceil["device"],
+                    jax_version=jax.__version__,
+                    preset=preset,
+                    dtype=dtype,
+                    ceilings=ceil,
+                    records=records,
+                )
+            )
+        print(
+            f"batch {b:4d}: {rec['output_tok_s']:9.1f} out tok/s  ({best * 1e3:8.1f} ms; floor "
+            f"{fl['floor_s'] * 1e3:8.1f} ms = {rec['floor_output_tok_s']:9.1f} tok/s; "
+            f"{100 * rec['fraction_of_floor']:5.1f}% of floor; first call {compile_s:6.1f} s)",
+            flush=True,
+        )
+    return dict(
+        benchmark="generate",
+        device=ceil["device"],
+        jax_version=jax.__version__,
+        preset=preset,
+        dtype=dtype,
+        ceilings=ceil,
+        records=records,
+    )
 
 
 def plot(result: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

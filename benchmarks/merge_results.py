@@ -7,6 +7,7 @@ is listed under ``skipped``. Records kept from the older file are tagged with th
 
     python -m benchmarks.merge_results OLD.json NEW.json --old-tag "run 1 (scan)" -o OUT.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,7 @@ def _key(r: dict) -> tuple:
     return (r.get("label"), r.get("mode"), r.get("chunk"))
 
 
-def merge_records(old: list, new: list, old_tag: str | None = None,
-                  new_tag: str | None = None) -> tuple[list, list]:
+def merge_records(old: list, new: list, old_tag: str | None = None, new_tag: str | None = None) -> tuple[list, list]:
     """The rule of the module docstring on two record lists: ``(records, skipped)``, where
     ``skipped`` lists the newer records that lost to a complete older one. Tags are added only
     when given (``benchmarks.run --append`` merges runs of one engine version)."""
@@ -32,9 +32,14 @@ def merge_records(old: list, new: list, old_tag: str | None = None,
                 r.setdefault("run", old_tag)
             out.append(r)
             if n is not None:
-                skipped.append(dict(label=n.get("label"), mode=n.get("mode"), chunk=n.get("chunk"),
-                                    reason=f"{new_tag or 'newer run'}: truncated (kept "
-                                           f"{old_tag or 'the earlier record'})"))
+                skipped.append(
+                    dict(
+                        label=n.get("label"),
+                        mode=n.get("mode"),
+                        chunk=n.get("chunk"),
+                        reason=f"{new_tag or 'newer run'}: truncated (kept {old_tag or 'the earlier record'})",
+                    )
+                )
                 del new_by[_key(r)]
     for r in new:
         if _key(r) in new_by:
@@ -45,30 +50,42 @@ def merge_records(old: list, new: list, old_tag: str | None = None,
     return out, skipped
 
 
-def merge_lists(old_records: list, old_skipped: list, records: list, skipped: list,
-                old_tag: str | None = None, new_tag: str | None = None) -> dict:
+def merge_lists(
+    old_records: list,
+    old_skipped: list,
+    records: list,
+    skipped: list,
+    old_tag: str | None = None,
+    new_tag: str | None = None,
+) -> dict:
     """``records`` and ``skipped`` of two results merged (``merge_records``'s rule). A skip note
     stays only while its configuration has no record, or when it says a newer run was cut short
     and lost to the older record; ``benchmarks.run --append`` and ``merge`` both use this."""
     out, lost = merge_records(old_records, records, old_tag, new_tag)
     done = {_key(r) for r in out}
     notes = list(old_skipped) + list(skipped) + lost
-    return dict(records=out,
-                skipped=[s for s in notes if _key(s) not in done or "truncated" in s.get("reason", "")])
+    return dict(records=out, skipped=[s for s in notes if _key(s) not in done or "truncated" in s.get("reason", "")])
 
 
 def merge(old: dict, new: dict, old_tag: str, new_tag: str) -> dict:
     old_layer = old.get("config", {}).get("layer_loop", "scan")
     new_layer = new.get("config", {}).get("layer_loop", "unrolled")
     tagged = lambda recs, layer: [{"layer_loop": layer, **r} for r in recs]  # noqa: E731
-    return dict(new, **merge_lists(tagged(old.get("records", []), old_layer), old.get("skipped", []),
-                                   tagged(new.get("records", []), new_layer), new.get("skipped", []),
-                                   old_tag, new_tag))
+    return dict(
+        new,
+        **merge_lists(
+            tagged(old.get("records", []), old_layer),
+            old.get("skipped", []),
+            tagged(new.get("records", []), new_layer),
+            new.get("skipped", []),
+            old_tag,
+            new_tag,
+        ),
+    )
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("old")
     ap.add_argument("new")
     ap.add_argument("-o", "--out", required=True)

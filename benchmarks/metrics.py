@@ -11,6 +11,7 @@ bandwidth, FLOPs / peak)`` with the ceilings measured in the same run, exactly t
 
 ``latency`` turns request outputs into TTFT / ITL / TPOT / E2E percentiles and CDFs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,16 @@ import numpy as np
 
 from benchmarks.floors import shape as model_shape
 
-__all__ = ["InvocationCost", "invocation_cost", "ScheduleRecorder", "floor_of", "latency", "percentiles",
-           "exit_histogram", "PCTS"]
+__all__ = [
+    "InvocationCost",
+    "invocation_cost",
+    "ScheduleRecorder",
+    "floor_of",
+    "latency",
+    "percentiles",
+    "exit_histogram",
+    "PCTS",
+]
 
 PCTS = (50, 90, 99)
 
@@ -46,30 +55,47 @@ class InvocationCost:
             setattr(self, f.name, getattr(self, f.name) + getattr(o, f.name))
 
 
-def invocation_cost(s: dict, nrows: int, ncoda: int, nfin: int, q_len: np.ndarray, ctx_len: np.ndarray,
-                    bucket_rows: int = 0) -> InvocationCost:
+def invocation_cost(
+    s: dict, nrows: int, ncoda: int, nfin: int, q_len: np.ndarray, ctx_len: np.ndarray, bucket_rows: int = 0
+) -> InvocationCost:
     """Bytes and FLOPs one invocation cannot avoid (``s = floors.shape(config)``)."""
     q = np.asarray(q_len, np.float64)
     ctx = np.asarray(ctx_len, np.float64)
     pairs = float((q * (ctx - (q - 1) / 2)).sum())  # causal query-key pairs of every segment
     return InvocationCost(
-        invocations=1, rows=nrows, bucket_rows=bucket_rows,
+        invocations=1,
+        rows=nrows,
+        bucket_rows=bucket_rows,
         weight_bytes=s["layer_bytes"] if nrows else 0.0,
         kv_bytes=float(ctx.sum()) * s["kv_bytes_per_token_plane"],
         head_bytes=s["head_bytes"] if ncoda else 0.0,
         finalize_bytes=2.0 * nfin * s["kv_bytes_per_token_plane"],  # read + write of each copied slot
-        flops=nrows * s["layer_flops_per_row"] + pairs * s["attn_flops_per_query_key"]
-        + ncoda * s["head_flops_per_row"])
+        flops=nrows * s["layer_flops_per_row"]
+        + pairs * s["attn_flops_per_query_key"]
+        + ncoda * s["head_flops_per_row"],
+    )
 
 
 def floor_of(cost: InvocationCost, bandwidth: float, peak_flops: float) -> dict:
     tb, tf = cost.bytes / bandwidth, cost.flops / peak_flops
-    return dict(floor_s=max(tb, tf), bound="bandwidth" if tb >= tf else "flops", bytes=cost.bytes,
-                flops=cost.flops, bandwidth_s=tb, flops_s=tf, invocations=cost.invocations, rows=cost.rows,
-                weight_bytes=cost.weight_bytes, kv_bytes=cost.kv_bytes, head_bytes=cost.head_bytes,
-                finalize_bytes=cost.finalize_bytes, bandwidth=bandwidth, peak_flops=peak_flops,
-                basis="schedule as run: weights once per invocation, KV of each segment's context, "
-                      "real rows only, exit depths as run")
+    return dict(
+        floor_s=max(tb, tf),
+        bound="bandwidth" if tb >= tf else "flops",
+        bytes=cost.bytes,
+        flops=cost.flops,
+        bandwidth_s=tb,
+        flops_s=tf,
+        invocations=cost.invocations,
+        rows=cost.rows,
+        weight_bytes=cost.weight_bytes,
+        kv_bytes=cost.kv_bytes,
+        head_bytes=cost.head_bytes,
+        finalize_bytes=cost.finalize_bytes,
+        bandwidth=bandwidth,
+        peak_flops=peak_flops,
+        basis="schedule as run: weights once per invocation, KV of each segment's context, "
+        "real rows only, exit depths as run",
+    )
 
 
 class ScheduleRecorder:
@@ -96,8 +122,9 @@ class ScheduleRecorder:
             return
         c = desc.counts
         nseg = int(c[1])
-        self._raw.append((int(c[0]), int(c[3]), int(c[4]), desc.seg_q_len[:nseg].copy(),
-                          desc.seg_ctx_len[:nseg].copy(), desc.key.R))
+        self._raw.append(
+            (int(c[0]), int(c[3]), int(c[4]), desc.seg_q_len[:nseg].copy(), desc.seg_ctx_len[:nseg].copy(), desc.key.R)
+        )
 
     def attach(self, runner) -> "ScheduleRecorder":
         """Record every descriptor ``runner.execute`` runs (an instance attribute shadows the method)."""
@@ -112,7 +139,7 @@ class ScheduleRecorder:
 
     @property
     def costs(self) -> list[InvocationCost]:
-        for nrows, ncoda, nfin, q, ctx, r in self._raw[len(self._costs):]:
+        for nrows, ncoda, nfin, q, ctx, r in self._raw[len(self._costs) :]:
             self._costs.append(invocation_cost(self.shape, nrows, ncoda, nfin, q, ctx, r))
         return self._costs
 
@@ -151,8 +178,13 @@ def latency(outputs: Iterable) -> dict:
         tpot.append(m.tpot)
         e2e.append(m.e2e)
         itl.extend(float(x) for x in m.itl)
-    return dict(ttft=percentiles(ttft), itl=percentiles(itl), tpot=percentiles(tpot), e2e=percentiles(e2e),
-                cdf=dict(ttft=_cdf(ttft), itl=_cdf(itl), tpot=_cdf(tpot), e2e=_cdf(e2e)))
+    return dict(
+        ttft=percentiles(ttft),
+        itl=percentiles(itl),
+        tpot=percentiles(tpot),
+        e2e=percentiles(e2e),
+        cdf=dict(ttft=_cdf(ttft), itl=_cdf(itl), tpot=_cdf(tpot), e2e=_cdf(e2e)),
+    )
 
 
 def interval_union(intervals: list) -> tuple[float, float]:
@@ -178,8 +210,7 @@ def mean_decoding_streams(outputs: Iterable) -> Optional[float]:
     times (mixed32, mixed128), this is the batch a decode step really holds on average; pricing
     the TPOT floor at every request decoding at once instead gives a "floor" above what a stream
     measures. ``None`` when no stream produced two tokens."""
-    spans = [(o.metrics.token_times[0], o.metrics.token_times[-1]) for o in outputs
-             if len(o.metrics.token_times) > 1]
+    spans = [(o.metrics.token_times[0], o.metrics.token_times[-1]) for o in outputs if len(o.metrics.token_times) > 1]
     spans = [(a, b) for a, b in spans if b > a]
     if not spans:
         return None

@@ -4,6 +4,7 @@ Cases, timing and error come from benchmarks/attention_sweep.py.
 
 Usage: PYTHONPATH=. python3 benchmarks/mgpu_tune.py OUT.json
 """
+
 import json
 import sys
 
@@ -22,13 +23,25 @@ N_CALLS = 4
 
 def chained(layers, block_kv, steps):
     """N_CALLS dependent launches in one jit, layers cycled (as attention_sweep times them)."""
+
     @jax.jit
     def f(q, k, v, qs, ql, cl, bt):
         for i in range(N_CALLS):
-            q = ragged_paged_attention_mgpu(q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers),
-                                            sm_scale=SCALE, block_kv=block_kv,
-                                            max_concurrent_steps=steps)
+            q = ragged_paged_attention_mgpu(
+                q,
+                k,
+                v,
+                qs,
+                ql,
+                cl,
+                bt,
+                layer=jnp.int32(i % layers),
+                sm_scale=SCALE,
+                block_kv=block_kv,
+                max_concurrent_steps=steps,
+            )
         return q
+
     return f
 
 
@@ -40,11 +53,11 @@ def main(out_path):
         args = (c["q"], c["k"], c["v"], seg["q_start"], seg["q_len"], seg["ctx_len"], seg["tables"])
         want = ragged_paged_attention_reference(*args, layer=jnp.int32(0), sm_scale=SCALE)
         for bkv, st in CONFIGS:
-            rec = dict(shape=(n, ql, ctx), block_kv=bkv, stages=st, ms=None,
-                       rel_err_vs_reference=None)
+            rec = dict(shape=(n, ql, ctx), block_kv=bkv, stages=st, ms=None, rel_err_vs_reference=None)
             try:
-                got = ragged_paged_attention_mgpu(*args, layer=jnp.int32(0), sm_scale=SCALE,
-                                                  block_kv=bkv, max_concurrent_steps=st)
+                got = ragged_paged_attention_mgpu(
+                    *args, layer=jnp.int32(0), sm_scale=SCALE, block_kv=bkv, max_concurrent_steps=st
+                )
                 rec["rel_err_vs_reference"] = rel_err(got, want)
                 rec["ms"] = timeit(chained(c["layers"], bkv, st), args, N_CALLS, 5)
             except Exception as e:  # noqa: BLE001  (a configuration that does not fit is a result)

@@ -28,6 +28,7 @@ time, mean duration, the HLO instruction and JAX op it came from where the trace
 HLO says so; per JAX op (``by_op``). The floor of the invocation (``metrics.invocation_cost`` with
 the ceilings measured in the run) stands next to wall and busy time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,17 @@ from benchmarks.metrics import floor_of, interval_union, invocation_cost
 from benchmarks.sweep_buckets import synthetic_descriptor
 from benchmarks.workloads import suite_shape
 
-__all__ = ["parse_bucket", "base_name", "categorise", "CATEGORIES", "aggregate", "kernel_events", "hlo_op_names",
-           "profile_bucket", "main"]
+__all__ = [
+    "parse_bucket",
+    "base_name",
+    "categorise",
+    "CATEGORIES",
+    "aggregate",
+    "kernel_events",
+    "hlo_op_names",
+    "profile_bucket",
+    "main",
+]
 
 KINDS = ("decode", "prefill")
 
@@ -65,16 +75,58 @@ CATEGORIES: tuple = (
     ("xla_fusion", ("fusion", "loop_", "input_", "wrapped_")),
 )
 _DOT = re.compile(r"(^|[._])dot([._]|$)")
-_HLO_OPS = ("add", "multiply", "subtract", "divide", "convert", "select", "reduce", "broadcast", "concatenate",
-            "slice", "pad", "transpose", "iota", "compare", "exponential", "tanh", "rsqrt", "negate", "bitcast",
-            "reshape", "maximum", "minimum", "and", "or", "xor", "clamp", "power", "sqrt", "log")
+_HLO_OPS = (
+    "add",
+    "multiply",
+    "subtract",
+    "divide",
+    "convert",
+    "select",
+    "reduce",
+    "broadcast",
+    "concatenate",
+    "slice",
+    "pad",
+    "transpose",
+    "iota",
+    "compare",
+    "exponential",
+    "tanh",
+    "rsqrt",
+    "negate",
+    "bitcast",
+    "reshape",
+    "maximum",
+    "minimum",
+    "and",
+    "or",
+    "xor",
+    "clamp",
+    "power",
+    "sqrt",
+    "log",
+)
 _SUFFIX = re.compile(r"^(.*?[A-Za-z])((?:[._]\d+)+)$")
 
 # lines of a device plane that are derived views, not kernels
-DERIVED_LINES = {"XLA Modules", "XLA Ops", "Async XLA Ops", "Framework Ops", "Framework Name Scope",
-                 "TensorFlow Ops", "TensorFlow Name Scope", "Steps", "Launch Stats", "Source code",
-                 "CUPTI overhead", "_counters_", "Host Offload Ops", "Sparse Core Steps", "Sparse Core Ops",
-                 "Sparse Core Modules"}
+DERIVED_LINES = {
+    "XLA Modules",
+    "XLA Ops",
+    "Async XLA Ops",
+    "Framework Ops",
+    "Framework Name Scope",
+    "TensorFlow Ops",
+    "TensorFlow Name Scope",
+    "Steps",
+    "Launch Stats",
+    "Source code",
+    "CUPTI overhead",
+    "_counters_",
+    "Host Offload Ops",
+    "Sparse Core Steps",
+    "Sparse Core Ops",
+    "Sparse Core Modules",
+}
 # host-plane events of the CPU fallback that are not work
 _HOST_SKIP_PREFIX = ("ThreadpoolListener", "end: ", "ThunkExecutor", "$", "PjitFunction", "Wait for")
 _KEEP_STATS = ("hlo_op", "hlo_module", "kernel_details", "correlation_id")
@@ -171,8 +223,10 @@ def aggregate(events: Iterable[dict], invocations: int, top: int = 25, hlo_ops: 
     ends = sorted(float(e["start_ns"]) + float(e["duration_ns"]) for e in evs)
     # gaps between one kernel's end and the next kernel's start on a serial timeline (launch latency)
     order = sorted(evs, key=lambda e: float(e["start_ns"]))
-    gaps = [max(0.0, float(b["start_ns"]) - (float(a["start_ns"]) + float(a["duration_ns"])))
-            for a, b in zip(order, order[1:])]
+    gaps = [
+        max(0.0, float(b["start_ns"]) - (float(a["start_ns"]) + float(a["duration_ns"])))
+        for a, b in zip(order, order[1:])
+    ]
     by_base: dict = collections.OrderedDict()
     by_raw: dict = {}
     by_op: dict = {}
@@ -182,8 +236,16 @@ def aggregate(events: Iterable[dict], invocations: int, top: int = 25, hlo_ops: 
         b = base_name(raw)
         k = by_base.get(b)
         if k is None:
-            k = by_base[b] = dict(name=b, category=categorise(b), total_ns=0.0, count=0, raw=collections.Counter(),
-                                  hlo_ops=collections.Counter(), op_names=collections.Counter(), example_stats=None)
+            k = by_base[b] = dict(
+                name=b,
+                category=categorise(b),
+                total_ns=0.0,
+                count=0,
+                raw=collections.Counter(),
+                hlo_ops=collections.Counter(),
+                op_names=collections.Counter(),
+                example_stats=None,
+            )
         k["total_ns"] += d
         k["count"] += 1
         k["raw"][raw] += 1
@@ -208,8 +270,15 @@ def aggregate(events: Iterable[dict], invocations: int, top: int = 25, hlo_ops: 
         r[1] += 1
 
     def row(name, t, c, extra=None):
-        out = dict(name=name, ms_per_inv=t / n / 1e6, count_per_inv=c / n, total_ms=t / 1e6, count=c,
-                   mean_us=t / max(1, c) / 1e3, share=t / total if total else 0.0)
+        out = dict(
+            name=name,
+            ms_per_inv=t / n / 1e6,
+            count_per_inv=c / n,
+            total_ms=t / 1e6,
+            count=c,
+            mean_us=t / max(1, c) / 1e3,
+            share=t / total if total else 0.0,
+        )
         out.update(extra or {})
         return out
 
@@ -220,35 +289,67 @@ def aggregate(events: Iterable[dict], invocations: int, top: int = 25, hlo_ops: 
         c["total_ns"] += k["total_ns"]
         c["count"] += k["count"]
         c["kernels"] += 1
-    categories = {c: row(c, v["total_ns"], v["count"], dict(distinct_kernels=v["kernels"]))
-                  for c, v in sorted(cats.items(), key=lambda kv: -kv[1]["total_ns"])}
+    categories = {
+        c: row(c, v["total_ns"], v["count"], dict(distinct_kernels=v["kernels"]))
+        for c, v in sorted(cats.items(), key=lambda kv: -kv[1]["total_ns"])
+    }
     for v in categories.values():
         v.pop("name")
     top_kernels = []
     for k in kernels[:top]:
         op = k["op_names"].most_common(1)
-        top_kernels.append(row(k["name"], k["total_ns"], k["count"], dict(
-            category=k["category"], distinct_raw_names=len(k["raw"]),
-            raw_names=[r for r, _ in k["raw"].most_common(5)],
-            hlo_ops=[h for h, _ in k["hlo_ops"].most_common(3)],
-            op_name=op[0][0] if op else None, op=_op_of(op[0][0]) if op else None,
-            example_stats=k["example_stats"])))
-    top_raw = [row(r, t, c, dict(category=categorise(r))) for r, (t, c) in
-               sorted(by_raw.items(), key=lambda kv: -kv[1][0])[:top]]
+        top_kernels.append(
+            row(
+                k["name"],
+                k["total_ns"],
+                k["count"],
+                dict(
+                    category=k["category"],
+                    distinct_raw_names=len(k["raw"]),
+                    raw_names=[r for r, _ in k["raw"].most_common(5)],
+                    hlo_ops=[h for h, _ in k["hlo_ops"].most_common(3)],
+                    op_name=op[0][0] if op else None,
+                    op=_op_of(op[0][0]) if op else None,
+                    example_stats=k["example_stats"],
+                ),
+            )
+        )
+    top_raw = [
+        row(r, t, c, dict(category=categorise(r)))
+        for r, (t, c) in sorted(by_raw.items(), key=lambda kv: -kv[1][0])[:top]
+    ]
+
     def table(d):
         out = {o: row(o, t, c) for o, (t, c) in sorted(d.items(), key=lambda kv: -kv[1][0])}
         for v in out.values():
             v.pop("name")
         return out or None
+
     return dict(
-        invocations=n, kernels=len(evs), kernels_per_inv=len(evs) / n, distinct_kernels=len(by_base),
-        distinct_raw_kernels=len(by_raw), busy_ms_per_inv=busy / n / 1e6, kernel_ms_per_inv=total / n / 1e6,
-        span_ms_per_inv=span / n / 1e6, idle_in_span_ms_per_inv=(span - busy) / n / 1e6,
-        first_start_ns=starts[0] if starts else None, last_end_ns=ends[-1] if ends else None,
-        inter_kernel_gap_us=dict(mean=float(np.mean(gaps)) / 1e3, median=float(np.median(gaps)) / 1e3,
-                                 p90=float(np.percentile(gaps, 90)) / 1e3) if gaps else None,
-        categories=categories, top_kernels=top_kernels, top_raw_kernels=top_raw, by_op=table(by_op),
-        by_scope=table(by_scope))
+        invocations=n,
+        kernels=len(evs),
+        kernels_per_inv=len(evs) / n,
+        distinct_kernels=len(by_base),
+        distinct_raw_kernels=len(by_raw),
+        busy_ms_per_inv=busy / n / 1e6,
+        kernel_ms_per_inv=total / n / 1e6,
+        span_ms_per_inv=span / n / 1e6,
+        idle_in_span_ms_per_inv=(span - busy) / n / 1e6,
+        first_start_ns=starts[0] if starts else None,
+        last_end_ns=ends[-1] if ends else None,
+        inter_kernel_gap_us=dict(
+            mean=float(np.mean(gaps)) / 1e3,
+            median=float(np.median(gaps)) / 1e3,
+            p90=float(np.percentile(gaps, 90)) / 1e3,
+        )
+        if gaps
+        else None,
+        categories=categories,
+        top_kernels=top_kernels,
+        top_raw_kernels=top_raw,
+        by_op=table(by_op),
+        by_scope=table(by_scope),
+    )
 
 
 # ------------------------------------------------------------------------------- the trace
@@ -267,16 +368,18 @@ def kernel_events(profile, device_index: int = 0) -> tuple[Optional[str], list, 
     ``(device plane name or None, events, info)``."""
     planes = list(profile.planes)
     names = [p.name for p in planes]
-    dev = [p for p in planes if p.name == f"/device:GPU:{device_index}"] or \
-          [p for p in planes if p.name.startswith("/device:") and "CUSTOM" not in p.name]
+    dev = [p for p in planes if p.name == f"/device:GPU:{device_index}"] or [
+        p for p in planes if p.name.startswith("/device:") and "CUSTOM" not in p.name
+    ]
     info: dict = dict(planes=names)
     out = []
     if dev:
         plane = dev[0]
         lines = list(plane.lines)
         info["lines"] = [ln.name for ln in lines]
-        kern = [ln for ln in lines if ln.name.startswith("Stream #")] or \
-               [ln for ln in lines if ln.name not in DERIVED_LINES]
+        kern = [ln for ln in lines if ln.name.startswith("Stream #")] or [
+            ln for ln in lines if ln.name not in DERIVED_LINES
+        ]
         info["kernel_lines"] = [ln.name for ln in kern]
         mods = collections.Counter()
         for ln in lines:
@@ -285,8 +388,15 @@ def kernel_events(profile, device_index: int = 0) -> tuple[Optional[str], list, 
         info["xla_modules"] = dict(mods) or None
         for ln in kern:
             for ev in ln.events:
-                out.append(dict(name=ev.name, start_ns=float(ev.start_ns), duration_ns=float(ev.duration_ns),
-                                stats=_stats(ev), line=ln.name))
+                out.append(
+                    dict(
+                        name=ev.name,
+                        start_ns=float(ev.start_ns),
+                        duration_ns=float(ev.duration_ns),
+                        stats=_stats(ev),
+                        line=ln.name,
+                    )
+                )
         return plane.name, out, info
     host = [p for p in planes if p.name == "/host:CPU"]
     if not host:
@@ -299,8 +409,15 @@ def kernel_events(profile, device_index: int = 0) -> tuple[Optional[str], list, 
         for ev in ln.events:
             if ev.duration_ns <= 0 or ev.name.startswith(_HOST_SKIP_PREFIX):
                 continue
-            out.append(dict(name=ev.name, start_ns=float(ev.start_ns), duration_ns=float(ev.duration_ns),
-                            stats=None, line=ln.name))
+            out.append(
+                dict(
+                    name=ev.name,
+                    start_ns=float(ev.start_ns),
+                    duration_ns=float(ev.duration_ns),
+                    stats=None,
+                    line=ln.name,
+                )
+            )
     return None, out, info
 
 
@@ -327,14 +444,25 @@ def _newest_xplane(trace_dir: str) -> str:
 # ------------------------------------------------------------------------------ one bucket
 def _invoke(r, exe, packed, n: int):
     import jax
+
     g = tok = None
     for _ in range(n):
         r.k_pool, r.v_pool, r.ring, g, tok = exe(r.params, r.k_pool, r.v_pool, r.ring, packed)
     jax.block_until_ready((r.ring, g, tok))
 
 
-def profile_bucket(llm, b: dict, steps: int, reps: int, warmup: int, prefill_segment: int, bw: float,
-                   peak: float, trace_dir: Optional[str] = None, top: int = 25) -> dict:
+def profile_bucket(
+    llm,
+    b: dict,
+    steps: int,
+    reps: int,
+    warmup: int,
+    prefill_segment: int,
+    bw: float,
+    peak: float,
+    trace_dir: Optional[str] = None,
+    top: int = 25,
+) -> dict:
     """Time and profile one bucket (``parse_bucket``'s dict) on ``llm.runner``; see the module doc."""
     import jax
     import jax.numpy as jnp
@@ -351,13 +479,26 @@ def profile_bucket(llm, b: dict, steps: int, reps: int, warmup: int, prefill_seg
     packed.block_until_ready()
     nseg = desc.num_segments
     s = model_shape(r.config, np.dtype(r.dtype).itemsize)
-    cost = invocation_cost(s, desc.num_rows, desc.num_coda, desc.num_finalize, desc.seg_q_len[:nseg],
-                           desc.seg_ctx_len[:nseg], key.R)
+    cost = invocation_cost(
+        s, desc.num_rows, desc.num_coda, desc.num_finalize, desc.seg_q_len[:nseg], desc.seg_ctx_len[:nseg], key.R
+    )
     fl = floor_of(cost, bw, peak)
-    rec = dict(b, key=dict(R=key.R, S=key.S, C=key.C, F=key.F, MB=key.MB), rows=desc.num_rows, segments=nseg,
-               coda=desc.num_coda, finalize=desc.num_finalize, context=int(desc.seg_ctx_len[0]), steps=steps,
-               reps=reps, floor_ms=fl["floor_s"] * 1e3, floor_bound=fl["bound"], floor_bytes=fl["bytes"],
-               floor_flops=fl["flops"], compile_s=r.compile_times.get(key))
+    rec = dict(
+        b,
+        key=dict(R=key.R, S=key.S, C=key.C, F=key.F, MB=key.MB),
+        rows=desc.num_rows,
+        segments=nseg,
+        coda=desc.num_coda,
+        finalize=desc.num_finalize,
+        context=int(desc.seg_ctx_len[0]),
+        steps=steps,
+        reps=reps,
+        floor_ms=fl["floor_s"] * 1e3,
+        floor_bound=fl["bound"],
+        floor_bytes=fl["bytes"],
+        floor_flops=fl["flops"],
+        compile_s=r.compile_times.get(key),
+    )
     # warm-up, then the timed loop without the profiler (dispatch = host time inside the calls)
     _invoke(r, exe, packed, warmup)
     disp = 0.0
@@ -369,8 +510,11 @@ def profile_bucket(llm, b: dict, steps: int, reps: int, warmup: int, prefill_seg
         disp += time.perf_counter() - t1
     jax.block_until_ready((r.ring, g, tok))
     wall = (time.perf_counter() - t) / reps
-    rec.update(wall_ms_per_inv=wall * 1e3, dispatch_ms_per_inv=disp / reps * 1e3,
-               fraction_of_floor=fl["floor_s"] / wall if wall > 0 else None)
+    rec.update(
+        wall_ms_per_inv=wall * 1e3,
+        dispatch_ms_per_inv=disp / reps * 1e3,
+        fraction_of_floor=fl["floor_s"] / wall if wall > 0 else None,
+    )
     # the profiled loop
     try:
         PD = getattr(jax.profiler, "ProfileData", None)
@@ -396,16 +540,26 @@ def profile_bucket(llm, b: dict, steps: int, reps: int, warmup: int, prefill_seg
         except Exception:  # noqa: BLE001 - the mapping is a bonus
             hlo = None
         agg = aggregate(events, steps, top, hlo)
-        rec.update(device_plane=plane, source="device plane" if plane else "host plane (no device plane: CPU)",
-                   trace_info=info, **agg)
+        rec.update(
+            device_plane=plane,
+            source="device plane" if plane else "host plane (no device plane: CPU)",
+            trace_info=info,
+            **agg,
+        )
         if plane is None:
-            rec["note"] = ("no device plane in the trace" +
-                           (" (CPU backend)" if jax.default_backend() == "cpu" else
-                            f" although the backend is {jax.default_backend()} (profiler plugin / CUPTI missing?)") +
-                           ": kernel figures are XLA thunk events on host threads, busy time their union over threads")
+            rec["note"] = (
+                "no device plane in the trace"
+                + (
+                    " (CPU backend)"
+                    if jax.default_backend() == "cpu"
+                    else f" although the backend is {jax.default_backend()} (profiler plugin / CUPTI missing?)"
+                )
+                + ": kernel figures are XLA thunk events on host threads, busy time their union over threads"
+            )
         rec["gap_ms_per_inv"] = rec["wall_ms_per_inv"] - rec["busy_ms_per_inv"]
-        rec["busy_fraction_of_floor"] = (fl["floor_s"] * 1e3 / rec["busy_ms_per_inv"]
-                                         if rec["busy_ms_per_inv"] > 0 else None)
+        rec["busy_fraction_of_floor"] = (
+            fl["floor_s"] * 1e3 / rec["busy_ms_per_inv"] if rec["busy_ms_per_inv"] > 0 else None
+        )
         if rec["kernels"] == 0:
             rec["error"] = "the trace holds no kernel events"
     except Exception as e:  # noqa: BLE001 - keep the wall time, record why the profile is missing
@@ -424,36 +578,48 @@ def _ms(x) -> str:
 def _trunc(s: str, n: int, tail: bool = False) -> str:
     if len(s) <= n:
         return s
-    return "~" + s[-(n - 1):] if tail else s[:n - 1] + "~"
+    return "~" + s[-(n - 1) :] if tail else s[: n - 1] + "~"
 
 
 def print_bucket(rec: dict, top: int = 25) -> None:
-    head = (f"== {rec['bucket']} (R={rec['R']}, rows {rec.get('rows')}, context {rec.get('context')}): "
-            f"wall {_ms(rec.get('wall_ms_per_inv'))} ms/inv (dispatch {_ms(rec.get('dispatch_ms_per_inv'))} ms) "
-            f"against a floor of {_ms(rec.get('floor_ms'))} ms ({rec.get('floor_bound')}): "
-            f"{100 * (rec.get('fraction_of_floor') or 0):.1f}% of floor")
+    head = (
+        f"== {rec['bucket']} (R={rec['R']}, rows {rec.get('rows')}, context {rec.get('context')}): "
+        f"wall {_ms(rec.get('wall_ms_per_inv'))} ms/inv (dispatch {_ms(rec.get('dispatch_ms_per_inv'))} ms) "
+        f"against a floor of {_ms(rec.get('floor_ms'))} ms ({rec.get('floor_bound')}): "
+        f"{100 * (rec.get('fraction_of_floor') or 0):.1f}% of floor"
+    )
     print(head)
     if "busy_ms_per_inv" not in rec:
         print(f"   no profile: {rec.get('error')}", flush=True)
         return
-    print(f"   {rec['source']}: busy {rec['busy_ms_per_inv']:.3f} ms/inv (kernel sum {rec['kernel_ms_per_inv']:.3f}, "
-          f"span {rec['span_ms_per_inv']:.3f}), gap wall-busy {rec['gap_ms_per_inv']:.3f} ms, "
-          f"{rec['kernels_per_inv']:.1f} kernels/inv ({rec['distinct_kernels']} distinct)" +
-          (f", inter-kernel gap median {rec['inter_kernel_gap_us']['median']:.2f} us"
-           if rec.get("inter_kernel_gap_us") else ""))
+    print(
+        f"   {rec['source']}: busy {rec['busy_ms_per_inv']:.3f} ms/inv (kernel sum {rec['kernel_ms_per_inv']:.3f}, "
+        f"span {rec['span_ms_per_inv']:.3f}), gap wall-busy {rec['gap_ms_per_inv']:.3f} ms, "
+        f"{rec['kernels_per_inv']:.1f} kernels/inv ({rec['distinct_kernels']} distinct)"
+        + (
+            f", inter-kernel gap median {rec['inter_kernel_gap_us']['median']:.2f} us"
+            if rec.get("inter_kernel_gap_us")
+            else ""
+        )
+    )
     print(f"   {'category':16s} {'ms/inv':>9s} {'n/inv':>8s} {'mean us':>9s} {'share':>7s}")
     for c, v in rec["categories"].items():
-        print(f"   {c:16s} {v['ms_per_inv']:9.4f} {v['count_per_inv']:8.1f} {v['mean_us']:9.2f} "
-              f"{100 * v['share']:6.1f}%")
+        print(
+            f"   {c:16s} {v['ms_per_inv']:9.4f} {v['count_per_inv']:8.1f} {v['mean_us']:9.2f} {100 * v['share']:6.1f}%"
+        )
     print(f"   {'kernel':60s} {'category':14s} {'ms/inv':>9s} {'n/inv':>7s} {'mean us':>9s} {'share':>7s}  op")
     for k in rec["top_kernels"][:top]:
-        print(f"   {_trunc(k['name'], 60):60s} {k['category']:14s} {k['ms_per_inv']:9.4f} {k['count_per_inv']:7.1f} "
-              f"{k['mean_us']:9.2f} {100 * k['share']:6.1f}%  {k.get('op') or ''}")
+        print(
+            f"   {_trunc(k['name'], 60):60s} {k['category']:14s} {k['ms_per_inv']:9.4f} {k['count_per_inv']:7.1f} "
+            f"{k['mean_us']:9.2f} {100 * k['share']:6.1f}%  {k.get('op') or ''}"
+        )
     if rec.get("by_scope"):
         print(f"   {'scope (JAX op_name, layers together)':75s} {'ms/inv':>9s} {'n/inv':>7s} {'share':>7s}")
         for sc, v in list(rec["by_scope"].items())[:10]:
-            print(f"   {_trunc(sc, 75, tail=True):75s} {v['ms_per_inv']:9.4f} {v['count_per_inv']:7.1f} "
-                  f"{100 * v['share']:6.1f}%")
+            print(
+                f"   {_trunc(sc, 75, tail=True):75s} {v['ms_per_inv']:9.4f} {v['count_per_inv']:7.1f} "
+                f"{100 * v['share']:6.1f}%"
+            )
     if rec.get("error"):
         print(f"   error: {rec['error']}")
     print(flush=True)
@@ -464,8 +630,12 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="ouro-1.4b")
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--buckets", nargs="+", default=["decode:8", "decode:128", "prefill:1024"],
-                    help="KIND:R or KIND:R:CONTEXT, KIND in decode, prefill")
+    ap.add_argument(
+        "--buckets",
+        nargs="+",
+        default=["decode:8", "decode:128", "prefill:1024"],
+        help="KIND:R or KIND:R:CONTEXT, KIND in decode, prefill",
+    )
     ap.add_argument("--steps", type=int, default=20, help="invocations under the profiler")
     ap.add_argument("--reps", type=int, default=None, help="invocations of the timed loop (default: --steps)")
     ap.add_argument("--warmup", type=int, default=3, help="invocations before timing")
@@ -475,8 +645,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-context", type=int, default=1024)
     ap.add_argument("--prefill-context", type=int, default=4096)
     ap.add_argument("--prefill-segment", type=int, default=128)
-    ap.add_argument("--attention", default="auto", choices=["auto", "pallas", "triton", "mgpu", "hybrid", "reference"],
-                    help="the engine's attention (benchmarks.run --attention); a forced kernel compares kernels per bucket")
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "pallas", "triton", "mgpu", "hybrid", "reference"],
+        help="the engine's attention (benchmarks.run --attention); a forced kernel compares kernels per bucket",
+    )
     ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
     ap.add_argument("--scale", type=float, default=1.0, help="suite_shape's scale (sets max_model_len)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
@@ -500,24 +674,56 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
     import jax
 
     from benchmarks.run import Harness, save_json
-    shape = suite_shape(a.scale, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=mnbt,
-                        max_model_len=a.max_model_len, block_size=a.block_size, buckets=row_buckets)
-    h = harness or Harness(a.preset, a.dtype, shape, a.compile_cache, a.attention, a.layer_loop,
-                           a.gpu_memory_utilization, None if a.kv_cache_gb is None else int(a.kv_cache_gb * 1e9),
-                           a.quick_ceilings, not a.no_progress)
+
+    shape = suite_shape(
+        a.scale,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=mnbt,
+        max_model_len=a.max_model_len,
+        block_size=a.block_size,
+        buckets=row_buckets,
+    )
+    h = harness or Harness(
+        a.preset,
+        a.dtype,
+        shape,
+        a.compile_cache,
+        a.attention,
+        a.layer_loop,
+        a.gpu_memory_utilization,
+        None if a.kv_cache_gb is None else int(a.kv_cache_gb * 1e9),
+        a.quick_ceilings,
+        not a.no_progress,
+    )
     reps = a.reps or a.steps
     out_dir = os.path.dirname(a.out)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-    result = dict(benchmark="profile_step", device=h.device, jax_version=jax.__version__,
-                  backend=jax.default_backend(), preset=h.preset, dtype=h.dtype, attention=h.attention,
-                  layer_loop=h.layer_loop, argv=sys.argv[1:] if argv is None else list(argv), ceilings=h.ceilings,
-                  engine_shape=h.shape.to_dict(), steps=a.steps, reps=reps, warmup=a.warmup,
-                  prefill_segment=a.prefill_segment, categories_by_name={c: list(k) for c, k in CATEGORIES},
-                  buckets=[])
-    print(f"{h.device}: ceilings {h.peak / 1e12:.0f} TFLOP/s, {h.bw / 1e12:.2f} TB/s "
-          f"({'measured' if h.ceilings.get('measured') else 'H200 defaults'}); attention {h.attention}, "
-          f"layer loop {h.layer_loop}; row buckets {row_buckets}", flush=True)
+    result = dict(
+        benchmark="profile_step",
+        device=h.device,
+        jax_version=jax.__version__,
+        backend=jax.default_backend(),
+        preset=h.preset,
+        dtype=h.dtype,
+        attention=h.attention,
+        layer_loop=h.layer_loop,
+        argv=sys.argv[1:] if argv is None else list(argv),
+        ceilings=h.ceilings,
+        engine_shape=h.shape.to_dict(),
+        steps=a.steps,
+        reps=reps,
+        warmup=a.warmup,
+        prefill_segment=a.prefill_segment,
+        categories_by_name={c: list(k) for c, k in CATEGORIES},
+        buckets=[],
+    )
+    print(
+        f"{h.device}: ceilings {h.peak / 1e12:.0f} TFLOP/s, {h.bw / 1e12:.2f} TB/s "
+        f"({'measured' if h.ceilings.get('measured') else 'H200 defaults'}); attention {h.attention}, "
+        f"layer loop {h.layer_loop}; row buckets {row_buckets}",
+        flush=True,
+    )
     llm, startup = h.engine("split", h.shape.ring_chunk)
     result["startup"] = startup
     result["attention_impl"] = llm.runner.attention
@@ -534,6 +740,7 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
     finally:
         del llm
         import gc
+
         gc.collect()
     save_json(result, a.out)
     print(f"profile_step: wrote {a.out}", flush=True)

@@ -7,6 +7,7 @@ Reads ``<workload>.json`` (``benchmarks/run.py``), ``bucket_sweep.json`` / ``buc
 writes ``REPORT.md`` with the targets of docs/performance.md, one table per workload, the bucket
 sweep, and plots (throughput vs chunk per mode, latency CDFs, bucket roofline, padding by bucket set).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,10 @@ def _ok(records):
 # ------------------------------------------------------------------------------------ plotting
 def _plt():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -107,8 +110,14 @@ def plot_workload(result: dict, path: str) -> Optional[str]:
         ax.set_ylabel(f"{h0['metric']} ({h0['unit']})")
         ax.legend(fontsize=8)
         for i, v in enumerate(series.values()):
-            ax.text(i, v[0]["headline"]["value"], f"{100 * v[0]['headline']['fraction']:.0f}%", ha="center",
-                    va="bottom", fontsize=7)
+            ax.text(
+                i,
+                v[0]["headline"]["value"],
+                f"{100 * v[0]['headline']['fraction']:.0f}%",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         tp = [((v[0].get("latency") or {}).get("tpot") or {}).get("p50") for v in series.values()]
         tf = [_tpot_floor_s(v[0]) for v in series.values()]
         axt.bar([i - 0.2 for i in x], [1e3 * t if t else 0 for t in tp], 0.4, label="TPOT p50")
@@ -117,8 +126,9 @@ def plot_workload(result: dict, path: str) -> Optional[str]:
         axt.set_ylabel("ms per output token")
         axt.set_yscale("log")
         axt.legend(fontsize=8)
-    return _finish(plt, fig, path,
-                   f"{result.get('workload')} on {result.get('device')} (jax {result.get('jax_version')})")
+    return _finish(
+        plt, fig, path, f"{result.get('workload')} on {result.get('device')} (jax {result.get('jax_version')})"
+    )
 
 
 def _finish(plt, fig, path: str, title: Optional[str] = None) -> str:
@@ -145,8 +155,9 @@ def plot_latency(result: dict, path: str) -> Optional[str]:
         for ax, key, src in ((axes[0], "ttft", lat), (axes[1], "itl", by.get("decode", lat))):
             pts = (src.get("cdf") or {}).get(key)
             if pts:
-                ax.plot([max(p, 1e-6) * 1e3 for p in pts], q, color=f"C{i % 10}",
-                        ls="-" if i < 10 else "--", label=name)
+                ax.plot(
+                    [max(p, 1e-6) * 1e3 for p in pts], q, color=f"C{i % 10}", ls="-" if i < 10 else "--", label=name
+                )
     axes[0].set_xlabel("TTFT (ms)")
     axes[1].set_xlabel("inter-token latency (ms)" + (" of the decode streams" if recs[0].get("latency_by_tag") else ""))
     for ax in axes:
@@ -199,9 +210,12 @@ def plot_bucket_sweep(result: dict, path: str) -> Optional[str]:
         sets = list(pad["sets"])
         w = 0.8 / max(1, len(sets))
         for j, sname in enumerate(sets):
-            ax.bar([i + j * w for i in range(len(wls))],
-                   [100 * pad["per_workload"][wl]["by_set"][sname]["padding_fraction"] for wl in wls], w,
-                   label=f"{sname} ({len(pad['sets'][sname])})")
+            ax.bar(
+                [i + j * w for i in range(len(wls))],
+                [100 * pad["per_workload"][wl]["by_set"][sname]["padding_fraction"] for wl in wls],
+                w,
+                label=f"{sname} ({len(pad['sets'][sname])})",
+            )
         ax.set_xticks([i + 0.4 - w / 2 for i in range(len(wls))], wls, fontsize=7, rotation=20)
         ax.set_ylabel("% padded rows")
         ax.set_title("padding by bucket set (executables)")
@@ -216,7 +230,7 @@ def _f(x, nd=1, scale=1.0, unit=""):
     v = x * scale
     if abs(v) >= 1000:
         return f"{v:,.0f}{unit}"
-    if v and abs(v) < 10 ** -nd:
+    if v and abs(v) < 10**-nd:
         return f"{v:.3g}{unit}"
     return f"{v:.{nd}f}{unit}"
 
@@ -238,7 +252,7 @@ def _tpot_floor_s(r: dict) -> Optional[float]:
 
 def _lat(r, key, p, tag=None):
     src = ((r.get("latency_by_tag") or {}).get(tag) if tag else None) or r.get("latency") or {}
-    return ((src.get(key) or {}).get(p))
+    return (src.get(key) or {}).get(p)
 
 
 def _table(header, rows) -> str:
@@ -267,30 +281,60 @@ def _workload_table(res: dict) -> str:
     tag = "decode" if res.get("workload") == "decode_under_prefill" else None
     for r in sorted(res.get("records", []), key=_row_order):
         if "error" in r:
-            rows.append([r.get("label", ""), r.get("mode", ""), r.get("chunk") or "–", f"ERROR: {r['error'][:120]}"]
-                        + [""] * 14 + [_run_short(r)])
+            rows.append(
+                [r.get("label", ""), r.get("mode", ""), r.get("chunk") or "–", f"ERROR: {r['error'][:120]}"]
+                + [""] * 14
+                + [_run_short(r)]
+            )
             continue
         h = r["headline"]
         hist = r.get("exit_histogram") or {}
         mem = r.get("peak_bytes_in_use")
-        rows.append([
-            r["label"] + (" (truncated)" if r.get("truncated") else ""), r["mode"], r.get("chunk") or "–",
-            f"{h['metric']}: **{_f(h['value'])}** / {_f(h['floor'])} {h['unit']}",
-            f"**{_pct(h['fraction'])}** {h['bound']}",
-            f"{_pct(r['fraction_of_floor'])} {r['floor_bound']}",
-            _f(r.get("output_tok_s")),
-            f"{_f(_lat(r, 'ttft', 'p50', tag), 1, 1e3)} / {_f(_lat(r, 'ttft', 'p99', tag), 1, 1e3)}",
-            f"{_f(_lat(r, 'itl', 'p50', tag), 2, 1e3)} / {_f(_lat(r, 'itl', 'p99', tag), 2, 1e3)}",
-            f"{_f(_lat(r, 'tpot', 'p50', tag), 2, 1e3)} / {_f(_lat(r, 'tpot', 'p99', tag), 2, 1e3)}"
-            + (f" (floor {_f(_tpot_floor_s(r), 2, 1e3)})" if _tpot_floor_s(r) else ""),
-            _f(r.get("rows_per_invocation")), _f(r.get("invocations_per_s"), 0),
-            _f(r.get("schedule_time_per_invocation_s"), 3, 1e3),
-            _f(r.get("host_time_per_invocation_s"), 3, 1e3), _f(r.get("time_per_invocation_s"), 3, 1e3),
-            _f(hist.get("mean_loops"), 2), r.get("compilations", "–"),
-            _f(mem / 2 ** 30 if mem else None, 1), _run_short(r)])
-    header = ["variant", "mode", "chunk", "headline: measured / floor", "of floor", "whole run of floor",
-              "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "TPOT p50/p99 ms", "rows/inv", "inv/s",
-              "schedule/inv ms", "host/inv ms", "wall/inv ms", "mean loops", "compiles", "peak GiB", "run"]
+        rows.append(
+            [
+                r["label"] + (" (truncated)" if r.get("truncated") else ""),
+                r["mode"],
+                r.get("chunk") or "–",
+                f"{h['metric']}: **{_f(h['value'])}** / {_f(h['floor'])} {h['unit']}",
+                f"**{_pct(h['fraction'])}** {h['bound']}",
+                f"{_pct(r['fraction_of_floor'])} {r['floor_bound']}",
+                _f(r.get("output_tok_s")),
+                f"{_f(_lat(r, 'ttft', 'p50', tag), 1, 1e3)} / {_f(_lat(r, 'ttft', 'p99', tag), 1, 1e3)}",
+                f"{_f(_lat(r, 'itl', 'p50', tag), 2, 1e3)} / {_f(_lat(r, 'itl', 'p99', tag), 2, 1e3)}",
+                f"{_f(_lat(r, 'tpot', 'p50', tag), 2, 1e3)} / {_f(_lat(r, 'tpot', 'p99', tag), 2, 1e3)}"
+                + (f" (floor {_f(_tpot_floor_s(r), 2, 1e3)})" if _tpot_floor_s(r) else ""),
+                _f(r.get("rows_per_invocation")),
+                _f(r.get("invocations_per_s"), 0),
+                _f(r.get("schedule_time_per_invocation_s"), 3, 1e3),
+                _f(r.get("host_time_per_invocation_s"), 3, 1e3),
+                _f(r.get("time_per_invocation_s"), 3, 1e3),
+                _f(hist.get("mean_loops"), 2),
+                r.get("compilations", "–"),
+                _f(mem / 2**30 if mem else None, 1),
+                _run_short(r),
+            ]
+        )
+    header = [
+        "variant",
+        "mode",
+        "chunk",
+        "headline: measured / floor",
+        "of floor",
+        "whole run of floor",
+        "out tok/s",
+        "TTFT p50/p99 ms",
+        "ITL p50/p99 ms",
+        "TPOT p50/p99 ms",
+        "rows/inv",
+        "inv/s",
+        "schedule/inv ms",
+        "host/inv ms",
+        "wall/inv ms",
+        "mean loops",
+        "compiles",
+        "peak GiB",
+        "run",
+    ]
     return _table(header, rows)
 
 
@@ -312,41 +356,68 @@ def _targets(results: dict) -> str:
         c = cs[0] if fixed_c == "min" else cs[-1]
         return next(r for r in recs if r["concurrency"] == c)
 
-    for what, pick, goal in (("decode, batch 1 (serve1k c=1, fixed depth)", "min", 0.90),
-                             ("decode, serve1k c=128, fixed depth", "max", 0.85)):
+    for what, pick, goal in (
+        ("decode, batch 1 (serve1k c=1, fixed depth)", "min", 0.90),
+        ("decode, serve1k c=128, fixed depth", "max", 0.85),
+    ):
         r = serve(pick)
         if r is None:
             rows.append([what, f">= {goal:.0%} of the bandwidth floor", "not run", "", ""])
             continue
         f = r.get("tpot_fraction_of_floor")
         if r.get("tpot_floor") is None:  # cut short before a token came out
-            rows.append([what, f">= {goal:.0%} of the bandwidth floor",
-                         f"no TPOT ({'truncated' if r.get('truncated') else 'no tokens'})", "", ""])
+            rows.append(
+                [
+                    what,
+                    f">= {goal:.0%} of the bandwidth floor",
+                    f"no TPOT ({'truncated' if r.get('truncated') else 'no tokens'})",
+                    "",
+                    "",
+                ]
+            )
             continue
-        rows.append([what, f">= {goal:.0%} of the bandwidth floor",
-                     f"TPOT p50 {_f(_lat(r, 'tpot', 'p50'), 2, 1e3)} ms vs floor "
-                     f"{_f(r['tpot_floor']['floor_s'], 2, 1e3)} ms ({r['tpot_floor']['bound']}); whole run "
-                     f"{_pct(r['fraction_of_floor'])} ({r['label']}, {r['mode']})",
-                     _pct(f), "met" if f and f >= goal else "not met"])
+        rows.append(
+            [
+                what,
+                f">= {goal:.0%} of the bandwidth floor",
+                f"TPOT p50 {_f(_lat(r, 'tpot', 'p50'), 2, 1e3)} ms vs floor "
+                f"{_f(r['tpot_floor']['floor_s'], 2, 1e3)} ms ({r['tpot_floor']['bound']}); whole run "
+                f"{_pct(r['fraction_of_floor'])} ({r['label']}, {r['mode']})",
+                _pct(f),
+                "met" if f and f >= goal else "not met",
+            ]
+        )
     l4 = {(r["mode"], r.get("chunk")): r for r in _find(results, "long4", lambda r: r["mode"] != GENERATE_MODE)}
     w16, s16 = l4.get(("wavefront", 16)), l4.get(("split", 16))
     if w16:
         h = w16["headline"]
         ratio = h["value"] / s16["headline"]["value"] if s16 else None
         ok = h["fraction"] >= 0.85 and (ratio or 0) >= 1.4
-        rows.append(["prefill long4, wavefront chunk 16", ">= 85% of its floor and >= 1.4x split chunk 16",
-                     f"{_f(h['value'])} tok/s vs floor {_f(h['floor'])} ({h['bound']}); "
-                     f"{_f(ratio, 2)}x split", _pct(h["fraction"]), "met" if ok else "not met"])
+        rows.append(
+            [
+                "prefill long4, wavefront chunk 16",
+                ">= 85% of its floor and >= 1.4x split chunk 16",
+                f"{_f(h['value'])} tok/s vs floor {_f(h['floor'])} ({h['bound']}); {_f(ratio, 2)}x split",
+                _pct(h["fraction"]),
+                "met" if ok else "not met",
+            ]
+        )
     else:
         rows.append(["prefill long4, wavefront chunk 16", ">= 85% of its floor and >= 1.4x split", "not run", "", ""])
     c128 = [r for (m, c), r in l4.items() if c == 128]
     if c128:
         best = max(c128, key=lambda r: r["headline"]["value"])
         h = best["headline"]
-        rows.append(["prefill long4, chunk 128", ">= 75% of the FLOP floor (>= 45,000 tok/s)",
-                     f"best {best['mode']}: {_f(h['value'])} tok/s vs floor {_f(h['floor'])} ({h['bound']}); "
-                     + ", ".join(f"{r['mode']} {_f(r['headline']['value'])}" for r in c128),
-                     _pct(h["fraction"]), "met" if h["fraction"] >= 0.75 else "not met"])
+        rows.append(
+            [
+                "prefill long4, chunk 128",
+                ">= 75% of the FLOP floor (>= 45,000 tok/s)",
+                f"best {best['mode']}: {_f(h['value'])} tok/s vs floor {_f(h['floor'])} ({h['bound']}); "
+                + ", ".join(f"{r['mode']} {_f(r['headline']['value'])}" for r in c128),
+                _pct(h["fraction"]),
+                "met" if h["fraction"] >= 0.75 else "not met",
+            ]
+        )
     else:
         rows.append(["prefill long4, chunk 128", ">= 75% of the FLOP floor", "not run", "", ""])
     att = [r for r in (results.get("attention_sweep") or {}).get("records", []) if r.get("ratio_to_cudnn")]
@@ -354,32 +425,56 @@ def _targets(results: dict) -> str:
         rs = sorted(att_r["ratio_to_cudnn"] for att_r in att if att_r.get("kind") == kind)
         what = f"paged attention kernel, {kind} {'rows' if kind == 'decode' else 'segments'}"
         if not rs:
-            rows.append([what, f">= {goal:.0%} of cuDNN's {unit}", "not measured (benchmarks/attention_sweep.py)",
-                         "", ""])
+            rows.append(
+                [what, f">= {goal:.0%} of cuDNN's {unit}", "not measured (benchmarks/attention_sweep.py)", "", ""]
+            )
             continue
         med = rs[len(rs) // 2]
-        rows.append([what, f">= {goal:.0%} of cuDNN's {unit} at the same shape",
-                     f"attention_sweep.json: ours / cuDNN median {med:.2f}, range {rs[0]:.2f}..{rs[-1]:.2f} over "
-                     f"{len(rs)} shapes", _pct(med), "met" if rs[0] >= goal else "not met"])
-    eng = [r for res in results.values() if res.get("benchmark") == "workload"
-           for r in _ok(res.get("records", [])) if r["mode"] != GENERATE_MODE]
+        rows.append(
+            [
+                what,
+                f">= {goal:.0%} of cuDNN's {unit} at the same shape",
+                f"attention_sweep.json: ours / cuDNN median {med:.2f}, range {rs[0]:.2f}..{rs[-1]:.2f} over "
+                f"{len(rs)} shapes",
+                _pct(med),
+                "met" if rs[0] >= goal else "not met",
+            ]
+        )
+    eng = [
+        r
+        for res in results.values()
+        if res.get("benchmark") == "workload"
+        for r in _ok(res.get("records", []))
+        if r["mode"] != GENERATE_MODE
+    ]
     if eng:
+
         def sched(r):  # the host's own work: schedule (builds the descriptor) + update, less device waits
-            return (r.get("schedule_time_per_invocation_s", 0.0) + r.get("update_time_per_invocation_s", 0.0)
-                    - r.get("device_wait_per_invocation_s", 0.0))
+            return (
+                r.get("schedule_time_per_invocation_s", 0.0)
+                + r.get("update_time_per_invocation_s", 0.0)
+                - r.get("device_wait_per_invocation_s", 0.0)
+            )
 
         timed = [r for r in eng if r.get("time_per_invocation_s")]
         shares = sorted(sched(r) / r["time_per_invocation_s"] for r in timed)
         worst = max(timed, key=lambda r: sched(r) / r["time_per_invocation_s"])
-        rows.append(["host overhead", "scheduling + descriptor < 10% of device time per invocation",
-                     f"(schedule + update - device wait) / wall per invocation: median "
-                     f"{_pct(shares[len(shares) // 2])}, worst {_pct(shares[-1])} ({worst['label']} "
-                     f"{worst['mode']} c{worst.get('chunk')}); wall per invocation bounds device time from "
-                     f"above; kernel launches (dispatch) are reported apart",
-                     _pct(shares[len(shares) // 2]), "met" if shares[-1] < 0.10 else "not met"])
+        rows.append(
+            [
+                "host overhead",
+                "scheduling + descriptor < 10% of device time per invocation",
+                f"(schedule + update - device wait) / wall per invocation: median "
+                f"{_pct(shares[len(shares) // 2])}, worst {_pct(shares[-1])} ({worst['label']} "
+                f"{worst['mode']} c{worst.get('chunk')}); wall per invocation bounds device time from "
+                f"above; kernel launches (dispatch) are reported apart",
+                _pct(shares[len(shares) // 2]),
+                "met" if shares[-1] < 0.10 else "not met",
+            ]
+        )
         comp = sum(r.get("compilations", 0) + r.get("xla_compilations", 0) for r in eng)
-        rows.append(["recompiles during a run", "0", f"{comp} over {len(eng)} runs", "",
-                     "met" if comp == 0 else "not met"])
+        rows.append(
+            ["recompiles during a run", "0", f"{comp} over {len(eng)} runs", "", "met" if comp == 0 else "not met"]
+        )
     seen, starts = set(), []
     for res in results.values():
         if res.get("benchmark") != "workload":
@@ -391,15 +486,28 @@ def _targets(results: dict) -> str:
     cold = [s for s in starts if s.get("source") == "compiled"]
     # "compiled + persistent cache": every executable came from the cache and only small helper
     # jits compiled (a start-up is cached when it has at least one cache hit per executable)
-    warm = [s for s in starts if "persistent cache" in (s.get("source") or "")
-            and (s.get("persistent_cache_hits") or 0) >= (s.get("executables") or 1)]
+    warm = [
+        s
+        for s in starts
+        if "persistent cache" in (s.get("source") or "")
+        and (s.get("persistent_cache_hits") or 0) >= (s.get("executables") or 1)
+    ]
     if starts:
-        rows.append(["start-up", "all buckets < 60 s cold, < 10 s with the persistent cache",
-                     f"cold: {', '.join(_f(s['warmup_s']) + ' s' for s in cold) or 'not seen'} "
-                     f"({cold[0]['executables'] if cold else '–'} executables); cached: "
-                     f"{', '.join(_f(s['warmup_s']) + ' s' for s in warm) or 'not seen'}", "",
-                     "–" if not (cold and warm) else "met" if max(s['warmup_s'] for s in cold) < 60
-                     and max(s['warmup_s'] for s in warm) < 10 else "not met"])
+        rows.append(
+            [
+                "start-up",
+                "all buckets < 60 s cold, < 10 s with the persistent cache",
+                f"cold: {', '.join(_f(s['warmup_s']) + ' s' for s in cold) or 'not seen'} "
+                f"({cold[0]['executables'] if cold else '–'} executables); cached: "
+                f"{', '.join(_f(s['warmup_s']) + ' s' for s in warm) or 'not seen'}",
+                "",
+                "–"
+                if not (cold and warm)
+                else "met"
+                if max(s["warmup_s"] for s in cold) < 60 and max(s["warmup_s"] for s in warm) < 10
+                else "not met",
+            ]
+        )
     return _table(["figure", "target", "measured", "of floor", "status"], rows)
 
 
@@ -407,43 +515,83 @@ def _bucket_section(bs: dict, pad_only: Optional[dict]) -> str:
     out = []
     dev = (bs or {}).get("device_part")
     if dev:
-        out.append(f"Synthetic full descriptors per bucket: decode rows at context {dev['decode_context']}, prefill "
-                   f"segments of {dev['prefill_segment']} rows ending at {dev['prefill_context']}; device time of "
-                   f"back-to-back invocations with the descriptor on the device ({dev['reps']} reps). Executables: "
-                   f"{dev['startup']['source']} ({_f(dev['startup']['warmup_s'])} s).\n")
+        out.append(
+            f"Synthetic full descriptors per bucket: decode rows at context {dev['decode_context']}, prefill "
+            f"segments of {dev['prefill_segment']} rows ending at {dev['prefill_context']}; device time of "
+            f"back-to-back invocations with the descriptor on the device ({dev['reps']} reps). Executables: "
+            f"{dev['startup']['source']} ({_f(dev['startup']['warmup_s'])} s).\n"
+        )
         rows = []
         for b in dev["buckets"]:
             d, p, m = b["decode"], b["prefill"], b.get("memory") or {}
-            rows.append([b["R"], b["C"], b["F"], b["MB"], _f(b.get("compile_s"), 2),
-                         _f(m.get("temp_bytes", 0) / 2 ** 20 if m else None, 1),
-                         _f(m.get("generated_code_bytes", 0) / 2 ** 20 if m else None, 2),
-                         f"{_f(d['device_s'], 3, 1e3)} ({_pct(d['fraction_of_floor'])} {d['bound']})",
-                         f"{_f(d['gbs'], 0)} GB/s", f"{_f(p['device_s'], 3, 1e3)} ({_pct(p['fraction_of_floor'])} "
-                                                     f"{p['bound']})", f"{_f(p['tflops'], 1)} TFLOP/s",
-                         f"{_f(d['host_build_s'], 0, 1e6)} / {_f(p['host_build_s'], 0, 1e6)}",
-                         f"{_f(d['upload_s'], 0, 1e6)} / {_f(p['upload_s'], 0, 1e6)}"])
-        out.append(_table(["R", "C", "F", "MB", "compile s", "temp MiB", "code MiB", "decode ms (floor)",
-                           "decode GB/s", "prefill ms (floor)", "prefill TFLOP/s", "host build us (dec/pre)",
-                           "upload us (dec/pre)"], rows))
+            rows.append(
+                [
+                    b["R"],
+                    b["C"],
+                    b["F"],
+                    b["MB"],
+                    _f(b.get("compile_s"), 2),
+                    _f(m.get("temp_bytes", 0) / 2**20 if m else None, 1),
+                    _f(m.get("generated_code_bytes", 0) / 2**20 if m else None, 2),
+                    f"{_f(d['device_s'], 3, 1e3)} ({_pct(d['fraction_of_floor'])} {d['bound']})",
+                    f"{_f(d['gbs'], 0)} GB/s",
+                    f"{_f(p['device_s'], 3, 1e3)} ({_pct(p['fraction_of_floor'])} {p['bound']})",
+                    f"{_f(p['tflops'], 1)} TFLOP/s",
+                    f"{_f(d['host_build_s'], 0, 1e6)} / {_f(p['host_build_s'], 0, 1e6)}",
+                    f"{_f(d['upload_s'], 0, 1e6)} / {_f(p['upload_s'], 0, 1e6)}",
+                ]
+            )
+        out.append(
+            _table(
+                [
+                    "R",
+                    "C",
+                    "F",
+                    "MB",
+                    "compile s",
+                    "temp MiB",
+                    "code MiB",
+                    "decode ms (floor)",
+                    "decode GB/s",
+                    "prefill ms (floor)",
+                    "prefill TFLOP/s",
+                    "host build us (dec/pre)",
+                    "upload us (dec/pre)",
+                ],
+                rows,
+            )
+        )
     pad = (bs or {}).get("padding") or (pad_only or {}).get("padding")
     if pad:
-        out.append(f"\n**Padding** (scheduler simulated, no device; {pad['num_blocks']} KV blocks, scale "
-                   f"{pad['scale']}): padded rows / rows of the buckets run, and the floor overhead if padding rows "
-                   f"cost their matmul FLOPs.\n")
+        out.append(
+            f"\n**Padding** (scheduler simulated, no device; {pad['num_blocks']} KV blocks, scale "
+            f"{pad['scale']}): padded rows / rows of the buckets run, and the floor overhead if padding rows "
+            f"cost their matmul FLOPs.\n"
+        )
         sets = list(pad["sets"])
         rows = []
-        for wl, v in list(pad["per_workload"].items()) + ([("all", pad["all_workloads"])] if pad.get("all_workloads")
-                                                            else []):
+        for wl, v in list(pad["per_workload"].items()) + (
+            [("all", pad["all_workloads"])] if pad.get("all_workloads") else []
+        ):
             bs_ = v["by_set"]
-            rows.append([wl] + [f"{_pct(bs_[s]['padding_fraction'])} / +{_pct(bs_[s]['floor_overhead'])}"
-                                for s in sets])
+            rows.append(
+                [wl] + [f"{_pct(bs_[s]['padding_fraction'])} / +{_pct(bs_[s]['floor_overhead'])}" for s in sets]
+            )
         out.append(_table(["workload"] + [f"{s} ({len(pad['sets'][s])})" for s in sets], rows))
         rows = []
-        for wl, v in list(pad["per_workload"].items()) + ([("all", pad["all_workloads"])] if pad.get("all_workloads")
-                                                            else []):
+        for wl, v in list(pad["per_workload"].items()) + (
+            [("all", pad["all_workloads"])] if pad.get("all_workloads") else []
+        ):
             for k, o in v["optimal"].items():
-                rows.append([wl, k, ", ".join(map(str, o["buckets"])), _pct(o["padding_fraction"]),
-                             "+" + _pct(o["floor_overhead"])])
+                rows.append(
+                    [
+                        wl,
+                        k,
+                        ", ".join(map(str, o["buckets"])),
+                        _pct(o["padding_fraction"]),
+                        "+" + _pct(o["floor_overhead"]),
+                    ]
+                )
         out.append("\nBest bucket sets (DP over multiples of 8; objective: padded floor time or padded rows):\n")
         out.append(_table(["workload", "k, objective", "buckets", "padded rows", "floor overhead"], rows))
     return "\n".join(out)
@@ -451,17 +599,24 @@ def _bucket_section(bs: dict, pad_only: Optional[dict]) -> str:
 
 def write_report(folder: str) -> str:
     results = load_results(folder)
-    lines = ["# ouro-jax benchmark report", "",
-             f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} from `{folder}`. Every figure is "
-             f"printed next to its floor (`benchmarks/floors.py` model, ceilings measured in the same run); "
-             f"'whole run of floor' prices the schedule actually run (`benchmarks/metrics.py`).", ""]
+    lines = [
+        "# ouro-jax benchmark report",
+        "",
+        f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} from `{folder}`. Every figure is "
+        f"printed next to its floor (`benchmarks/floors.py` model, ceilings measured in the same run); "
+        f"'whole run of floor' prices the schedule actually run (`benchmarks/metrics.py`).",
+        "",
+    ]
     wl = {k: v for k, v in results.items() if v.get("benchmark") == "workload"}
     any_res = next(iter(wl.values()), None) or results.get("bucket_sweep") or results.get("generate")
     if any_res:
         c = any_res.get("ceilings") or {}
-        lines += [f"Device: **{any_res.get('device')}**, jax {any_res.get('jax_version')}; ceilings "
-                  f"{_f(c.get('peak_flops'), 0, 1e-12)} TFLOP/s, {_f(c.get('bandwidth'), 2, 1e-12)} TB/s "
-                  f"({'measured in the run' if c.get('measured') else 'H200 defaults, not measured'}).", ""]
+        lines += [
+            f"Device: **{any_res.get('device')}**, jax {any_res.get('jax_version')}; ceilings "
+            f"{_f(c.get('peak_flops'), 0, 1e-12)} TFLOP/s, {_f(c.get('bandwidth'), 2, 1e-12)} TB/s "
+            f"({'measured in the run' if c.get('measured') else 'H200 defaults, not measured'}).",
+            "",
+        ]
     lines += ["## Targets (docs/performance.md)", "", _targets(results), ""]
     order = ["serve1k", "long4", "mixed32", "decode_under_prefill", "mixed128"]
     for name in sorted(wl, key=lambda n: order.index(n) if n in order else 99):
@@ -470,20 +625,26 @@ def write_report(folder: str) -> str:
         lines += [f"## {name}", ""]
         for v in cfg.get("variants", [])[:1]:
             lines.append(f"{v.get('description', '')}.")
-        lines.append(f"Scale {cfg.get('scale')} (counts x{cfg.get('count_scale')}), preset {cfg.get('preset')} "
-                     f"{cfg.get('dtype')}, engine shape `{cfg.get('engine_shape')}`, time budget "
-                     f"{cfg.get('time_budget_s')} s.")
+        lines.append(
+            f"Scale {cfg.get('scale')} (counts x{cfg.get('count_scale')}), preset {cfg.get('preset')} "
+            f"{cfg.get('dtype')}, engine shape `{cfg.get('engine_shape')}`, time budget "
+            f"{cfg.get('time_budget_s')} s."
+        )
         st = res.get("startup", [])
         s0 = res.get("process_startup") or (st[0] if st else None)
         if s0:
-            lines.append(f"Start-up of the process's first engine: {s0['executables']} executables, {s0['source']} "
-                         f"in {_f(s0['warmup_s'])} s ({s0['xla_compiles']} XLA compiles, "
-                         f"{s0['persistent_cache_hits']} persistent-cache hits); the {len(st)} engines of this "
-                         f"workload: {', '.join(sorted({x['source'] for x in st}))}.")
+            lines.append(
+                f"Start-up of the process's first engine: {s0['executables']} executables, {s0['source']} "
+                f"in {_f(s0['warmup_s'])} s ({s0['xla_compiles']} XLA compiles, "
+                f"{s0['persistent_cache_hits']} persistent-cache hits); the {len(st)} engines of this "
+                f"workload: {', '.join(sorted({x['source'] for x in st}))}."
+            )
         lines += ["", _workload_table(res), ""]
         if res.get("skipped"):
-            lines.append("Skipped: " + "; ".join(f"{s['label']} {s['mode']} c{s.get('chunk')} ({s['reason']})"
-                                                 for s in res["skipped"]))
+            lines.append(
+                "Skipped: "
+                + "; ".join(f"{s['label']} {s['mode']} c{s.get('chunk')} ({s['reason']})" for s in res["skipped"])
+            )
             lines.append("")
         for fn, suffix in ((plot_workload, ""), (plot_latency, "_latency")):
             try:
@@ -495,10 +656,23 @@ def write_report(folder: str) -> str:
     gen = results.get("generate")
     if gen and gen.get("records"):
         lines += ["## generate() static batch (benchmarks/generate_bench.py)", ""]
-        lines.append(_table(["batch", "prompt", "new", "out tok/s", "floor tok/s", "of floor", "first call s"],
-                            [[r["batch"], r["prompt"], r["new_tokens"], _f(r["output_tok_s"]),
-                              _f(r["floor_output_tok_s"]), _pct(r["fraction_of_floor"]), _f(r["first_call_s"])]
-                             for r in gen["records"]]))
+        lines.append(
+            _table(
+                ["batch", "prompt", "new", "out tok/s", "floor tok/s", "of floor", "first call s"],
+                [
+                    [
+                        r["batch"],
+                        r["prompt"],
+                        r["new_tokens"],
+                        _f(r["output_tok_s"]),
+                        _f(r["floor_output_tok_s"]),
+                        _pct(r["fraction_of_floor"]),
+                        _f(r["first_call_s"]),
+                    ]
+                    for r in gen["records"]
+                ],
+            )
+        )
         lines.append("")
     att = [r for r in (results.get("attention_sweep") or {}).get("records", []) if r.get("ratio_to_cudnn")]
     if att:
@@ -506,12 +680,25 @@ def write_report(folder: str) -> str:
         rows = []
         for r in att:
             sh = r.get("shape", {})
-            fig = (f"{_f(r.get('gbps'), 0)} / {_f(r.get('cudnn_gbps'), 0)} GB/s" if r.get("kind") == "decode" else
-                   f"{_f(r.get('tflops'), 0)} / {_f(r.get('cudnn_tflops'), 0)} TFLOP/s")
-            rows.append([r.get("kind"), f"{sh.get('n_seg')} x {sh.get('q_len')} @ {sh.get('ctx')}",
-                         _f(r.get("ours_ms"), 4), _f(r.get("cudnn_ms"), 4), fig, _f(r.get("ratio_to_cudnn"), 2)])
-        lines += [_table(["kind", "segments x rows @ context", "ours ms", "cuDNN ms", "ours / cuDNN", "ratio"],
-                         rows), ""]
+            fig = (
+                f"{_f(r.get('gbps'), 0)} / {_f(r.get('cudnn_gbps'), 0)} GB/s"
+                if r.get("kind") == "decode"
+                else f"{_f(r.get('tflops'), 0)} / {_f(r.get('cudnn_tflops'), 0)} TFLOP/s"
+            )
+            rows.append(
+                [
+                    r.get("kind"),
+                    f"{sh.get('n_seg')} x {sh.get('q_len')} @ {sh.get('ctx')}",
+                    _f(r.get("ours_ms"), 4),
+                    _f(r.get("cudnn_ms"), 4),
+                    fig,
+                    _f(r.get("ratio_to_cudnn"), 2),
+                ]
+            )
+        lines += [
+            _table(["kind", "segments x rows @ context", "ours ms", "cuDNN ms", "ours / cuDNN", "ratio"], rows),
+            "",
+        ]
     bs, bp = results.get("bucket_sweep"), results.get("bucket_padding")
     if bs or bp:
         lines += ["## Bucket sweep", "", _bucket_section(bs, bp), ""]

@@ -26,6 +26,7 @@ histogram, and ``fraction_of_floor`` with the floor named (``bandwidth`` / ``flo
 (serve1k with exactly c requests, long4). ``--time-budget`` stops starting new configurations once
 the process has used that many seconds (start-up included).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,6 +63,7 @@ GENERATE_MODE = "generate()"
 class CompileEvents:
     """Process-wide counts of compile requests (XLA compilations and persistent-cache loads: the
     backend-compile event wraps both) and persistent-cache hits (``jax.monitoring``)."""
+
     _instance = None
 
     def __new__(cls):
@@ -91,8 +93,11 @@ def _memory() -> dict:
         st = jax.devices()[0].memory_stats() or {}
     except Exception:  # noqa: BLE001 - backends without memory stats
         st = {}
-    return dict(peak_bytes_in_use=st.get("peak_bytes_in_use"), bytes_in_use=st.get("bytes_in_use"),
-                bytes_limit=st.get("bytes_limit"))
+    return dict(
+        peak_bytes_in_use=st.get("peak_bytes_in_use"),
+        bytes_in_use=st.get("bytes_in_use"),
+        bytes_limit=st.get("bytes_limit"),
+    )
 
 
 def _json_default(o):
@@ -132,16 +137,16 @@ def _delta(a: dict, b: dict) -> dict:
 # ----------------------------------------------------------------------------------- the driver
 @dataclasses.dataclass
 class DriveResult:
-    outputs: dict            # request id -> the last output seen
-    specs: dict              # request id -> RequestSpec
-    t0: float                # time.monotonic() before the first submission
+    outputs: dict  # request id -> the last output seen
+    specs: dict  # request id -> RequestSpec
+    t0: float  # time.monotonic() before the first submission
     t_end: float
     steps: int
-    first_token_step: dict   # request id -> invocations done when its first token came back
+    first_token_step: dict  # request id -> invocations done when its first token came back
     submitted: list
     truncated: bool = False
     aborted: list = dataclasses.field(default_factory=list)
-    step_s: float = 0.0      # time inside engine.step() (scheduling, dispatch, result handling, outputs)
+    step_s: float = 0.0  # time inside engine.step() (scheduling, dispatch, result handling, outputs)
 
 
 def drive(engine, wl: Workload, *, deadline: Optional[float] = None, bar=None, sync=None) -> DriveResult:
@@ -164,8 +169,9 @@ def drive(engine, wl: Workload, *, deadline: Optional[float] = None, bar=None, s
         initial, closed = list(range(min(c, len(reqs)))), collections.deque(range(c, len(reqs)))
     elif wl.arrival == "triggered":
         initial = [i for i, r in enumerate(reqs) if r.after_tokens is None]
-        triggered = collections.deque(sorted((i for i, r in enumerate(reqs) if r.after_tokens is not None),
-                                             key=lambda i: reqs[i].after_tokens))
+        triggered = collections.deque(
+            sorted((i for i, r in enumerate(reqs) if r.after_tokens is not None), key=lambda i: reqs[i].after_tokens)
+        )
     else:
         raise ValueError(f"unknown arrival process {wl.arrival!r}")
     background = [rid[i] for i, r in enumerate(reqs) if wl.background_tag and r.tag == wl.background_tag]
@@ -227,17 +233,28 @@ def drive(engine, wl: Workload, *, deadline: Optional[float] = None, bar=None, s
 class Harness:
     """Random weights, ceilings and executables shared by every engine of one process."""
 
-    def __init__(self, preset: str = "ouro-1.4b", dtype: Optional[str] = None, shape: Optional[EngineShape] = None,
-                 compile_cache_dir: Optional[str] = None, attention: str = "auto", layer_loop: str = "unrolled",
-                 gpu_memory_utilization: float = 0.9, kv_cache_bytes: Optional[int] = None,
-                 quick_ceilings: bool = False, progress: bool = True, warmup_requests: int = 1, seed: int = 0,
-                 fused_decode_max_rows: int = 0, fused_decode_tokens: int = 1):
+    def __init__(
+        self,
+        preset: str = "ouro-1.4b",
+        dtype: Optional[str] = None,
+        shape: Optional[EngineShape] = None,
+        compile_cache_dir: Optional[str] = None,
+        attention: str = "auto",
+        layer_loop: str = "unrolled",
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_bytes: Optional[int] = None,
+        quick_ceilings: bool = False,
+        progress: bool = True,
+        warmup_requests: int = 1,
+        seed: int = 0,
+        fused_decode_max_rows: int = 0,
+        fused_decode_tokens: int = 1,
+    ):
         self.t_start = time.monotonic()
         # fused decode steps (scheduler): records of such engines carry a label suffix, so that
         # they sit next to the loop-by-loop records of the same workload instead of replacing them
         self.fused_decode_max_rows, self.fused_decode_tokens = fused_decode_max_rows, fused_decode_tokens
-        self.label_suffix = (f" fused{fused_decode_max_rows}x{fused_decode_tokens}"
-                             if fused_decode_max_rows else "")
+        self.label_suffix = f" fused{fused_decode_max_rows}x{fused_decode_tokens}" if fused_decode_max_rows else ""
         LLM._enable_compile_cache(compile_cache_dir)  # before anything compiles
         self.events = CompileEvents()
         self.preset = preset
@@ -245,9 +262,11 @@ class Harness:
         self.dtype = dtype or self.config.torch_dtype
         self.shape = shape or suite_shape()
         if self.shape.max_model_len > self.config.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.shape.max_model_len} (the longest request of the suite at this "
-                             f"scale) exceeds {preset}'s max_position_embeddings "
-                             f"{self.config.max_position_embeddings}: lower --scale or --max-model-len")
+            raise ValueError(
+                f"max_model_len {self.shape.max_model_len} (the longest request of the suite at this "
+                f"scale) exceeds {preset}'s max_position_embeddings "
+                f"{self.config.max_position_embeddings}: lower --scale or --max-model-len"
+            )
         self.attention, self.layer_loop = attention, layer_loop
         self.gpu_memory_utilization, self.kv_cache_bytes = gpu_memory_utilization, kv_cache_bytes
         self.compile_cache_dir = compile_cache_dir
@@ -275,33 +294,62 @@ class Harness:
         return time.monotonic() - self.t_start
 
     def describe(self) -> dict:
-        return dict(preset=self.preset, dtype=self.dtype, model=self.config.to_dict(),
-                    engine_shape=self.shape.to_dict(),
-                    attention=self.attention, layer_loop=self.layer_loop,
-                    fused_decode_max_rows=self.fused_decode_max_rows,
-                    fused_decode_tokens=self.fused_decode_tokens,
-                    gpu_memory_utilization=self.gpu_memory_utilization, kv_cache_bytes=self.kv_cache_bytes,
-                    compile_cache_dir=self.compile_cache_dir or os.environ.get("OURO_JAX_COMPILE_CACHE"),
-                    warmup_requests=self.warmup_requests, params_init_s=self.params_s, ceilings_s=self.ceilings_s,
-                    executables_note="engines of one process with identical shapes share executables; the first "
-                                     "compiles them or loads them from the persistent compilation cache")
+        return dict(
+            preset=self.preset,
+            dtype=self.dtype,
+            model=self.config.to_dict(),
+            engine_shape=self.shape.to_dict(),
+            attention=self.attention,
+            layer_loop=self.layer_loop,
+            fused_decode_max_rows=self.fused_decode_max_rows,
+            fused_decode_tokens=self.fused_decode_tokens,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_bytes=self.kv_cache_bytes,
+            compile_cache_dir=self.compile_cache_dir or os.environ.get("OURO_JAX_COMPILE_CACHE"),
+            warmup_requests=self.warmup_requests,
+            params_init_s=self.params_s,
+            ceilings_s=self.ceilings_s,
+            executables_note="engines of one process with identical shapes share executables; the first "
+            "compiles them or loads them from the persistent compilation cache",
+        )
 
     # ------------------------------------------------------------------------------ engines
     def engine(self, mode: str, chunk: int, chunks: Sequence[int] = ()) -> tuple[LLM, dict]:
         sh, c = self.shape, self.config
         t = time.perf_counter()
-        llm = LLM(c, params=self.params, max_num_seqs=sh.max_num_seqs, max_num_batched_tokens=sh.max_num_batched_tokens,
-                  prefill_chunk_size=chunk, block_size=sh.block_size, max_model_len=sh.max_model_len,
-                  prefill_mode=mode, buckets=sh.buckets, gpu_memory_utilization=self.gpu_memory_utilization,
-                  kv_cache_bytes=self.kv_cache_bytes, attention=self.attention, layer_loop=self.layer_loop,
-                  compile_cache_dir=self.compile_cache_dir, num_ring_rows=sh.num_ring_rows(c.num_loops, chunks),
-                  fused_decode_max_rows=self.fused_decode_max_rows, fused_decode_tokens=self.fused_decode_tokens,
-                  warmup=False, progress=False)
+        llm = LLM(
+            c,
+            params=self.params,
+            max_num_seqs=sh.max_num_seqs,
+            max_num_batched_tokens=sh.max_num_batched_tokens,
+            prefill_chunk_size=chunk,
+            block_size=sh.block_size,
+            max_model_len=sh.max_model_len,
+            prefill_mode=mode,
+            buckets=sh.buckets,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_bytes=self.kv_cache_bytes,
+            attention=self.attention,
+            layer_loop=self.layer_loop,
+            compile_cache_dir=self.compile_cache_dir,
+            num_ring_rows=sh.num_ring_rows(c.num_loops, chunks),
+            fused_decode_max_rows=self.fused_decode_max_rows,
+            fused_decode_tokens=self.fused_decode_tokens,
+            warmup=False,
+            progress=False,
+        )
         construct_s = time.perf_counter() - t
         r = llm.runner
         keys = llm.executable_keys()
-        sig = (tuple(r.k_pool.shape), str(r.k_pool.dtype), tuple(r.ring.shape), tuple(keys), r.attention,
-               r.layer_loop, r.dtype_name)
+        sig = (
+            tuple(r.k_pool.shape),
+            str(r.k_pool.dtype),
+            tuple(r.ring.shape),
+            tuple(keys),
+            r.attention,
+            r.layer_loop,
+            r.dtype_name,
+        )
         ev0 = self.events.snapshot()
         t = time.perf_counter()
         if sig in self._executables:
@@ -317,20 +365,37 @@ class Harness:
             self._executables[sig] = dict(r._exe)
             ev1 = self.events.snapshot()
             hits, compiles = ev1[2] - ev0[2], (ev1[0] - ev0[0]) - (ev1[2] - ev0[2])
-            source = ("persistent cache" if hits and not compiles else "compiled" if not hits else
-                      "compiled + persistent cache")
+            source = (
+                "persistent cache"
+                if hits and not compiles
+                else "compiled"
+                if not hits
+                else "compiled + persistent cache"
+            )
         warm_s = time.perf_counter() - t
         ev1 = self.events.snapshot()
-        st = dict(mode=mode, chunk=chunk, source=source, executables=len(keys), construct_s=construct_s,
-                  warmup_s=warm_s, xla_compiles=(ev1[0] - ev0[0]) - (ev1[2] - ev0[2]),
-                  xla_compile_requests_s=ev1[1] - ev0[1],
-                  persistent_cache_hits=ev1[2] - ev0[2], runner_compile_time_s=r.compile_time,
-                  per_bucket_s={(str(k.R) if isinstance(k, BucketKey) else f"fused {k[0].R}x{k[1]}"): v
-                                for k, v in r.compile_times.items()},
-                  kv_blocks=r.num_blocks, kv_cache_bytes=r.kv_bytes, ring_rows=r.num_ring_rows,
-                  buckets=[k.R for k in keys if isinstance(k, BucketKey)],
-                  fused_steps=[[k[0].R, k[1]] for k in keys if not isinstance(k, BucketKey)],
-                  elapsed_s=self.elapsed())
+        st = dict(
+            mode=mode,
+            chunk=chunk,
+            source=source,
+            executables=len(keys),
+            construct_s=construct_s,
+            warmup_s=warm_s,
+            xla_compiles=(ev1[0] - ev0[0]) - (ev1[2] - ev0[2]),
+            xla_compile_requests_s=ev1[1] - ev0[1],
+            persistent_cache_hits=ev1[2] - ev0[2],
+            runner_compile_time_s=r.compile_time,
+            per_bucket_s={
+                (str(k.R) if isinstance(k, BucketKey) else f"fused {k[0].R}x{k[1]}"): v
+                for k, v in r.compile_times.items()
+            },
+            kv_blocks=r.num_blocks,
+            kv_cache_bytes=r.kv_bytes,
+            ring_rows=r.num_ring_rows,
+            buckets=[k.R for k in keys if isinstance(k, BucketKey)],
+            fused_steps=[[k[0].R, k[1]] for k in keys if not isinstance(k, BucketKey)],
+            elapsed_s=self.elapsed(),
+        )
         self.startups.append(st)
         return llm, st
 
@@ -345,8 +410,9 @@ class Harness:
             llm.step()
 
     # -------------------------------------------------------------------------------- runs
-    def run(self, wl: Workload, mode: str, chunk: int, chunks: Sequence[int] = (),
-            timeout: Optional[float] = None) -> dict:
+    def run(
+        self, wl: Workload, mode: str, chunk: int, chunks: Sequence[int] = (), timeout: Optional[float] = None
+    ) -> dict:
         """``timeout``: seconds the measured run may take; it starts after the engine's start-up
         (compilation) and warm-up request, which a configuration must not be charged for."""
         llm, st = self.engine(mode, chunk, chunks)
@@ -359,8 +425,14 @@ class Harness:
             bar = None
             if self.progress:
                 from tqdm.auto import tqdm
-                bar = tqdm(total=len(wl.requests), desc=f"{wl.label} {mode} c{chunk}", unit="req",
-                           mininterval=0.5 if sys.stderr.isatty() else 10.0, file=sys.stderr)
+
+                bar = tqdm(
+                    total=len(wl.requests),
+                    desc=f"{wl.label} {mode} c{chunk}",
+                    unit="req",
+                    mininterval=0.5 if sys.stderr.isatty() else 10.0,
+                    file=sys.stderr,
+                )
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
                 res = drive(llm, wl, deadline=deadline, bar=bar, sync=llm.runner.synchronize)
@@ -375,21 +447,34 @@ class Harness:
             rec_out["kv_blocks"], rec_out["kv_cache_bytes"] = s1["kv_blocks"], s1["kv_cache_bytes"]
             # how many of this workload's largest requests the KV pool holds at once (all planes)
             sc = llm.scheduler_config
-            per_req = sc.num_planes * max(-(-(s.num_prompt_tokens + s.params.max_tokens - 1) // sc.block_size)
-                                          for s in wl.requests)
+            per_req = sc.num_planes * max(
+                -(-(s.num_prompt_tokens + s.params.max_tokens - 1) // sc.block_size) for s in wl.requests
+            )
             rec_out["kv_fit_requests"] = (sc.num_blocks - 1) // per_req
             want = wl.concurrency or len(wl.requests)
             if rec_out["kv_fit_requests"] < min(want, sc.max_num_seqs):
-                print(f"note: the KV pool holds {rec_out['kv_fit_requests']} of the {want} requests "
-                      f"{wl.label} wants at once", flush=True)
+                print(
+                    f"note: the KV pool holds {rec_out['kv_fit_requests']} of the {want} requests "
+                    f"{wl.label} wants at once",
+                    flush=True,
+                )
             return rec_out
         finally:
             llm.runner.__dict__.pop("execute", None)  # drop the recorder (it closes over the runner)
             del llm
             gc.collect()
 
-    def _record(self, wl: Workload, mode: str, chunk: int, res: DriveResult, rec: ScheduleRecorder,
-                stats: dict, xla_compiles: int, startup: dict) -> dict:
+    def _record(
+        self,
+        wl: Workload,
+        mode: str,
+        chunk: int,
+        res: DriveResult,
+        rec: ScheduleRecorder,
+        stats: dict,
+        xla_compiles: int,
+        startup: dict,
+    ) -> dict:
         c, T = self.config, self.config.num_loops
         outs = list(res.outputs.values())
         with_tokens = [o for o in outs if len(o.token_ids)]
@@ -400,42 +485,73 @@ class Harness:
         inv = max(1, stats.get("invocations", 0))
         fl = floor_of(rec.total(), self.bw, self.peak)
         hist = exit_histogram(with_tokens, T)
-        r = dict(workload=wl.name, variant=wl.variant, label=wl.label + self.label_suffix, mode=mode, chunk=chunk,
-                 exit=wl.exit, arrival=wl.arrival, concurrency=wl.concurrency, requests=len(wl.requests),
-                 requests_submitted=len(res.submitted), requests_finished=len(finished),
-                 truncated=res.truncated, aborted=len(res.aborted), wall_s=wall, prompt_tokens=n_prompt,
-                 output_tokens=n_out, prompt_tok_s=n_prompt / wall, output_tok_s=n_out / wall,
-                 request_throughput=len(finished) / wall)
+        r = dict(
+            workload=wl.name,
+            variant=wl.variant,
+            label=wl.label + self.label_suffix,
+            mode=mode,
+            chunk=chunk,
+            exit=wl.exit,
+            arrival=wl.arrival,
+            concurrency=wl.concurrency,
+            requests=len(wl.requests),
+            requests_submitted=len(res.submitted),
+            requests_finished=len(finished),
+            truncated=res.truncated,
+            aborted=len(res.aborted),
+            wall_s=wall,
+            prompt_tokens=n_prompt,
+            output_tokens=n_out,
+            prompt_tok_s=n_prompt / wall,
+            output_tok_s=n_out / wall,
+            request_throughput=len(finished) / wall,
+        )
         r["latency"] = latency(with_tokens)
         tags = sorted({res.specs[o.request_id].tag for o in with_tokens})
         if len(tags) > 1 or wl.background_tag:
-            r["latency_by_tag"] = {t: latency([o for o in with_tokens if res.specs[o.request_id].tag == t])
-                                   for t in tags}
+            r["latency_by_tag"] = {
+                t: latency([o for o in with_tokens if res.specs[o.request_id].tag == t]) for t in tags
+            }
         real, padded = stats.get("real_rows", 0), stats.get("padded_rows", 0)
-        r.update(invocations=stats.get("invocations", 0), rows_per_invocation=real / inv,
-                 padded_rows=padded, padding_fraction=padded / max(1, real + padded),
-                 invocations_per_s=stats.get("invocations", 0) / wall, time_per_invocation_s=wall / inv,
-                 host_time_per_invocation_s=stats.get("host_time_s", 0.0) / inv,
-                 # launches: executables run (a fused decode step is one launch of many invocations)
-                 launches=stats.get("launches", 0), fused_launches=stats.get("fused_launches", 0),
-                 host_time_per_launch_s=stats.get("host_time_s", 0.0) / max(1, stats.get("launches", 0)),
-                 schedule_time_per_invocation_s=stats.get("schedule_time_s", 0.0) / inv,
-                 update_time_per_invocation_s=stats.get("update_time_s", 0.0) / inv,
-                 dispatch_time_per_invocation_s=stats.get("dispatch_time_s", 0.0) / inv,
-                 device_wait_time_s=stats.get("device_wait_time_s", 0.0),
-                 device_wait_per_invocation_s=stats.get("device_wait_time_s", 0.0) / inv,
-                 step_time_per_invocation_s=res.step_s / inv,
-                 # inside LLM.step but neither scheduling nor dispatch: building RequestOutputs, bookkeeping
-                 step_other_per_invocation_s=(res.step_s - stats.get("schedule_time_s", 0.0)
-                                              - stats.get("update_time_s", 0.0)
-                                              - stats.get("dispatch_time_s", 0.0)) / inv,
-                 driver_per_invocation_s=(wall - res.step_s) / inv,  # arrivals, progress bar, this harness
-                 row_buckets_used=stats.get("row_buckets_used", {}),
-                 decode_rows=stats.get("decode_rows", 0), prefill_rows=stats.get("prefill_rows", 0),
-                 finalize_pairs=stats.get("finalize_pairs", 0),
-                 compilations=stats.get("compilations", 0), xla_compilations=xla_compiles,
-                 exit_histogram=hist, floor=fl, fraction_of_floor=fl["floor_s"] / wall, floor_bound=fl["bound"],
-                 floor_per_invocation_s=fl["floor_s"] / inv)
+        r.update(
+            invocations=stats.get("invocations", 0),
+            rows_per_invocation=real / inv,
+            padded_rows=padded,
+            padding_fraction=padded / max(1, real + padded),
+            invocations_per_s=stats.get("invocations", 0) / wall,
+            time_per_invocation_s=wall / inv,
+            host_time_per_invocation_s=stats.get("host_time_s", 0.0) / inv,
+            # launches: executables run (a fused decode step is one launch of many invocations)
+            launches=stats.get("launches", 0),
+            fused_launches=stats.get("fused_launches", 0),
+            host_time_per_launch_s=stats.get("host_time_s", 0.0) / max(1, stats.get("launches", 0)),
+            schedule_time_per_invocation_s=stats.get("schedule_time_s", 0.0) / inv,
+            update_time_per_invocation_s=stats.get("update_time_s", 0.0) / inv,
+            dispatch_time_per_invocation_s=stats.get("dispatch_time_s", 0.0) / inv,
+            device_wait_time_s=stats.get("device_wait_time_s", 0.0),
+            device_wait_per_invocation_s=stats.get("device_wait_time_s", 0.0) / inv,
+            step_time_per_invocation_s=res.step_s / inv,
+            # inside LLM.step but neither scheduling nor dispatch: building RequestOutputs, bookkeeping
+            step_other_per_invocation_s=(
+                res.step_s
+                - stats.get("schedule_time_s", 0.0)
+                - stats.get("update_time_s", 0.0)
+                - stats.get("dispatch_time_s", 0.0)
+            )
+            / inv,
+            driver_per_invocation_s=(wall - res.step_s) / inv,  # arrivals, progress bar, this harness
+            row_buckets_used=stats.get("row_buckets_used", {}),
+            decode_rows=stats.get("decode_rows", 0),
+            prefill_rows=stats.get("prefill_rows", 0),
+            finalize_pairs=stats.get("finalize_pairs", 0),
+            compilations=stats.get("compilations", 0),
+            xla_compilations=xla_compiles,
+            exit_histogram=hist,
+            floor=fl,
+            fraction_of_floor=fl["floor_s"] / wall,
+            floor_bound=fl["bound"],
+            floor_per_invocation_s=fl["floor_s"] / inv,
+        )
         # prefill span: every request arrived at t=0; until the last first token
         span = None
         if wl.arrival == "batch" and with_tokens and len(res.first_token_step) == len(wl.requests):
@@ -443,26 +559,40 @@ class Harness:
             k = max(res.first_token_step.values())
             sfl = floor_of(rec.total(upto=k), self.bw, self.peak)
             s = max(t_last - res.t0, 1e-9)
-            span = dict(seconds=s, invocations=k, prompt_tok_s=n_prompt / s, floor=sfl,
-                        floor_prompt_tok_s=n_prompt / sfl["floor_s"], fraction_of_floor=sfl["floor_s"] / s,
-                        floor_bound=sfl["bound"])
+            span = dict(
+                seconds=s,
+                invocations=k,
+                prompt_tok_s=n_prompt / s,
+                floor=sfl,
+                floor_prompt_tok_s=n_prompt / sfl["floor_s"],
+                fraction_of_floor=sfl["floor_s"] / s,
+                floor_bound=sfl["bound"],
+            )
             if len({sp.num_prompt_tokens for sp in res.specs.values()}) == 1:
                 # the closed form of floors.py at the rows per invocation this schedule achieved
                 p0 = next(iter(res.specs.values())).num_prompt_tokens
                 rpi = rec.total(upto=k).rows / max(1, k)
                 cf = prefill_floor(c, len(wl.requests), p0, chunk, max(1, round(rpi)), self.bw, self.peak)
-                span["closed_form_floor"] = dict(cf, rows_per_invocation=rpi,
-                                                 floor_prompt_tok_s=n_prompt / cf["floor_s"])
+                span["closed_form_floor"] = dict(
+                    cf, rows_per_invocation=rpi, floor_prompt_tok_s=n_prompt / cf["floor_s"]
+                )
         elif wl.arrival == "batch":  # truncated: prompt-token loops run / T over the whole run
             n_pf = stats.get("prefill_rows", 0) / T
-            span = dict(seconds=wall, invocations=inv, prompt_tok_s=n_pf / wall, floor=fl,
-                        floor_prompt_tok_s=n_pf / fl["floor_s"], fraction_of_floor=fl["floor_s"] / wall,
-                        floor_bound=fl["bound"], partial=True)
+            span = dict(
+                seconds=wall,
+                invocations=inv,
+                prompt_tok_s=n_pf / wall,
+                floor=fl,
+                floor_prompt_tok_s=n_pf / fl["floor_s"],
+                fraction_of_floor=fl["floor_s"] / wall,
+                floor_bound=fl["bound"],
+                partial=True,
+            )
         r["prefill_span"] = span
         # decode: the floor of one step of the decoding batch at its mean context and loops
         tag = wl.background_tag
         dec_outs = [o for o in with_tokens if tag is None or res.specs[o.request_id].tag == tag]
-        batch = (wl.concurrency or (len([s for s in res.specs.values() if s.tag == tag]) if tag else len(wl.requests)))
+        batch = wl.concurrency or (len([s for s in res.specs.values() if s.tag == tag]) if tag else len(wl.requests))
         batch_from = "concurrency" if wl.concurrency else ("tagged streams" if tag else "requests")
         if wl.arrival == "batch" and dec_outs:
             # all requests arrive at once but reach decode one after another: price the step at the
@@ -477,8 +607,9 @@ class Harness:
             dfl = decode_step_floor(c, batch, ctx, loops, self.bw, self.peak)
             tp = (r.get("latency_by_tag", {}).get(tag) or r["latency"]) if tag else r["latency"]
             tpot = (tp.get("tpot") or {}).get("p50")
-            r["tpot_floor"] = dict(floor_s=dfl["floor_s"], bound=dfl["bound"], batch=batch, batch_from=batch_from,
-                                  context=ctx, loops=loops)
+            r["tpot_floor"] = dict(
+                floor_s=dfl["floor_s"], bound=dfl["bound"], batch=batch, batch_from=batch_from, context=ctx, loops=loops
+            )
             r["tpot_fraction_of_floor"] = dfl["floor_s"] / tpot if tpot else None
         r["headline"] = self._headline(wl, r)
         r["startup"] = startup
@@ -488,19 +619,38 @@ class Harness:
     def _headline(wl: Workload, r: dict) -> dict:
         span = r.get("prefill_span")
         if wl.arrival == "batch" and span:
-            return dict(metric="prompt tok/s", value=span["prompt_tok_s"], floor=span["floor_prompt_tok_s"],
-                        fraction=span["fraction_of_floor"], bound=span["floor_bound"], unit="tok/s")
+            return dict(
+                metric="prompt tok/s",
+                value=span["prompt_tok_s"],
+                floor=span["floor_prompt_tok_s"],
+                fraction=span["fraction_of_floor"],
+                bound=span["floor_bound"],
+                unit="tok/s",
+            )
         if wl.arrival == "triggered" and r.get("tpot_fraction_of_floor"):
             tp = r.get("latency_by_tag", {}).get(wl.background_tag) or r["latency"]
-            return dict(metric=f"{wl.background_tag} TPOT p50", value=tp["tpot"]["p50"] * 1e3,
-                        floor=r["tpot_floor"]["floor_s"] * 1e3, fraction=r["tpot_fraction_of_floor"],
-                        bound=r["tpot_floor"]["bound"], unit="ms", lower_is_better=True)
-        return dict(metric="output tok/s", value=r["output_tok_s"], floor=r["output_tokens"] / r["floor"]["floor_s"],
-                    fraction=r["fraction_of_floor"], bound=r["floor_bound"], unit="tok/s")
+            return dict(
+                metric=f"{wl.background_tag} TPOT p50",
+                value=tp["tpot"]["p50"] * 1e3,
+                floor=r["tpot_floor"]["floor_s"] * 1e3,
+                fraction=r["tpot_fraction_of_floor"],
+                bound=r["tpot_floor"]["bound"],
+                unit="ms",
+                lower_is_better=True,
+            )
+        return dict(
+            metric="output tok/s",
+            value=r["output_tok_s"],
+            floor=r["output_tokens"] / r["floor"]["floor_s"],
+            fraction=r["fraction_of_floor"],
+            bound=r["floor_bound"],
+            unit="tok/s",
+        )
 
     # ---------------------------------------------------------------------- generate() baseline
     def run_generate(self, wl: Workload, reps: int = 1) -> dict:
         from ouro_jax import generate
+
         c = self.config
         n = len(wl.requests) if wl.arrival != "closed_loop" else wl.concurrency
         specs = wl.requests[:n]
@@ -508,7 +658,7 @@ class Harness:
         new = max(s.params.max_tokens for s in specs)
         ids = np.zeros((n, p), np.int32)
         for i, s in enumerate(specs):
-            ids[i, :s.num_prompt_tokens] = s.prompt
+            ids[i, : s.num_prompt_tokens] = s.prompt
         lengths = np.asarray([s.num_prompt_tokens for s in specs], np.int32)
         fn = jax.jit(lambda prm, i, l: generate(prm, c, i, l, new))
         ev0 = self.events.snapshot()
@@ -530,24 +680,60 @@ class Harness:
         pre = prefill_floor(c, n, p, p, n * p, self.bw, self.peak)
         dec = decode_step_floor(c, n, p + new / 2, loops, self.bw, self.peak)
         bound = dec["bound"] if g["decode_floor_s"] >= g["prefill_floor_s"] else pre["bound"]
-        floor = dict(floor_s=g["floor_s"], bound=bound, prefill_floor_s=g["prefill_floor_s"],
-                     decode_floor_s=g["decode_floor_s"], bandwidth=self.bw, peak_flops=self.peak,
-                     basis="floors.generate_floor: one-shot prefill + new-1 decode steps of the static batch")
-        hist = dict(counts=np.bincount(depths[:, 1:].reshape(-1), minlength=c.num_loops).tolist(),
-                    tokens=int(depths[:, 1:].size), mean_loops=loops)
-        r = dict(workload=wl.name, variant=wl.variant, label=wl.label, mode=GENERATE_MODE, chunk=None, exit=wl.exit,
-                 arrival="static batch", concurrency=n, requests=n, requests_finished=n, truncated=False,
-                 wall_s=sec, seconds_all=times, compile_s=compile_s,
-                 xla_compiles_at_compile=(ev1[0] - ev0[0]) - (ev1[2] - ev0[2]),
-                 persistent_cache_hits=ev1[2] - ev0[2], prompt=p, new_tokens=new, prompt_tokens=int(lengths.sum()),
-                 output_tokens=n * new, prompt_tok_s=None, output_tok_s=n * new / sec, request_throughput=n / sec,
-                 seconds_per_step=sec / new,  # a static batch has no per-token timestamps: no TTFT / ITL
-                 latency=dict(e2e=dict(p50=sec, p90=sec, p99=sec, mean=sec, max=sec, n=n), ttft=None, itl=None,
-                              tpot=None),
-                 exit_histogram=hist, floor=floor, fraction_of_floor=g["floor_s"] / sec, floor_bound=bound,
-                 compilations=0)
-        r["headline"] = dict(metric="output tok/s", value=r["output_tok_s"], floor=n * new / g["floor_s"],
-                             fraction=r["fraction_of_floor"], bound=bound, unit="tok/s")
+        floor = dict(
+            floor_s=g["floor_s"],
+            bound=bound,
+            prefill_floor_s=g["prefill_floor_s"],
+            decode_floor_s=g["decode_floor_s"],
+            bandwidth=self.bw,
+            peak_flops=self.peak,
+            basis="floors.generate_floor: one-shot prefill + new-1 decode steps of the static batch",
+        )
+        hist = dict(
+            counts=np.bincount(depths[:, 1:].reshape(-1), minlength=c.num_loops).tolist(),
+            tokens=int(depths[:, 1:].size),
+            mean_loops=loops,
+        )
+        r = dict(
+            workload=wl.name,
+            variant=wl.variant,
+            label=wl.label,
+            mode=GENERATE_MODE,
+            chunk=None,
+            exit=wl.exit,
+            arrival="static batch",
+            concurrency=n,
+            requests=n,
+            requests_finished=n,
+            truncated=False,
+            wall_s=sec,
+            seconds_all=times,
+            compile_s=compile_s,
+            xla_compiles_at_compile=(ev1[0] - ev0[0]) - (ev1[2] - ev0[2]),
+            persistent_cache_hits=ev1[2] - ev0[2],
+            prompt=p,
+            new_tokens=new,
+            prompt_tokens=int(lengths.sum()),
+            output_tokens=n * new,
+            prompt_tok_s=None,
+            output_tok_s=n * new / sec,
+            request_throughput=n / sec,
+            seconds_per_step=sec / new,  # a static batch has no per-token timestamps: no TTFT / ITL
+            latency=dict(e2e=dict(p50=sec, p90=sec, p99=sec, mean=sec, max=sec, n=n), ttft=None, itl=None, tpot=None),
+            exit_histogram=hist,
+            floor=floor,
+            fraction_of_floor=g["floor_s"] / sec,
+            floor_bound=bound,
+            compilations=0,
+        )
+        r["headline"] = dict(
+            metric="output tok/s",
+            value=r["output_tok_s"],
+            floor=n * new / g["floor_s"],
+            fraction=r["fraction_of_floor"],
+            bound=bound,
+            unit="tok/s",
+        )
         r.update(_memory())
         del out, exe
         gc.collect()
@@ -578,14 +764,18 @@ def format_record(r: dict) -> str:
     lat = r.get("latency") or {}
     g = lambda k, p: (lat.get(k) or {}).get(p)  # noqa: E731
     chunk = "-" if r.get("chunk") is None else r["chunk"]
-    s = (f"{r['label']:24s} {r['mode']:10s} chunk {chunk:>4}: {h['metric']} {_num(h['value'])} {h['unit']} "
-         f"(floor {_num(h['floor'])}, {_pct(h['fraction'])} of {h['bound']} floor) | run "
-         f"{_pct(r['fraction_of_floor'])} of {r['floor_bound']} floor | out {_num(r['output_tok_s'])} tok/s | "
-         f"TTFT p50/p99 {_ms(g('ttft', 'p50'))}/{_ms(g('ttft', 'p99'))} ms | TPOT p50/p99 "
-         f"{_ms(g('tpot', 'p50'))}/{_ms(g('tpot', 'p99'))} ms")
+    s = (
+        f"{r['label']:24s} {r['mode']:10s} chunk {chunk:>4}: {h['metric']} {_num(h['value'])} {h['unit']} "
+        f"(floor {_num(h['floor'])}, {_pct(h['fraction'])} of {h['bound']} floor) | run "
+        f"{_pct(r['fraction_of_floor'])} of {r['floor_bound']} floor | out {_num(r['output_tok_s'])} tok/s | "
+        f"TTFT p50/p99 {_ms(g('ttft', 'p50'))}/{_ms(g('ttft', 'p99'))} ms | TPOT p50/p99 "
+        f"{_ms(g('tpot', 'p50'))}/{_ms(g('tpot', 'p99'))} ms"
+    )
     if r["mode"] != GENERATE_MODE:
-        s += (f" | rows/inv {r['rows_per_invocation']:.1f} | inv/s {_num(r['invocations_per_s'])} | host/inv "
-              f"{_ms(r['host_time_per_invocation_s'])} ms | compiles {r['compilations']}")
+        s += (
+            f" | rows/inv {r['rows_per_invocation']:.1f} | inv/s {_num(r['invocations_per_s'])} | host/inv "
+            f"{_ms(r['host_time_per_invocation_s'])} ms | compiles {r['compilations']}"
+        )
         if r.get("truncated"):
             s += " | TRUNCATED"
     else:
@@ -595,37 +785,63 @@ def format_record(r: dict) -> str:
 
 def print_table(records: list, file=None) -> None:
     """One line per record: the headline figure next to its floor, then the run's vital signs."""
-    head = (f"{'workload':24s} {'mode':10s} {'chunk':>5s} {'headline':>22s} {'floor':>12s} {'of floor':>9s} "
-            f"{'bound':9s} {'run':>7s} {'out tok/s':>10s} {'TTFT p50':>9s} {'TPOT p50':>9s} {'rows/inv':>8s} "
-            f"{'host/inv':>8s} {'compiles':>8s}")
+    head = (
+        f"{'workload':24s} {'mode':10s} {'chunk':>5s} {'headline':>22s} {'floor':>12s} {'of floor':>9s} "
+        f"{'bound':9s} {'run':>7s} {'out tok/s':>10s} {'TTFT p50':>9s} {'TPOT p50':>9s} {'rows/inv':>8s} "
+        f"{'host/inv':>8s} {'compiles':>8s}"
+    )
     print(head, file=file)
     for r in records:
         if "error" in r:
             print(f"{r.get('label', ''):24s} {r.get('mode', ''):10s} {str(r.get('chunk')):>5s} ERROR", file=file)
             continue
         h, lat = r["headline"], r.get("latency") or {}
-        print(f"{r['label']:24s} {r['mode']:10s} {str(r.get('chunk') or '-'):>5s} "
-              f"{_num(h['value']) + ' ' + h['unit']:>22s} {_num(h['floor']):>12s} {_pct(h['fraction']):>9s} "
-              f"{h['bound']:9s} {_pct(r['fraction_of_floor']):>7s} {_num(r['output_tok_s']):>10s} "
-              f"{_ms((lat.get('ttft') or {}).get('p50')):>9s} {_ms((lat.get('tpot') or {}).get('p50')):>9s} "
-              f"{_num(r.get('rows_per_invocation')):>8s} {_ms(r.get('host_time_per_invocation_s')):>8s} "
-              f"{str(r.get('compilations', '-')):>8s}", file=file)
+        print(
+            f"{r['label']:24s} {r['mode']:10s} {str(r.get('chunk') or '-'):>5s} "
+            f"{_num(h['value']) + ' ' + h['unit']:>22s} {_num(h['floor']):>12s} {_pct(h['fraction']):>9s} "
+            f"{h['bound']:9s} {_pct(r['fraction_of_floor']):>7s} {_num(r['output_tok_s']):>10s} "
+            f"{_ms((lat.get('ttft') or {}).get('p50')):>9s} {_ms((lat.get('tpot') or {}).get('p50')):>9s} "
+            f"{_num(r.get('rows_per_invocation')):>8s} {_ms(r.get('host_time_per_invocation_s')):>8s} "
+            f"{str(r.get('compilations', '-')):>8s}",
+            file=file,
+        )
 
 
 # ----------------------------------------------------------------------------------------- main
-def _result(h: Harness, name: str, args, variants: list[Workload], records: list, skipped: list,
-            prev: Optional[dict], first_startup: int = 0) -> dict:
-    return dict(benchmark="workload", workload=name, device=h.device, jax_version=jax.__version__,
-                backend=jax.default_backend(),
-                config=dict(h.describe(), scale=args.scale, count_scale=args.count_scale, seed=args.seed,
-                            modes=args.mode, chunks=args.chunk, time_budget_s=args.time_budget,
-                            workload_budget_s=args.workload_budget.get(name),
-                            config_timeout_s=args.config_timeout, argv=sys.argv[1:] if args.argv is None else args.argv,
-                            variants=[v.summary() for v in variants]),
-                ceilings=h.ceilings, startup=(prev or {}).get("startup", []) + h.startups[first_startup:],
-                process_startup=(prev or {}).get("process_startup") or (h.startups[0] if h.startups else None),
-                **merge_lists((prev or {}).get("records", []), (prev or {}).get("skipped", []),
-                              records, skipped))
+def _result(
+    h: Harness,
+    name: str,
+    args,
+    variants: list[Workload],
+    records: list,
+    skipped: list,
+    prev: Optional[dict],
+    first_startup: int = 0,
+) -> dict:
+    return dict(
+        benchmark="workload",
+        workload=name,
+        device=h.device,
+        jax_version=jax.__version__,
+        backend=jax.default_backend(),
+        config=dict(
+            h.describe(),
+            scale=args.scale,
+            count_scale=args.count_scale,
+            seed=args.seed,
+            modes=args.mode,
+            chunks=args.chunk,
+            time_budget_s=args.time_budget,
+            workload_budget_s=args.workload_budget.get(name),
+            config_timeout_s=args.config_timeout,
+            argv=sys.argv[1:] if args.argv is None else args.argv,
+            variants=[v.summary() for v in variants],
+        ),
+        ceilings=h.ceilings,
+        startup=(prev or {}).get("startup", []) + h.startups[first_startup:],
+        process_startup=(prev or {}).get("process_startup") or (h.startups[0] if h.startups else None),
+        **merge_lists((prev or {}).get("records", []), (prev or {}).get("skipped", []), records, skipped),
+    )
 
 
 def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
@@ -656,7 +872,7 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
         return res
 
     plan = []
-    for wl in ([] if args.generate_only else engine_variants):
+    for wl in [] if args.generate_only else engine_variants:
         modes = args.mode or wl.modes
         chunks = args.chunk or wl.chunks
         for chunk in chunks:
@@ -665,8 +881,10 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
     if args.generate_baseline is None or name in args.generate_baseline:
         gens = [wl for wl in variants if wl.generate_baseline]
         if name == "serve1k" and args.generate_concurrency is not None:  # in the order given
-            by_c = {c0: [wl for wl, v0 in zip(variants, kw["concurrency_of"]) if v0 == c0 and wl.generate_baseline]
-                    for c0 in args.generate_concurrency}
+            by_c = {
+                c0: [wl for wl, v0 in zip(variants, kw["concurrency_of"]) if v0 == c0 and wl.generate_baseline]
+                for c0 in args.generate_concurrency
+            }
             gens = [wl for c0 in args.generate_concurrency for wl in by_c.get(c0, [])]
         plan += [("generate", wl, GENERATE_MODE, None, ()) for wl in gens]
     for kind, wl, mode, chunk, all_chunks in plan:
@@ -684,10 +902,15 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
             save()
             continue
         timeout = None
-        limits = [x for x in (args.config_timeout,
-                              None if args.time_budget is None else max(5.0, args.time_budget - h.elapsed()),
-                              None if wl_budget is None else max(5.0, wl_budget - used))
-                  if x is not None]
+        limits = [
+            x
+            for x in (
+                args.config_timeout,
+                None if args.time_budget is None else max(5.0, args.time_budget - h.elapsed()),
+                None if wl_budget is None else max(5.0, wl_budget - used),
+            )
+            if x is not None
+        ]
         if limits:
             timeout = min(limits)
         t = time.monotonic()
@@ -698,8 +921,14 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
                 rec = h.run_generate(wl, args.generate_reps)
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
             traceback.print_exc()
-            rec = dict(workload=name, variant=wl.variant, label=wl.label, mode=mode, chunk=chunk,
-                       error=f"{type(e).__name__}: {e}"[:2000])
+            rec = dict(
+                workload=name,
+                variant=wl.variant,
+                label=wl.label,
+                mode=mode,
+                chunk=chunk,
+                error=f"{type(e).__name__}: {e}"[:2000],
+            )
             gc.collect()
         rec["config_s"] = time.monotonic() - t
         estimates.setdefault(kind, []).append(rec["config_s"])
@@ -710,6 +939,7 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
     if not args.no_plot:
         try:
             from benchmarks.report import plot_workload
+
             plot_workload(res, os.path.join(args.out, f"{name}.png"))
         except ImportError:
             print("matplotlib missing: no plot", flush=True)
@@ -727,24 +957,49 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies token lengths (prompts, outputs)")
     ap.add_argument("--count-scale", type=float, default=1.0, help="multiplies request counts and concurrency")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds (process start-up included) after which no new configuration starts")
-    ap.add_argument("--workload-budget", nargs="+", default=[], metavar="NAME=SECONDS",
-                    help="per workload: no new configuration after this many seconds of that workload")
-    ap.add_argument("--config-timeout", type=float, default=None,
-                    help="abort a configuration after this many seconds (its record is marked truncated)")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds (process start-up included) after which no new configuration starts",
+    )
+    ap.add_argument(
+        "--workload-budget",
+        nargs="+",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="per workload: no new configuration after this many seconds of that workload",
+    )
+    ap.add_argument(
+        "--config-timeout",
+        type=float,
+        default=None,
+        help="abort a configuration after this many seconds (its record is marked truncated)",
+    )
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 32, 128], help="serve1k")
     ap.add_argument("--exit", nargs="+", choices=["fixed", "early"], default=["fixed", "early"], help="serve1k")
-    ap.add_argument("--generate-concurrency", nargs="+", type=int, default=None,
-                    help="serve1k: concurrencies that get a generate() baseline, in this order "
-                         "(default: --concurrency)")
-    ap.add_argument("--generate-baseline", nargs="*", default=None,
-                    help="workloads that get a static-batch generate() baseline (default: every one where it "
-                         "applies; give no names for none)")
+    ap.add_argument(
+        "--generate-concurrency",
+        nargs="+",
+        type=int,
+        default=None,
+        help="serve1k: concurrencies that get a generate() baseline, in this order (default: --concurrency)",
+    )
+    ap.add_argument(
+        "--generate-baseline",
+        nargs="*",
+        default=None,
+        help="workloads that get a static-batch generate() baseline (default: every one where it "
+        "applies; give no names for none)",
+    )
     ap.add_argument("--generate-only", action="store_true", help="only the generate() baselines (with --append)")
     ap.add_argument("--generate-reps", type=int, default=1)
-    ap.add_argument("--generate-estimate", type=float, default=30.0,
-                    help="seconds a generate() baseline is expected to take before one has run (time budget)")
+    ap.add_argument(
+        "--generate-estimate",
+        type=float,
+        default=30.0,
+        help="seconds a generate() baseline is expected to take before one has run (time budget)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
@@ -753,16 +1008,23 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--kv-cache-gb", type=float, default=None)
     ap.add_argument("--compile-cache", default=None, help="persistent compilation cache folder")
-    ap.add_argument("--attention", default="auto",
-                    choices=["auto", "pallas", "triton", "mgpu", "hybrid", "reference"],
-                    help="attention of the engine: auto (pallas on GPU), pallas (kernel chosen per "
-                         "bucket, pallas_kernels/dispatch.py), a forced Pallas kernel (triton, "
-                         "mgpu, or hybrid: segments of >= 128 rows on mgpu, the rest on triton), "
-                         "or the jnp reference")
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "pallas", "triton", "mgpu", "hybrid", "reference"],
+        help="attention of the engine: auto (pallas on GPU), pallas (kernel chosen per "
+        "bucket, pallas_kernels/dispatch.py), a forced Pallas kernel (triton, "
+        "mgpu, or hybrid: segments of >= 128 rows on mgpu, the rest on triton), "
+        "or the jnp reference",
+    )
     ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
-    ap.add_argument("--fused-decode-max-rows", type=int, default=0,
-                    help="fused decode steps (T loops per token in one executable) for up to this many "
-                         "decode rows; 0 = loop by loop. Records get a ' fusedRxK' label suffix")
+    ap.add_argument(
+        "--fused-decode-max-rows",
+        type=int,
+        default=0,
+        help="fused decode steps (T loops per token in one executable) for up to this many "
+        "decode rows; 0 = loop by loop. Records get a ' fusedRxK' label suffix",
+    )
     ap.add_argument("--fused-decode-tokens", type=int, default=1, help="tokens per fused decode step")
     ap.add_argument("--quick-ceilings", action="store_true")
     ap.add_argument("--warmup-requests", type=int, default=1)
@@ -773,13 +1035,31 @@ def parser() -> argparse.ArgumentParser:
 
 
 def harness_from_args(a) -> Harness:
-    shape = suite_shape(a.scale, a.count_scale, max_num_seqs=a.max_num_seqs,
-                        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                        block_size=a.block_size, buckets=tuple(a.buckets) if a.buckets else None)
-    return Harness(a.preset, a.dtype, shape, a.compile_cache, a.attention, a.layer_loop, a.gpu_memory_utilization,
-                   None if a.kv_cache_gb is None else int(a.kv_cache_gb * 1e9), a.quick_ceilings,
-                   not a.no_progress, a.warmup_requests, a.seed, a.fused_decode_max_rows,
-                   a.fused_decode_tokens)
+    shape = suite_shape(
+        a.scale,
+        a.count_scale,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        block_size=a.block_size,
+        buckets=tuple(a.buckets) if a.buckets else None,
+    )
+    return Harness(
+        a.preset,
+        a.dtype,
+        shape,
+        a.compile_cache,
+        a.attention,
+        a.layer_loop,
+        a.gpu_memory_utilization,
+        None if a.kv_cache_gb is None else int(a.kv_cache_gb * 1e9),
+        a.quick_ceilings,
+        not a.no_progress,
+        a.warmup_requests,
+        a.seed,
+        a.fused_decode_max_rows,
+        a.fused_decode_tokens,
+    )
 
 
 def main(argv=None, harness: Optional[Harness] = None) -> dict:
@@ -791,9 +1071,12 @@ def main(argv=None, harness: Optional[Harness] = None) -> dict:
         raise SystemExit(f"--workload-budget takes NAME=SECONDS, got {a.workload_budget}") from None
     os.makedirs(a.out, exist_ok=True)
     h = harness or harness_from_args(a)
-    print(f"{h.device}: ceilings {h.peak / 1e12:.0f} TFLOP/s, {h.bw / 1e12:.2f} TB/s "
-          f"({'measured' if h.ceilings.get('measured') else 'H200 defaults'}); params {h.params_s:.1f} s; "
-          f"shape {h.shape}", flush=True)
+    print(
+        f"{h.device}: ceilings {h.peak / 1e12:.0f} TFLOP/s, {h.bw / 1e12:.2f} TB/s "
+        f"({'measured' if h.ceilings.get('measured') else 'H200 defaults'}); params {h.params_s:.1f} s; "
+        f"shape {h.shape}",
+        flush=True,
+    )
     results, estimates = {}, {}
     try:
         for name in a.workload:

@@ -24,6 +24,7 @@ priced offline: padded rows, and the floor overhead if padding rows cost their m
 default powers of two and variants, and the best ``k``-bucket sets (multiples of 8) per workload
 and over all of them, found by dynamic programming. Writes ``bucket_sweep.json`` and a plot.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,15 @@ from scheduler.buckets import BucketSpec, next_power_of_two
 from scheduler.descriptor import build_descriptor
 from scheduler.fake_runner import FakeRunner
 
-__all__ = ["SimEngine", "synthetic_descriptor", "candidate_sets", "optimal_buckets", "padding_analysis",
-           "device_sweep", "main"]
+__all__ = [
+    "SimEngine",
+    "synthetic_descriptor",
+    "candidate_sets",
+    "optimal_buckets",
+    "padding_analysis",
+    "device_sweep",
+    "main",
+]
 
 H200_DEFAULTS = dict(peak_flops=785e12, bandwidth=4.0e12)
 
@@ -163,12 +171,17 @@ def price(inv: dict, buckets: Sequence[int], s: dict, bw: float, peak: float) ->
     pad = b - inv["rows"]
     base = np.maximum(inv["bytes"] / bw, inv["flops"] / peak)
     padded = np.maximum(inv["bytes"] / bw, (inv["flops"] + pad * s["layer_flops_per_row"]) / peak)
-    return dict(padded_rows=int(pad.sum()), padding_fraction=float(pad.sum() / max(1, b.sum())),
-                floor_overhead=float(padded.sum() / max(base.sum(), 1e-30) - 1.0), executables=len(buckets))
+    return dict(
+        padded_rows=int(pad.sum()),
+        padding_fraction=float(pad.sum() / max(1, b.sum())),
+        floor_overhead=float(padded.sum() / max(base.sum(), 1e-30) - 1.0),
+        executables=len(buckets),
+    )
 
 
-def optimal_buckets(inv: dict, ks: Sequence[int], top: int, s: dict, bw: float, peak: float, step: int = 8,
-                    objective: str = "floor") -> dict[int, list[int]]:
+def optimal_buckets(
+    inv: dict, ks: Sequence[int], top: int, s: dict, bw: float, peak: float, step: int = 8, objective: str = "floor"
+) -> dict[int, list[int]]:
     """For each ``k`` in ``ks``: the set of at most ``k`` buckets (multiples of ``step``, the largest
     = ``top``) that minimises the padded floor time (``objective="floor"``) or the padded rows
     (``"rows"``) over the invocations ``inv``. Dynamic programming over candidate sizes with a
@@ -177,30 +190,33 @@ def optimal_buckets(inv: dict, ks: Sequence[int], top: int, s: dict, bw: float, 
     if cands.size == 0 or cands[-1] != top:
         cands = np.append(cands, top)
     n = len(cands)
-    group = np.searchsorted(cands, inv["need"], side="left")   # the smallest candidate that fits
-    cost = np.zeros((n, n))                                       # [need group g, bucket j >= g]
+    group = np.searchsorted(cands, inv["need"], side="left")  # the smallest candidate that fits
+    cost = np.zeros((n, n))  # [need group g, bucket j >= g]
     for g in np.unique(group):
         sel = group == g
         rows, by, fl = inv["rows"][sel], inv["bytes"][sel], inv["flops"][sel]
         for j in range(g, n):
             pad = cands[j] - rows
-            cost[g, j] = (pad.sum() if objective == "rows" else
-                          np.maximum(by / bw, (fl + pad * s["layer_flops_per_row"]) / peak).sum())
+            cost[g, j] = (
+                pad.sum()
+                if objective == "rows"
+                else np.maximum(by / bw, (fl + pad * s["layer_flops_per_row"]) / peak).sum()
+            )
     pref = np.vstack([np.zeros((1, n)), np.cumsum(cost, axis=0)])  # pref[i, j] = sum_{g < i} cost[g, j]
     kmax = max(1, min(max(ks), n))
     big = np.inf
-    dp = np.full((kmax + 1, n), big)   # dp[m, j]: groups <= j served by m buckets, the largest cands[j]
+    dp = np.full((kmax + 1, n), big)  # dp[m, j]: groups <= j served by m buckets, the largest cands[j]
     arg = np.zeros((kmax + 1, n), np.int64)
     dp[1] = pref[np.arange(1, n + 1), np.arange(n)]
     for m in range(2, kmax + 1):
         for j in range(1, n):
-            prev = dp[m - 1, :j] + (pref[j + 1, j] - pref[1:j + 1, j])  # previous bucket at i < j
+            prev = dp[m - 1, :j] + (pref[j + 1, j] - pref[1 : j + 1, j])  # previous bucket at i < j
             i = int(np.argmin(prev))
             dp[m, j], arg[m, j] = prev[i], i
     out = {}
     for k in ks:
         kk = max(1, min(k, kmax))
-        m = int(np.argmin(dp[1:kk + 1, n - 1])) + 1   # fewer buckets may already be optimal
+        m = int(np.argmin(dp[1 : kk + 1, n - 1])) + 1  # fewer buckets may already be optimal
         chosen, j = [], n - 1
         while m >= 1:
             chosen.append(int(cands[j]))
@@ -211,21 +227,38 @@ def optimal_buckets(inv: dict, ks: Sequence[int], top: int, s: dict, bw: float, 
 
 
 def _inv_arrays(costs, needs) -> dict:
-    return dict(need=np.asarray(needs, np.int64), rows=np.asarray([c.rows for c in costs], np.int64),
-                bytes=np.asarray([c.bytes for c in costs], np.float64),
-                flops=np.asarray([c.flops for c in costs], np.float64))
+    return dict(
+        need=np.asarray(needs, np.int64),
+        rows=np.asarray([c.rows for c in costs], np.int64),
+        bytes=np.asarray([c.bytes for c in costs], np.float64),
+        flops=np.asarray([c.flops for c in costs], np.float64),
+    )
 
 
 def _concat(invs: list[dict]) -> dict:
-    return {k: np.concatenate([x[k] for x in invs]) if invs else np.zeros(0)
-            for k in ("need", "rows", "bytes", "flops")}
+    return {
+        k: np.concatenate([x[k] for x in invs]) if invs else np.zeros(0) for k in ("need", "rows", "bytes", "flops")
+    }
 
 
-def padding_analysis(preset: str, workloads: Sequence[str], shape: EngineShape, scale: float = 1.0,
-                     count_scale: float = 1.0, seed: int = 0, modes=None, chunks=None, num_blocks=None,
-                     ks=(4, 6, 8, 12), ceilings: Optional[dict] = None, time_budget: Optional[float] = None,
-                     progress: bool = True, fake_runner: bool = False) -> dict:
+def padding_analysis(
+    preset: str,
+    workloads: Sequence[str],
+    shape: EngineShape,
+    scale: float = 1.0,
+    count_scale: float = 1.0,
+    seed: int = 0,
+    modes=None,
+    chunks=None,
+    num_blocks=None,
+    ks=(4, 6, 8, 12),
+    ceilings: Optional[dict] = None,
+    time_budget: Optional[float] = None,
+    progress: bool = True,
+    fake_runner: bool = False,
+) -> dict:
     from benchmarks.run import drive
+
     cfg = get_preset(preset)
     ceil = ceilings or H200_DEFAULTS
     bw, peak = float(ceil["bandwidth"]), float(ceil["peak_flops"])
@@ -240,19 +273,29 @@ def padding_analysis(preset: str, workloads: Sequence[str], shape: EngineShape, 
     for name in workloads:
         invs = []
         for wl in make(name, cfg.vocab_size, scale, count_scale, seed):
-            for chunk in (chunks or wl.chunks):
-                for mode in (modes or wl.modes):
+            for chunk in chunks or wl.chunks:
+                for mode in modes or wl.modes:
                     if time_budget is not None and time.monotonic() - t0 > time_budget:
                         skipped.append(dict(label=wl.label, mode=mode, chunk=chunk, reason="time budget"))
                         continue
-                    sc = SchedulerConfig(num_loops=cfg.num_loops, num_blocks=nb, block_size=shape.block_size,
-                                         max_num_seqs=shape.max_num_seqs,
-                                         max_num_batched_tokens=shape.max_num_batched_tokens,
-                                         prefill_chunk_size=chunk, max_model_len=shape.max_model_len,
-                                         prefill_mode=mode, eos_token_id=cfg.eos_token_id, buckets=shape.buckets)
+                    sc = SchedulerConfig(
+                        num_loops=cfg.num_loops,
+                        num_blocks=nb,
+                        block_size=shape.block_size,
+                        max_num_seqs=shape.max_num_seqs,
+                        max_num_batched_tokens=shape.max_num_batched_tokens,
+                        prefill_chunk_size=chunk,
+                        max_model_len=shape.max_model_len,
+                        prefill_mode=mode,
+                        eos_token_id=cfg.eos_token_id,
+                        buckets=shape.buckets,
+                    )
                     rec = ScheduleRecorder(cfg)
-                    fake = (FakeRunner(nb, shape.block_size, sc.num_ring_rows, cfg.vocab_size, check=True)
-                            if fake_runner else None)
+                    fake = (
+                        FakeRunner(nb, shape.block_size, sc.num_ring_rows, cfg.vocab_size, check=True)
+                        if fake_runner
+                        else None
+                    )
                     eng = SimEngine(sc, rec, fake)
                     t = time.perf_counter()
                     drive(eng, wl)
@@ -261,28 +304,54 @@ def padding_analysis(preset: str, workloads: Sequence[str], shape: EngineShape, 
                     invs.append(inv)
                     fl = floor_of(rec.total(), bw, peak)
                     hist = Counter(eng.needs)
-                    configs.append(dict(
-                        workload=name, variant=wl.variant, label=wl.label, mode=mode, chunk=chunk,
-                        invocations=len(eng.needs), real_rows=int(inv["rows"].sum()),
-                        rows_per_invocation=float(inv["rows"].mean()) if len(eng.needs) else 0.0,
-                        need_hist={str(k): v for k, v in sorted(hist.items())}, floor=fl,
-                        host_schedule_s=sim_s, host_per_invocation_s=sim_s / max(1, len(eng.needs)),
-                        by_set={k: price(inv, v, s, bw, peak) for k, v in sets.items()}))
+                    configs.append(
+                        dict(
+                            workload=name,
+                            variant=wl.variant,
+                            label=wl.label,
+                            mode=mode,
+                            chunk=chunk,
+                            invocations=len(eng.needs),
+                            real_rows=int(inv["rows"].sum()),
+                            rows_per_invocation=float(inv["rows"].mean()) if len(eng.needs) else 0.0,
+                            need_hist={str(k): v for k, v in sorted(hist.items())},
+                            floor=fl,
+                            host_schedule_s=sim_s,
+                            host_per_invocation_s=sim_s / max(1, len(eng.needs)),
+                            by_set={k: price(inv, v, s, bw, peak) for k, v in sets.items()},
+                        )
+                    )
                     if progress:
                         c = configs[-1]
-                        print(f"padding {wl.label:20s} {mode:9s} chunk {chunk:4d}: {c['invocations']:6d} inv, "
-                              f"{c['rows_per_invocation']:7.1f} rows/inv, default buckets pad "
-                              f"{100 * c['by_set']['pow2 from 8 (default)']['padding_fraction']:5.1f}% rows, "
-                              f"+{100 * c['by_set']['pow2 from 8 (default)']['floor_overhead']:.1f}% floor "
-                              f"({sim_s:.1f} s)", flush=True)
+                        print(
+                            f"padding {wl.label:20s} {mode:9s} chunk {chunk:4d}: {c['invocations']:6d} inv, "
+                            f"{c['rows_per_invocation']:7.1f} rows/inv, default buckets pad "
+                            f"{100 * c['by_set']['pow2 from 8 (default)']['padding_fraction']:5.1f}% rows, "
+                            f"+{100 * c['by_set']['pow2 from 8 (default)']['floor_overhead']:.1f}% floor "
+                            f"({sim_s:.1f} s)",
+                            flush=True,
+                        )
         if invs:
             inv = _concat(invs)
             every.append(inv)
             per_wl[name] = _summarise(inv, sets, top, ks, s, bw, peak)
     overall = _summarise(_concat(every), sets, top, ks, s, bw, peak) if every else None
-    return dict(preset=preset, scale=scale, count_scale=count_scale, seed=seed, engine_shape=shape.to_dict(),
-                num_blocks=nb, ceilings=dict(ceil), top_bucket=top, sets=sets, configs=configs,
-                per_workload=per_wl, all_workloads=overall, skipped=skipped, seconds=time.monotonic() - t0)
+    return dict(
+        preset=preset,
+        scale=scale,
+        count_scale=count_scale,
+        seed=seed,
+        engine_shape=shape.to_dict(),
+        num_blocks=nb,
+        ceilings=dict(ceil),
+        top_bucket=top,
+        sets=sets,
+        configs=configs,
+        per_workload=per_wl,
+        all_workloads=overall,
+        skipped=skipped,
+        seconds=time.monotonic() - t0,
+    )
 
 
 def _summarise(inv: dict, sets: dict, top: int, ks, s, bw, peak) -> dict:
@@ -295,8 +364,15 @@ def _summarise(inv: dict, sets: dict, top: int, ks, s, bw, peak) -> dict:
 
 
 # ------------------------------------------------------------------------------ device part
-def synthetic_descriptor(spec: BucketSpec, R: int, kind: str, context: int, segment_rows: int, num_blocks: int,
-                         num_coda: Optional[int] = None):
+def synthetic_descriptor(
+    spec: BucketSpec,
+    R: int,
+    kind: str,
+    context: int,
+    segment_rows: int,
+    num_blocks: int,
+    num_coda: Optional[int] = None,
+):
     """A full descriptor of bucket ``R``: ``decode`` rows (one segment each, every row sampled) or
     ``prefill`` segments of ``segment_rows`` rows ending at ``context``. Every segment reads its own
     blocks (wrapping around the pool), so nothing is served from L2 that a real batch would not."""
@@ -317,11 +393,24 @@ def synthetic_descriptor(spec: BucketSpec, R: int, kind: str, context: int, segm
     starts = np.concatenate([[0], np.cumsum(seg_len)[:-1]])
     ncoda = (min(R, spec.coda_cap) if num_coda is None else num_coda) if kind == "decode" else 0
     return build_descriptor(
-        spec, tables, seg_slot=np.arange(nseg), seg_plane=np.zeros(nseg, np.int64), seg_pos=context - seg_len,
-        seg_len=seg_len, seg_ring=1 + starts, pre_ring=1 + np.arange(R), pre_token=np.ones(R, np.int64),
-        coda_row=np.arange(ncoda), coda_temperature=np.zeros(ncoda), coda_top_k=np.zeros(ncoda, np.int64),
-        coda_top_p=np.ones(ncoda), coda_seed=np.zeros(ncoda, np.uint32), coda_step=np.zeros(ncoda, np.int64),
-        fin_src=np.zeros(0, np.int64), fin_dst=np.zeros(0, np.int64))
+        spec,
+        tables,
+        seg_slot=np.arange(nseg),
+        seg_plane=np.zeros(nseg, np.int64),
+        seg_pos=context - seg_len,
+        seg_len=seg_len,
+        seg_ring=1 + starts,
+        pre_ring=1 + np.arange(R),
+        pre_token=np.ones(R, np.int64),
+        coda_row=np.arange(ncoda),
+        coda_temperature=np.zeros(ncoda),
+        coda_top_k=np.zeros(ncoda, np.int64),
+        coda_top_p=np.ones(ncoda),
+        coda_seed=np.zeros(ncoda, np.uint32),
+        coda_step=np.zeros(ncoda, np.int64),
+        fin_src=np.zeros(0, np.int64),
+        fin_dst=np.zeros(0, np.int64),
+    )
 
 
 def _memory_analysis(exe) -> Optional[dict]:
@@ -331,13 +420,25 @@ def _memory_analysis(exe) -> Optional[dict]:
         return None
     if m is None:
         return None
-    names = ("generated_code_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-             "alias_size_in_bytes", "temp_size_in_bytes")
+    names = (
+        "generated_code_size_in_bytes",
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "temp_size_in_bytes",
+    )
     return {n.replace("_size_in_bytes", "_bytes"): int(getattr(m, n, 0) or 0) for n in names}
 
 
-def device_sweep(harness, decode_context: int = 1024, prefill_context: int = 4096, prefill_segment: int = 128,
-                 reps: int = 10, build_reps: int = 20, progress: bool = True) -> dict:
+def device_sweep(
+    harness,
+    decode_context: int = 1024,
+    prefill_context: int = 4096,
+    prefill_segment: int = 128,
+    reps: int = 10,
+    build_reps: int = 20,
+    progress: bool = True,
+) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -349,8 +450,16 @@ def device_sweep(harness, decode_context: int = 1024, prefill_context: int = 409
         bw, peak = harness.bw, harness.peak
         out = []
         for key in spec.keys():
-            row = dict(R=key.R, S=key.S, C=key.C, F=key.F, MB=key.MB, compile_s=r.compile_times.get(key),
-                       compile_source=startup["source"], memory=_memory_analysis(r._exe[key]))
+            row = dict(
+                R=key.R,
+                S=key.S,
+                C=key.C,
+                F=key.F,
+                MB=key.MB,
+                compile_s=r.compile_times.get(key),
+                compile_source=startup["source"],
+                memory=_memory_analysis(r._exe[key]),
+            )
             for kind, ctx in (("decode", decode_context), ("prefill", prefill_context)):
                 t = time.perf_counter()
                 for _ in range(build_reps):
@@ -372,36 +481,70 @@ def device_sweep(harness, decode_context: int = 1024, prefill_context: int = 409
                 jax.block_until_ready((r.ring, g, tok))
                 dt = (time.perf_counter() - t) / reps
                 nseg = desc.num_segments
-                cost = invocation_cost(s, desc.num_rows, desc.num_coda, desc.num_finalize, desc.seg_q_len[:nseg],
-                                       desc.seg_ctx_len[:nseg], key.R)
+                cost = invocation_cost(
+                    s,
+                    desc.num_rows,
+                    desc.num_coda,
+                    desc.num_finalize,
+                    desc.seg_q_len[:nseg],
+                    desc.seg_ctx_len[:nseg],
+                    key.R,
+                )
                 fl = floor_of(cost, bw, peak)
-                row[kind] = dict(context=int(desc.seg_ctx_len[0]), rows=desc.num_rows, segments=nseg,
-                                 coda=desc.num_coda, device_s=dt, host_build_s=build_s, upload_s=upload_s,
-                                 packed_bytes=int(desc.pack().nbytes), tflops=cost.flops / dt / 1e12,
-                                 gbs=cost.bytes / dt / 1e9, intensity=cost.flops / max(cost.bytes, 1.0),
-                                 floor_s=fl["floor_s"], bound=fl["bound"], fraction_of_floor=fl["floor_s"] / dt,
-                                 bytes=cost.bytes, flops=cost.flops)
+                row[kind] = dict(
+                    context=int(desc.seg_ctx_len[0]),
+                    rows=desc.num_rows,
+                    segments=nseg,
+                    coda=desc.num_coda,
+                    device_s=dt,
+                    host_build_s=build_s,
+                    upload_s=upload_s,
+                    packed_bytes=int(desc.pack().nbytes),
+                    tflops=cost.flops / dt / 1e12,
+                    gbs=cost.bytes / dt / 1e9,
+                    intensity=cost.flops / max(cost.bytes, 1.0),
+                    floor_s=fl["floor_s"],
+                    bound=fl["bound"],
+                    fraction_of_floor=fl["floor_s"] / dt,
+                    bytes=cost.bytes,
+                    flops=cost.flops,
+                )
             out.append(row)
             if progress:
                 d, p = row["decode"], row["prefill"]
-                print(f"bucket R={key.R:5d}: compile {row['compile_s'] or 0:6.2f} s ({startup['source']}) | decode "
-                      f"{d['device_s'] * 1e3:7.3f} ms ({100 * d['fraction_of_floor']:5.1f}% of {d['bound']} floor, "
-                      f"{d['gbs']:7.0f} GB/s) | prefill {p['device_s'] * 1e3:7.3f} ms "
-                      f"({100 * p['fraction_of_floor']:5.1f}% of {p['bound']} floor, {p['tflops']:6.1f} TFLOP/s) | "
-                      f"build {d['host_build_s'] * 1e6:6.0f}/{p['host_build_s'] * 1e6:6.0f} us", flush=True)
-        return dict(startup=startup, decode_context=decode_context, prefill_context=prefill_context,
-                    prefill_segment=prefill_segment, reps=reps, buckets=out)
+                print(
+                    f"bucket R={key.R:5d}: compile {row['compile_s'] or 0:6.2f} s ({startup['source']}) | decode "
+                    f"{d['device_s'] * 1e3:7.3f} ms ({100 * d['fraction_of_floor']:5.1f}% of {d['bound']} floor, "
+                    f"{d['gbs']:7.0f} GB/s) | prefill {p['device_s'] * 1e3:7.3f} ms "
+                    f"({100 * p['fraction_of_floor']:5.1f}% of {p['bound']} floor, {p['tflops']:6.1f} TFLOP/s) | "
+                    f"build {d['host_build_s'] * 1e6:6.0f}/{p['host_build_s'] * 1e6:6.0f} us",
+                    flush=True,
+                )
+        return dict(
+            startup=startup,
+            decode_context=decode_context,
+            prefill_context=prefill_context,
+            prefill_segment=prefill_segment,
+            reps=reps,
+            buckets=out,
+        )
     finally:
         del llm
         import gc
+
         gc.collect()
 
 
 # -------------------------------------------------------------------------------------- main
 def main(argv=None, harness=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", nargs="*", choices=["device", "padding"], default=["device", "padding"],
-                    help="what to run (none: only fold --merge into the output)")
+    ap.add_argument(
+        "--part",
+        nargs="*",
+        choices=["device", "padding"],
+        default=["device", "padding"],
+        help="what to run (none: only fold --merge into the output)",
+    )
     ap.add_argument("--preset", default="ouro-1.4b")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", default="benchmarks/results")
@@ -424,9 +567,12 @@ def main(argv=None, harness=None) -> dict:
     ap.add_argument("--prefill-segment", type=int, default=128)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--time-budget", type=float, default=None, help="padding part: stop simulating after this")
-    ap.add_argument("--fake-runner", action="store_true",
-                    help="padding part: run descriptors on scheduler.fake_runner.FakeRunner (checks the contract; "
-                         "slow at full scale) instead of zero results")
+    ap.add_argument(
+        "--fake-runner",
+        action="store_true",
+        help="padding part: run descriptors on scheduler.fake_runner.FakeRunner (checks the contract; "
+        "slow at full scale) instead of zero results",
+    )
     ap.add_argument("--compile-cache", default=None)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--quick-ceilings", action="store_true")
@@ -435,33 +581,66 @@ def main(argv=None, harness=None) -> dict:
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     path = a.json or os.path.join(a.out, "bucket_sweep.json")
-    shape = suite_shape(a.scale, a.count_scale, max_num_seqs=a.max_num_seqs,
-                        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                        block_size=a.block_size, buckets=tuple(a.buckets) if a.buckets else None)
+    shape = suite_shape(
+        a.scale,
+        a.count_scale,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        block_size=a.block_size,
+        buckets=tuple(a.buckets) if a.buckets else None,
+    )
     result = dict(benchmark="bucket_sweep", preset=a.preset, argv=sys.argv[1:] if argv is None else list(argv))
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
         result.update({k: old[k] for k in ("device_part", "padding", "device", "jax_version", "ceilings") if k in old})
     from benchmarks.run import save_json
+
     if "device" in a.part:
         import jax
+
         from benchmarks.run import Harness
-        h = harness or Harness(a.preset, a.dtype, shape, a.compile_cache,
-                               gpu_memory_utilization=a.gpu_memory_utilization,
-                               quick_ceilings=a.quick_ceilings, progress=not a.no_progress)
-        result.update(device=h.device, jax_version=jax.__version__, backend=jax.default_backend(), ceilings=h.ceilings,
-                      engine_shape=h.shape.to_dict())
-        result["device_part"] = device_sweep(h, a.decode_context, a.prefill_context, a.prefill_segment, a.reps,
-                                             progress=not a.no_progress)
+
+        h = harness or Harness(
+            a.preset,
+            a.dtype,
+            shape,
+            a.compile_cache,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            quick_ceilings=a.quick_ceilings,
+            progress=not a.no_progress,
+        )
+        result.update(
+            device=h.device,
+            jax_version=jax.__version__,
+            backend=jax.default_backend(),
+            ceilings=h.ceilings,
+            engine_shape=h.shape.to_dict(),
+        )
+        result["device_part"] = device_sweep(
+            h, a.decode_context, a.prefill_context, a.prefill_segment, a.reps, progress=not a.no_progress
+        )
         save_json(result, path)
         ceil = h.ceilings
     else:
         ceil = result.get("ceilings") or H200_DEFAULTS
     if "padding" in a.part:
-        result["padding"] = padding_analysis(a.preset, a.workload, shape, a.scale, a.count_scale, a.seed, a.mode,
-                                             a.chunk, a.num_blocks, ceilings=ceil, time_budget=a.time_budget,
-                                             progress=not a.no_progress, fake_runner=a.fake_runner)
+        result["padding"] = padding_analysis(
+            a.preset,
+            a.workload,
+            shape,
+            a.scale,
+            a.count_scale,
+            a.seed,
+            a.mode,
+            a.chunk,
+            a.num_blocks,
+            ceilings=ceil,
+            time_budget=a.time_budget,
+            progress=not a.no_progress,
+            fake_runner=a.fake_runner,
+        )
         save_json(result, path)
     if a.merge and os.path.exists(a.merge):
         with open(a.merge) as f:
@@ -469,11 +648,11 @@ def main(argv=None, harness=None) -> dict:
         if "padding" in other and "padding" not in a.part:
             result["padding"] = other["padding"]
         save_json(result, path)
-    print(f"bucket sweep: wrote {path} ({', '.join(k for k in ('device_part', 'padding') if k in result)})",
-          flush=True)
+    print(f"bucket sweep: wrote {path} ({', '.join(k for k in ('device_part', 'padding') if k in result)})", flush=True)
     if not a.no_plot:
         try:
             from benchmarks.report import plot_bucket_sweep
+
             plot_bucket_sweep(result, os.path.splitext(path)[0] + ".png")
         except ImportError:
             print("matplotlib missing: no plot", flush=True)

@@ -17,6 +17,7 @@ All workloads share one ``EngineShape`` (max_num_seqs, max_num_batched_tokens, m
 block size, buckets, ring rows): every engine of a sweep then has the same executables, compiled
 once (``benchmarks/run.py``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,19 @@ import numpy as np
 from scheduler import SamplingParams
 from scheduler.buckets import next_power_of_two
 
-__all__ = ["RequestSpec", "Workload", "EngineShape", "WORKLOADS", "make", "suite_shape", "MODES", "CHUNKS",
-           "SWEEP_MODES", "SWEEP_CHUNKS", "EARLY_EXIT_MEAN_LOOPS"]
+__all__ = [
+    "RequestSpec",
+    "Workload",
+    "EngineShape",
+    "WORKLOADS",
+    "make",
+    "suite_shape",
+    "MODES",
+    "CHUNKS",
+    "SWEEP_MODES",
+    "SWEEP_CHUNKS",
+    "EARLY_EXIT_MEAN_LOOPS",
+]
 
 MODES = ("split", "mixed", "wavefront")
 CHUNKS = (16, 32, 64, 128)
@@ -42,11 +54,11 @@ EARLY_EXIT_MEAN_LOOPS = 2.5
 
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:
-    prompt: np.ndarray                   # int32 token ids
+    prompt: np.ndarray  # int32 token ids
     params: SamplingParams
-    tag: str = "main"                    # groups requests for per-tag latency figures
-    after_tokens: Optional[int] = None   # triggered arrival: submit once the background streams
-                                         # have produced this many tokens each (None: at t=0)
+    tag: str = "main"  # groups requests for per-tag latency figures
+    after_tokens: Optional[int] = None  # triggered arrival: submit once the background streams
+    # have produced this many tokens each (None: at t=0)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -56,12 +68,13 @@ class RequestSpec:
 @dataclasses.dataclass(frozen=True)
 class EngineShape:
     """Engine settings that fix executable shapes; identical across a sweep so shapes repeat."""
+
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     max_model_len: int = 8192
     block_size: int = 16
-    buckets: Optional[tuple] = None      # None: powers of two from 8 (the engine's default)
-    ring_chunk: int = 128                # the ring holds T chunks of this size per sequence
+    buckets: Optional[tuple] = None  # None: powers of two from 8 (the engine's default)
+    ring_chunk: int = 128  # the ring holds T chunks of this size per sequence
 
     def num_ring_rows(self, num_loops: int, chunks: Sequence[int] = ()) -> int:
         """``1 + max_num_seqs * max_chunk * T``: enough for every mode and chunk of the sweep."""
@@ -74,16 +87,16 @@ class EngineShape:
 @dataclasses.dataclass
 class Workload:
     name: str
-    variant: str                          # e.g. "c=32 fixed"; "" when there is one variant
+    variant: str  # e.g. "c=32 fixed"; "" when there is one variant
     requests: list[RequestSpec]
-    arrival: str                          # "batch" | "closed_loop" | "triggered"
-    concurrency: Optional[int] = None     # closed loop
+    arrival: str  # "batch" | "closed_loop" | "triggered"
+    concurrency: Optional[int] = None  # closed loop
     background_tag: Optional[str] = None  # triggered: the streams whose progress triggers arrivals
     stop_when_background_done: bool = False
-    modes: tuple = SWEEP_MODES            # default sweep, in priority order
+    modes: tuple = SWEEP_MODES  # default sweep, in priority order
     chunks: tuple = SWEEP_CHUNKS
-    generate_baseline: bool = False       # a static-batch generate() of the same batch applies
-    exit: str = "fixed"                   # "fixed" | "early" (synthetic)
+    generate_baseline: bool = False  # a static-batch generate() of the same batch applies
+    exit: str = "fixed"  # "fixed" | "early" (synthetic)
     description: str = ""
 
     @property
@@ -94,11 +107,22 @@ class Workload:
         p = [r.num_prompt_tokens for r in self.requests]
         o = [r.params.max_tokens for r in self.requests]
         tags = sorted({r.tag for r in self.requests})
-        return dict(name=self.name, variant=self.variant, requests=len(self.requests), arrival=self.arrival,
-                    concurrency=self.concurrency, prompt_tokens=int(sum(p)), prompt_min=int(min(p)),
-                    prompt_max=int(max(p)), output_tokens=int(sum(o)), max_tokens=sorted(set(o)), tags=tags,
-                    exit=self.exit, stop_when_background_done=self.stop_when_background_done,
-                    description=self.description)
+        return dict(
+            name=self.name,
+            variant=self.variant,
+            requests=len(self.requests),
+            arrival=self.arrival,
+            concurrency=self.concurrency,
+            prompt_tokens=int(sum(p)),
+            prompt_min=int(min(p)),
+            prompt_max=int(max(p)),
+            output_tokens=int(sum(o)),
+            max_tokens=sorted(set(o)),
+            tags=tags,
+            exit=self.exit,
+            stop_when_background_done=self.stop_when_background_done,
+            description=self.description,
+        )
 
 
 # --------------------------------------------------------------------------------------- helpers
@@ -112,7 +136,7 @@ class _Scaler:
         return max(1, round(n * self.scale))
 
     def out(self, n: int) -> int:
-        return max(2, round(n * self.scale))      # two tokens at least: one inter-token latency
+        return max(2, round(n * self.scale))  # two tokens at least: one inter-token latency
 
     def count(self, n: int, least: int = 1) -> int:
         return max(least, round(n * self.count_scale))
@@ -131,8 +155,13 @@ def _params(max_tokens: int, exit: str = "fixed", seed: int = 0) -> SamplingPara
     if exit == "fixed":
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_mode="fixed", seed=seed)
     if exit == "early":
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_mode="synthetic",
-                              synthetic_mean_loops=EARLY_EXIT_MEAN_LOOPS, seed=seed)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            exit_mode="synthetic",
+            synthetic_mean_loops=EARLY_EXIT_MEAN_LOOPS,
+            seed=seed,
+        )
     raise ValueError(f"exit must be 'fixed' or 'early', got {exit!r}")
 
 
@@ -142,8 +171,16 @@ def long4(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: i
     rng = _rng("long4", seed)
     n, prompt, out = s.count(4), s.prompt(8064), s.out(16)
     reqs = [RequestSpec(_ids(rng, prompt, vocab_size), _params(out)) for _ in range(n)]
-    return [Workload("long4", "", reqs, "batch", generate_baseline=True,
-                     description=f"{n} x {prompt}-token prompts at t=0, {out} out")]
+    return [
+        Workload(
+            "long4",
+            "",
+            reqs,
+            "batch",
+            generate_baseline=True,
+            description=f"{n} x {prompt}-token prompts at t=0, {out} out",
+        )
+    ]
 
 
 def _mixed(name: str, count: int, vocab_size: int, scale: float, count_scale: float, seed: int) -> list[Workload]:
@@ -153,8 +190,16 @@ def _mixed(name: str, count: int, vocab_size: int, scale: float, count_scale: fl
     lengths = rng.integers(lo, hi + 1, n)
     reqs = [RequestSpec(_ids(rng, int(m), vocab_size), _params(out)) for m in lengths]
     # chunk 128 first: the three modes compared at the cheap end before the expensive small chunks
-    return [Workload(name, "", reqs, "batch", chunks=(128, 16, 64, 32),
-                     description=f"{n} requests at t=0, prompts uniform in {lo}..{hi}, {out} out")]
+    return [
+        Workload(
+            name,
+            "",
+            reqs,
+            "batch",
+            chunks=(128, 16, 64, 32),
+            description=f"{n} requests at t=0, prompts uniform in {lo}..{hi}, {out} out",
+        )
+    ]
 
 
 def mixed32(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0) -> list[Workload]:
@@ -165,8 +210,14 @@ def mixed128(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed
     return _mixed("mixed128", 128, vocab_size, scale, count_scale, seed)
 
 
-def serve1k(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0,
-            concurrency: Sequence[int] = (1, 32, 128), exits: Sequence[str] = ("fixed", "early")) -> list[Workload]:
+def serve1k(
+    vocab_size: int,
+    scale: float = 1.0,
+    count_scale: float = 1.0,
+    seed: int = 0,
+    concurrency: Sequence[int] = (1, 32, 128),
+    exits: Sequence[str] = ("fixed", "early"),
+) -> list[Workload]:
     s = _Scaler(scale, count_scale)
     prompt, out = s.prompt(1024), s.out(128)
     variants = []
@@ -175,17 +226,31 @@ def serve1k(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed:
         for exit in exits:
             rng = _rng(f"serve1k-{c0}", seed)  # the same prompts for both exit modes
             reqs = [RequestSpec(_ids(rng, prompt, vocab_size), _params(out, exit)) for _ in range(2 * c)]
-            variants.append(Workload(
-                "serve1k", f"c={c} {exit}", reqs, "closed_loop", concurrency=c, modes=("split",), chunks=(64,),
-                generate_baseline=exit == "fixed", exit=exit,
-                description=f"closed loop at concurrency {c}: {2 * c} requests of {prompt} prompt / {out} out"
-                            + (f", synthetic early exit (mean {EARLY_EXIT_MEAN_LOOPS} loops)" if exit == "early"
-                               else ", fixed full depth")))
+            variants.append(
+                Workload(
+                    "serve1k",
+                    f"c={c} {exit}",
+                    reqs,
+                    "closed_loop",
+                    concurrency=c,
+                    modes=("split",),
+                    chunks=(64,),
+                    generate_baseline=exit == "fixed",
+                    exit=exit,
+                    description=f"closed loop at concurrency {c}: {2 * c} requests of {prompt} prompt / {out} out"
+                    + (
+                        f", synthetic early exit (mean {EARLY_EXIT_MEAN_LOOPS} loops)"
+                        if exit == "early"
+                        else ", fixed full depth"
+                    ),
+                )
+            )
     return variants
 
 
-def decode_under_prefill(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0,
-                         seed: int = 0) -> list[Workload]:
+def decode_under_prefill(
+    vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0
+) -> list[Workload]:
     s = _Scaler(scale, count_scale)
     rng = _rng("decode_under_prefill", seed)
     streams, sp, so = s.count(64), s.prompt(128), s.out(256)
@@ -194,21 +259,34 @@ def decode_under_prefill(vocab_size: int, scale: float = 1.0, count_scale: float
     # long prompts arrive spread over the streams' lifetime (by their progress, not by wall clock)
     after = [max(1, round(so * (i + 1) / (n_long + 2))) for i in range(n_long)]
     reqs += [RequestSpec(_ids(rng, lp, vocab_size), _params(lo), tag="long", after_tokens=a) for a in after]
-    return [Workload("decode_under_prefill", "", reqs, "triggered", background_tag="decode",
-                     stop_when_background_done=True, chunks=(16, 128),
-                     description=f"{streams} decoding streams ({sp} prompt, {so} out); {n_long} prompts of {lp} "
-                                 f"tokens arrive after the streams produced {after} tokens; stops (aborting "
-                                 f"the long prompts) once the streams finish")]
+    return [
+        Workload(
+            "decode_under_prefill",
+            "",
+            reqs,
+            "triggered",
+            background_tag="decode",
+            stop_when_background_done=True,
+            chunks=(16, 128),
+            description=f"{streams} decoding streams ({sp} prompt, {so} out); {n_long} prompts of {lp} "
+            f"tokens arrive after the streams produced {after} tokens; stops (aborting "
+            f"the long prompts) once the streams finish",
+        )
+    ]
 
 
 WORKLOADS: dict[str, Callable[..., list[Workload]]] = {
-    "long4": long4, "mixed32": mixed32, "mixed128": mixed128, "serve1k": serve1k,
+    "long4": long4,
+    "mixed32": mixed32,
+    "mixed128": mixed128,
+    "serve1k": serve1k,
     "decode_under_prefill": decode_under_prefill,
 }
 
 
-def make(name: str, vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0,
-         **kw) -> list[Workload]:
+def make(
+    name: str, vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0, **kw
+) -> list[Workload]:
     try:
         fn = WORKLOADS[name]
     except KeyError:

@@ -3,7 +3,8 @@
 Public API (lazily imported so that ``import ouro_jax.config`` stays light):
 ``OuroConfig``, ``forward``, ``generate``, ``LLM``, ``SamplingParams``.
 """
-from .config import OuroConfig, PRESETS, get_preset
+
+from .config import PRESETS, OuroConfig, get_preset
 
 _LAZY = {
     "forward": ("ouro_jax.full_forward", "forward"),
@@ -20,6 +21,7 @@ _LAZY = {
 def __getattr__(name):
     if name in _LAZY:
         import importlib
+
         mod, attr = _LAZY[name]
         return getattr(importlib.import_module(mod), attr)
     raise AttributeError(f"module 'ouro_jax' has no attribute {name!r}")

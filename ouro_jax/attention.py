@@ -4,6 +4,7 @@
 static-batch ``generate``, whose cache per layer is ``(K, V)`` each ``[T, B, S_max, KVH, hd]``: one
 plane per loop depth (LAST_EXITED). The engine's paged backend lives in ``ouro_jax/paged.py``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,7 @@ def _causal_mask(sq, sk):
 @dataclasses.dataclass(frozen=True)
 class DenseCausalAttention:
     """Plain causal self-attention over the rows' own keys (``[B, S]`` rows); cache unused."""
+
     scale: float | None = None
 
     def __call__(self, layer, q, k, v, cache):
@@ -53,6 +55,7 @@ class DenseCacheAttention:
     (``[B, 1]``) at ``positions[b]``; its K/V go to ``plane`` at that position and it attends to
     every position ``<= positions[b]`` of the plane.
     """
+
     plane: jax.Array
     positions: jax.Array  # [B] (decode) or unused (prefill)
     prefill: bool

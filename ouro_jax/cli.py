@@ -10,6 +10,7 @@ Subcommands (each a ``_cmd_*`` handler registered by an ``_add_*`` function in :
 
 Heavy imports (jax, orbax) happen inside the handlers, so ``ouro-jax --help`` stays fast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,12 +21,12 @@ DTYPE_CHOICES = ("bfloat16", "float32", "float16")
 
 # ----------------------------------------------------------------------------- convert
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="convert a Hugging Face checkpoint folder to the ouro-jax "
-                                       "(orbax) layout")
+    p = sub.add_parser("convert", help="convert a Hugging Face checkpoint folder to the ouro-jax (orbax) layout")
     p.add_argument("src", help="Hugging Face folder: config.json + model.safetensors (or shards + index)")
     p.add_argument("dst", help="output folder (created; must be empty unless --overwrite)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
-                   help="cast the weights (default: keep the checkpoint's dtype)")
+    p.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default=None, help="cast the weights (default: keep the checkpoint's dtype)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_cmd_convert)
@@ -33,8 +34,8 @@ def _add_convert(sub) -> None:
 
 def _cmd_convert(args) -> int:
     from weights import convert
-    dst = convert(args.src, args.dst, dtype=args.dtype, progress=not args.no_progress,
-                  overwrite=args.overwrite)
+
+    dst = convert(args.src, args.dst, dtype=args.dtype, progress=not args.no_progress, overwrite=args.overwrite)
     print(f"converted {args.src} -> {dst}")
     return 0
 
@@ -42,23 +43,40 @@ def _cmd_convert(args) -> int:
 # ------------------------------------------------------------------- random-checkpoint
 def _add_random_checkpoint(sub) -> None:
     from .config import PRESETS
+
     p = sub.add_parser("random-checkpoint", help="write a seeded random checkpoint of a preset size")
     p.add_argument("dst", help="output folder (created; must be empty unless --overwrite)")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model size")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layout", choices=("hf", "orbax"), default="hf",
-                   help="hf: config.json + safetensors; orbax: the converted layout")
+    p.add_argument(
+        "--layout",
+        choices=("hf", "orbax"),
+        default="hf",
+        help="hf: config.json + safetensors; orbax: the converted layout",
+    )
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
-    p.add_argument("--max-shard-bytes", type=int, default=None,
-                   help="hf layout: split into shards of at most this many bytes (+ index.json)")
+    p.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        default=None,
+        help="hf layout: split into shards of at most this many bytes (+ index.json)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
     p.set_defaults(handler=_cmd_random_checkpoint)
 
 
 def _cmd_random_checkpoint(args) -> int:
     from weights import save_random
-    path = save_random(args.dst, args.preset, seed=args.seed, layout=args.layout, dtype=args.dtype,
-                       max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite)
+
+    path = save_random(
+        args.dst,
+        args.preset,
+        seed=args.seed,
+        layout=args.layout,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_bytes,
+        overwrite=args.overwrite,
+    )
     print(f"wrote random {args.preset} checkpoint (seed {args.seed}, {args.layout}, {args.dtype}) to {path}")
     return 0
 
@@ -70,8 +88,12 @@ def _add_demo(sub) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--exit-threshold", type=float, default=0.5,
-                   help="early exit: stop a token's loops once this much exit probability has accumulated")
+    p.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=0.5,
+        help="early exit: stop a token's loops once this much exit probability has accumulated",
+    )
     p.add_argument("--prefill-mode", choices=("split", "mixed", "wavefront"), default="wavefront")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=_cmd_demo)
@@ -87,12 +109,21 @@ def _cmd_demo(args) -> int:
     from . import LLM, SamplingParams, generate
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
-    llm = LLM(args.model, max_num_seqs=max(args.batch, 1), max_num_batched_tokens=256, prefill_chunk_size=16,
-              max_model_len=max(256, args.prompt_len + args.max_tokens), prefill_mode=args.prefill_mode,
-              seed=args.seed, buckets=[8, 32, 64, 256])
+    llm = LLM(
+        args.model,
+        max_num_seqs=max(args.batch, 1),
+        max_num_batched_tokens=256,
+        prefill_chunk_size=16,
+        max_model_len=max(256, args.prompt_len + args.max_tokens),
+        prefill_mode=args.prefill_mode,
+        seed=args.seed,
+        buckets=[8, 32, 64, 256],
+    )
     cfg = llm.config
-    print(f"model {args.model}: {cfg.num_hidden_layers} layers x T={cfg.num_loops} loops, "
-          f"hidden {cfg.hidden_size}, {cfg.num_params / 1e6:.1f}M params (random weights)")
+    print(
+        f"model {args.model}: {cfg.num_hidden_layers} layers x T={cfg.num_loops} loops, "
+        f"hidden {cfg.hidden_size}, {cfg.num_params / 1e6:.1f}M params (random weights)"
+    )
     rng = np.random.default_rng(args.seed)
     prompts = [list(map(int, rng.integers(1, cfg.vocab_size, args.prompt_len))) for _ in range(args.batch)]
 
@@ -105,8 +136,10 @@ def _cmd_demo(args) -> int:
     out = generate(llm.params, cfg, ids, lengths, args.max_tokens, **kw)
     out.tokens.block_until_ready()
     dt = time.perf_counter() - t
-    print(f"\ngenerate(): {args.batch} x {args.max_tokens} tokens in {dt * 1e3:.1f} ms = "
-          f"{args.batch * args.max_tokens / dt:.1f} tok/s")
+    print(
+        f"\ngenerate(): {args.batch} x {args.max_tokens} tokens in {dt * 1e3:.1f} ms = "
+        f"{args.batch * args.max_tokens / dt:.1f} tok/s"
+    )
     for b in range(min(args.batch, 2)):
         print(f"  tokens      {np.asarray(out.tokens[b]).tolist()}")
         print(f"  exit depths {np.asarray(out.exit_depths[b]).tolist()}")
@@ -116,16 +149,22 @@ def _cmd_demo(args) -> int:
     t = time.perf_counter()
     outs = llm.generate(prompts, sp)
     dt = time.perf_counter() - t
-    print(f"\nLLM.generate ({args.prefill_mode} prefill): {args.batch} x {args.max_tokens} tokens in "
-          f"{dt * 1e3:.1f} ms = {args.batch * args.max_tokens / dt:.1f} tok/s")
+    print(
+        f"\nLLM.generate ({args.prefill_mode} prefill): {args.batch} x {args.max_tokens} tokens in "
+        f"{dt * 1e3:.1f} ms = {args.batch * args.max_tokens / dt:.1f} tok/s"
+    )
     for o in outs[:2]:
         print(f"  tokens      {o.token_ids}")
-        print(f"  exit depths {o.exit_depths}   (same as generate(): "
-              f"{o.token_ids == np.asarray(out.tokens[o.request_id]).tolist()})")
+        print(
+            f"  exit depths {o.exit_depths}   (same as generate(): "
+            f"{o.token_ids == np.asarray(out.tokens[o.request_id]).tolist()})"
+        )
     st = llm.stats()
-    print(f"  {st['recurrent_invocations']} recurrent invocations, {st['rows_per_invocation']:.1f} rows each, "
-          f"{st['compilations']} executables compiled at start-up in {st['compile_time_s']:.1f} s, "
-          f"host time {1e3 * st['host_time_per_invocation_s']:.2f} ms/invocation")
+    print(
+        f"  {st['recurrent_invocations']} recurrent invocations, {st['rows_per_invocation']:.1f} rows each, "
+        f"{st['compilations']} executables compiled at start-up in {st['compile_time_s']:.1f} s, "
+        f"host time {1e3 * st['host_time_per_invocation_s']:.2f} ms/invocation"
+    )
     mean_loops = np.mean([d + 1 for o in outs for d in o.exit_depths[1:]])
     print(f"  mean loops per generated token: {mean_loops:.2f} of {cfg.num_loops}")
     return 0
@@ -134,8 +173,7 @@ def _cmd_demo(args) -> int:
 # --------------------------------------------------------------------------------- main
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     """The parser and its subparsers object (so further subcommands can be added)."""
-    parser = argparse.ArgumentParser(prog="ouro-jax", description="Inference for Ouro looped language "
-                                                                  "models in JAX")
+    parser = argparse.ArgumentParser(prog="ouro-jax", description="Inference for Ouro looped language models in JAX")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_convert(sub)
     _add_random_checkpoint(sub)

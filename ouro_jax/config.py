@@ -5,6 +5,7 @@ other loop counts ``T`` are all legal, because the tiny test presets use them.  
 *not* implement (sliding windows, rope scaling, attention bias, tied embeddings, activations other
 than SiLU) is rejected here with an error that names the field, before any weight is touched.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,27 +74,43 @@ class OuroConfig:
             if not cond:
                 raise ValueError(f"OuroConfig: {msg}")
 
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings", "total_ut_steps"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "total_ut_steps",
+        ):
             v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                 f"{name} must be a positive integer, got {v!r}")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-             f"num_key_value_heads ({self.num_key_value_heads})")
+            need(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                f"{name} must be a positive integer, got {v!r}",
+            )
+        need(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({self.num_key_value_heads})",
+        )
         need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
         need(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
-        need(0.0 <= self.early_exit_threshold <= 1.0,
-             f"early_exit_threshold must lie in [0, 1], got {self.early_exit_threshold}")
+        need(
+            0.0 <= self.early_exit_threshold <= 1.0,
+            f"early_exit_threshold must lie in [0, 1], got {self.early_exit_threshold}",
+        )
         need(self.rope_scaling is None, f"rope_scaling is not supported (got {self.rope_scaling!r})")
         need(not self.use_sliding_window, "use_sliding_window=true is not supported")
         need(not self.attention_bias, "attention_bias=true is not supported (Ouro has no attention bias)")
         need(not self.tie_word_embeddings, "tie_word_embeddings=true is not supported (Ouro unties them)")
         need(self.hidden_act == "silu", f"hidden_act must be 'silu', got {self.hidden_act!r}")
-        need(self.torch_dtype in ("bfloat16", "float32", "float16"),
-             f"torch_dtype must be bfloat16, float16 or float32, got {self.torch_dtype!r}")
+        need(
+            self.torch_dtype in ("bfloat16", "float32", "float16"),
+            f"torch_dtype must be bfloat16, float16 or float32, got {self.torch_dtype!r}",
+        )
         for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, tok)
             need(v is None or 0 <= v < self.vocab_size, f"{tok}={v} is outside the vocabulary")
@@ -111,8 +128,10 @@ class OuroConfig:
             heads = kw.get("num_attention_heads", cls.num_attention_heads)
             hidden = kw.get("hidden_size", cls.hidden_size)
             if hidden % heads:
-                raise ValueError(f"OuroConfig: hidden_size {hidden} is not divisible by "
-                                 f"num_attention_heads {heads} and no head_dim is given")
+                raise ValueError(
+                    f"OuroConfig: hidden_size {hidden} is not divisible by "
+                    f"num_attention_heads {heads} and no head_dim is given"
+                )
             kw["head_dim"] = hidden // heads
         if kw.get("num_key_value_heads") is None:
             kw["num_key_value_heads"] = kw.get("num_attention_heads", cls.num_attention_heads)
@@ -162,16 +181,41 @@ PRESETS: dict[str, OuroConfig] = {
     "ouro-1.4b": OuroConfig(),
     "ouro-2.6b": OuroConfig(num_hidden_layers=48),
     # A demo model: runs on a laptop CPU in seconds, real vocabulary size so text decoding works.
-    "ouro-small": OuroConfig(vocab_size=49152, hidden_size=256, intermediate_size=704,
-                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                             head_dim=64, max_position_embeddings=4096, torch_dtype="float32"),
+    "ouro-small": OuroConfig(
+        vocab_size=49152,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+        torch_dtype="float32",
+    ),
     # Test presets: MHA with T=4, GQA with T=3.
-    "tiny": OuroConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                       max_position_embeddings=512, torch_dtype="float32"),
-    "tiny-gqa": OuroConfig(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           total_ut_steps=3, max_position_embeddings=512, torch_dtype="float32"),
+    "tiny": OuroConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        max_position_embeddings=512,
+        torch_dtype="float32",
+    ),
+    "tiny-gqa": OuroConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        total_ut_steps=3,
+        max_position_embeddings=512,
+        torch_dtype="float32",
+    ),
 }
 
 

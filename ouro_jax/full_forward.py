@@ -1,4 +1,5 @@
-"""``forward``: the full (dense, uncached) model over a batch of sequences, every loop, with the reference's exit rules."""
+"""``forward``: the full (dense, uncached) model over a batch of sequences, every loop, with the exit rules."""
+
 from __future__ import annotations
 
 import functools
@@ -16,10 +17,10 @@ __all__ = ["forward", "ForwardResult", "exit_distribution", "select_exit_loop"]
 
 class ForwardResult(NamedTuple):
     hidden_states: jax.Array  # [T, B, S, D], after the final norm of each loop
-    gate_logits: jax.Array    # [T, B, S] float32
-    exit_probs: jax.Array     # [T, B, S] float32, sums to 1 over T
-    exit_loop: jax.Array      # [B, S] int32, the loop whose hidden state gave `logits`
-    logits: jax.Array         # [B, S, V]
+    gate_logits: jax.Array  # [T, B, S] float32
+    exit_probs: jax.Array  # [T, B, S] float32, sums to 1 over T
+    exit_loop: jax.Array  # [B, S] int32, the loop whose hidden state gave `logits`
+    logits: jax.Array  # [B, S, V]
 
 
 def exit_distribution(gate_logits: jax.Array) -> jax.Array:
@@ -70,8 +71,9 @@ def _forward(params, token_ids, exit_threshold, *, config, dtype_name, exit_at_s
     return ForwardResult(hs, gs, probs, loop, logits)
 
 
-def forward(params, config: OuroConfig, token_ids, *, exit_at_step: int | None = None,
-            exit_threshold: float | None = None) -> ForwardResult:
+def forward(
+    params, config: OuroConfig, token_ids, *, exit_at_step: int | None = None, exit_threshold: float | None = None
+) -> ForwardResult:
     """Run every loop over ``token_ids [B, S]`` and select each token's logits.
 
     Default (both ``None``): the last loop, i.e. fixed full depth, which is what the reference's

@@ -12,20 +12,20 @@ never wait for the device and the host builds the next descriptor while the devi
 ``add_request`` / ``step`` / ``abort`` / ``has_unfinished`` let callers drive the loop themselves;
 ``stream`` yields outputs as tokens arrive.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import os
-import time
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
-from .config import OuroConfig, PRESETS
+from .config import PRESETS, OuroConfig
 from .runner import ModelRunner
 
 __all__ = ["LLM", "RequestOutput", "RequestMetrics"]
@@ -64,7 +64,7 @@ class RequestMetrics:
 @dataclasses.dataclass
 class RequestOutput:
     request_id: object
-    prompt_token_ids: Sequence[int]   # the request's read-only array (not copied per step)
+    prompt_token_ids: Sequence[int]  # the request's read-only array (not copied per step)
     token_ids: list[int]
     exit_depths: list[int]
     text: Optional[str]
@@ -87,17 +87,34 @@ def _device_memory() -> Optional[tuple[int, int]]:
 class LLM:
     """The Ouro engine: loop-level batching, paged depth-plane KV, bucketed compiled steps."""
 
-    def __init__(self, model: Union[str, OuroConfig] = "ouro-small", *, params: Optional[dict] = None,
-                 dtype: Optional[str] = None, seed: int = 0,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 256, prefill_chunk_size: int = 64,
-                 block_size: int = 16, max_model_len: Optional[int] = None,
-                 kv_layout: str = "last_exited", prefill_mode: str = "split", policy: str = "fcfs",
-                 num_blocks: Optional[int] = None, kv_cache_bytes: Optional[int] = None,
-                 gpu_memory_utilization: float = 0.85, buckets: Optional[Sequence[int]] = None,
-                 attention: str = "auto", layer_loop: str = "unrolled", compile_cache_dir: Optional[str] = None,
-                 num_ring_rows: Optional[int] = None, fused_decode_max_rows: Optional[int] = None,
-                 fused_decode_tokens: int = 1,
-                 warmup: bool = True, progress: bool = True):
+    def __init__(
+        self,
+        model: Union[str, OuroConfig] = "ouro-small",
+        *,
+        params: Optional[dict] = None,
+        dtype: Optional[str] = None,
+        seed: int = 0,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 256,
+        prefill_chunk_size: int = 64,
+        block_size: int = 16,
+        max_model_len: Optional[int] = None,
+        kv_layout: str = "last_exited",
+        prefill_mode: str = "split",
+        policy: str = "fcfs",
+        num_blocks: Optional[int] = None,
+        kv_cache_bytes: Optional[int] = None,
+        gpu_memory_utilization: float = 0.85,
+        buckets: Optional[Sequence[int]] = None,
+        attention: str = "auto",
+        layer_loop: str = "unrolled",
+        compile_cache_dir: Optional[str] = None,
+        num_ring_rows: Optional[int] = None,
+        fused_decode_max_rows: Optional[int] = None,
+        fused_decode_tokens: int = 1,
+        warmup: bool = True,
+        progress: bool = True,
+    ):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
         self._enable_compile_cache(compile_cache_dir)
@@ -106,8 +123,10 @@ class LLM:
         self.progress = progress
         max_model_len = int(max_model_len or min(c.max_position_embeddings, 4096))
         if max_model_len > c.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({c.max_position_embeddings})")
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                f"({c.max_position_embeddings})"
+            )
         if fused_decode_max_rows is None:
             # Fused decode steps for the smallest row bucket by default: on the H200, serve1k at
             # c=1, one call each, +9% output tok/s in an 8-seq engine (run 5, results/fused_decode/)
@@ -119,30 +138,49 @@ class LLM:
         itemsize = np.dtype(jax.tree.leaves(self.params)[0].dtype).itemsize
         block_bytes = 2 * c.num_hidden_layers * c.kv_size * block_size * itemsize
         if num_blocks is None:
-            num_blocks = self._size_pool(block_bytes, kv_cache_bytes, gpu_memory_utilization, max_num_seqs,
-                                         max_model_len, planes, block_size)
+            num_blocks = self._size_pool(
+                block_bytes, kv_cache_bytes, gpu_memory_utilization, max_num_seqs, max_model_len, planes, block_size
+            )
         self.scheduler_config = SchedulerConfig(
-            num_loops=c.num_loops, num_blocks=int(num_blocks), block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, prefill_chunk_size=prefill_chunk_size,
-            max_model_len=max_model_len, kv_layout=kv_layout, prefill_mode=prefill_mode, policy=policy,
-            eos_token_id=c.eos_token_id, buckets=buckets, fused_decode_max_rows=fused_decode_max_rows,
-            fused_decode_tokens=fused_decode_tokens)
+            num_loops=c.num_loops,
+            num_blocks=int(num_blocks),
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefill_chunk_size=prefill_chunk_size,
+            max_model_len=max_model_len,
+            kv_layout=kv_layout,
+            prefill_mode=prefill_mode,
+            policy=policy,
+            eos_token_id=c.eos_token_id,
+            buckets=buckets,
+            fused_decode_max_rows=fused_decode_max_rows,
+            fused_decode_tokens=fused_decode_tokens,
+        )
         need = planes * -(-max_model_len // block_size) + 1
         if num_blocks < need:
-            raise ValueError(f"the KV pool ({num_blocks} blocks of {block_size} tokens) cannot hold one request of "
-                             f"max_model_len={max_model_len} at {planes} plane(s) (needs {need} blocks): lower "
-                             f"max_model_len or give the cache more memory (kv_cache_bytes / num_blocks)")
+            raise ValueError(
+                f"the KV pool ({num_blocks} blocks of {block_size} tokens) cannot hold one request of "
+                f"max_model_len={max_model_len} at {planes} plane(s) (needs {need} blocks): lower "
+                f"max_model_len or give the cache more memory (kv_cache_bytes / num_blocks)"
+            )
         self.scheduler = Scheduler(self.scheduler_config)
         # A larger ring than the scheduler needs is allowed: engines of different chunk sizes and
         # modes then share executables (same shapes), which benchmark sweeps use to compile once.
         need_rows = self.scheduler_config.num_ring_rows
         if num_ring_rows is not None and num_ring_rows < need_rows:
             raise ValueError(f"num_ring_rows={num_ring_rows} is too small: this configuration needs {need_rows}")
-        self.runner = ModelRunner(c, self.params, num_blocks=int(num_blocks), block_size=block_size,
-                                  num_ring_rows=num_ring_rows or need_rows, attention=attention,
-                                  layer_loop=layer_loop)
+        self.runner = ModelRunner(
+            c,
+            self.params,
+            num_blocks=int(num_blocks),
+            block_size=block_size,
+            num_ring_rows=num_ring_rows or need_rows,
+            attention=attention,
+            layer_loop=layer_loop,
+        )
         self._ids = itertools.count()
-        self._live: dict[object, Request] = {}      # queued or running, by id
+        self._live: dict[object, Request] = {}  # queued or running, by id
         self._finished: dict[object, Request] = {}  # finished, until generate() hands them out
         self.warmup_time = self.runner.warmup(self.executable_keys(), progress) if warmup else 0.0
 
@@ -171,19 +209,27 @@ class LLM:
             config = PRESETS[model]
         elif isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
             from weights import load_checkpoint
-            config, params = load_checkpoint(model, dtype=dtype) if params is None else (OuroConfig.from_json(model), params)
+
+            config, params = (
+                load_checkpoint(model, dtype=dtype) if params is None else (OuroConfig.from_json(model), params)
+            )
             tok = os.path.join(model, "tokenizer.json")
             if os.path.exists(tok):
                 from tokenizers import Tokenizer
+
                 tokenizer = Tokenizer.from_file(tok)
         else:
-            raise ValueError(f"model must be a preset ({', '.join(sorted(PRESETS))}), an OuroConfig or a "
-                             f"checkpoint folder; got {model!r}")
+            raise ValueError(
+                f"model must be a preset ({', '.join(sorted(PRESETS))}), an OuroConfig or a "
+                f"checkpoint folder; got {model!r}"
+            )
         if params is None:
             from .model import init_params
+
             params = init_params(config, seed, dtype or config.torch_dtype)
         elif dtype is not None:
             from .model import dtype_of
+
             params = jax.tree.map(lambda x: jax.numpy.asarray(x, dtype_of(dtype)), params)
         else:
             params = jax.tree.map(jax.numpy.asarray, params)
@@ -201,16 +247,18 @@ class LLM:
             param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
             kv_cache_bytes = int(limit * util) - in_use - param_bytes - (2 << 30)
         if kv_cache_bytes < 2 * block_bytes:
-            raise ValueError(f"the KV cache budget ({kv_cache_bytes} bytes) holds fewer than 2 blocks of "
-                             f"{block_bytes} bytes")
+            raise ValueError(
+                f"the KV cache budget ({kv_cache_bytes} bytes) holds fewer than 2 blocks of {block_bytes} bytes"
+            )
         return int(kv_cache_bytes // block_bytes)
 
     # ------------------------------------------------------------------- request API
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (tokenizer.json in the checkpoint folder); "
-                                 "pass token ids instead")
+                raise ValueError(
+                    "text prompts need a tokenizer (tokenizer.json in the checkpoint folder); pass token ids instead"
+                )
             return self.tokenizer.encode(prompt).ids
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
@@ -218,8 +266,9 @@ class LLM:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
         return ids
 
-    def add_request(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None,
-                    request_id=None, priority: int = 0) -> object:
+    def add_request(
+        self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None, request_id=None, priority: int = 0
+    ) -> object:
         """Validate and queue one request (``ValueError`` before anything changes); returns its id."""
         ids = self._encode(prompt)
         rid = next(self._ids) if request_id is None else request_id
@@ -262,13 +311,22 @@ class LLM:
         text = None
         if self.tokenizer is not None and with_text:
             text = self.tokenizer.decode(req.output_token_ids)
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                             list(req.exit_depths), text, req.is_finished, req.finish_reason,
-                             RequestMetrics(req.arrival_time, req.first_token_time, list(req.token_times),
-                                            req.finish_time))
+        return RequestOutput(
+            req.request_id,
+            req.prompt_token_ids,
+            list(req.output_token_ids),
+            list(req.exit_depths),
+            text,
+            req.is_finished,
+            req.finish_reason,
+            RequestMetrics(req.arrival_time, req.first_token_time, list(req.token_times), req.finish_time),
+        )
 
-    def stream(self, prompts: Union[Prompt, Sequence[Prompt]],
-               sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> Iterator[RequestOutput]:
+    def stream(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+    ) -> Iterator[RequestOutput]:
         """Add the prompts and yield a ``RequestOutput`` each time one of them gets tokens."""
         ids = self._add_all(prompts, sampling_params)
         mine = set(ids)
@@ -279,14 +337,18 @@ class LLM:
                         out.text = self.tokenizer.decode(out.token_ids)
                     yield out
 
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: Optional[bool] = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: Optional[bool] = None,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of ``prompts``."""
         ids = self._add_all(prompts, sampling_params)
         bar = None
-        if (self.progress if use_tqdm is None else use_tqdm):
+        if self.progress if use_tqdm is None else use_tqdm:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         try:
             while self.has_unfinished():
@@ -326,10 +388,20 @@ class LLM:
         r = self.runner
         host = s["host_time_s"] - r.wait_time
         inv = max(1, s["invocations"])
-        return dict(s, recurrent_invocations=s["invocations"], recurrent_rows=s["real_rows"],
-                    host_time_per_launch_s=host / max(1, s["launches"]),
-                    compilations=r.compilations, compile_time_s=r.compile_time, warmup_time_s=self.warmup_time,
-                    host_time_s=host, host_time_per_invocation_s=host / inv, device_wait_time_s=r.wait_time,
-                    dispatch_time_s=r.dispatch_time, dispatch_time_per_invocation_s=r.dispatch_time / inv,
-                    kv_blocks=self.scheduler_config.num_blocks, kv_cache_bytes=r.kv_bytes,
-                    num_buckets=len(self.scheduler.bucket_spec.keys()))
+        return dict(
+            s,
+            recurrent_invocations=s["invocations"],
+            recurrent_rows=s["real_rows"],
+            host_time_per_launch_s=host / max(1, s["launches"]),
+            compilations=r.compilations,
+            compile_time_s=r.compile_time,
+            warmup_time_s=self.warmup_time,
+            host_time_s=host,
+            host_time_per_invocation_s=host / inv,
+            device_wait_time_s=r.wait_time,
+            dispatch_time_s=r.dispatch_time,
+            dispatch_time_per_invocation_s=r.dispatch_time / inv,
+            kv_blocks=self.scheduler_config.num_blocks,
+            kv_cache_bytes=r.kv_bytes,
+            num_buckets=len(self.scheduler.bucket_spec.keys()),
+        )

@@ -20,6 +20,7 @@ Rows may have any leading shape (``[B, S]`` for dense use, ``[R]`` for the engin
 Parameters are a plain nested dict (see ``ouro_jax/params.py``); ``model.apply`` is only ever
 called inside ``jax.jit``, so Flax's module traversal happens once, at trace time.
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -30,13 +31,20 @@ import jax.numpy as jnp
 
 from .config import OuroConfig
 
-__all__ = ["OuroModel", "OuroDecoderLayer", "RMSNorm", "rope_cos_sin", "apply_rope", "init_params",
-           "Attention", "dtype_of"]
+__all__ = [
+    "OuroModel",
+    "OuroDecoderLayer",
+    "RMSNorm",
+    "rope_cos_sin",
+    "apply_rope",
+    "init_params",
+    "Attention",
+    "dtype_of",
+]
 
 
 class Attention(Protocol):
-    def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
-        ...
+    def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any) -> tuple[jax.Array, Any]: ...
 
 
 def dtype_of(name_or_dtype) -> jnp.dtype:
@@ -51,6 +59,7 @@ def dtype_of(name_or_dtype) -> jnp.dtype:
 class RMSNorm(nn.Module):
     """``w * x * rsqrt(mean(x^2) + eps)`` with statistics and product in float32, rounded once to
     ``out_dtype`` (the reference rounds before and after the weight product; we round once)."""
+
     eps: float
     dtype: Any
 
@@ -79,8 +88,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _dense(features: int, dtype, use_bias: bool = False) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype,
-                    kernel_init=nn.initializers.variance_scaling(1.0, "fan_in", "normal"))
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nn.initializers.variance_scaling(1.0, "fan_in", "normal"),
+    )
 
 
 class OuroAttentionProjections(nn.Module):
@@ -121,6 +135,7 @@ class OuroMLP(nn.Module):
 
 class OuroDecoderLayer(nn.Module):
     """One layer with Ouro's "sandwich" norms (4 RMSNorms)."""
+
     config: OuroConfig
     dtype: Any
     layer_index: int = 0
@@ -149,13 +164,18 @@ class OuroDecoderLayer(nn.Module):
 class LMHead(nn.Module):
     """``h @ W`` with logits accumulated and returned in float32 (never rounded to bfloat16), so
     that sampling and argmax see the full-precision values."""
+
     features: int
     dtype: Any
 
     @nn.compact
     def __call__(self, h):
-        kernel = self.param("kernel", nn.initializers.variance_scaling(1.0, "fan_in", "normal"),
-                            (h.shape[-1], self.features), self.dtype)
+        kernel = self.param(
+            "kernel",
+            nn.initializers.variance_scaling(1.0, "fan_in", "normal"),
+            (h.shape[-1], self.features),
+            self.dtype,
+        )
         return jnp.dot(h.astype(self.dtype), kernel, preferred_element_type=jnp.float32)
 
 
@@ -165,8 +185,13 @@ class OuroModel(nn.Module):
 
     def setup(self):
         c = self.config
-        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype,
-                                     embedding_init=nn.initializers.normal(1.0))
+        self.embed_tokens = nn.Embed(
+            c.vocab_size,
+            c.hidden_size,
+            dtype=self.dtype,
+            param_dtype=self.dtype,
+            embedding_init=nn.initializers.normal(1.0),
+        )
         self.layers = [OuroDecoderLayer(c, self.dtype, layer_index=i) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.early_exit_gate = nn.Dense(1, use_bias=True, dtype=jnp.float32, param_dtype=self.dtype)

@@ -19,6 +19,7 @@ Linear kernels are stored ``[in, out]`` (Flax) while Hugging Face stores ``[out,
 every 2-D projection is transposed on the way in and out.  The mapping lives here, in one place,
 so that the loader, the converter, the random-checkpoint writer and the numpy reference agree.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,8 +29,17 @@ import numpy as np
 
 from .config import OuroConfig
 
-__all__ = ["hf_tensor_shapes", "hf_name_to_path", "path_to_hf_name", "param_shapes",
-           "get_path", "set_path", "iter_paths", "random_hf_tensors", "random_params"]
+__all__ = [
+    "hf_tensor_shapes",
+    "hf_name_to_path",
+    "path_to_hf_name",
+    "param_shapes",
+    "get_path",
+    "set_path",
+    "iter_paths",
+    "random_hf_tensors",
+    "random_params",
+]
 
 _LAYER_PROJ = {
     "self_attn.q_proj": ("self_attn", "q_proj"),
@@ -40,8 +50,7 @@ _LAYER_PROJ = {
     "mlp.up_proj": ("mlp", "up_proj"),
     "mlp.down_proj": ("mlp", "down_proj"),
 }
-_LAYER_NORMS = ("input_layernorm", "input_layernorm_2", "post_attention_layernorm",
-                "post_attention_layernorm_2")
+_LAYER_NORMS = ("input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
 
 
@@ -105,7 +114,7 @@ def path_to_hf_name(path: tuple[str, ...]) -> str:
     if path[0] == "lm_head":
         return "lm_head.weight"
     if path[0].startswith("layers_"):
-        i = int(path[0][len("layers_"):])
+        i = int(path[0][len("layers_") :])
         if path[1] in _LAYER_NORMS:
             return f"model.layers.{i}.{path[1]}.weight"
         return f"model.layers.{i}.{path[1]}.{path[2]}.weight"

@@ -12,6 +12,7 @@ a time, everything recomputed from scratch, no caches: slow, short and easy to c
 - :func:`exit_decision` is the engine's per-token exit rule (``ouro`` / ``delayed`` / ``fixed``).
 - :func:`reference_greedy_generate` is greedy decoding with that rule, by full recompute per token.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,10 +23,23 @@ import numpy as np
 from .config import OuroConfig
 from .params import get_path, hf_name_to_path, hf_tensor_shapes
 
-__all__ = ["RefWeights", "RefLayer", "load_reference_weights", "from_param_tree", "reference_forward",
-           "exit_distribution", "select_logits", "exit_decision", "GreedyResult",
-           "reference_greedy_generate", "reference_shared_greedy_generate", "rms_norm", "rope_cos_sin",
-           "layer_qkv", "layer_finish"]
+__all__ = [
+    "RefWeights",
+    "RefLayer",
+    "load_reference_weights",
+    "from_param_tree",
+    "reference_forward",
+    "exit_distribution",
+    "select_logits",
+    "exit_decision",
+    "GreedyResult",
+    "reference_greedy_generate",
+    "reference_shared_greedy_generate",
+    "rms_norm",
+    "rope_cos_sin",
+    "layer_qkv",
+    "layer_finish",
+]
 
 EXIT_MODES = ("ouro", "delayed", "fixed")
 
@@ -34,6 +48,7 @@ EXIT_MODES = ("ouro", "delayed", "fixed")
 @dataclasses.dataclass(frozen=True)
 class RefLayer:
     """One layer, float64, Linear weights in HF layout ``[out, in]``."""
+
     wq: np.ndarray
     wk: np.ndarray
     wv: np.ndarray
@@ -41,25 +56,25 @@ class RefLayer:
     w_gate: np.ndarray
     w_up: np.ndarray
     w_down: np.ndarray
-    ln_in: np.ndarray      # input_layernorm (before attention)
-    ln_in2: np.ndarray     # input_layernorm_2 (on the attention output)
-    ln_post: np.ndarray    # post_attention_layernorm (before the MLP)
-    ln_post2: np.ndarray   # post_attention_layernorm_2 (on the MLP output)
+    ln_in: np.ndarray  # input_layernorm (before attention)
+    ln_in2: np.ndarray  # input_layernorm_2 (on the attention output)
+    ln_post: np.ndarray  # post_attention_layernorm (before the MLP)
+    ln_post2: np.ndarray  # post_attention_layernorm_2 (on the MLP output)
 
 
 @dataclasses.dataclass(frozen=True)
 class RefWeights:
-    embed: np.ndarray      # [V, D]
+    embed: np.ndarray  # [V, D]
     layers: tuple[RefLayer, ...]
-    norm: np.ndarray       # [D] final norm, applied after every loop
-    gate_w: np.ndarray     # [D]
+    norm: np.ndarray  # [D] final norm, applied after every loop
+    gate_w: np.ndarray  # [D]
     gate_b: float
-    lm_head: np.ndarray    # [V, D]
+    lm_head: np.ndarray  # [V, D]
 
 
-def load_reference_weights(config: OuroConfig,
-                           hf_tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]
-                           ) -> RefWeights:
+def load_reference_weights(
+    config: OuroConfig, hf_tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]
+) -> RefWeights:
     """Float64 weights from HF-layout tensors (a dict, or ``(name, array)`` pairs such as
     ``random_hf_tensors(config)``).  Shapes are checked against the config."""
     t = dict(hf_tensors)
@@ -74,17 +89,33 @@ def load_reference_weights(config: OuroConfig,
 
     def layer(i):
         p = f"model.layers.{i}."
-        return RefLayer(*(out[p + n + ".weight"] for n in (
-            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-            "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2")))
+        return RefLayer(
+            *(
+                out[p + n + ".weight"]
+                for n in (
+                    "self_attn.q_proj",
+                    "self_attn.k_proj",
+                    "self_attn.v_proj",
+                    "self_attn.o_proj",
+                    "mlp.gate_proj",
+                    "mlp.up_proj",
+                    "mlp.down_proj",
+                    "input_layernorm",
+                    "input_layernorm_2",
+                    "post_attention_layernorm",
+                    "post_attention_layernorm_2",
+                )
+            )
+        )
 
-    return RefWeights(embed=out["model.embed_tokens.weight"],
-                      layers=tuple(layer(i) for i in range(config.num_hidden_layers)),
-                      norm=out["model.norm.weight"],
-                      gate_w=out["model.early_exit_gate.weight"][0],
-                      gate_b=float(out["model.early_exit_gate.bias"][0]),
-                      lm_head=out["lm_head.weight"])
+    return RefWeights(
+        embed=out["model.embed_tokens.weight"],
+        layers=tuple(layer(i) for i in range(config.num_hidden_layers)),
+        norm=out["model.norm.weight"],
+        gate_w=out["model.early_exit_gate.weight"][0],
+        gate_b=float(out["model.early_exit_gate.bias"][0]),
+        lm_head=out["lm_head.weight"],
+    )
 
 
 def from_param_tree(config: OuroConfig, params: Mapping) -> RefWeights:
@@ -137,13 +168,14 @@ def layer_qkv(lw: RefLayer, config: OuroConfig, x: np.ndarray, cos, sin):
     return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
 
 
-def layer_finish(lw: RefLayer, config: OuroConfig, x: np.ndarray, q: np.ndarray, k: np.ndarray,
-                 v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def layer_finish(
+    lw: RefLayer, config: OuroConfig, x: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
+) -> np.ndarray:
     """Attention of ``q [Sq,H,hd]`` over ``k, v [Sk,KVH,hd]`` (``mask [Sq,Sk]``, True = visible),
     then the sandwich residuals and the SwiGLU MLP.  Returns the layer output ``[Sq, D]``."""
     c = config
     rep = c.num_attention_heads // c.num_key_value_heads
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)   # head h reads KV head h // rep
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)  # head h reads KV head h // rep
     s = np.einsum("qhd,khd->hqk", q, k) * c.attn_scale
     s = np.where(mask[None], s, -np.inf)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
@@ -169,8 +201,9 @@ def exit_distribution(gate_logits: np.ndarray) -> np.ndarray:
     return p
 
 
-def reference_forward(weights: RefWeights, config: OuroConfig, token_ids: Sequence[int],
-                      exit_depths: Sequence[int] | None = None) -> dict:
+def reference_forward(
+    weights: RefWeights, config: OuroConfig, token_ids: Sequence[int], exit_depths: Sequence[int] | None = None
+) -> dict:
     """All ``T`` loops over one sequence ``token_ids [S]`` (positions ``0..S-1``).
 
     ``exit_depths[j]`` (default all ``T-1``) gives LAST_EXITED semantics: at loop ``d``, position
@@ -202,12 +235,16 @@ def reference_forward(weights: RefWeights, config: OuroConfig, token_ids: Sequen
         hs.append(x)
         gates.append(x @ weights.gate_w + weights.gate_b)
     gate_logits = np.stack(gates)
-    return {"hidden_states": np.stack(hs), "gate_logits": gate_logits,
-            "exit_probs": exit_distribution(gate_logits)}
+    return {"hidden_states": np.stack(hs), "gate_logits": gate_logits, "exit_probs": exit_distribution(gate_logits)}
 
 
-def select_logits(weights: RefWeights, hidden_states: np.ndarray, gate_logits: np.ndarray,
-                  exit_at_step: int | None = None, exit_threshold: float | None = None) -> np.ndarray:
+def select_logits(
+    weights: RefWeights,
+    hidden_states: np.ndarray,
+    gate_logits: np.ndarray,
+    exit_at_step: int | None = None,
+    exit_threshold: float | None = None,
+) -> np.ndarray:
     """Logits ``[S, V]`` from the loop each position exits at: ``exit_at_step`` if given, else the
     first ``t`` with ``cumsum(p)_t >= exit_threshold`` (``T-1`` if none), else the last loop."""
     T, S = gate_logits.shape
@@ -221,10 +258,15 @@ def select_logits(weights: RefWeights, hidden_states: np.ndarray, gate_logits: n
     return hidden_states[step, np.arange(S)] @ weights.lm_head.T
 
 
-
 # -------------------------------------------------------------------------------- the exit rule
-def exit_decision(gate_logits: Sequence[float], *, exit_threshold: float = 1.0, min_loops: int = 1,
-                  max_loops: int | None = None, exit_mode: str = "ouro") -> tuple[int, float]:
+def exit_decision(
+    gate_logits: Sequence[float],
+    *,
+    exit_threshold: float = 1.0,
+    min_loops: int = 1,
+    max_loops: int | None = None,
+    exit_mode: str = "ouro",
+) -> tuple[int, float]:
     """The engine's exit rule for one token given its gate logits ``g[0..]`` (at least up to the
     exit loop).  Returns ``(exit depth e (0-based loop), margin)`` where ``margin`` is the smallest
     ``|1 - remaining - exit_threshold|`` over the threshold tests that decided (``inf`` if none):
@@ -255,20 +297,27 @@ def exit_decision(gate_logits: Sequence[float], *, exit_threshold: float = 1.0, 
 
 @dataclasses.dataclass
 class GreedyResult:
-    tokens: list[int]        # generated token ids
-    exit_depths: list[int]   # per generated token: the loop whose hidden state produced it
-    min_margin: float        # smallest exit-threshold margin over all decisions (inf if none)
-    min_logit_gap: float     # smallest top-1 minus top-2 logit over all sampled tokens
+    tokens: list[int]  # generated token ids
+    exit_depths: list[int]  # per generated token: the loop whose hidden state produced it
+    min_margin: float  # smallest exit-threshold margin over all decisions (inf if none)
+    min_logit_gap: float  # smallest top-1 minus top-2 logit over all sampled tokens
 
-    def __iter__(self):      # `tokens, exit_depths = reference_greedy_generate(...)` also works
+    def __iter__(self):  # `tokens, exit_depths = reference_greedy_generate(...)` also works
         return iter((self.tokens, self.exit_depths))
 
 
-def reference_greedy_generate(weights: RefWeights, config: OuroConfig, prompt_ids: Sequence[int],
-                              max_new_tokens: int, *, exit_threshold: float = 1.0,
-                              min_loops: int = 1, max_loops: int | None = None,
-                              exit_mode: str = "ouro", eos_token_id: int | None = None
-                              ) -> GreedyResult:
+def reference_greedy_generate(
+    weights: RefWeights,
+    config: OuroConfig,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    exit_threshold: float = 1.0,
+    min_loops: int = 1,
+    max_loops: int | None = None,
+    exit_mode: str = "ouro",
+    eos_token_id: int | None = None,
+) -> GreedyResult:
     """Greedy decoding with per-token early exit and LAST_EXITED KV, by full recompute per token.
 
     The first token comes from the last prompt position at loop ``T-1``.  Token ``n+1`` comes from
@@ -281,7 +330,7 @@ def reference_greedy_generate(weights: RefWeights, config: OuroConfig, prompt_id
     seq = [int(t) for t in prompt_ids]
     if not seq:
         raise ValueError("prompt_ids must not be empty")
-    depths = [T - 1] * len(seq)          # prompt positions always run every loop
+    depths = [T - 1] * len(seq)  # prompt positions always run every loop
     tokens, exit_depths = [], []
     min_margin = min_gap = np.inf
     e = T - 1
@@ -290,8 +339,13 @@ def reference_greedy_generate(weights: RefWeights, config: OuroConfig, prompt_id
         # which nothing reads before it is fixed here, so T-1 is a safe placeholder.
         out = reference_forward(weights, config, seq, depths)
         if tokens:
-            e, margin = exit_decision(out["gate_logits"][:, -1], exit_threshold=exit_threshold,
-                                      min_loops=min_loops, max_loops=max_loops, exit_mode=exit_mode)
+            e, margin = exit_decision(
+                out["gate_logits"][:, -1],
+                exit_threshold=exit_threshold,
+                min_loops=min_loops,
+                max_loops=max_loops,
+                exit_mode=exit_mode,
+            )
             min_margin = min(min_margin, margin)
             depths[-1] = e
         logits = out["hidden_states"][e, -1] @ weights.lm_head.T
@@ -307,10 +361,17 @@ def reference_greedy_generate(weights: RefWeights, config: OuroConfig, prompt_id
     return GreedyResult(tokens, exit_depths, float(min_margin), float(min_gap))
 
 
-def reference_shared_greedy_generate(weights: RefWeights, config: OuroConfig, prompt_ids: Sequence[int],
-                                     max_new_tokens: int, *, exit_threshold: float = 1.0,
-                                     min_loops: int = 1, max_loops: int | None = None,
-                                     exit_mode: str = "ouro") -> GreedyResult:
+def reference_shared_greedy_generate(
+    weights: RefWeights,
+    config: OuroConfig,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    exit_threshold: float = 1.0,
+    min_loops: int = 1,
+    max_loops: int | None = None,
+    exit_mode: str = "ouro",
+) -> GreedyResult:
     """Greedy decoding with the SHARED KV layout: one plane that every loop overwrites.
 
     Positions run one after another (every loop of ``p`` before ``p+1``). While position ``p`` runs
@@ -352,7 +413,7 @@ def reference_shared_greedy_generate(weights: RefWeights, config: OuroConfig, pr
             k_plane[i].append(k)
             v_plane[i].append(v)
 
-    for p, tok in enumerate(seq):          # the prompt: every loop, position by position
+    for p, tok in enumerate(seq):  # the prompt: every loop, position by position
         hs, _, kvs = run_position(p, tok, T)
         keep(kvs[T - 1])
     h, e = hs[T - 1], T - 1
@@ -368,8 +429,9 @@ def reference_shared_greedy_generate(weights: RefWeights, config: OuroConfig, pr
         p = len(seq)
         seq.append(tok)
         hs, gates, kvs = run_position(p, tok, T if max_loops is None else max_loops)
-        e, margin = exit_decision(gates, exit_threshold=exit_threshold, min_loops=min_loops,
-                                  max_loops=max_loops, exit_mode=exit_mode)
+        e, margin = exit_decision(
+            gates, exit_threshold=exit_threshold, min_loops=min_loops, max_loops=max_loops, exit_mode=exit_mode
+        )
         min_margin = min(min_margin, margin)
         keep(kvs[e])
         h = hs[e]

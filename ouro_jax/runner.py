@@ -25,6 +25,7 @@ loops. It runs only tokens that certainly run all ``T`` loops, so no loop is was
 The descriptor travels as one packed int32 array (``scheduler/descriptor.py`` fixes its layout per
 bucket key) because every host-to-device transfer costs tens of microseconds on the H200.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,7 +53,7 @@ def _unpack(key: BucketKey, packed) -> dict:
     fields are bit-casts of their int32 words)."""
     out = {}
     for spec in descriptor_layout(key):
-        w = packed[spec.offset:spec.offset + spec.size]
+        w = packed[spec.offset : spec.offset + spec.size]
         if spec.dtype == np.float32:
             w = jax.lax.bitcast_convert_type(w, jnp.float32)
         elif spec.dtype == np.uint32:
@@ -97,8 +98,21 @@ class StepHandle:
         return self._read("tokens")
 
 
-def _loop(params, kp, vp, ring, packed, previous_tokens, *, key: BucketKey, config: OuroConfig,
-          dtype_name: str, impl: str, interpret: bool, layer_loop: str):
+def _loop(
+    params,
+    kp,
+    vp,
+    ring,
+    packed,
+    previous_tokens,
+    *,
+    key: BucketKey,
+    config: OuroConfig,
+    dtype_name: str,
+    impl: str,
+    interpret: bool,
+    layer_loop: str,
+):
     """One invocation's work (the module docstring's four steps) on one descriptor.
 
     ``previous_tokens [C]``: the tokens sampled by the sub-step before this one in a fused decode
@@ -114,7 +128,7 @@ def _loop(params, kp, vp, ring, packed, previous_tokens, *, key: BucketKey, conf
     # 2. prelude: embed into ring rows (padding writes the scratch row 0)
     pre_token = a["pre_token"]
     if previous_tokens is not None:
-        prev = jnp.zeros((key.R,), jnp.int32).at[:key.C].set(previous_tokens[:key.R])
+        prev = jnp.zeros((key.R,), jnp.int32).at[: key.C].set(previous_tokens[: key.R])
         feed = (a["counts"][5] == 1) & (jnp.arange(key.R) < a["counts"][2])
         pre_token = jnp.where(feed, prev, pre_token)
     emb = model.apply({"params": params["top"]}, pre_token, method=OuroModel.prelude)
@@ -122,13 +136,32 @@ def _loop(params, kp, vp, ring, packed, previous_tokens, *, key: BucketKey, conf
     # 3. one loop for every row
     x = ring[a["row_ring"]]
     impl = resolve_impl(impl, key.R, key.S, dt, c.head_dim, kp.shape[-2], c.num_attention_heads)
-    plan = attention_plan(impl, key.R, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                          a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
-    attn = PagedAttention(a["row_slot"], a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"],
-                          a["seg_block_table"], c.attn_scale, impl, interpret, plan)
+    plan = attention_plan(
+        impl,
+        key.R,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        a["seg_q_start"],
+        a["seg_q_len"],
+        a["seg_ctx_len"],
+        a["seg_block_table"],
+    )
+    attn = PagedAttention(
+        a["row_slot"],
+        a["seg_q_start"],
+        a["seg_q_len"],
+        a["seg_ctx_len"],
+        a["seg_block_table"],
+        c.attn_scale,
+        impl,
+        interpret,
+        plan,
+    )
     if layer_loop == "unrolled":
-        h, g, (kp, vp) = model.apply({"params": params["top"] | params["layers"]}, x, a["row_pos"], attn,
-                                     (kp, vp), method=OuroModel.recurrent)
+        h, g, (kp, vp) = model.apply(
+            {"params": params["top"] | params["layers"]}, x, a["row_pos"], attn, (kp, vp), method=OuroModel.recurrent
+        )
     else:
         cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
         layer = OuroDecoderLayer(c, dt)
@@ -139,8 +172,9 @@ def _loop(params, kp, vp, ring, packed, previous_tokens, *, key: BucketKey, conf
             x, pools = layer.apply({"params": p}, x, cos, sin, attn, pools, layer=i)
             return (x, pools), None
 
-        (x, (kp, vp)), _ = jax.lax.scan(body, (x.astype(jnp.float32), (kp, vp)),
-                                        (jnp.arange(c.num_hidden_layers), params["layers"]))
+        (x, (kp, vp)), _ = jax.lax.scan(
+            body, (x.astype(jnp.float32), (kp, vp)), (jnp.arange(c.num_hidden_layers), params["layers"])
+        )
         h, g = model.apply({"params": params["top"]}, x, method=OuroModel.finish_loop)
     ring = ring.at[a["row_ring"]].set(h.astype(ring.dtype))
     # 4. coda for the rows that may produce a token
@@ -169,8 +203,14 @@ def _fused_step(params, kp, vp, ring, packed, **kw):
         kp, vp, ring, g, tok = _loop(params, kp, vp, ring, packed[i], prev, **kw)
         return kp, vp, ring, tok, gates.at[i].set(g), tokens.at[i].set(tok)
 
-    init = (kp, vp, ring, jnp.zeros((key.C,), jnp.int32), jnp.zeros((n, key.R), jnp.float32),
-            jnp.zeros((n, key.C), jnp.int32))
+    init = (
+        kp,
+        vp,
+        ring,
+        jnp.zeros((key.C,), jnp.int32),
+        jnp.zeros((n, key.R), jnp.float32),
+        jnp.zeros((n, key.C), jnp.int32),
+    )
     kp, vp, ring, _, gates, tokens = jax.lax.fori_loop(0, n, body, init)
     return kp, vp, ring, gates, tokens
 
@@ -184,15 +224,26 @@ class ModelRunner:
     faster, and compiled 2 buckets in 9.8 s against 7.2 s. Both read the stacked KV pool in place.
     """
 
-    def __init__(self, config: OuroConfig, params: dict, *, num_blocks: int, block_size: int,
-                 num_ring_rows: int, attention: str = "auto", layer_loop: str = "unrolled",
-                 interpret: bool = False):
+    def __init__(
+        self,
+        config: OuroConfig,
+        params: dict,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_ring_rows: int,
+        attention: str = "auto",
+        layer_loop: str = "unrolled",
+        interpret: bool = False,
+    ):
         if attention == "auto":
             attention = "pallas" if jax.default_backend() == "gpu" else "reference"
         if attention not in ("pallas", "triton", "mgpu", "hybrid", "reference"):
-            raise ValueError("attention must be 'auto', 'pallas' (the faster Pallas kernel per "
-                             "bucket), 'triton', 'mgpu', 'hybrid' or 'reference', got "
-                             f"{attention!r}")
+            raise ValueError(
+                "attention must be 'auto', 'pallas' (the faster Pallas kernel per "
+                "bucket), 'triton', 'mgpu', 'hybrid' or 'reference', got "
+                f"{attention!r}"
+            )
         if layer_loop not in ("scan", "unrolled"):
             raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
         self.config = config
@@ -207,12 +258,11 @@ class ModelRunner:
         self.v_pool = jnp.zeros(pool_shape, self.dtype)
         self.ring = jnp.zeros((num_ring_rows, c.hidden_size), self.dtype)
         self.num_blocks, self.block_size, self.num_ring_rows = num_blocks, block_size, num_ring_rows
-        static = dict(config=c, dtype_name=self.dtype_name, impl=attention, interpret=interpret,
-                      layer_loop=layer_loop)
-        self._jitted = jax.jit(functools.partial(_step, **static), static_argnames=("key",),
-                               donate_argnums=(1, 2, 3))
-        self._jitted_fused = jax.jit(functools.partial(_fused_step, **static), static_argnames=("key",),
-                                     donate_argnums=(1, 2, 3))
+        static = dict(config=c, dtype_name=self.dtype_name, impl=attention, interpret=interpret, layer_loop=layer_loop)
+        self._jitted = jax.jit(functools.partial(_step, **static), static_argnames=("key",), donate_argnums=(1, 2, 3))
+        self._jitted_fused = jax.jit(
+            functools.partial(_fused_step, **static), static_argnames=("key",), donate_argnums=(1, 2, 3)
+        )
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
         self._exe: dict[Any, Any] = {}
         self._device = jax.devices()[0]
@@ -244,9 +294,14 @@ class ModelRunner:
         sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
         fused = not isinstance(key, BucketKey)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
-        lowered = fn.lower(jax.tree.map(sds, self.params), sds(self.k_pool), sds(self.v_pool),
-                           sds(self.ring), jax.ShapeDtypeStruct(packed_shape(key), jnp.int32),
-                           key=bucket)
+        lowered = fn.lower(
+            jax.tree.map(sds, self.params),
+            sds(self.k_pool),
+            sds(self.v_pool),
+            sds(self.ring),
+            jax.ShapeDtypeStruct(packed_shape(key), jnp.int32),
+            key=bucket,
+        )
         exe = lowered.compile()
         dt = time.perf_counter() - t
         self._exe[key] = exe
@@ -263,6 +318,7 @@ class ModelRunner:
         it = todo
         if progress and todo:
             from tqdm.auto import tqdm
+
             it = tqdm(todo, desc="compiling buckets", unit="exe")
         for d in it:
             self._compile(d)
@@ -278,7 +334,8 @@ class ModelRunner:
         t = time.perf_counter()
         # device_put, not jnp.asarray: the latter stages through a small jitted copy per shape
         self.k_pool, self.v_pool, self.ring, gates, tokens = exe(
-            self.params, self.k_pool, self.v_pool, self.ring, jax.device_put(desc.pack(), self._device))
+            self.params, self.k_pool, self.v_pool, self.ring, jax.device_put(desc.pack(), self._device)
+        )
         for arr in (gates, tokens):
             arr.copy_to_host_async()
         self.invocations += 1

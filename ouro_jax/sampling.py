@@ -5,6 +5,7 @@ sampling settings. The key of a row is derived from the request's seed and the i
 being sampled, never from the batch it happens to be in, so sampled tokens do not depend on
 scheduling (chunk size, bucket, batch composition).
 """
+
 from __future__ import annotations
 
 import jax
@@ -15,8 +16,10 @@ __all__ = ["sample", "row_keys"]
 
 def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
     """``fold_in(PRNGKey(seed), step)`` per row -> ``[R, 2]`` raw uint32 keys."""
+
     def one(seed, step):
         return jax.random.fold_in(jax.random.PRNGKey(seed), step)
+
     return jax.vmap(one)(seeds.astype(jnp.uint32), steps.astype(jnp.uint32))
 
 

@@ -14,6 +14,7 @@ The simple path users reach for first, and the baseline the engine must beat on 
   being computed while others go on (static batch), but what they write past their exit is
   overwritten by that copy.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,7 +32,7 @@ __all__ = ["generate", "GenerateResult"]
 
 
 class GenerateResult(NamedTuple):
-    tokens: jax.Array       # [B, N] int32
+    tokens: jax.Array  # [B, N] int32
     exit_depths: jax.Array  # [B, N] int32, 0-based loop that produced each token (first = T-1)
 
 
@@ -39,15 +40,28 @@ def _sample_rows(model, params, h, temperature, top_k, top_p, rng, step):
     logits = model.apply({"params": params}, h, method=OuroModel.coda)
     b = h.shape[0]
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(rng, step), i))(jnp.arange(b))
-    return sample(logits, jnp.full((b,), temperature), jnp.full((b,), top_k, jnp.int32),
-                  jnp.full((b,), top_p), keys)
+    return sample(logits, jnp.full((b,), temperature), jnp.full((b,), top_k, jnp.int32), jnp.full((b,), top_p), keys)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dtype_name", "max_new_tokens", "min_loops",
-                                             "max_loops", "top_k"))
-def _generate(params, prompt_ids, prompt_lengths, exit_threshold, temperature, top_p, rng, *,
-              config: OuroConfig, dtype_name: str, max_new_tokens: int, min_loops: int, max_loops: int,
-              top_k: int):
+@functools.partial(
+    jax.jit, static_argnames=("config", "dtype_name", "max_new_tokens", "min_loops", "max_loops", "top_k")
+)
+def _generate(
+    params,
+    prompt_ids,
+    prompt_lengths,
+    exit_threshold,
+    temperature,
+    top_p,
+    rng,
+    *,
+    config: OuroConfig,
+    dtype_name: str,
+    max_new_tokens: int,
+    min_loops: int,
+    max_loops: int,
+    top_k: int,
+):
     c = config
     dt = dtype_of(dtype_name)
     model = OuroModel(c, dt)
@@ -91,20 +105,29 @@ def _generate(params, prompt_ids, prompt_lengths, exit_threshold, temperature, t
             h, g, caches = apply(x, posn[:, None], attn, caches, method=OuroModel.recurrent)
             remaining = remaining * (1.0 - jax.nn.sigmoid(g[:, 0]))
             done = d + 1
-            now = ~exited & ((done >= max_loops)
-                             | ((exit_threshold < 1.0) & (done >= min_loops) & (1.0 - remaining >= exit_threshold)))
+            now = ~exited & (
+                (done >= max_loops)
+                | ((exit_threshold < 1.0) & (done >= min_loops) & (1.0 - remaining >= exit_threshold))
+            )
             h_exit = jnp.where(now[:, None], h[:, 0], h_exit)
             e = jnp.where(now, d, e)
             return d + 1, h, remaining, exited | now, e, h_exit, caches
 
-        init = (jnp.int32(0), x0, jnp.ones((b,), jnp.float32), jnp.zeros((b,), bool),
-                jnp.full((b,), T - 1, jnp.int32), jnp.zeros((b, c.hidden_size), dt), caches)
+        init = (
+            jnp.int32(0),
+            x0,
+            jnp.ones((b,), jnp.float32),
+            jnp.zeros((b,), bool),
+            jnp.full((b,), T - 1, jnp.int32),
+            jnp.zeros((b, c.hidden_size), dt),
+            caches,
+        )
         _, _, _, _, e, h_exit, caches = jax.lax.while_loop(depth_cond, depth_body, init)
 
         # LAST_EXITED finalize: planes deeper than the exit loop take the exit loop's K/V
         def finalize(cache):
-            src = cache[e, rows, posn]                                  # [B, KVH, hd]
-            cur = cache[:, rows, posn]                                  # [T, B, KVH, hd]
+            src = cache[e, rows, posn]  # [B, KVH, hd]
+            cur = cache[:, rows, posn]  # [T, B, KVH, hd]
             deeper = (jnp.arange(T)[:, None] > e[None, :])[..., None, None]
             return cache.at[:, rows, posn].set(jnp.where(deeper, src[None], cur))
 
@@ -112,14 +135,27 @@ def _generate(params, prompt_ids, prompt_lengths, exit_threshold, temperature, t
         tok = _sample_rows(model, params, h_exit, temperature, top_k, top_p, rng, n)
         return n + 1, tokens.at[:, n].set(tok), depths.at[:, n].set(e), caches
 
-    _, tokens, depths, _ = jax.lax.while_loop(lambda s: s[0] < max_new_tokens, token_body,
-                                              (jnp.int32(1), tokens, depths, caches))
+    _, tokens, depths, _ = jax.lax.while_loop(
+        lambda s: s[0] < max_new_tokens, token_body, (jnp.int32(1), tokens, depths, caches)
+    )
     return GenerateResult(tokens, depths)
 
 
-def generate(params, config: OuroConfig, prompt_ids, prompt_lengths, max_new_tokens: int, *,
-             exit_threshold: float = 1.0, min_loops: int = 1, max_loops: int | None = None,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, rng=None) -> GenerateResult:
+def generate(
+    params,
+    config: OuroConfig,
+    prompt_ids,
+    prompt_lengths,
+    max_new_tokens: int,
+    *,
+    exit_threshold: float = 1.0,
+    min_loops: int = 1,
+    max_loops: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    rng=None,
+) -> GenerateResult:
     """Generate ``max_new_tokens`` tokens for a static batch of right-padded prompts.
 
     ``prompt_ids [B, P]`` int, ``prompt_lengths [B]`` (1..P). Greedy when ``temperature == 0``.
@@ -144,8 +180,10 @@ def generate(params, config: OuroConfig, prompt_ids, prompt_lengths, max_new_tok
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if p + max_new_tokens > config.max_position_embeddings:
-        raise ValueError(f"prompt ({p}) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"max_position_embeddings ({config.max_position_embeddings})")
+        raise ValueError(
+            f"prompt ({p}) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"max_position_embeddings ({config.max_position_embeddings})"
+        )
     if not 1 <= min_loops <= max_loops <= T:
         raise ValueError(f"need 1 <= min_loops ({min_loops}) <= max_loops ({max_loops}) <= T ({T})")
     for name, v, lo, hi in (("exit_threshold", exit_threshold, 0.0, 1.0), ("top_p", top_p, 1e-9, 1.0)):
@@ -157,7 +195,18 @@ def generate(params, config: OuroConfig, prompt_ids, prompt_lengths, max_new_tok
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     dtype_name = str(jax.tree.leaves(params)[0].dtype)
-    return _generate(params, prompt_ids, lengths, jnp.float32(exit_threshold), jnp.float32(temperature),
-                     jnp.float32(top_p), rng, config=config, dtype_name=dtype_name,
-                     max_new_tokens=max_new_tokens, min_loops=int(min_loops), max_loops=max_loops,
-                     top_k=int(top_k))
+    return _generate(
+        params,
+        prompt_ids,
+        lengths,
+        jnp.float32(exit_threshold),
+        jnp.float32(temperature),
+        jnp.float32(top_p),
+        rng,
+        config=config,
+        dtype_name=dtype_name,
+        max_new_tokens=max_new_tokens,
+        min_loops=int(min_loops),
+        max_loops=max_loops,
+        top_k=int(top_k),
+    )

@@ -55,6 +55,7 @@ reference on hypothesis-drawn batches, and engines forced onto ``mgpu`` and ``hy
 Triton engine's tokens). Measured there with the rule: a prefill:1024 invocation of 128-row
 segments at 4K context 10.7 ms against 17.7 ms with Triton alone (benchmarks/profile_step.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -65,8 +66,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
-from pallas_kernels.ragged_paged_attention import (Plan, default_tuning, make_plan,
-                                                   ragged_paged_attention)
+from pallas_kernels.ragged_paged_attention import Plan, default_tuning, make_plan, ragged_paged_attention
 
 # Rows per segment (bucket average, or a segment's own rows in the hybrid split) from which the
 # Mosaic GPU kernel is used...
@@ -79,7 +79,7 @@ MGPU_MIN_CTAS = 64
 # Fewest rows of an S = R bucket served by the per-segment split (see the module docstring).
 HYBRID_MIN_ROWS = 256
 KERNELS = ("triton", "mgpu", "hybrid")
-_NO_INTERPRET = ("the Mosaic GPU kernel has no CPU interpret mode (wgmma); use kernel='triton'")
+_NO_INTERPRET = "the Mosaic GPU kernel has no CPU interpret mode (wgmma); use kernel='triton'"
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,8 +99,16 @@ def hybrid_tiles(num_rows: int, num_segments: int) -> int:
     return mgpu.mgpu_tiles(num_rows, num_segments, min_segment_rows=MGPU_MIN_ROWS_PER_SEGMENT)
 
 
-def select_kernel(num_rows: int, num_segments: int, dtype, head_dim: int, block_size: int, *,
-                  num_heads: int = 16, hopper: bool | None = None) -> str:
+def select_kernel(
+    num_rows: int,
+    num_segments: int,
+    dtype,
+    head_dim: int,
+    block_size: int,
+    *,
+    num_heads: int = 16,
+    hopper: bool | None = None,
+) -> str:
     """``"triton"``, ``"mgpu"`` or ``"hybrid"`` for a bucket (see the module docstring)."""
     forced = os.environ.get("OURO_JAX_ATTENTION_KERNEL", "").strip().lower()
     if forced:
@@ -116,8 +124,7 @@ def select_kernel(num_rows: int, num_segments: int, dtype, head_dim: int, block_
     if rows_per_segment >= MGPU_MIN_ROWS_PER_SEGMENT and ctas >= MGPU_MIN_CTAS:
         return "mgpu"
     full_ctas = (num_rows // MGPU_MIN_ROWS_PER_SEGMENT) * num_heads
-    if (num_segments >= num_rows and num_rows >= HYBRID_MIN_ROWS
-            and full_ctas >= MGPU_MIN_CTAS):
+    if num_segments >= num_rows and num_rows >= HYBRID_MIN_ROWS and full_ctas >= MGPU_MIN_CTAS:
         return "hybrid"
     return "triton"
 
@@ -129,6 +136,7 @@ class HybridPlan(NamedTuple):
     (padding to that kernel). ``long_row`` ``[R]``: rows the Mosaic launch owns (covered by one
     of its tiles); the Triton launch owns the rest, and leaves these rows zero.
     """
+
     triton_q_len: jax.Array
     mgpu_q_len: jax.Array
     long_row: jax.Array
@@ -145,57 +153,98 @@ def split_segments(seg_q_len):
 
 def _triton_plan(num_rows, num_heads, num_kv_heads, head_dim, seg_q_start, seg_q_len, seg_ctx_len):
     tuning = default_tuning(num_rows, seg_q_len.shape[0], num_heads, num_kv_heads, head_dim)
-    return make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows,
-                     num_q_per_kv=num_heads // num_kv_heads, tuning=tuning)
+    return make_plan(
+        seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=num_heads // num_kv_heads, tuning=tuning
+    )
 
 
-def make_kernel_plan(kernel: str, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                     seg_q_start, seg_q_len, seg_ctx_len, seg_block_table) -> Any:
+def make_kernel_plan(
+    kernel: str,
+    num_rows: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seg_q_start,
+    seg_q_len,
+    seg_ctx_len,
+    seg_block_table,
+) -> Any:
     """The chosen kernel's per-invocation work list, built once and shared by every layer."""
     if kernel == "mgpu":
-        return mgpu.make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table,
-                                 num_rows=num_rows)
+        return mgpu.make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, num_rows=num_rows)
     if kernel == "hybrid":
         triton_q_len, mgpu_q_len = split_segments(seg_q_len)
-        packing = mgpu.make_packing(seg_q_start, mgpu_q_len, seg_ctx_len, seg_block_table,
-                                    num_rows=num_rows,
-                                    max_tiles=hybrid_tiles(num_rows, seg_q_len.shape[0]))
+        packing = mgpu.make_packing(
+            seg_q_start,
+            mgpu_q_len,
+            seg_ctx_len,
+            seg_block_table,
+            num_rows=num_rows,
+            max_tiles=hybrid_tiles(num_rows, seg_q_len.shape[0]),
+        )
         # dst points one past the last packed row for rows of no Mosaic tile.
         long_row = packing.dst < packing.src.shape[0]
-        plan = _triton_plan(num_rows, num_heads, num_kv_heads, head_dim, seg_q_start,
-                            triton_q_len, seg_ctx_len)
+        plan = _triton_plan(num_rows, num_heads, num_kv_heads, head_dim, seg_q_start, triton_q_len, seg_ctx_len)
         return HybridPlan(triton_q_len, mgpu_q_len, long_row, plan, packing)
     if kernel != "triton":
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    return _triton_plan(num_rows, num_heads, num_kv_heads, head_dim, seg_q_start, seg_q_len,
-                        seg_ctx_len)
+    return _triton_plan(num_rows, num_heads, num_kv_heads, head_dim, seg_q_start, seg_q_len, seg_ctx_len)
 
 
-def paged_attention(kernel: str, q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len,
-                    seg_block_table, *, layer=None, sm_scale: float, plan=None,
-                    interpret: bool = False):
+def paged_attention(
+    kernel: str,
+    q,
+    k_pages,
+    v_pages,
+    seg_q_start,
+    seg_q_len,
+    seg_ctx_len,
+    seg_block_table,
+    *,
+    layer=None,
+    sm_scale: float,
+    plan=None,
+    interpret: bool = False,
+):
     """Run the chosen kernel (``plan`` from ``make_kernel_plan`` for the same kernel, or None)."""
     args = (q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table)
     if kernel in ("mgpu", "hybrid") and interpret:
         raise ValueError(_NO_INTERPRET)
     if kernel == "mgpu":
-        return mgpu.ragged_paged_attention_mgpu(*args, layer=layer, sm_scale=sm_scale,
-                                                packing=plan)
+        return mgpu.ragged_paged_attention_mgpu(*args, layer=layer, sm_scale=sm_scale, packing=plan)
     if kernel == "hybrid":
         if plan is None:
-            plan = make_kernel_plan("hybrid", q.shape[0], q.shape[1], k_pages.shape[-4],
-                                    q.shape[2], seg_q_start, seg_q_len, seg_ctx_len,
-                                    seg_block_table)
+            plan = make_kernel_plan(
+                "hybrid",
+                q.shape[0],
+                q.shape[1],
+                k_pages.shape[-4],
+                q.shape[2],
+                seg_q_start,
+                seg_q_len,
+                seg_ctx_len,
+                seg_block_table,
+            )
         return hybrid_attention(*args, layer=layer, sm_scale=sm_scale, plan=plan)
     if kernel != "triton":
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    return ragged_paged_attention(*args, layer=layer, sm_scale=sm_scale, interpret=interpret,
-                                  plan=plan)
+    return ragged_paged_attention(*args, layer=layer, sm_scale=sm_scale, interpret=interpret, plan=plan)
 
 
-def hybrid_attention(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table,
-                     *, layer=None, sm_scale: float, plan: HybridPlan,
-                     triton_interpret: bool = False):
+def hybrid_attention(
+    q,
+    k_pages,
+    v_pages,
+    seg_q_start,
+    seg_q_len,
+    seg_ctx_len,
+    seg_block_table,
+    *,
+    layer=None,
+    sm_scale: float,
+    plan: HybridPlan,
+    triton_interpret: bool = False,
+):
     """Both halves of the split on one invocation, merged per row by ``plan.long_row``.
 
     ``seg_q_len`` is only shape-checked: each half reads its own ``q_len`` from the plan.
@@ -203,12 +252,31 @@ def hybrid_attention(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, s
     Mosaic half replaced: it has no interpret mode).
     """
     del seg_q_len
-    out_t = ragged_paged_attention(q, k_pages, v_pages, seg_q_start, plan.triton_q_len,
-                                   seg_ctx_len, seg_block_table, layer=layer, sm_scale=sm_scale,
-                                   interpret=triton_interpret, plan=plan.triton)
-    out_m = mgpu.ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, plan.mgpu_q_len,
-                                             seg_ctx_len, seg_block_table, layer=layer,
-                                             sm_scale=sm_scale, packing=plan.mgpu)
+    out_t = ragged_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        seg_q_start,
+        plan.triton_q_len,
+        seg_ctx_len,
+        seg_block_table,
+        layer=layer,
+        sm_scale=sm_scale,
+        interpret=triton_interpret,
+        plan=plan.triton,
+    )
+    out_m = mgpu.ragged_paged_attention_mgpu(
+        q,
+        k_pages,
+        v_pages,
+        seg_q_start,
+        plan.mgpu_q_len,
+        seg_ctx_len,
+        seg_block_table,
+        layer=layer,
+        sm_scale=sm_scale,
+        packing=plan.mgpu,
+    )
     # A select, not a sum: each launch's rows of the other half are zeros, but a select does not
     # depend on it (and XLA fuses it into the Mosaic half's unpacking gather).
     return jnp.where(plan.long_row[:, None, None], out_m, out_t)

@@ -10,6 +10,7 @@ the buffer in place, touching only the written slots. The ``*_reference`` twins 
 ``[block, offset]`` on the 4-/5-D pool instead of the flat slot (a different route to the same
 result, tested against each other and against a numpy loop).
 """
+
 from __future__ import annotations
 
 import jax
@@ -17,90 +18,90 @@ import jax.numpy as jnp
 
 
 def _flat_slots(slots, num_slots):
-  slots = slots.astype(jnp.int32)
-  return jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots)  # OOB -> dropped
+    slots = slots.astype(jnp.int32)
+    return jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots)  # OOB -> dropped
 
 
 def write_kv(k_pages, v_pages, k_new, v_new, slots, *, layer=None):
-  """``pool[(layer,) h, slot[r]] = new[r, h]`` for every row ``r`` with ``slots[r] >= 0``.
+    """``pool[(layer,) h, slot[r]] = new[r, h]`` for every row ``r`` with ``slots[r] >= 0``.
 
-  ``k_new``/``v_new``: ``[R, KVH, hd]``; ``slots``: ``[R]`` int (``-1`` = padding, not written).
-  Returns the updated ``(k_pages, v_pages)``. Non-padding slots are assumed distinct.
-  """
-  shape = k_pages.shape
-  kvh, nb, bs, hd = shape[-4:]
-  idx = _flat_slots(slots, nb * bs)
+    ``k_new``/``v_new``: ``[R, KVH, hd]``; ``slots``: ``[R]`` int (``-1`` = padding, not written).
+    Returns the updated ``(k_pages, v_pages)``. Non-padding slots are assumed distinct.
+    """
+    shape = k_pages.shape
+    kvh, nb, bs, hd = shape[-4:]
+    idx = _flat_slots(slots, nb * bs)
 
-  def upd(pages, new):
-    new = new.astype(pages.dtype)
-    if layer is None:
-      flat = pages.reshape(kvh, nb * bs, hd)
-      # advanced index on axis 1 only: update shape [KVH, R, hd]
-      flat = flat.at[:, idx].set(jnp.swapaxes(new, 0, 1), mode="drop")
-    else:
-      flat = pages.reshape(shape[0], kvh, nb * bs, hd)
-      lyr = jnp.asarray(layer, jnp.int32)
-      # scalar + array advanced indices separated by a slice: update shape [R, KVH, hd]
-      flat = flat.at[lyr, :, idx].set(new, mode="drop")
-    return flat.reshape(shape)
+    def upd(pages, new):
+        new = new.astype(pages.dtype)
+        if layer is None:
+            flat = pages.reshape(kvh, nb * bs, hd)
+            # advanced index on axis 1 only: update shape [KVH, R, hd]
+            flat = flat.at[:, idx].set(jnp.swapaxes(new, 0, 1), mode="drop")
+        else:
+            flat = pages.reshape(shape[0], kvh, nb * bs, hd)
+            lyr = jnp.asarray(layer, jnp.int32)
+            # scalar + array advanced indices separated by a slice: update shape [R, KVH, hd]
+            flat = flat.at[lyr, :, idx].set(new, mode="drop")
+        return flat.reshape(shape)
 
-  return upd(k_pages, k_new), upd(v_pages, v_new)
+    return upd(k_pages, k_new), upd(v_pages, v_new)
 
 
 def write_kv_reference(k_pages, v_pages, k_new, v_new, slots, *, layer=None):
-  """Twin of ``write_kv``: indexes ``[block, offset]`` of the un-flattened pool."""
-  kvh, nb, bs, hd = k_pages.shape[-4:]
-  slots = slots.astype(jnp.int32)
-  valid = slots >= 0
-  blk = jnp.where(valid, slots // bs, nb)  # block nb is out of range -> dropped
-  off = jnp.where(valid, slots % bs, 0)
-  h = jnp.arange(kvh)[None, :]  # [1, KVH] broadcast against [R, 1]
+    """Twin of ``write_kv``: indexes ``[block, offset]`` of the un-flattened pool."""
+    kvh, nb, bs, hd = k_pages.shape[-4:]
+    slots = slots.astype(jnp.int32)
+    valid = slots >= 0
+    blk = jnp.where(valid, slots // bs, nb)  # block nb is out of range -> dropped
+    off = jnp.where(valid, slots % bs, 0)
+    h = jnp.arange(kvh)[None, :]  # [1, KVH] broadcast against [R, 1]
 
-  def upd(pages, new):
-    new = new.astype(pages.dtype)
-    if layer is None:
-      return pages.at[h, blk[:, None], off[:, None]].set(new, mode="drop")
-    lyr = jnp.asarray(layer, jnp.int32)
-    return pages.at[lyr, h, blk[:, None], off[:, None]].set(new, mode="drop")
+    def upd(pages, new):
+        new = new.astype(pages.dtype)
+        if layer is None:
+            return pages.at[h, blk[:, None], off[:, None]].set(new, mode="drop")
+        lyr = jnp.asarray(layer, jnp.int32)
+        return pages.at[lyr, h, blk[:, None], off[:, None]].set(new, mode="drop")
 
-  return upd(k_pages, k_new), upd(v_pages, v_new)
+    return upd(k_pages, k_new), upd(v_pages, v_new)
 
 
 def copy_kv_slots(k_pages, v_pages, src, dst):
-  """For every layer and KV head: ``pool[..., dst[f]] = pool[..., src[f]]`` (``dst = -1`` pads).
+    """For every layer and KV head: ``pool[..., dst[f]] = pool[..., src[f]]`` (``dst = -1`` pads).
 
-  All reads happen before all writes (a copy chain ``a->b, b->c`` copies the old ``b``).
-  """
-  shape = k_pages.shape
-  kvh, nb, bs, hd = shape[-4:]
-  lead = shape[:-3]  # (L, KVH) or (KVH,)
-  d = _flat_slots(dst, nb * bs)
-  s = jnp.where(d < nb * bs, jnp.clip(src.astype(jnp.int32), 0, nb * bs - 1), 0)
+    All reads happen before all writes (a copy chain ``a->b, b->c`` copies the old ``b``).
+    """
+    shape = k_pages.shape
+    kvh, nb, bs, hd = shape[-4:]
+    lead = shape[:-3]  # (L, KVH) or (KVH,)
+    d = _flat_slots(dst, nb * bs)
+    s = jnp.where(d < nb * bs, jnp.clip(src.astype(jnp.int32), 0, nb * bs - 1), 0)
 
-  def upd(pages):
-    flat = pages.reshape(*lead, nb * bs, hd)
-    # Materialise the gathered rows before the scatter: fused into one kernel, the gather would
-    # read the buffer the scatter writes, and XLA (GPU) would copy the whole pool to stay safe.
-    vals = jax.lax.optimization_barrier(flat[..., s, :])  # [*lead, F, hd]
-    return flat.at[..., d, :].set(vals, mode="drop").reshape(shape)
+    def upd(pages):
+        flat = pages.reshape(*lead, nb * bs, hd)
+        # Materialise the gathered rows before the scatter: fused into one kernel, the gather would
+        # read the buffer the scatter writes, and XLA (GPU) would copy the whole pool to stay safe.
+        vals = jax.lax.optimization_barrier(flat[..., s, :])  # [*lead, F, hd]
+        return flat.at[..., d, :].set(vals, mode="drop").reshape(shape)
 
-  return upd(k_pages), upd(v_pages)
+    return upd(k_pages), upd(v_pages)
 
 
 def copy_kv_slots_reference(k_pages, v_pages, src, dst):
-  """Twin of ``copy_kv_slots`` on ``[block, offset]`` indices of the un-flattened pool."""
-  kvh, nb, bs, hd = k_pages.shape[-4:]
-  src = src.astype(jnp.int32)
-  dst = dst.astype(jnp.int32)
-  valid = dst >= 0
-  sb, so = jnp.where(valid, src // bs, 0), jnp.where(valid, src % bs, 0)
-  db, do = jnp.where(valid, dst // bs, nb), jnp.where(valid, dst % bs, 0)
+    """Twin of ``copy_kv_slots`` on ``[block, offset]`` indices of the un-flattened pool."""
+    kvh, nb, bs, hd = k_pages.shape[-4:]
+    src = src.astype(jnp.int32)
+    dst = dst.astype(jnp.int32)
+    valid = dst >= 0
+    sb, so = jnp.where(valid, src // bs, 0), jnp.where(valid, src % bs, 0)
+    db, do = jnp.where(valid, dst // bs, nb), jnp.where(valid, dst % bs, 0)
 
-  def upd(pages):
-    vals = pages[..., sb, so, :]  # [..., F, hd]
-    return pages.at[..., db, do, :].set(vals, mode="drop")
+    def upd(pages):
+        vals = pages[..., sb, so, :]  # [..., F, hd]
+        return pages.at[..., db, do, :].set(vals, mode="drop")
 
-  return upd(k_pages), upd(v_pages)
+    return upd(k_pages), upd(v_pages)
 
 
 __all__ = ["write_kv", "write_kv_reference", "copy_kv_slots", "copy_kv_slots_reference"]

@@ -36,6 +36,7 @@ min_segment_rows=128)``), so most launches hold a few padding tiles (``nrows == 
 returns at once: no Q load, no K/V step, no store (its rows of the packed output are never
 unpacked).
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.ragged_paged_attention import _check_args, _cdiv, num_tiles, query_tiles
+from pallas_kernels.ragged_paged_attention import _cdiv, _check_args, num_tiles, query_tiles
 
 LOG2E = math.log2(math.e)
 NEG = -1e30  # finite "minus infinity": rows with no visible key never produce inf - inf
@@ -73,8 +74,7 @@ def supported(q_dtype, head_dim: int, block_size: int, block_kv: int = BLOCK_KV)
     return None
 
 
-def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: int,
-              max_tiles: int | None = None):
+def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: int, max_tiles: int | None = None):
     """Tiles of ``2 * block_q`` rows and, per packed tile row, the source row (``num_rows`` = none).
 
     ``max_tiles``: static tile count (``query_tiles``); default the bound for any segments.
@@ -85,8 +85,7 @@ def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: in
     no segment: a gather with zero fill).
     """
     bt = COMPUTE_WGS * block_q
-    t = query_tiles(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=bt,
-                    max_tiles=max_tiles)
+    t = query_tiles(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=bt, max_tiles=max_tiles)
     n_t = t.seg.shape[0]
     i = jnp.arange(bt, dtype=jnp.int32)
     ok = i[None, :] < t.nrows[:, None]
@@ -106,26 +105,51 @@ class Packing(NamedTuple):
     unaligned view ("Input buffer 1 is not 256-byte aligned" on the H200). ``src``/``dst``: the
     row packing of ``tile_rows``.
     """
+
     meta: jax.Array
     src: jax.Array
     dst: jax.Array
 
 
-def make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, *, num_rows: int,
-                 block_q: int = 64, max_tiles: int | None = None) -> Packing:
+def make_packing(
+    seg_q_start,
+    seg_q_len,
+    seg_ctx_len,
+    seg_block_table,
+    *,
+    num_rows: int,
+    block_q: int = 64,
+    max_tiles: int | None = None,
+) -> Packing:
     """The kernel's per-invocation inputs. ``max_tiles`` (static) bounds the launch's tiles: the
     default holds for any segments (in the engine's ``S = R`` buckets that is ``R`` tiles); the
     hybrid dispatch passes ``mgpu_tiles(R, S, min_segment_rows=128)``, about ``R / 64``."""
-    tiles, src, dst = tile_rows(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows,
-                                block_q=block_q, max_tiles=max_tiles)
+    tiles, src, dst = tile_rows(
+        seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=block_q, max_tiles=max_tiles
+    )
     meta = jnp.concatenate([tiles.reshape(-1), seg_block_table.astype(jnp.int32).reshape(-1)])
     return Packing(meta, src, dst)
 
 
-def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int,
-            num_tiles: int,
-            block_q: int, block_kv: int, block_size: int, steps: int, scale_log2: float,
-            max_blocks: int, num_pages: int):
+def _kernel(
+    meta_ref,
+    layer_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    out_ref,
+    scoped,
+    *,
+    g: int,
+    num_tiles: int,
+    block_q: int,
+    block_kv: int,
+    block_size: int,
+    steps: int,
+    scale_log2: float,
+    max_blocks: int,
+    num_pages: int,
+):
     smem, kv_ready, kv_free, sched = scoped
     qo_smem2, k_smem, v_smem = smem
     k_ready, v_ready, q_ready = kv_ready
@@ -166,12 +190,9 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int
             plgpu.copy_gmem_to_smem(q_ref.at[q_rows, head], qo_smem, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
 
-            m_i = plgpu.layout_cast(jnp.full((block_q,), NEG, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA)
+            m_i = plgpu.layout_cast(jnp.full((block_q,), NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             @pl.when(kv_steps > 0)
             def _():
@@ -192,10 +213,8 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int
                 plgpu.barrier_arrive(k_free.at[slot])
                 s = s * scale_log2
                 if masked:
-                    qi = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
-                                                layout=plgpu.Layout.WGMMA)
-                    ki = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
-                                                layout=plgpu.Layout.WGMMA)
+                    qi = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                    ki = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
                     s = jnp.where(q_pos0 + qi >= step * block_kv + ki, s, NEG)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
@@ -231,8 +250,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int
 
             carry = (acc, m_i, l_i)
             carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
-            acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps,
-                                          functools.partial(kv_step, masked=True), carry)
+            acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
             lax.fori_loop(kv_steps, tile_steps, drain, None)
             pl.when(wg == 0)(schedule_barrier)
 
@@ -240,8 +258,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int
             acc = acc / lax.broadcast_in_dim(l_safe, (block_q, head_dim), [0])
             qo_smem[...] = acc.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                qo_smem, out_ref.at[pl.ds(t * (COMPUTE_WGS * block_q) + first, block_q), head])
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(t * (COMPUTE_WGS * block_q) + first, block_q), head])
             plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -254,8 +271,7 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int
         ctx_pages = _cdiv(pos0 + nrows, block_size)
 
         def issue(step, slot, which):
-            src_ref, dst_ref, bar = ((k_ref, k_smem, k_ready) if which == "k"
-                                     else (v_ref, v_smem, v_ready))
+            src_ref, dst_ref, bar = (k_ref, k_smem, k_ready) if which == "k" else (v_ref, v_smem, v_ready)
             for j in range(pages):
                 # Pages past the tile's context are masked out, but P.V still multiplies them
                 # by zero: load the segment's first page instead of whatever the table's tail
@@ -263,11 +279,12 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int
                 blk = step * pages + j
                 blk = jnp.where(blk < ctx_pages, jnp.minimum(blk, max_blocks - 1), 0)
                 page = jnp.clip(meta_ref[bt0 + seg * max_blocks + blk], 0, num_pages - 1)
-                plgpu.copy_gmem_to_smem(src_ref.at[layer, kvh, page],
-                                        dst_ref.at[slot, pl.ds(j * block_size, block_size)],
-                                        bar.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    src_ref.at[layer, kvh, page], dst_ref.at[slot, pl.ds(j * block_size, block_size)], bar.at[slot]
+                )
 
         for i in range(steps):
+
             @pl.when(i < tile_steps)
             def _():
                 issue(jnp.int32(i), i, "k")
@@ -283,12 +300,23 @@ def _kernel(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, g: int
             issue(nxt, slot, "v")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_kv",
-                                             "max_concurrent_steps"))
-def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len,
-                                seg_block_table, *, layer=None, sm_scale: float, block_q: int = 64,
-                                block_kv: int = BLOCK_KV, max_concurrent_steps: int = MAX_CONCURRENT_STEPS,
-                                packing=None):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_kv", "max_concurrent_steps"))
+def ragged_paged_attention_mgpu(
+    q,
+    k_pages,
+    v_pages,
+    seg_q_start,
+    seg_q_len,
+    seg_ctx_len,
+    seg_block_table,
+    *,
+    layer=None,
+    sm_scale: float,
+    block_q: int = 64,
+    block_kv: int = BLOCK_KV,
+    max_concurrent_steps: int = MAX_CONCURRENT_STEPS,
+    packing=None,
+):
     """Mosaic GPU twin of ``ragged_paged_attention`` (same arguments; see module docstring).
 
     ``packing``: ``make_packing(...)`` of the same segment arrays (built once per step and shared
@@ -304,12 +332,10 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg
     if why is not None:
         raise ValueError(f"ragged_paged_attention_mgpu cannot serve {why}")
     if block_q != 64 or max_concurrent_steps < 2:
-        raise ValueError("block_q must be 64 (one wgmma M tile per warpgroup) and "
-                         "max_concurrent_steps >= 2")
+        raise ValueError("block_q must be 64 (one wgmma M tile per warpgroup) and max_concurrent_steps >= 2")
     g = num_heads // kvh
     if packing is None:
-        packing = make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table,
-                               num_rows=num_rows, block_q=block_q)
+        packing = make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, num_rows=num_rows, block_q=block_q)
     meta, src, dst = packing
     tile_rows_total = src.shape[0]
     n_t = tile_rows_total // (COMPUTE_WGS * block_q)
@@ -327,14 +353,29 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg
         pages = block_kv // block_size
         pl.run_scoped(
             lambda *scoped: _kernel(
-                meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, scoped, g=g, num_tiles=n_t,
-                block_q=block_q, block_kv=block_kv, block_size=block_size,
-                steps=max_concurrent_steps, scale_log2=float(sm_scale) * LOG2E,
-                max_blocks=seg_block_table.shape[1], num_pages=num_pages),
+                meta_ref,
+                layer_ref,
+                q_ref,
+                k_ref,
+                v_ref,
+                out_ref,
+                scoped,
+                g=g,
+                num_tiles=n_t,
+                block_q=block_q,
+                block_kv=block_kv,
+                block_size=block_size,
+                steps=max_concurrent_steps,
+                scale_log2=float(sm_scale) * LOG2E,
+                max_blocks=seg_block_table.shape[1],
+                num_pages=num_pages,
+            ),
             scratch,
-            (plgpu.Barrier(num_arrivals=pages, num_barriers=max_concurrent_steps),
-             plgpu.Barrier(num_arrivals=pages, num_barriers=max_concurrent_steps),
-             plgpu.Barrier(num_barriers=COMPUTE_WGS)),
+            (
+                plgpu.Barrier(num_arrivals=pages, num_barriers=max_concurrent_steps),
+                plgpu.Barrier(num_arrivals=pages, num_barriers=max_concurrent_steps),
+                plgpu.Barrier(num_barriers=COMPUTE_WGS),
+            ),
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=max_concurrent_steps),) * 2,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             collective_axes="wg",
@@ -352,8 +393,7 @@ def ragged_paged_attention_mgpu(q, k_pages, v_pages, seg_q_start, seg_q_len, seg
     return jnp.take(out_tiles, dst, axis=0, mode="fill", fill_value=0)
 
 
-def mgpu_tiles(num_rows: int, num_segments: int, block_q: int = 64, *,
-               min_segment_rows: int = 1) -> int:
+def mgpu_tiles(num_rows: int, num_segments: int, block_q: int = 64, *, min_segment_rows: int = 1) -> int:
     """Query tiles the kernel launches for a bucket (static).
 
     ``min_segment_rows``: every segment that holds rows holds at least this many (the hybrid
@@ -361,5 +401,4 @@ def mgpu_tiles(num_rows: int, num_segments: int, block_q: int = 64, *,
     segment of ``n >= 128`` rows spans ``ceil(n / 128) < n / 128 + 1 <= 2n / 128`` tiles, so the
     bound ``(R + (R // 128) * 127) // 128`` stays under ``R / 64`` whatever ``S`` is.
     """
-    return num_tiles(num_rows, num_segments, COMPUTE_WGS * block_q,
-                     min_segment_rows=min_segment_rows)
+    return num_tiles(num_rows, num_segments, COMPUTE_WGS * block_q, min_segment_rows=min_segment_rows)

@@ -4,6 +4,7 @@
 ``BatchDescriptor`` carries it to the runner as one packed int32 buffer padded to a ``BucketSpec``
 key (docs/contracts.md).
 """
+
 from .block_manager import KVBlockManager
 from .buckets import BucketKey, BucketSpec
 from .descriptor import BatchDescriptor, StackedDescriptor, build_descriptor, descriptor_layout
@@ -14,8 +15,25 @@ from .sampling_params import SamplingParams
 from .scheduler import RequestDelta, Scheduler, SchedulerConfig
 
 __all__ = [
-    "KVBlockManager", "BucketKey", "BucketSpec", "BatchDescriptor", "StackedDescriptor", "build_descriptor", "descriptor_layout",
-    "BatchPlan", "CodaRow", "Phase", "ScheduledRange", "MixedPolicy", "SplitPolicy", "WaitingQueue",
-    "WavefrontPolicy", "Request", "RequestStatus", "SamplingParams", "RequestDelta", "Scheduler",
+    "KVBlockManager",
+    "BucketKey",
+    "BucketSpec",
+    "BatchDescriptor",
+    "StackedDescriptor",
+    "build_descriptor",
+    "descriptor_layout",
+    "BatchPlan",
+    "CodaRow",
+    "Phase",
+    "ScheduledRange",
+    "MixedPolicy",
+    "SplitPolicy",
+    "WaitingQueue",
+    "WavefrontPolicy",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "RequestDelta",
+    "Scheduler",
     "SchedulerConfig",
 ]

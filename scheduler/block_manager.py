@@ -12,6 +12,7 @@ conservative. Ref counts are kept per block so that prefix caching (a block shar
 requests, published by hash) and preemption (free and later re-reserve) can be added without
 changing how tables are handed out.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,8 +23,9 @@ __all__ = ["KVBlockManager"]
 class KVBlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_planes: int, watermark: float = 0.0):
         if not (isinstance(num_blocks, int) and num_blocks >= 2):
-            raise ValueError(f"KVBlockManager: num_blocks must be an int >= 2 (block 0 is the trash page), "
-                             f"got {num_blocks!r}")
+            raise ValueError(
+                f"KVBlockManager: num_blocks must be an int >= 2 (block 0 is the trash page), got {num_blocks!r}"
+            )
         if not (isinstance(block_size, int) and block_size >= 1):
             raise ValueError(f"KVBlockManager: block_size must be a positive int, got {block_size!r}")
         if not (isinstance(num_planes, int) and num_planes >= 1):
@@ -77,13 +79,15 @@ class KVBlockManager:
         if rid in self._tables:
             raise ValueError(f"KVBlockManager: request {rid!r} already holds blocks")
         if not self.can_allocate(request):
-            raise RuntimeError(f"KVBlockManager: not enough free blocks for request {rid!r} "
-                               f"({self.blocks_needed(request.max_kv_tokens)} needed, "
-                               f"{len(self._free)} free, watermark {self.watermark_blocks})")
+            raise RuntimeError(
+                f"KVBlockManager: not enough free blocks for request {rid!r} "
+                f"({self.blocks_needed(request.max_kv_tokens)} needed, "
+                f"{len(self._free)} free, watermark {self.watermark_blocks})"
+            )
         per_plane = self.blocks_per_plane(request.max_kv_tokens)
         n = per_plane * self.num_planes
         blocks = self._free[-n:][::-1] if n else []
-        del self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n :]
         table = np.asarray(blocks, np.int32).reshape(self.num_planes, per_plane)
         self._ref_count[table.ravel()] += 1
         self._tables[rid] = table

@@ -15,6 +15,7 @@ Every descriptor array's shape is a function of the row bucket ``R``:
 Row buckets default to powers of two from 8 (a single-row executable is slower than eight rows on
 the H200, docs/performance.md) up to ``max_num_batched_tokens`` rounded up.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -29,10 +30,10 @@ def next_power_of_two(n: int) -> int:
 
 
 class BucketKey(NamedTuple):
-    R: int   # rows (also prelude tokens P)
-    S: int   # segments
-    C: int   # coda rows
-    F: int   # finalize pairs
+    R: int  # rows (also prelude tokens P)
+    S: int  # segments
+    C: int  # coda rows
+    F: int  # finalize pairs
     MB: int  # block-table columns
 
     @property
@@ -48,7 +49,7 @@ class BucketSpec:
     num_loops: int
     max_model_len: int
     block_size: int
-    has_finalize: bool = True                 # LAST_EXITED; SHARED never copies planes
+    has_finalize: bool = True  # LAST_EXITED; SHARED never copies planes
     row_buckets: Optional[Sequence[int]] = None
 
     def __post_init__(self):
@@ -64,8 +65,10 @@ class BucketSpec:
         if not rows or any(r < 1 for r in rows) or any(a >= b for a, b in zip(rows, rows[1:])):
             raise ValueError(f"BucketSpec: row buckets must be strictly increasing positive ints, got {rows}")
         if rows[-1] < self.max_num_batched_tokens:
-            raise ValueError(f"BucketSpec: the largest row bucket ({rows[-1]}) is smaller than "
-                             f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+            raise ValueError(
+                f"BucketSpec: the largest row bucket ({rows[-1]}) is smaller than "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
         object.__setattr__(self, "row_buckets", rows)
 
     @property

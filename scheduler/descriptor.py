@@ -24,6 +24,7 @@ the device, instead of ``pre_token[i]``, so several tokens run without a host ro
 Rows are laid out segment after segment (``seg_q_start`` ascending, no gaps); real rows come first,
 then padding rows, which read and write the scratch ring row 0 and write no KV slot.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,7 +43,7 @@ class FieldSpec(NamedTuple):
     name: str
     dtype: type
     shape: tuple
-    offset: int   # in int32 words
+    offset: int  # in int32 words
     size: int
 
 
@@ -87,7 +88,7 @@ def descriptor_layout(key: BucketKey) -> tuple[FieldSpec, ...]:
 def _padding_template(key: BucketKey) -> np.ndarray:
     buf = np.zeros(sum(f.size for f in descriptor_layout(key)), np.int32)
     for spec, (_, _, _, pad) in zip(descriptor_layout(key), _FIELDS):
-        buf[spec.offset:spec.offset + spec.size].view(spec.dtype)[:] = pad
+        buf[spec.offset : spec.offset + spec.size].view(spec.dtype)[:] = pad
     buf.flags.writeable = False
     return buf
 
@@ -103,11 +104,13 @@ class BatchDescriptor:
             raise ValueError("BatchDescriptor: packed buffer must be a flat int32 array")
         layout = descriptor_layout(key)
         if packed.shape[0] != layout[-1].offset + layout[-1].size:
-            raise ValueError(f"BatchDescriptor: packed buffer has {packed.shape[0]} words, "
-                             f"key {tuple(key)} needs {layout[-1].offset + layout[-1].size}")
+            raise ValueError(
+                f"BatchDescriptor: packed buffer has {packed.shape[0]} words, "
+                f"key {tuple(key)} needs {layout[-1].offset + layout[-1].size}"
+            )
         self._buf = packed
         for spec in layout:
-            view = packed[spec.offset:spec.offset + spec.size].view(spec.dtype).reshape(spec.shape)
+            view = packed[spec.offset : spec.offset + spec.size].view(spec.dtype).reshape(spec.shape)
             setattr(self, spec.name, view)
 
     # real counts live in the header so that the packed buffer is self-contained
@@ -130,8 +133,10 @@ class BatchDescriptor:
         return {name: getattr(self, name) for name in ARRAY_NAMES}
 
     def __repr__(self) -> str:
-        return (f"BatchDescriptor(key={tuple(self.key)}, rows={self.num_rows}, segments={self.num_segments}, "
-                f"prelude={self.num_prelude}, coda={self.num_coda}, finalize={self.num_finalize})")
+        return (
+            f"BatchDescriptor(key={tuple(self.key)}, rows={self.num_rows}, segments={self.num_segments}, "
+            f"prelude={self.num_prelude}, coda={self.num_coda}, finalize={self.num_finalize})"
+        )
 
 
 class StackedDescriptor:
@@ -156,12 +161,28 @@ class StackedDescriptor:
         return f"StackedDescriptor(key={tuple(self.key)}, n={self.n})"
 
 
-def build_descriptor(spec: BucketSpec, tables: np.ndarray, *,
-                     seg_slot, seg_plane, seg_pos, seg_len, seg_ring,
-                     pre_ring, pre_token,
-                     coda_row, coda_temperature, coda_top_k, coda_top_p, coda_seed, coda_step,
-                     fin_src, fin_dst, key: BucketKey | None = None,
-                     feed_previous_tokens: bool = False) -> BatchDescriptor:
+def build_descriptor(
+    spec: BucketSpec,
+    tables: np.ndarray,
+    *,
+    seg_slot,
+    seg_plane,
+    seg_pos,
+    seg_len,
+    seg_ring,
+    pre_ring,
+    pre_token,
+    coda_row,
+    coda_temperature,
+    coda_top_k,
+    coda_top_p,
+    coda_seed,
+    coda_step,
+    fin_src,
+    fin_dst,
+    key: BucketKey | None = None,
+    feed_previous_tokens: bool = False,
+) -> BatchDescriptor:
     """Lay out segments row after row and pad everything to the smallest fitting bucket.
 
     ``tables[batch_slot, plane, :MB]`` holds every request's block tables. Segment ``s`` covers

@@ -19,6 +19,7 @@ The scheduler folds gates lazily: :func:`gates_needed_at` says how many gates a 
 not copy it back), and :func:`coda_kind` whether a loop must sample a token (``certain``), may
 have to (``speculative``: the exit is decided after the gate is read) or cannot (``none``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,15 @@ from typing import Optional, Sequence
 from .sampling_params import SamplingParams
 
 __all__ = [
-    "sigmoid", "fold_gate", "threshold_reached", "gates_needed_at", "decide_exit", "gate_needed",
-    "coda_kind", "synthetic_exit_loops", "reference_exit_loops",
+    "sigmoid",
+    "fold_gate",
+    "threshold_reached",
+    "gates_needed_at",
+    "decide_exit",
+    "gate_needed",
+    "coda_kind",
+    "synthetic_exit_loops",
+    "reference_exit_loops",
 ]
 
 
@@ -64,8 +72,9 @@ def gates_needed_at(params: SamplingParams, num_loops: int, loops_done: int) -> 
     return 0
 
 
-def decide_exit(params: SamplingParams, num_loops: int, loops_done: int, remaining: float,
-                target_loops: Optional[int] = None) -> bool:
+def decide_exit(
+    params: SamplingParams, num_loops: int, loops_done: int, remaining: float, target_loops: Optional[int] = None
+) -> bool:
     """Exit after ``loops_done`` loops? ``remaining`` must have exactly ``gates_needed_at``
     gates folded in; ``target_loops`` is the synthetic draw (only read in synthetic mode)."""
     max_loops = params.resolved_max_loops(num_loops)
@@ -100,8 +109,7 @@ def gate_needed(params: SamplingParams, num_loops: int, t: int) -> bool:
     return False
 
 
-def coda_kind(params: SamplingParams, num_loops: int, loops_done: int,
-              target_loops: Optional[int] = None) -> str:
+def coda_kind(params: SamplingParams, num_loops: int, loops_done: int, target_loops: Optional[int] = None) -> str:
     """Must the invocation that runs loop ``loops_done - 1`` sample a token for this row?
 
     ``"certain"``: the token exits there whatever the gates say; ``"speculative"``: the exit is
@@ -132,7 +140,7 @@ def _uniforms(seed: int, request_id, token_index: int, n: int) -> list[float]:
     while len(out) < n:
         h = hashlib.blake2b(f"{seed}|{request_id}|{token_index}|{block}".encode(), digest_size=64).digest()
         for i in range(0, 64, 8):
-            out.append(int.from_bytes(h[i:i + 8], "little") / 2.0 ** 64)
+            out.append(int.from_bytes(h[i : i + 8], "little") / 2.0**64)
         block += 1
     return out[:n]
 
@@ -156,8 +164,9 @@ def synthetic_exit_loops(params: SamplingParams, num_loops: int, request_id, tok
     return lo + sum(u < p for u in _uniforms(params.seed, request_id, token_index, hi - lo))
 
 
-def reference_exit_loops(params: SamplingParams, num_loops: int, gate_logits: Sequence[float],
-                         target_loops: Optional[int] = None) -> int:
+def reference_exit_loops(
+    params: SamplingParams, num_loops: int, gate_logits: Sequence[float], target_loops: Optional[int] = None
+) -> int:
     """The number of loops a token runs given all its gates at once (a token-at-a-time reference
     for tests; the scheduler applies the same rule one loop at a time)."""
     remaining, folded = 1.0, 0

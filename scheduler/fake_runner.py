@@ -16,6 +16,7 @@ finalize entries are inert, and every KV slot that is read was written before.
 position after position, KV planes as plain arrays), so that any scheduling bug (a wrong ring row,
 plane, block, frontier or a missed finalize) changes tokens or exit depths.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -74,8 +75,7 @@ def sample_token(h, temperature, seed, step, vocab_size: int) -> np.ndarray:
 class FakeRunner:
     """Executes ``BatchDescriptor``s; ``step`` returns ``(gate_logits [R] f32, tokens [C] i32)``."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_ring_rows: int, vocab_size: int = 101,
-                 check: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, num_ring_rows: int, vocab_size: int = 101, check: bool = True):
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.check = check
@@ -94,8 +94,7 @@ class FakeRunner:
                 prev = t
             return np.stack(gates), np.stack(tokens)
         k, bs = desc.key, self.block_size
-        nrows, nseg, npre, ncoda, nfin = (desc.num_rows, desc.num_segments, desc.num_prelude,
-                                          desc.num_coda, desc.num_finalize)
+        nseg, npre, nfin = desc.num_segments, desc.num_prelude, desc.num_finalize
         if self.check:
             self._check_padding(desc)
         # 1. finalize
@@ -124,23 +123,29 @@ class FakeRunner:
             ctx_slots = desc.seg_block_table[s, j // bs].astype(np.int64) * bs + j % bs
             if self.check:
                 assert self.kv_written[ctx_slots].all(), f"segment {s} reads KV slots never written"
-                assert (desc.seg_block_table[s, :(ctx + bs - 1) // bs] != 0).all(), "segment reads the trash page"
+                assert (desc.seg_block_table[s, : (ctx + bs - 1) // bs] != 0).all(), "segment reads the trash page"
             with np.errstate(over="ignore"):
                 prefix = np.cumsum(attn_term(self.kv[ctx_slots]), dtype=np.uint64)
-            pos = desc.row_pos[q0:q0 + ql]
-            out[q0:q0 + ql] = loop_out(x[q0:q0 + ql], prefix[pos])
+            pos = desc.row_pos[q0 : q0 + ql]
+            out[q0 : q0 + ql] = loop_out(x[q0 : q0 + ql], prefix[pos])
         self.ring[desc.row_ring] = out
         gates = gate_logit(out)
         # 4. coda
-        tokens = sample_token(out[desc.coda_row], desc.coda_temperature, desc.coda_seed, desc.coda_step,
-                              self.vocab_size)
+        tokens = sample_token(
+            out[desc.coda_row], desc.coda_temperature, desc.coda_seed, desc.coda_step, self.vocab_size
+        )
         self.invocations += 1
         return gates, tokens
 
     def _check_padding(self, desc) -> None:
         k = desc.key
-        nrows, nseg, npre, ncoda, nfin = (desc.num_rows, desc.num_segments, desc.num_prelude,
-                                          desc.num_coda, desc.num_finalize)
+        nrows, nseg, npre, ncoda, nfin = (
+            desc.num_rows,
+            desc.num_segments,
+            desc.num_prelude,
+            desc.num_coda,
+            desc.num_finalize,
+        )
         assert (desc.row_slot[nrows:] == -1).all() and (desc.row_ring[nrows:] == 0).all(), "padding row touches state"
         assert (desc.row_slot[:nrows] >= self.block_size).all(), "real row without a slot, or in the trash page"
         assert (desc.row_ring[:nrows] > 0).all(), "real row uses the scratch ring row"
@@ -151,7 +156,7 @@ class FakeRunner:
         assert (desc.seg_q_start[:nseg][1:] == q_end[:-1]).all() and (nseg == 0 or desc.seg_q_start[0] == 0)
         for s in range(nseg):  # the segment's last row sits at ctx_len - 1; rows are consecutive positions
             q0, ql = int(desc.seg_q_start[s]), int(desc.seg_q_len[s])
-            pos = desc.row_pos[q0:q0 + ql]
+            pos = desc.row_pos[q0 : q0 + ql]
             assert pos[-1] == desc.seg_ctx_len[s] - 1 and (np.diff(pos) == 1).all()
         assert (desc.pre_ring[npre:] == 0).all() and (desc.pre_ring[:npre] > 0).all(), "prelude padding"
         assert (desc.coda_row[ncoda:] == 0).all() and (desc.coda_row[:ncoda] < nrows).all()
@@ -160,9 +165,16 @@ class FakeRunner:
         assert k.R >= nrows and k.C >= ncoda and k.F >= nfin and k.S >= nseg
 
 
-def reference_generate(prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], num_loops: int,
-                       *, request_ids: Optional[Sequence] = None, kv_layout: str = "last_exited",
-                       eos_token_id: Optional[int] = None, vocab_size: int = 101) -> list[dict]:
+def reference_generate(
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    num_loops: int,
+    *,
+    request_ids: Optional[Sequence] = None,
+    kv_layout: str = "last_exited",
+    eos_token_id: Optional[int] = None,
+    vocab_size: int = 101,
+) -> list[dict]:
     """The fake model run one request at a time, token by token; returns per request
     ``{"tokens", "exit_depths", "finish_reason"}``."""
     T = num_loops
@@ -177,7 +189,7 @@ def reference_generate(prompts: Sequence[Sequence[int]], params: Sequence[Sampli
             p = min(d, planes - 1)
             kv[p, pos] = kv_of(x, pos)
             with np.errstate(over="ignore"):
-                attn = attn_term(kv[p, :pos + 1]).sum(dtype=np.uint64)
+                attn = attn_term(kv[p, : pos + 1]).sum(dtype=np.uint64)
             return loop_out(x, attn)
 
         for pos in range(n):
@@ -199,7 +211,7 @@ def reference_generate(prompts: Sequence[Sequence[int]], params: Sequence[Sampli
             pos = n + k - 1
             target = synthetic_exit_loops(sp, T, rid, k) if sp.exit_mode == "synthetic" else None
             h = embed(tok)
-            gates, remaining = [], 1.0
+            gates = []
             for d in range(T):
                 h = loop(h, pos, d)
                 gates.append(float(gate_logit(h)))
@@ -211,7 +223,7 @@ def reference_generate(prompts: Sequence[Sequence[int]], params: Sequence[Sampli
                     break
             e = d
             if kv_layout == "last_exited":
-                kv[e + 1:, pos] = kv[e, pos]
+                kv[e + 1 :, pos] = kv[e, pos]
             tokens.append(int(sample_token(h, sp.temperature, sp.seed, k, vocab_size)))
             depths.append(e)
         results.append({"tokens": tokens, "exit_depths": depths, "finish_reason": reason})

@@ -16,6 +16,7 @@ Phases of a range:
 - ``DECODE``: one loop of the generated token in flight (one row at position ``token_start``);
   at ``depth == 0`` the row's token is embedded first (its prelude).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,14 +36,15 @@ class Phase(enum.Enum):
 
 class ScheduledRange(NamedTuple):
     """A snapshot (a tuple: cheap to build for every decode row of every invocation)."""
+
     request_id: object
     phase: Phase
-    depth: int               # loop index (PRELUDE: 0, the depth whose input it prepares)
-    token_start: int         # first position
+    depth: int  # loop index (PRELUDE: 0, the depth whose input it prepares)
+    token_start: int  # first position
     token_count: int
-    chunk_start: int         # start of the prompt chunk the range lies in (DECODE: its position)
-    ring_row_offset: int     # ring row of token_start (rows of a range are contiguous in the ring)
-    row_start: int = -1      # first row of the invocation (RECURRENT / DECODE); -1 for PRELUDE
+    chunk_start: int  # start of the prompt chunk the range lies in (DECODE: its position)
+    ring_row_offset: int  # ring row of token_start (rows of a range are contiguous in the ring)
+    row_start: int = -1  # first row of the invocation (RECURRENT / DECODE); -1 for PRELUDE
 
     @property
     def token_end(self) -> int:
@@ -51,24 +53,24 @@ class ScheduledRange(NamedTuple):
 
 class CodaRow(NamedTuple):
     request_id: object
-    row: int                 # row of the invocation whose output is sampled
-    token_index: int         # index of the generated token it would become
-    speculative: bool        # kept only if the host decides, after reading the gate, to exit
+    row: int  # row of the invocation whose output is sampled
+    token_index: int  # index of the generated token it would become
+    speculative: bool  # kept only if the host decides, after reading the gate, to exit
 
 
 @dataclasses.dataclass
 class BatchPlan:
-    step: int                                  # invocation index
-    kind: str                                  # "prefill" | "decode" | "mixed"
+    step: int  # invocation index
+    kind: str  # "prefill" | "decode" | "mixed"
     ranges: list[ScheduledRange]
     coda: list[CodaRow]
-    finalize: np.ndarray                       # [n, 2] (src slot, dst slot) KV copies, step 1
-    needs_gates: bool                          # some gate of this plan may decide an exit
-    needs_tokens: bool                         # coda rows present
-    loop_count: int                            # loops a prompt range of this plan's group runs
+    finalize: np.ndarray  # [n, 2] (src slot, dst slot) KV copies, step 1
+    needs_gates: bool  # some gate of this plan may decide an exit
+    needs_tokens: bool  # coda rows present
+    loop_count: int  # loops a prompt range of this plan's group runs
     num_rows: int
-    descriptor: Optional[object] = None        # BatchDescriptor (StackedDescriptor when fused)
-    sub_plans: Optional[list] = None           # fused decode: one plan per sub-step, in order
+    descriptor: Optional[object] = None  # BatchDescriptor (StackedDescriptor when fused)
+    sub_plans: Optional[list] = None  # fused decode: one plan per sub-step, in order
 
     def ranges_of(self, phase: Phase) -> list[ScheduledRange]:
         return [r for r in self.ranges if r.phase is phase]

@@ -23,6 +23,7 @@ latency-critical work and at most ``max_num_seqs <= max_num_batched_tokens`` of 
 ranges fill the remaining row budget round-robin across requests, one range per request per pass,
 deepest range first (finishing chunks frees ring slots and brings the first token closer).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -80,9 +81,9 @@ class WaitingQueue:
 
 @dataclasses.dataclass
 class Selection:
-    kind: str                                        # "prefill" | "decode" | "mixed"
-    decode: list[Request]                            # one row each, at its decode_depth
-    prompt: list[tuple[Request, int, int, int]]      # (request, depth, start, end)
+    kind: str  # "prefill" | "decode" | "mixed"
+    decode: list[Request]  # one row each, at its decode_depth
+    prompt: list[tuple[Request, int, int, int]]  # (request, depth, start, end)
     loop_count: int
 
 
@@ -100,8 +101,9 @@ def select_decode(running: list[Request], budget: int, rr: int) -> list[Request]
     return decoding
 
 
-def round_robin_prompt(requests: list[Request], budget: int, rr: int, num_loops: int,
-                       depths: Optional[range] = None) -> list[tuple[Request, int, int, int]]:
+def round_robin_prompt(
+    requests: list[Request], budget: int, rr: int, num_loops: int, depths: Optional[range] = None
+) -> list[tuple[Request, int, int, int]]:
     """Ready prompt ranges under ``budget`` rows: one range per request per pass, deepest first."""
     depths = range(num_loops - 1, -1, -1) if depths is None else depths
     queues = []
@@ -133,6 +135,7 @@ def round_robin_prompt(requests: list[Request], budget: int, rr: int, num_loops:
 
 class StagedPolicy:
     """Prompt work staged one depth per invocation, sharing invocations with decode rows."""
+
     name = "staged"
 
     def ring_slots(self, num_loops: int) -> int:
@@ -167,6 +170,7 @@ class WavefrontPolicy(StagedPolicy):
 
 class SplitPolicy:
     """Prefill groups (one chunk through all ``T`` loops) alternating with decode groups."""
+
     name = "split"
 
     def __init__(self):

@@ -22,6 +22,7 @@ Decode progress: the last generated token (index ``k``, position ``n+k``) is "in
 one loop per invocation at ``decode_depth``; the exit rule decides after each loop whether its
 coda token becomes generated token ``k+1``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -44,18 +45,25 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
-_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
-                  "abort": RequestStatus.FINISHED_ABORTED}
+_FINISH_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
 
 
 class Request:
-    def __init__(self, request_id, prompt_token_ids: Sequence[int],
-                 sampling_params: Optional[SamplingParams] = None,
-                 arrival_time: Optional[float] = None, priority: int = 0):
+    def __init__(
+        self,
+        request_id,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+    ):
         self.request_id = request_id
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
@@ -77,13 +85,13 @@ class Request:
         self.finish_time: Optional[float] = None
 
         # resources, set at admission
-        self.batch_slot: Optional[int] = None   # index into the scheduler's table/ring regions
-        self.ring_base: Optional[int] = None    # first ring row of the request's region
+        self.batch_slot: Optional[int] = None  # index into the scheduler's table/ring regions
+        self.ring_base: Optional[int] = None  # first ring row of the request's region
 
         # prompt progress (set up by start_prefill)
         self.prefill_chunk_size = 0
         self.prefill_ring_slots = 0
-        self.prefill_window_origin = 0           # > 0 once a cached prefix is reused
+        self.prefill_window_origin = 0  # > 0 once a cached prefix is reused
         self.num_preluded_tokens = 0
         self.prefill_depth_frontiers: list[int] = []
 
@@ -92,7 +100,7 @@ class Request:
         self.exit_remaining = 1.0
         self.decode_target_loops: Optional[int] = None
         self.gates_folded = 0
-        self.pending_gates: list = []          # lazily read gates of this token, in loop order
+        self.pending_gates: list = []  # lazily read gates of this token, in loop order
         self.pending_finalize: list[int] = []  # flat (src, dst) KV slot copies for the next invocation
 
     # ---------------------------------------------------------------- sizes
@@ -192,5 +200,7 @@ class Request:
         self.pending_finalize = []
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, status={self.status.name}, "
-                f"out={len(self.output_token_ids)})")
+        return (
+            f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, status={self.status.name}, "
+            f"out={len(self.output_token_ids)})"
+        )

@@ -5,6 +5,7 @@ checked at construction time because the number of loops ``T`` of the model is n
 ``validate(num_loops)`` checks everything once the engine knows ``T`` (the scheduler calls it in
 ``add_request``) and raises a ``ValueError`` that names the field.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,13 +33,13 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
-    top_k: int = 0                      # 0 = off
+    top_k: int = 0  # 0 = off
     seed: int = 0
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     min_loops: int = 1
-    max_loops: Optional[int] = None     # None = T
-    exit_threshold: float = 1.0         # 1.0 = fixed full depth in "ouro"/"delayed"
+    max_loops: Optional[int] = None  # None = T
+    exit_threshold: float = 1.0  # 1.0 = fixed full depth in "ouro"/"delayed"
     exit_mode: str = "ouro"
     synthetic_mean_loops: Optional[float] = None
     synthetic_depths: Optional[Sequence[int]] = None
@@ -54,47 +55,64 @@ class SamplingParams:
 
     def validate(self, num_loops: int) -> None:
         """Raise ``ValueError`` naming the first bad field; ``num_loops`` is the model's ``T``."""
+
         def need(cond, msg):
             if not cond:
                 raise ValueError(f"SamplingParams: {msg}")
 
         need(_is_int(num_loops) and num_loops >= 1, f"num_loops must be a positive int, got {num_loops!r}")
-        need(_is_int(self.max_tokens) and self.max_tokens >= 1,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        need(_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
-             f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        need(_is_real(self.top_p) and not math.isnan(self.top_p) and 0.0 < self.top_p <= 1.0,
-             f"top_p must lie in (0, 1], got {self.top_p!r}")
+        need(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        need(
+            _is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+            f"temperature must be a finite number >= 0, got {self.temperature!r}",
+        )
+        need(
+            _is_real(self.top_p) and not math.isnan(self.top_p) and 0.0 < self.top_p <= 1.0,
+            f"top_p must lie in (0, 1], got {self.top_p!r}",
+        )
         need(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        need(_is_int(self.seed) and 0 <= self.seed < 2 ** 32,
-             f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        need(_is_int(self.seed) and 0 <= self.seed < 2**32, f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         for t in self.stop_token_ids:
             need(_is_int(t) and t >= 0, f"stop_token_ids must be non-negative integers, got {t!r}")
         need(isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        need(_is_int(self.min_loops) and self.min_loops >= 1,
-             f"min_loops must be an integer >= 1, got {self.min_loops!r}")
+        need(
+            _is_int(self.min_loops) and self.min_loops >= 1,
+            f"min_loops must be an integer >= 1, got {self.min_loops!r}",
+        )
         max_loops = self.resolved_max_loops(num_loops)
         need(_is_int(max_loops) and max_loops >= 1, f"max_loops must be an integer >= 1 or None, got {max_loops!r}")
         need(max_loops <= num_loops, f"max_loops={max_loops} exceeds the model's number of loops T={num_loops}")
         need(self.min_loops <= max_loops, f"min_loops={self.min_loops} exceeds max_loops={max_loops}")
-        need(_is_real(self.exit_threshold) and not math.isnan(self.exit_threshold)
-             and 0.0 <= self.exit_threshold <= 1.0,
-             f"exit_threshold must lie in [0, 1], got {self.exit_threshold!r}")
+        need(
+            _is_real(self.exit_threshold) and not math.isnan(self.exit_threshold) and 0.0 <= self.exit_threshold <= 1.0,
+            f"exit_threshold must lie in [0, 1], got {self.exit_threshold!r}",
+        )
         need(self.exit_mode in EXIT_MODES, f"exit_mode must be one of {EXIT_MODES}, got {self.exit_mode!r}")
         if self.exit_mode == "synthetic":
-            need((self.synthetic_mean_loops is None) != (self.synthetic_depths is None),
-                 "exit_mode='synthetic' needs exactly one of synthetic_mean_loops or synthetic_depths")
+            need(
+                (self.synthetic_mean_loops is None) != (self.synthetic_depths is None),
+                "exit_mode='synthetic' needs exactly one of synthetic_mean_loops or synthetic_depths",
+            )
             if self.synthetic_mean_loops is not None:
                 m = self.synthetic_mean_loops
-                need(_is_real(m) and math.isfinite(m) and self.min_loops <= m <= max_loops,
-                     f"synthetic_mean_loops must lie in [min_loops, max_loops] = "
-                     f"[{self.min_loops}, {max_loops}], got {m!r}")
+                need(
+                    _is_real(m) and math.isfinite(m) and self.min_loops <= m <= max_loops,
+                    f"synthetic_mean_loops must lie in [min_loops, max_loops] = "
+                    f"[{self.min_loops}, {max_loops}], got {m!r}",
+                )
             else:
                 need(len(self.synthetic_depths) > 0, "synthetic_depths must not be empty")
                 for d in self.synthetic_depths:
-                    need(_is_int(d) and 0 <= d < num_loops,
-                         f"synthetic_depths entries must be loop indices in [0, {num_loops - 1}], got {d!r}")
+                    need(
+                        _is_int(d) and 0 <= d < num_loops,
+                        f"synthetic_depths entries must be loop indices in [0, {num_loops - 1}], got {d!r}",
+                    )
         else:
-            need(self.synthetic_mean_loops is None and self.synthetic_depths is None,
-                 f"synthetic_mean_loops / synthetic_depths are only meaningful with exit_mode='synthetic' "
-                 f"(exit_mode={self.exit_mode!r})")
+            need(
+                self.synthetic_mean_loops is None and self.synthetic_depths is None,
+                f"synthetic_mean_loops / synthetic_depths are only meaningful with exit_mode='synthetic' "
+                f"(exit_mode={self.exit_mode!r})",
+            )

@@ -19,6 +19,7 @@ the token its (speculative) coda sampled, queues its KV finalize copies (LAST_EX
 the next token starts at depth 0 next invocation. Finished and aborted requests give back every
 block and their ring region at once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,7 @@ import numpy as np
 from .block_manager import KVBlockManager
 from .buckets import BucketKey, BucketSpec
 from .descriptor import StackedDescriptor, build_descriptor
-from .exit_policy import (coda_kind, decide_exit, fold_gate, gate_needed, gates_needed_at,
-                          synthetic_exit_loops)
+from .exit_policy import coda_kind, decide_exit, fold_gate, gate_needed, gates_needed_at, synthetic_exit_loops
 from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
 from .policies import WaitingQueue, make_policy
 from .request import Request, RequestStatus
@@ -52,21 +52,21 @@ def _is_int(v) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    num_loops: int                      # T
-    num_blocks: int                     # KV pool pages (block 0 is the trash page)
+    num_loops: int  # T
+    num_blocks: int  # KV pool pages (block 0 is the trash page)
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024  # rows per invocation
     prefill_chunk_size: int = 128
     max_model_len: int = 8192
-    kv_layout: str = "last_exited"      # "last_exited" | "shared"
-    prefill_mode: str = "split"         # "split" | "mixed" | "wavefront"
-    policy: str = "fcfs"                # "fcfs" | "priority"
+    kv_layout: str = "last_exited"  # "last_exited" | "shared"
+    prefill_mode: str = "split"  # "split" | "mixed" | "wavefront"
+    policy: str = "fcfs"  # "fcfs" | "priority"
     eos_token_id: Optional[int] = None
-    buckets: Optional[Sequence[int]] = None   # row buckets; None = powers of two from 8
+    buckets: Optional[Sequence[int]] = None  # row buckets; None = powers of two from 8
     watermark: float = 0.0
-    fused_decode_max_rows: int = 0      # fused decode steps for up to this many rows; 0 = off
-    fused_decode_tokens: int = 1        # tokens per fused decode step (each T loops)
+    fused_decode_max_rows: int = 0  # fused decode steps for up to this many rows; 0 = off
+    fused_decode_tokens: int = 1  # tokens per fused decode step (each T loops)
 
     def __post_init__(self):
         object.__setattr__(self, "kv_layout", str(self.kv_layout).lower())
@@ -79,31 +79,53 @@ class SchedulerConfig:
             if not cond:
                 raise ValueError(f"SchedulerConfig: {msg}")
 
-        for name in ("num_loops", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "prefill_chunk_size", "max_model_len"):
+        for name in (
+            "num_loops",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "prefill_chunk_size",
+            "max_model_len",
+        ):
             v = getattr(self, name)
             need(_is_int(v) and v >= 1, f"{name} must be a positive integer, got {v!r}")
-        need(_is_int(self.num_blocks) and self.num_blocks >= 2,
-             f"num_blocks must be an integer >= 2 (block 0 is the trash page), got {self.num_blocks!r}")
-        need(self.max_num_batched_tokens >= self.max_num_seqs,
-             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-             f"({self.max_num_seqs}): every running request may need a decode row in one invocation")
+        need(
+            _is_int(self.num_blocks) and self.num_blocks >= 2,
+            f"num_blocks must be an integer >= 2 (block 0 is the trash page), got {self.num_blocks!r}",
+        )
+        need(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+            f"({self.max_num_seqs}): every running request may need a decode row in one invocation",
+        )
         need(self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
-        need(self.prefill_mode in PREFILL_MODES,
-             f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
-        need(not (self.prefill_mode == "wavefront" and self.kv_layout == "shared"),
-             "prefill_mode='wavefront' needs kv_layout LAST_EXITED: with SHARED KV a position's "
-             "depth 0 reads the final KV of every earlier position, so chunks cannot overlap in depth")
+        need(
+            self.prefill_mode in PREFILL_MODES,
+            f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}",
+        )
+        need(
+            not (self.prefill_mode == "wavefront" and self.kv_layout == "shared"),
+            "prefill_mode='wavefront' needs kv_layout LAST_EXITED: with SHARED KV a position's "
+            "depth 0 reads the final KV of every earlier position, so chunks cannot overlap in depth",
+        )
         need(self.policy in ("fcfs", "priority"), f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        need(self.eos_token_id is None or (_is_int(self.eos_token_id) and self.eos_token_id >= 0),
-             f"eos_token_id must be None or a non-negative integer, got {self.eos_token_id!r}")
-        need(isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0,
-             f"watermark must lie in [0, 1), got {self.watermark!r}")
-        need(_is_int(self.fused_decode_max_rows) and 0 <= self.fused_decode_max_rows <= self.max_num_seqs,
-             f"fused_decode_max_rows must be an integer in [0, max_num_seqs={self.max_num_seqs}], "
-             f"got {self.fused_decode_max_rows!r}")
-        need(_is_int(self.fused_decode_tokens) and self.fused_decode_tokens >= 1,
-             f"fused_decode_tokens must be a positive integer, got {self.fused_decode_tokens!r}")
+        need(
+            self.eos_token_id is None or (_is_int(self.eos_token_id) and self.eos_token_id >= 0),
+            f"eos_token_id must be None or a non-negative integer, got {self.eos_token_id!r}",
+        )
+        need(
+            isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0,
+            f"watermark must lie in [0, 1), got {self.watermark!r}",
+        )
+        need(
+            _is_int(self.fused_decode_max_rows) and 0 <= self.fused_decode_max_rows <= self.max_num_seqs,
+            f"fused_decode_max_rows must be an integer in [0, max_num_seqs={self.max_num_seqs}], "
+            f"got {self.fused_decode_max_rows!r}",
+        )
+        need(
+            _is_int(self.fused_decode_tokens) and self.fused_decode_tokens >= 1,
+            f"fused_decode_tokens must be a positive integer, got {self.fused_decode_tokens!r}",
+        )
         try:
             self.bucket_spec()
         except ValueError as e:
@@ -149,15 +171,21 @@ class SchedulerConfig:
         return [(spec.key_for_bucket(r), n) for r in spec.row_buckets if r <= top for n in ns]
 
     def bucket_spec(self) -> BucketSpec:
-        return BucketSpec(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                          num_loops=self.num_loops, max_model_len=self.max_model_len,
-                          block_size=self.block_size, has_finalize=self.kv_layout == "last_exited",
-                          row_buckets=self.buckets)
+        return BucketSpec(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            num_loops=self.num_loops,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            has_finalize=self.kv_layout == "last_exited",
+            row_buckets=self.buckets,
+        )
 
 
 @dataclasses.dataclass
 class RequestDelta:
     """What one ``update`` (or ``abort``) added to a request's output."""
+
     request_id: object
     new_token_ids: list[int]
     new_exit_depths: list[int]
@@ -167,6 +195,7 @@ class RequestDelta:
 
 class _Lazy:
     """A device result read at most once, and only if some decision needs it."""
+
     __slots__ = ("_src", "_val", "_what", "_min_len")
 
     def __init__(self, src: ArrayOrThunk, what: str, min_len: int):
@@ -176,8 +205,9 @@ class _Lazy:
         if self._val is None:
             v = np.asarray(self._src() if callable(self._src) else self._src).reshape(-1)
             if v.shape[0] < self._min_len:
-                raise ValueError(f"Scheduler.update: {self._what} has {v.shape[0]} entries, "
-                                 f"the plan needs {self._min_len}")
+                raise ValueError(
+                    f"Scheduler.update: {self._what} has {v.shape[0]} entries, the plan needs {self._min_len}"
+                )
             # a Python list: the host reads it element by element, numpy scalars are slow there
             self._val, self._src = v.tolist(), None
         return self._val
@@ -185,6 +215,7 @@ class _Lazy:
 
 class _Whole:
     """The ``[n, ...]`` result of a fused step, read once, handed out one sub-step at a time."""
+
     __slots__ = ("_src", "_val")
 
     def __init__(self, src: ArrayOrThunk):
@@ -201,12 +232,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.num_loops = config.num_loops
-        self.block_manager = KVBlockManager(config.num_blocks, config.block_size, config.num_planes,
-                                            config.watermark)
+        self.block_manager = KVBlockManager(config.num_blocks, config.block_size, config.num_planes, config.watermark)
         self.bucket_spec = config.bucket_spec()
         self.policy = make_policy(config.prefill_mode)
         self.waiting = WaitingQueue(config.policy)
-        self.running: list[Request] = []            # admission order
+        self.running: list[Request] = []  # admission order
         self._requests: dict[object, Request] = {}  # every unfinished request, by id
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         # block tables of the running requests, by batch slot: [slot, plane, block]
@@ -226,21 +256,26 @@ class Scheduler:
         if rid in self._requests:
             raise ValueError(f"request {rid!r}: a request with this id is already queued or running")
         if request.status is not RequestStatus.WAITING or request.output_token_ids:
-            raise ValueError(f"request {rid!r}: only a fresh WAITING request can be added (status "
-                             f"{request.status.name})")
+            raise ValueError(
+                f"request {rid!r}: only a fresh WAITING request can be added (status {request.status.name})"
+            )
         request.sampling_params.validate(cfg.num_loops)
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError(f"request {rid!r}: the prompt is empty")
         max_tokens = request.sampling_params.max_tokens
         if n + max_tokens > cfg.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({cfg.max_model_len})")
+            raise ValueError(
+                f"request {rid!r}: prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({cfg.max_model_len})"
+            )
         if not self.block_manager.can_ever_fit(request.max_kv_tokens):
-            raise ValueError(f"request {rid!r} can never fit in the KV pool: it needs "
-                             f"{self.block_manager.blocks_needed(request.max_kv_tokens)} blocks "
-                             f"({request.max_kv_tokens} tokens x {cfg.num_planes} planes), the pool "
-                             f"can give {self.block_manager.capacity_blocks}")
+            raise ValueError(
+                f"request {rid!r} can never fit in the KV pool: it needs "
+                f"{self.block_manager.blocks_needed(request.max_kv_tokens)} blocks "
+                f"({request.max_kv_tokens} tokens x {cfg.num_planes} planes), the pool "
+                f"can give {self.block_manager.capacity_blocks}"
+            )
         self._requests[rid] = request
         self.waiting.add(request)
 
@@ -277,7 +312,7 @@ class Scheduler:
             self.waiting.pop()
             table = self.block_manager.allocate(req)
             slot = self._free_slots.pop()
-            self._tables[slot, :, :table.shape[1]] = table
+            self._tables[slot, :, : table.shape[1]] = table
             req.batch_slot = slot
             req.ring_base = 1 + slot * cfg.ring_rows_per_request
             req.start_prefill(cfg.num_loops, cfg.effective_chunk_size, cfg.ring_slots)
@@ -320,7 +355,7 @@ class Scheduler:
         ranges: list[ScheduledRange] = []
         coda: list[CodaRow] = []
         coda_params: list = []  # flat (temperature, top_k, top_p, seed, step) per coda row
-        segs: list[int] = []     # flat (batch slot, plane, first position, rows, first ring row)
+        segs: list[int] = []  # flat (batch slot, plane, first position, rows, first ring row)
         pre_ring_dec, pre_tok_dec = [], []
         pre_ring_pr, pre_tok_pr = [], []
         needs_gates = False
@@ -363,16 +398,36 @@ class Scheduler:
         fin = np.fromiter(finalize, np.int64, len(finalize)).reshape(-1, 2)
         sg = np.fromiter(segs, np.int64, len(segs)).reshape(-1, 5)
         desc = build_descriptor(
-            self.bucket_spec, self._tables,
-            seg_slot=sg[:, 0], seg_plane=sg[:, 1], seg_pos=sg[:, 2], seg_len=sg[:, 3], seg_ring=sg[:, 4],
-            pre_ring=pre_ring, pre_token=pre_tok,
-            coda_row=[c.row for c in coda], coda_temperature=cp[:, 0], coda_top_k=cp[:, 1],
-            coda_top_p=cp[:, 2], coda_seed=cp[:, 3].astype(np.uint32), coda_step=cp[:, 4],
-            fin_src=fin[:, 0], fin_dst=fin[:, 1])
-        plan = BatchPlan(step=self._step, kind=sel.kind if sel else "finalize", ranges=ranges, coda=coda,
-                         finalize=fin, needs_gates=needs_gates,
-                         needs_tokens=bool(coda), loop_count=sel.loop_count if sel else 0,
-                         num_rows=row, descriptor=desc)
+            self.bucket_spec,
+            self._tables,
+            seg_slot=sg[:, 0],
+            seg_plane=sg[:, 1],
+            seg_pos=sg[:, 2],
+            seg_len=sg[:, 3],
+            seg_ring=sg[:, 4],
+            pre_ring=pre_ring,
+            pre_token=pre_tok,
+            coda_row=[c.row for c in coda],
+            coda_temperature=cp[:, 0],
+            coda_top_k=cp[:, 1],
+            coda_top_p=cp[:, 2],
+            coda_seed=cp[:, 3].astype(np.uint32),
+            coda_step=cp[:, 4],
+            fin_src=fin[:, 0],
+            fin_dst=fin[:, 1],
+        )
+        plan = BatchPlan(
+            step=self._step,
+            kind=sel.kind if sel else "finalize",
+            ranges=ranges,
+            coda=coda,
+            finalize=fin,
+            needs_gates=needs_gates,
+            needs_tokens=bool(coda),
+            loop_count=sel.loop_count if sel else 0,
+            num_rows=row,
+            descriptor=desc,
+        )
         self._step += 1
         self._inflight = plan
 
@@ -403,8 +458,11 @@ class Scheduler:
         T, p = self.num_loops, req.sampling_params
         target = None
         if p.exit_mode == "synthetic":
-            target = (req.decode_target_loops if k == len(req.output_token_ids)
-                      else synthetic_exit_loops(p, T, req.request_id, k))
+            target = (
+                req.decode_target_loops
+                if k == len(req.output_token_ids)
+                else synthetic_exit_loops(p, T, req.request_id, k)
+            )
         # the exit rule's own answer: no loop before the T-th can sample (and so end) the token
         return all(coda_kind(p, T, done, target) == "none" for done in range(1, T))
 
@@ -435,8 +493,11 @@ class Scheduler:
             ok = True
             for req in rows:
                 k = len(req.output_token_ids)
-                if (req.decode_depth != 0 or req.sampling_params.max_tokens - k < want
-                        or not all(self._full_depth(req, k + j) for j in range(want))):
+                if (
+                    req.decode_depth != 0
+                    or req.sampling_params.max_tokens - k < want
+                    or not all(self._full_depth(req, k + j) for j in range(want))
+                ):
                     ok = False
                     break
             if ok:
@@ -466,33 +527,66 @@ class Scheduler:
         subs, descs, key = [], [], None
         for j in range(tokens):
             for d in range(T):
-                ranges = [ScheduledRange(r.request_id, Phase.DECODE, d, int(pos0[i]) + j, 1,
-                                         int(pos0[i]) + j, int(bases[i]), i) for i, r in enumerate(rows)]
-                coda = ([CodaRow(r.request_id, i, k0[i] + j, False) for i, r in enumerate(rows)]
-                        if d == T - 1 else [])
+                ranges = [
+                    ScheduledRange(
+                        r.request_id, Phase.DECODE, d, int(pos0[i]) + j, 1, int(pos0[i]) + j, int(bases[i]), i
+                    )
+                    for i, r in enumerate(rows)
+                ]
+                coda = [CodaRow(r.request_id, i, k0[i] + j, False) for i, r in enumerate(rows)] if d == T - 1 else []
                 first = j == 0 and d == 0
                 desc = build_descriptor(
-                    self.bucket_spec, self._tables, seg_slot=slots, seg_plane=ones * plane(d),
-                    seg_pos=pos0 + j, seg_len=ones, seg_ring=bases,
+                    self.bucket_spec,
+                    self._tables,
+                    seg_slot=slots,
+                    seg_plane=ones * plane(d),
+                    seg_pos=pos0 + j,
+                    seg_len=ones,
+                    seg_ring=bases,
                     pre_ring=bases if d == 0 else empty,
-                    pre_token=np.array([r.output_token_ids[-1] for r in rows]) if first
+                    pre_token=np.array([r.output_token_ids[-1] for r in rows])
+                    if first
                     else (np.zeros(n, np.int64) if d == 0 else empty),
                     coda_row=np.arange(n) if coda else empty,
-                    coda_temperature=temp if coda else empty, coda_top_k=top_k if coda else empty,
-                    coda_top_p=top_p if coda else empty, coda_seed=seed if coda else empty,
+                    coda_temperature=temp if coda else empty,
+                    coda_top_k=top_k if coda else empty,
+                    coda_top_p=top_p if coda else empty,
+                    coda_seed=seed if coda else empty,
                     coda_step=np.array(k0) + j if coda else empty,
-                    fin_src=fin[:, 0] if first else empty, fin_dst=fin[:, 1] if first else empty,
-                    key=key, feed_previous_tokens=d == 0 and j > 0)
+                    fin_src=fin[:, 0] if first else empty,
+                    fin_dst=fin[:, 1] if first else empty,
+                    key=key,
+                    feed_previous_tokens=d == 0 and j > 0,
+                )
                 key = desc.key
                 descs.append(desc)
-                subs.append(BatchPlan(step=self._step, kind="decode", ranges=ranges, coda=coda,
-                                      finalize=fin if first else fin[:0], needs_gates=False,
-                                      needs_tokens=bool(coda), loop_count=1, num_rows=n, descriptor=desc))
-        m = len(descs)
-        plan = BatchPlan(step=self._step, kind="fused_decode", ranges=[r for s in subs for r in s.ranges],
-                         coda=[c for s in subs for c in s.coda], finalize=fin, needs_gates=False,
-                         needs_tokens=True, loop_count=1, num_rows=n,
-                         descriptor=StackedDescriptor(descs), sub_plans=subs)
+                subs.append(
+                    BatchPlan(
+                        step=self._step,
+                        kind="decode",
+                        ranges=ranges,
+                        coda=coda,
+                        finalize=fin if first else fin[:0],
+                        needs_gates=False,
+                        needs_tokens=bool(coda),
+                        loop_count=1,
+                        num_rows=n,
+                        descriptor=desc,
+                    )
+                )
+        plan = BatchPlan(
+            step=self._step,
+            kind="fused_decode",
+            ranges=[r for s in subs for r in s.ranges],
+            coda=[c for s in subs for c in s.coda],
+            finalize=fin,
+            needs_gates=False,
+            needs_tokens=True,
+            loop_count=1,
+            num_rows=n,
+            descriptor=StackedDescriptor(descs),
+            sub_plans=subs,
+        )
         self._step += 1
         self._inflight = plan
         for sub in subs:
@@ -512,13 +606,18 @@ class Scheduler:
         t0 = time.perf_counter()
         deltas: dict[object, RequestDelta] = {}
         if plan.sub_plans is None:
-            self._apply(plan, _Lazy(gate_logits, "gate_logits", plan.num_rows),
-                        _Lazy(tokens, "tokens", len(plan.coda)), deltas)
+            self._apply(
+                plan, _Lazy(gate_logits, "gate_logits", plan.num_rows), _Lazy(tokens, "tokens", len(plan.coda)), deltas
+            )
         else:  # a fused step: [n, R] gates and [n, C] tokens, applied sub-step after sub-step
             all_gates, all_tokens = _Whole(gate_logits), _Whole(tokens)
             for i, sub in enumerate(plan.sub_plans):
-                self._apply(sub, _Lazy(functools.partial(all_gates.row, i), "gate_logits", sub.num_rows),
-                            _Lazy(functools.partial(all_tokens.row, i), "tokens", len(sub.coda)), deltas)
+                self._apply(
+                    sub,
+                    _Lazy(functools.partial(all_gates.row, i), "gate_logits", sub.num_rows),
+                    _Lazy(functools.partial(all_tokens.row, i), "tokens", len(sub.coda)),
+                    deltas,
+                )
         self._inflight = None
         self._stats["update_time_s"] += time.perf_counter() - t0
         return list(deltas.values())
@@ -586,16 +685,30 @@ class Scheduler:
             delta.finished, delta.finish_reason = True, reason
             return
         k = len(req.output_token_ids)  # index of the token the next loops will produce
-        target = (synthetic_exit_loops(params, self.num_loops, req.request_id, k)
-                  if params.exit_mode == "synthetic" else None)
+        target = (
+            synthetic_exit_loops(params, self.num_loops, req.request_id, k) if params.exit_mode == "synthetic" else None
+        )
         req.start_token(target)
 
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict:
         st = dict(self._stats)
-        for k in ("invocations", "real_rows", "padded_rows", "decode_rows", "prefill_rows", "prelude_tokens",
-                  "coda_rows", "speculative_coda_rows", "finalize_pairs", "tokens", "aborted",
-                  "launches", "fused_launches", "fused_loops"):
+        for k in (
+            "invocations",
+            "real_rows",
+            "padded_rows",
+            "decode_rows",
+            "prefill_rows",
+            "prelude_tokens",
+            "coda_rows",
+            "speculative_coda_rows",
+            "finalize_pairs",
+            "tokens",
+            "aborted",
+            "launches",
+            "fused_launches",
+            "fused_loops",
+        ):
             st.setdefault(k, 0)
         st.setdefault("schedule_time_s", 0.0)
         st.setdefault("update_time_s", 0.0)

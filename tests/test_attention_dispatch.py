@@ -8,11 +8,13 @@ and the segments' own lengths decide, per segment, which kernel serves them). Th
 Triton with the tuning of the swept bucket; in an ``S = R`` bucket Triton runs its decode-style
 tuning, which the sweep did not time, so the second check takes the swept timings as the best
 measurement there is."""
+
 import json
 import os
 
 import jax.numpy as jnp
 import numpy as np
+
 from pallas_kernels import dispatch
 
 SWEEP = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "attention_sweep.json")
@@ -46,10 +48,10 @@ def test_rule_picks_the_faster_kernel_on_the_h200_sweep(monkeypatch):
         rows = s["n_seg"] * s["q_len"]
         best = min(("triton", "mgpu"), key=lambda k: r[f"{k}_ms"])
         for num_segments in (s["n_seg"], rows):  # as swept, then as an engine bucket
-            pick = dispatch.select_kernel(rows, num_segments, jnp.bfloat16, s["head_dim"],
-                                          s["block_size"], num_heads=s["heads"], hopper=True)
+            pick = dispatch.select_kernel(
+                rows, num_segments, jnp.bfloat16, s["head_dim"], s["block_size"], num_heads=s["heads"], hopper=True
+            )
             picks.add(pick)
             got = _serving_kernel(pick, s["n_seg"], s["q_len"])
-            assert r[f"{got}_ms"] <= 1.05 * r[f"{best}_ms"], (
-                s, num_segments, pick, r["triton_ms"], r["mgpu_ms"])
+            assert r[f"{got}_ms"] <= 1.05 * r[f"{best}_ms"], (s, num_segments, pick, r["triton_ms"], r["mgpu_ms"])
     assert picks == {"triton", "mgpu", "hybrid"}, picks  # every branch of the rule is exercised

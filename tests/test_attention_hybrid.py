@@ -11,6 +11,7 @@ cross-lowers for CUDA at an engine bucket (R = S = 512, 256 block-table columns)
 rule, the forced choice and the interpret-mode refusal. On a Hopper GPU (``-m gpu``): hybrid ==
 reference on hypothesis-drawn mixes of long and short segments.
 """
+
 import contextlib
 import math
 
@@ -38,75 +39,99 @@ LONG = dispatch.MGPU_MIN_ROWS_PER_SEGMENT
 
 
 @st.composite
-def mixed_batches(draw, heads, block_sizes=(8, 16), layers=(None, 2), max_segments=4,
-                  max_long=200, max_extra=40):
-  h, kvh, hd = draw(st.sampled_from(heads))
-  specs = []
-  for _ in range(draw(st.integers(1, max_segments))):
-    kind = draw(st.sampled_from(["decode", "short", "long", "long", "pad"]))
-    if kind == "pad":
-      specs.append((0, 0))
-    elif kind == "decode":
-      specs.append((1, draw(st.integers(1, 150))))
-    else:
-      n = draw(st.integers(1, LONG - 1) if kind == "short" else st.integers(LONG, max_long))
-      specs.append((n, n + draw(st.sampled_from([0, 0, 1, 37, 100]))))  # fresh or with history
-  return dict(heads=(h, kvh, hd), block_size=draw(st.sampled_from(block_sizes)), specs=specs,
-              extra_rows=draw(st.integers(0, max_extra)), layers=draw(st.sampled_from(layers)),
-              engine=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
+def mixed_batches(draw, heads, block_sizes=(8, 16), layers=(None, 2), max_segments=4, max_long=200, max_extra=40):
+    h, kvh, hd = draw(st.sampled_from(heads))
+    specs = []
+    for _ in range(draw(st.integers(1, max_segments))):
+        kind = draw(st.sampled_from(["decode", "short", "long", "long", "pad"]))
+        if kind == "pad":
+            specs.append((0, 0))
+        elif kind == "decode":
+            specs.append((1, draw(st.integers(1, 150))))
+        else:
+            n = draw(st.integers(1, LONG - 1) if kind == "short" else st.integers(LONG, max_long))
+            specs.append((n, n + draw(st.sampled_from([0, 0, 1, 37, 100]))))  # fresh or with history
+    return dict(
+        heads=(h, kvh, hd),
+        block_size=draw(st.sampled_from(block_sizes)),
+        specs=specs,
+        extra_rows=draw(st.integers(0, max_extra)),
+        layers=draw(st.sampled_from(layers)),
+        engine=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 def build(case, dtype, tail_poison=np.nan, fixed=None):
-  """The batch of ``case``; ``fixed=(R, MB, NB)`` pads rows, block-table columns and pool pages to
-  fixed sizes (NaN rows and pages, read by no segment) so that examples share compilations."""
-  h, kvh, hd = case["heads"]
-  b = make_batch(np.random.default_rng(case["seed"]), num_heads=h, kv_heads=kvh, head_dim=hd,
-                 block_size=case["block_size"], seg_specs=case["specs"],
-                 extra_rows=case["extra_rows"], num_layers=case["layers"], dtype=dtype,
-                 tail_poison=tail_poison)
-  if fixed is not None:
-    r, mb, nb = fixed
-    r0, mb0 = b["q"].shape[0], b["tables"].shape[1]
-    nb0 = b["k"].shape[-3]
-    assert r0 <= r and mb0 <= mb and nb0 <= nb, (r0, mb0, nb0)
-    b["q"] = np.concatenate([b["q"], np.full((r - r0,) + b["q"].shape[1:], np.nan, b["q"].dtype)])
-    b["covered"] = np.concatenate([b["covered"], np.zeros(r - r0, bool)])
-    b["tables"] = np.pad(b["tables"], ((0, 0), (0, mb - mb0)))
-    pages = [(0, 0)] * b["k"].ndim
-    pages[-3] = (0, nb - nb0)
-    b["k"] = np.pad(b["k"], pages, constant_values=np.nan)
-    b["v"] = np.pad(b["v"], pages, constant_values=np.nan)
-  r, s = b["q"].shape[0], len(case["specs"])
-  # the engine's buckets: as many segment slots as rows; otherwise a fixed 8 (padding segments)
-  pad = max((r if case["engine"] else 8) - s, 0)
-  b["q_start"] = np.concatenate([b["q_start"], np.arange(pad, dtype=np.int32) % r])
-  b["q_len"] = np.concatenate([b["q_len"], np.zeros(pad, np.int32)])
-  b["ctx_len"] = np.concatenate([b["ctx_len"], np.full(pad, 3, np.int32)])
-  b["tables"] = np.concatenate([b["tables"], np.zeros((pad, b["tables"].shape[1]), np.int32)])
-  long_row = np.zeros(r, bool)
-  for s0, n in zip(b["q_start"], b["q_len"]):
-    if n >= LONG:
-      long_row[s0:s0 + n] = True
-  b["long_row"] = long_row
-  return b
+    """The batch of ``case``; ``fixed=(R, MB, NB)`` pads rows, block-table columns and pool pages to
+    fixed sizes (NaN rows and pages, read by no segment) so that examples share compilations."""
+    h, kvh, hd = case["heads"]
+    b = make_batch(
+        np.random.default_rng(case["seed"]),
+        num_heads=h,
+        kv_heads=kvh,
+        head_dim=hd,
+        block_size=case["block_size"],
+        seg_specs=case["specs"],
+        extra_rows=case["extra_rows"],
+        num_layers=case["layers"],
+        dtype=dtype,
+        tail_poison=tail_poison,
+    )
+    if fixed is not None:
+        r, mb, nb = fixed
+        r0, mb0 = b["q"].shape[0], b["tables"].shape[1]
+        nb0 = b["k"].shape[-3]
+        assert r0 <= r and mb0 <= mb and nb0 <= nb, (r0, mb0, nb0)
+        b["q"] = np.concatenate([b["q"], np.full((r - r0,) + b["q"].shape[1:], np.nan, b["q"].dtype)])
+        b["covered"] = np.concatenate([b["covered"], np.zeros(r - r0, bool)])
+        b["tables"] = np.pad(b["tables"], ((0, 0), (0, mb - mb0)))
+        pages = [(0, 0)] * b["k"].ndim
+        pages[-3] = (0, nb - nb0)
+        b["k"] = np.pad(b["k"], pages, constant_values=np.nan)
+        b["v"] = np.pad(b["v"], pages, constant_values=np.nan)
+    r, s = b["q"].shape[0], len(case["specs"])
+    # the engine's buckets: as many segment slots as rows; otherwise a fixed 8 (padding segments)
+    pad = max((r if case["engine"] else 8) - s, 0)
+    b["q_start"] = np.concatenate([b["q_start"], np.arange(pad, dtype=np.int32) % r])
+    b["q_len"] = np.concatenate([b["q_len"], np.zeros(pad, np.int32)])
+    b["ctx_len"] = np.concatenate([b["ctx_len"], np.full(pad, 3, np.int32)])
+    b["tables"] = np.concatenate([b["tables"], np.zeros((pad, b["tables"].shape[1]), np.int32)])
+    long_row = np.zeros(r, bool)
+    for s0, n in zip(b["q_start"], b["q_len"]):
+        if n >= LONG:
+            long_row[s0 : s0 + n] = True
+    b["long_row"] = long_row
+    return b
 
 
 def call(fn, b, sm_scale, q_len=None, **kw):
-  layer = None if b["layer"] is None else jnp.int32(b["layer"])
-  q_len = b["q_len"] if q_len is None else q_len
-  return np.asarray(fn(jnp.asarray(b["q"]), jnp.asarray(b["k"]), jnp.asarray(b["v"]),
-                       jnp.asarray(b["q_start"]), jnp.asarray(q_len), jnp.asarray(b["ctx_len"]),
-                       jnp.asarray(b["tables"]), layer=layer, sm_scale=sm_scale, **kw), np.float32)
+    layer = None if b["layer"] is None else jnp.int32(b["layer"])
+    q_len = b["q_len"] if q_len is None else q_len
+    return np.asarray(
+        fn(
+            jnp.asarray(b["q"]),
+            jnp.asarray(b["k"]),
+            jnp.asarray(b["v"]),
+            jnp.asarray(b["q_start"]),
+            jnp.asarray(q_len),
+            jnp.asarray(b["ctx_len"]),
+            jnp.asarray(b["tables"]),
+            layer=layer,
+            sm_scale=sm_scale,
+            **kw,
+        ),
+        np.float32,
+    )
 
 
 def reference(b, case, sm_scale):
-  """The jnp reference on the batch's own segments (and padding up to 8): the padding segments
-  of an ``S = R`` batch change nothing but would make it gather a context per row (its tiles
-  follow ``R / S``)."""
-  n = max(8, len(case["specs"]))
-  trimmed = dict(b, q_start=b["q_start"][:n], q_len=b["q_len"][:n], ctx_len=b["ctx_len"][:n],
-                 tables=b["tables"][:n])
-  return call(ragged_paged_attention_reference, trimmed, sm_scale)
+    """The jnp reference on the batch's own segments (and padding up to 8): the padding segments
+    of an ``S = R`` batch change nothing but would make it gather a context per row (its tiles
+    follow ``R / S``)."""
+    n = max(8, len(case["specs"]))
+    trimmed = dict(b, q_start=b["q_start"][:n], q_len=b["q_len"][:n], ctx_len=b["ctx_len"][:n], tables=b["tables"][:n])
+    return call(ragged_paged_attention_reference, trimmed, sm_scale)
 
 
 # one compilation per shape (op by op, the plan's many small ops compile one at a time)
@@ -114,17 +139,25 @@ make_plan = jax.jit(dispatch.make_kernel_plan, static_argnums=(0, 1, 2, 3, 4))
 
 
 def plan_for(b):
-  h, hd = b["q"].shape[1:]
-  return make_plan("hybrid", b["q"].shape[0], h, b["k"].shape[-4], hd,
-                   jnp.asarray(b["q_start"]), jnp.asarray(b["q_len"]), jnp.asarray(b["ctx_len"]),
-                   jnp.asarray(b["tables"]))
+    h, hd = b["q"].shape[1:]
+    return make_plan(
+        "hybrid",
+        b["q"].shape[0],
+        h,
+        b["k"].shape[-4],
+        hd,
+        jnp.asarray(b["q_start"]),
+        jnp.asarray(b["q_len"]),
+        jnp.asarray(b["ctx_len"]),
+        jnp.asarray(b["tables"]),
+    )
 
 
 def reference_mgpu_half(q, k, v, qs, ql, cl, bt, *, layer=None, sm_scale, packing):
-  """Stand-in for the Mosaic launch on CPU: the reference, kept on the rows its packing covers."""
-  out = ragged_paged_attention_reference(q, k, v, qs, ql, cl, bt, layer=layer, sm_scale=sm_scale)
-  tiles = jnp.take(out, packing.src, axis=0, mode="fill", fill_value=0)
-  return jnp.take(tiles, packing.dst, axis=0, mode="fill", fill_value=0)
+    """Stand-in for the Mosaic launch on CPU: the reference, kept on the rows its packing covers."""
+    out = ragged_paged_attention_reference(q, k, v, qs, ql, cl, bt, layer=layer, sm_scale=sm_scale)
+    tiles = jnp.take(out, packing.src, axis=0, mode="fill", fill_value=0)
+    return jnp.take(tiles, packing.dst, axis=0, mode="fill", fill_value=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,28 +172,32 @@ CPU_FIXED = (768, 40, 160)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(mixed_batches(heads=[(4, 2, 64)], block_sizes=[8], layers=[2], max_long=180,
-                     max_extra=24))
+@given(mixed_batches(heads=[(4, 2, 64)], block_sizes=[8], layers=[2], max_long=180, max_extra=24))
 def test_triton_half_serves_short_segments_and_merge_gives_reference(case):
-  b = build(case, np.float32, fixed=CPU_FIXED)
-  scale = 1.0 / math.sqrt(case["heads"][2])
-  plan = plan_for(b)
-  np.testing.assert_array_equal(np.asarray(plan.long_row), b["long_row"])
-  want = reference(b, case, scale)
-  # Triton half alone: its plan and its q_len (long segments are padding to it)
-  got_t = call(lambda *a, **kw: dispatch.paged_attention("triton", *a, **kw), b, scale,
-               q_len=plan.triton_q_len, plan=plan.triton, interpret=True)
-  short = b["covered"] & ~b["long_row"]
-  assert not np.isnan(got_t).any()
-  np.testing.assert_array_equal(got_t[~short], 0.0,
-                                err_msg="the Triton half wrote a row it does not own")
-  err = np.abs(got_t[short] - want[short]).max(initial=0.0)
-  assert err <= 2e-5 * max(1.0, np.abs(want).max()), f"Triton half: max abs err {err}"
-  # the merge, with the Mosaic half stood in for by the reference on its packed rows
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(dispatch.mgpu, "ragged_paged_attention_mgpu", reference_mgpu_half)
-    got = call(dispatch.hybrid_attention, b, scale, plan=plan, triton_interpret=True)
-  assert_close(got, want, b, np.float32, f"hybrid {case}")
+    b = build(case, np.float32, fixed=CPU_FIXED)
+    scale = 1.0 / math.sqrt(case["heads"][2])
+    plan = plan_for(b)
+    np.testing.assert_array_equal(np.asarray(plan.long_row), b["long_row"])
+    want = reference(b, case, scale)
+    # Triton half alone: its plan and its q_len (long segments are padding to it)
+    got_t = call(
+        lambda *a, **kw: dispatch.paged_attention("triton", *a, **kw),
+        b,
+        scale,
+        q_len=plan.triton_q_len,
+        plan=plan.triton,
+        interpret=True,
+    )
+    short = b["covered"] & ~b["long_row"]
+    assert not np.isnan(got_t).any()
+    np.testing.assert_array_equal(got_t[~short], 0.0, err_msg="the Triton half wrote a row it does not own")
+    err = np.abs(got_t[short] - want[short]).max(initial=0.0)
+    assert err <= 2e-5 * max(1.0, np.abs(want).max()), f"Triton half: max abs err {err}"
+    # the merge, with the Mosaic half stood in for by the reference on its packed rows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dispatch.mgpu, "ragged_paged_attention_mgpu", reference_mgpu_half)
+        got = call(dispatch.hybrid_attention, b, scale, plan=plan, triton_interpret=True)
+    assert_close(got, want, b, np.float32, f"hybrid {case}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,88 +206,94 @@ def test_triton_half_serves_short_segments_and_merge_gives_reference(case):
 
 
 def check_packing(lens, num_rows, num_segments=None, gaps=None):
-  """Lay the segments out in order (with ``gaps`` rows between them), pad to ``num_segments``
-  slots, build the hybrid plan and check the Mosaic packing against the layout."""
-  s_real = len(lens)
-  num_segments = num_segments or max(s_real, 1)
-  gaps = gaps or [0] * s_real
-  starts, row = [], 0
-  for n, gap in zip(lens, gaps):
-    row += gap
-    starts.append(row)
-    row += n
-  assert row <= num_rows
-  pad = num_segments - s_real
-  qs = np.array(starts + [0] * pad, np.int32)
-  ql = np.array(list(lens) + [0] * pad, np.int32)
-  cl = np.array([n + 5 for n in lens] + [0] * pad, np.int32)
-  table = np.zeros((num_segments, 2), np.int32)
-  plan = make_plan("hybrid", num_rows, 2, 2, 64, jnp.asarray(qs), jnp.asarray(ql), jnp.asarray(cl),
-                   jnp.asarray(table))
-  bound = dispatch.hybrid_tiles(num_rows, num_segments)
-  assert bound <= max(1, num_rows // 64), (num_rows, bound)
-  tiles = np.asarray(plan.mgpu.meta[:4 * bound]).reshape(bound, 4)
-  assert plan.mgpu.src.shape == (bound * 128,) and plan.mgpu.dst.shape == (num_rows,)
-  # every row of a long segment in exactly one tile, nothing else
-  long_row = np.zeros(num_rows, bool)
-  for s0, n in zip(starts, lens):
-    if n >= LONG:
-      long_row[s0:s0 + n] = True
-  src = np.asarray(plan.mgpu.src)
-  packed = src[src < num_rows]
-  assert len(packed) == len(set(packed.tolist())) == long_row.sum(), "a long row dropped or twice"
-  assert long_row[packed].all()
-  np.testing.assert_array_equal(np.asarray(plan.long_row), long_row)
-  needed = sum(-(-n // 128) for n in lens if n >= LONG)
-  assert (tiles[:, 2] > 0).sum() == needed <= bound
-  for seg, row0, nrows, pos0 in tiles:
-    if nrows:
-      assert ql[seg] >= LONG and 0 < nrows <= 128
-      assert qs[seg] <= row0 and row0 + nrows <= qs[seg] + ql[seg]
-      assert pos0 == cl[seg] - ql[seg] + (row0 - qs[seg])
-  # round trip: q[src] packs, out[dst] unpacks; rows the Mosaic half does not own come back 0
-  x = np.arange(1, num_rows + 1, dtype=np.float32)
-  back = np.concatenate([np.concatenate([x, [0.0]])[np.minimum(src, num_rows)], [0.0]])
-  np.testing.assert_array_equal(back[np.asarray(plan.mgpu.dst)], np.where(long_row, x, 0.0))
-  # the Triton half gets everything else
-  tq = np.asarray(plan.triton_q_len)
-  np.testing.assert_array_equal(tq, np.where(ql >= LONG, 0, ql))
-  np.testing.assert_array_equal(np.asarray(plan.mgpu_q_len), np.where(ql >= LONG, ql, 0))
-  return needed, bound
+    """Lay the segments out in order (with ``gaps`` rows between them), pad to ``num_segments``
+    slots, build the hybrid plan and check the Mosaic packing against the layout."""
+    s_real = len(lens)
+    num_segments = num_segments or max(s_real, 1)
+    gaps = gaps or [0] * s_real
+    starts, row = [], 0
+    for n, gap in zip(lens, gaps):
+        row += gap
+        starts.append(row)
+        row += n
+    assert row <= num_rows
+    pad = num_segments - s_real
+    qs = np.array(starts + [0] * pad, np.int32)
+    ql = np.array(list(lens) + [0] * pad, np.int32)
+    cl = np.array([n + 5 for n in lens] + [0] * pad, np.int32)
+    table = np.zeros((num_segments, 2), np.int32)
+    plan = make_plan(
+        "hybrid", num_rows, 2, 2, 64, jnp.asarray(qs), jnp.asarray(ql), jnp.asarray(cl), jnp.asarray(table)
+    )
+    bound = dispatch.hybrid_tiles(num_rows, num_segments)
+    assert bound <= max(1, num_rows // 64), (num_rows, bound)
+    tiles = np.asarray(plan.mgpu.meta[: 4 * bound]).reshape(bound, 4)
+    assert plan.mgpu.src.shape == (bound * 128,) and plan.mgpu.dst.shape == (num_rows,)
+    # every row of a long segment in exactly one tile, nothing else
+    long_row = np.zeros(num_rows, bool)
+    for s0, n in zip(starts, lens):
+        if n >= LONG:
+            long_row[s0 : s0 + n] = True
+    src = np.asarray(plan.mgpu.src)
+    packed = src[src < num_rows]
+    assert len(packed) == len(set(packed.tolist())) == long_row.sum(), "a long row dropped or twice"
+    assert long_row[packed].all()
+    np.testing.assert_array_equal(np.asarray(plan.long_row), long_row)
+    needed = sum(-(-n // 128) for n in lens if n >= LONG)
+    assert (tiles[:, 2] > 0).sum() == needed <= bound
+    for seg, row0, nrows, pos0 in tiles:
+        if nrows:
+            assert ql[seg] >= LONG and 0 < nrows <= 128
+            assert qs[seg] <= row0 and row0 + nrows <= qs[seg] + ql[seg]
+            assert pos0 == cl[seg] - ql[seg] + (row0 - qs[seg])
+    # round trip: q[src] packs, out[dst] unpacks; rows the Mosaic half does not own come back 0
+    x = np.arange(1, num_rows + 1, dtype=np.float32)
+    back = np.concatenate([np.concatenate([x, [0.0]])[np.minimum(src, num_rows)], [0.0]])
+    np.testing.assert_array_equal(back[np.asarray(plan.mgpu.dst)], np.where(long_row, x, 0.0))
+    # the Triton half gets everything else
+    tq = np.asarray(plan.triton_q_len)
+    np.testing.assert_array_equal(tq, np.where(ql >= LONG, 0, ql))
+    np.testing.assert_array_equal(np.asarray(plan.mgpu_q_len), np.where(ql >= LONG, ql, 0))
+    return needed, bound
 
 
 @pytest.mark.parametrize("r", [256, 512, 1024, 2048])
 def test_tile_bound_on_adversarial_layouts(r):
-  """Engine buckets (S = R): segments of exactly 128 rows (full tiles), of 129 (two tiles, the
-  second of one row: the worst case, which meets the bound), 129/127 alternating (short ones stay
-  on Triton), one segment of R rows, no long segment at all, decode rows only."""
-  layouts = {
-      "128s": [128] * (r // 128),
-      "129s": [129] * (r // 129),
-      "129/127": [129, 127] * (r // 256),
-      "one": [r],
-      "none": [127] * (r // 127),
-      "decode": [1] * r,
-      "mixed": [1, 200, 64, 1, 128, 3] * (r // 400) or [1, 129],
-  }
-  for name, lens in layouts.items():
-    needed, bound = check_packing(lens, r, num_segments=r)
-    if name == "129s" and r >= 1024:
-      assert needed >= bound - 1, "the bound should be nearly tight on 129-row segments"
-  # the generic bound (any segment lengths) would launch one tile per row
-  assert mgpu_tiles(r, r) == r and dispatch.hybrid_tiles(r, r) < r // 64 + 1
+    """Engine buckets (S = R): segments of exactly 128 rows (full tiles), of 129 (two tiles, the
+    second of one row: the worst case, which meets the bound), 129/127 alternating (short ones stay
+    on Triton), one segment of R rows, no long segment at all, decode rows only."""
+    layouts = {
+        "128s": [128] * (r // 128),
+        "129s": [129] * (r // 129),
+        "129/127": [129, 127] * (r // 256),
+        "one": [r],
+        "none": [127] * (r // 127),
+        "decode": [1] * r,
+        "mixed": [1, 200, 64, 1, 128, 3] * (r // 400) or [1, 129],
+    }
+    for name, lens in layouts.items():
+        needed, bound = check_packing(lens, r, num_segments=r)
+        if name == "129s" and r >= 1024:
+            assert needed >= bound - 1, "the bound should be nearly tight on 129-row segments"
+    # the generic bound (any segment lengths) would launch one tile per row
+    assert mgpu_tiles(r, r) == r and dispatch.hybrid_tiles(r, r) < r // 64 + 1
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from([0, 1, 5, 127, 128, 129, 200, 255, 256, 257, 300]),
-                          st.integers(0, 3)), min_size=1, max_size=8),
-       st.integers(0, 50), st.booleans())
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([0, 1, 5, 127, 128, 129, 200, 255, 256, 257, 300]), st.integers(0, 3)),
+        min_size=1,
+        max_size=8,
+    ),
+    st.integers(0, 50),
+    st.booleans(),
+)
 def test_packing_covers_exactly_the_long_rows(segs, extra, engine):
-  lens = [n for n, _ in segs]
-  used = sum(n + g for n, g in segs) + extra
-  num_rows = 1024 * -(-max(used, 1) // 1024)  # few shapes: few compilations
-  check_packing(lens, num_rows, num_segments=num_rows if engine else 8,
-                gaps=[g for _, g in segs])
+    lens = [n for n, _ in segs]
+    used = sum(n + g for n, g in segs) + extra
+    num_rows = 1024 * -(-max(used, 1) // 1024)  # few shapes: few compilations
+    check_packing(lens, num_rows, num_segments=num_rows if engine else 8, gaps=[g for _, g in segs])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,49 +303,52 @@ def test_packing_covers_exactly_the_long_rows(segs, extra, engine):
 
 @contextlib.contextmanager
 def _h200_triton_info():
-  """Triton lowering asks the local GPU for its compute capability; there is none on CPU."""
-  # private modules: jax is pinned (==0.11.2), so a move shows up here as a failure, not a skip
-  from jax._src.pallas.triton import gpu_info as gi
-  from jax._src.pallas.triton import pallas_call_registration as pcr
-  old = pcr.gpu_info_lib.get_gpu_info
-  pcr.gpu_info_lib.get_gpu_info = lambda: gi.get_gpu_info_from_version(gi.GpuVersion.H200)
-  try:
-    yield
-  finally:
-    pcr.gpu_info_lib.get_gpu_info = old
+    """Triton lowering asks the local GPU for its compute capability; there is none on CPU."""
+    # private modules: jax is pinned (==0.11.2), so a move shows up here as a failure, not a skip
+    from jax._src.pallas.triton import gpu_info as gi
+    from jax._src.pallas.triton import pallas_call_registration as pcr
+
+    old = pcr.gpu_info_lib.get_gpu_info
+    pcr.gpu_info_lib.get_gpu_info = lambda: gi.get_gpu_info_from_version(gi.GpuVersion.H200)
+    try:
+        yield
+    finally:
+        pcr.gpu_info_lib.get_gpu_info = old
 
 
 @pytest.mark.parametrize("r", [256, 512])
 def test_hybrid_lowering_on_cpu(r):
-  """One plan, two layers (as the runner does): both kernels lower (Pallas -> Mosaic GPU and
-  Pallas -> Triton, for CUDA, from a CPU host), and the Mosaic launch packs the small bound of
-  tiles (7 x 128 rows for R = 512, not the generic R tiles)."""
-  h, kvh, hd, bs, mb, nb, layers = 16, 16, 128, 16, 4096 // 16, 512, 2
-  sd = jax.ShapeDtypeStruct
-  pool = sd((layers, kvh, nb, bs, hd), jnp.bfloat16)
-  seg = sd((r,), jnp.int32)
+    """One plan, two layers (as the runner does): both kernels lower (Pallas -> Mosaic GPU and
+    Pallas -> Triton, for CUDA, from a CPU host), and the Mosaic launch packs the small bound of
+    tiles (7 x 128 rows for R = 512, not the generic R tiles)."""
+    h, kvh, hd, bs, mb, nb, layers = 16, 16, 128, 16, 4096 // 16, 512, 2
+    sd = jax.ShapeDtypeStruct
+    pool = sd((layers, kvh, nb, bs, hd), jnp.bfloat16)
+    seg = sd((r,), jnp.int32)
 
-  def step(q, k, v, qs, ql, cl, bt):
-    plan = dispatch.make_kernel_plan("hybrid", r, h, kvh, hd, qs, ql, cl, bt)
-    for layer in range(layers):
-      q = dispatch.paged_attention("hybrid", q, k, v, qs, ql, cl, bt, layer=jnp.int32(layer),
-                                   sm_scale=hd ** -0.5, plan=plan)
-    return q
+    def step(q, k, v, qs, ql, cl, bt):
+        plan = dispatch.make_kernel_plan("hybrid", r, h, kvh, hd, qs, ql, cl, bt)
+        for layer in range(layers):
+            q = dispatch.paged_attention(
+                "hybrid", q, k, v, qs, ql, cl, bt, layer=jnp.int32(layer), sm_scale=hd**-0.5, plan=plan
+            )
+        return q
 
-  # Triton custom calls carry no serialisation guarantee; only the lowering is wanted here.
-  unchecked = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  with _h200_triton_info():
-    exp = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=unchecked)(
-        sd((r, h, hd), jnp.bfloat16), pool, pool, seg, seg, seg, sd((r, mb), jnp.int32))
-  text = exp.mlir_module()
-  # each kernel lowered once (attention + combine for Triton) and called once per layer
-  assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton(") == 2
-  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-  assert text.count("call @ragged_paged_attention(") == layers
-  assert text.count("call @ragged_paged_attention_mgpu(") == layers
-  t = dispatch.hybrid_tiles(r, r)
-  assert t == (r + (r // 128) * 127) // 128 and t * 128 < 2 * r
-  assert f"tensor<{t * 128}x{h}x{hd}xbf16>" in text  # the packed queries of the Mosaic launch
+    # Triton custom calls carry no serialisation guarantee; only the lowering is wanted here.
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with _h200_triton_info():
+        exp = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=unchecked)(
+            sd((r, h, hd), jnp.bfloat16), pool, pool, seg, seg, seg, sd((r, mb), jnp.int32)
+        )
+    text = exp.mlir_module()
+    # each kernel lowered once (attention + combine for Triton) and called once per layer
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton(") == 2
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert text.count("call @ragged_paged_attention(") == layers
+    assert text.count("call @ragged_paged_attention_mgpu(") == layers
+    t = dispatch.hybrid_tiles(r, r)
+    assert t == (r + (r // 128) * 127) // 128 and t * 128 < 2 * r
+    assert f"tensor<{t * 128}x{h}x{hd}xbf16>" in text  # the packed queries of the Mosaic launch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,58 +357,59 @@ def test_hybrid_lowering_on_cpu(r):
 
 
 def test_select_kernel_hybrid_rule(monkeypatch):
-  monkeypatch.delenv("OURO_JAX_ATTENTION_KERNEL", raising=False)
+    monkeypatch.delenv("OURO_JAX_ATTENTION_KERNEL", raising=False)
 
-  def sel(r, s, dtype=jnp.bfloat16, hd=128, bs=16, heads=16, hopper=True):
-    return dispatch.select_kernel(r, s, dtype, hd, bs, num_heads=heads, hopper=hopper)
+    def sel(r, s, dtype=jnp.bfloat16, hd=128, bs=16, heads=16, hopper=True):
+        return dispatch.select_kernel(r, s, dtype, hd, bs, num_heads=heads, hopper=hopper)
 
-  # engine buckets (S = R): split per segment once the bucket can fill the GPU with long tiles
-  for r in (512, 1024, 2048, 8192):
-    assert sel(r, r) == "hybrid"
-  assert sel(256, 256) == "triton"  # at most 2 long tiles x 16 heads = 32 CTAs
-  assert sel(256, 256, heads=32) == "hybrid"
-  assert sel(128, 128, heads=64) == "triton"  # below HYBRID_MIN_ROWS
-  assert sel(64, 64) == "triton" and sel(8, 8) == "triton"
-  assert sel(1024, 1024, heads=4) == "triton"  # 8 tiles x 4 heads
-  # where the Mosaic kernel cannot serve, Triton alone
-  assert sel(1024, 1024, hopper=False) == "triton"
-  assert sel(1024, 1024, dtype=jnp.float32) == "triton"
-  assert sel(1024, 1024, hd=96) == "triton"
-  assert sel(1024, 1024, bs=4) == "triton"
-  # few segment slots: the per-bucket rule as before
-  assert sel(1024, 1) == "mgpu" and sel(1024, 8) == "mgpu"
-  assert sel(1024, 64) == "triton" and sel(256, 1) == "triton"
-  monkeypatch.setenv("OURO_JAX_ATTENTION_KERNEL", "hybrid")
-  assert sel(8, 8, hopper=False) == "hybrid"
-  monkeypatch.setenv("OURO_JAX_ATTENTION_KERNEL", "bogus")
-  with pytest.raises(ValueError, match="hybrid"):
-    sel(1024, 1024)
+    # engine buckets (S = R): split per segment once the bucket can fill the GPU with long tiles
+    for r in (512, 1024, 2048, 8192):
+        assert sel(r, r) == "hybrid"
+    assert sel(256, 256) == "triton"  # at most 2 long tiles x 16 heads = 32 CTAs
+    assert sel(256, 256, heads=32) == "hybrid"
+    assert sel(128, 128, heads=64) == "triton"  # below HYBRID_MIN_ROWS
+    assert sel(64, 64) == "triton" and sel(8, 8) == "triton"
+    assert sel(1024, 1024, heads=4) == "triton"  # 8 tiles x 4 heads
+    # where the Mosaic kernel cannot serve, Triton alone
+    assert sel(1024, 1024, hopper=False) == "triton"
+    assert sel(1024, 1024, dtype=jnp.float32) == "triton"
+    assert sel(1024, 1024, hd=96) == "triton"
+    assert sel(1024, 1024, bs=4) == "triton"
+    # few segment slots: the per-bucket rule as before
+    assert sel(1024, 1) == "mgpu" and sel(1024, 8) == "mgpu"
+    assert sel(1024, 64) == "triton" and sel(256, 1) == "triton"
+    monkeypatch.setenv("OURO_JAX_ATTENTION_KERNEL", "hybrid")
+    assert sel(8, 8, hopper=False) == "hybrid"
+    monkeypatch.setenv("OURO_JAX_ATTENTION_KERNEL", "bogus")
+    with pytest.raises(ValueError, match="hybrid"):
+        sel(1024, 1024)
 
 
 def test_interpret_mode_refuses_hybrid():
-  """No CPU interpret for the Mosaic half: the kernel call and the engine (forced onto "hybrid"
-  in interpret mode) fail with the same clear error as "mgpu"; unknown names list "hybrid"."""
-  from ouro_jax import get_preset
-  from ouro_jax.params import random_params
-  from ouro_jax.runner import ModelRunner
-  from scheduler.buckets import BucketKey
-  q = jnp.zeros((8, 2, 64), jnp.bfloat16)
-  kp = jnp.zeros((2, 8, 16, 64), jnp.bfloat16)
-  z = jnp.zeros((8,), jnp.int32)
-  for kernel in ("mgpu", "hybrid"):
+    """No CPU interpret for the Mosaic half: the kernel call and the engine (forced onto "hybrid"
+    in interpret mode) fail with the same clear error as "mgpu"; unknown names list "hybrid"."""
+    from ouro_jax import get_preset
+    from ouro_jax.params import random_params
+    from ouro_jax.runner import ModelRunner
+    from scheduler.buckets import BucketKey
+
+    q = jnp.zeros((8, 2, 64), jnp.bfloat16)
+    kp = jnp.zeros((2, 8, 16, 64), jnp.bfloat16)
+    z = jnp.zeros((8,), jnp.int32)
+    for kernel in ("mgpu", "hybrid"):
+        with pytest.raises(ValueError, match="no CPU interpret mode"):
+            dispatch.paged_attention(
+                kernel, q, kp, kp, z, z, z, jnp.zeros((8, 4), jnp.int32), sm_scale=0.1, interpret=True
+            )
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        dispatch.make_kernel_plan("cudnn", 8, 2, 2, 64, z, z, z, jnp.zeros((8, 4), jnp.int32))
+    cfg = get_preset("tiny")
+    params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
+    with pytest.raises(ValueError, match="'hybrid'"):
+        ModelRunner(cfg, params, num_blocks=8, block_size=4, num_ring_rows=8, attention="bogus")
+    runner = ModelRunner(cfg, params, num_blocks=8, block_size=4, num_ring_rows=8, attention="hybrid", interpret=True)
     with pytest.raises(ValueError, match="no CPU interpret mode"):
-      dispatch.paged_attention(kernel, q, kp, kp, z, z, z, jnp.zeros((8, 4), jnp.int32),
-                               sm_scale=0.1, interpret=True)
-  with pytest.raises(ValueError, match="kernel must be one of"):
-    dispatch.make_kernel_plan("cudnn", 8, 2, 2, 64, z, z, z, jnp.zeros((8, 4), jnp.int32))
-  cfg = get_preset("tiny")
-  params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
-  with pytest.raises(ValueError, match="'hybrid'"):
-    ModelRunner(cfg, params, num_blocks=8, block_size=4, num_ring_rows=8, attention="bogus")
-  runner = ModelRunner(cfg, params, num_blocks=8, block_size=4, num_ring_rows=8,
-                       attention="hybrid", interpret=True)
-  with pytest.raises(ValueError, match="no CPU interpret mode"):
-    runner.warmup([BucketKey(R=8, S=8, C=8, F=24, MB=2)], progress=False)
+        runner.warmup([BucketKey(R=8, S=8, C=8, F=24, MB=2)], progress=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,36 +419,39 @@ def test_interpret_mode_refuses_hybrid():
 
 @gpu
 @skip_no_hopper
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-          phases=[Phase.explicit, Phase.reuse, Phase.generate])
-@given(mixed_batches(heads=[(4, 4, 64), (4, 2, 128), (8, 1, 64), (16, 16, 128)], max_segments=6,
-                     max_long=400))
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
+@given(mixed_batches(heads=[(4, 4, 64), (4, 2, 128), (8, 1, 64), (16, 16, 128)], max_segments=6, max_long=400))
 def test_hybrid_matches_reference(case):
-  # the Mosaic kernel reads the tail of a segment's last page: finite there (its contract)
-  b = build(case, jnp.bfloat16, tail_poison=1e3)
-  scale = 1.0 / math.sqrt(case["heads"][2])
-  want = reference(b, case, scale)
-  got = call(lambda *a, **kw: dispatch.paged_attention("hybrid", *a, **kw), b, scale)
-  assert_close(got, want, b, jnp.bfloat16, f"hybrid {case}")
-  # the runner's path: a plan built once, passed in
-  got2 = call(lambda *a, **kw: dispatch.paged_attention("hybrid", *a, **kw), b, scale,
-              plan=plan_for(b))
-  np.testing.assert_array_equal(got2, got)
+    # the Mosaic kernel reads the tail of a segment's last page: finite there (its contract)
+    b = build(case, jnp.bfloat16, tail_poison=1e3)
+    scale = 1.0 / math.sqrt(case["heads"][2])
+    want = reference(b, case, scale)
+    got = call(lambda *a, **kw: dispatch.paged_attention("hybrid", *a, **kw), b, scale)
+    assert_close(got, want, b, jnp.bfloat16, f"hybrid {case}")
+    # the runner's path: a plan built once, passed in
+    got2 = call(lambda *a, **kw: dispatch.paged_attention("hybrid", *a, **kw), b, scale, plan=plan_for(b))
+    np.testing.assert_array_equal(got2, got)
 
 
 @gpu
 @skip_no_hopper
-@pytest.mark.parametrize("specs", [
-    [(512, 512), (1, 900), (1, 17), (64, 64), (0, 0), (200, 1000)],  # prefill chunks + decode
-    [(1024, 3000)] + [(1, 2000)] * 8,                                # one long chunk + decode
-    [(1, 100)] * 16,                                                 # no long segment at all
-])
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [(512, 512), (1, 900), (1, 17), (64, 64), (0, 0), (200, 1000)],  # prefill chunks + decode
+        [(1024, 3000)] + [(1, 2000)] * 8,  # one long chunk + decode
+        [(1, 100)] * 16,  # no long segment at all
+    ],
+)
 def test_hybrid_ouro_shapes(specs):
-  """Ouro-1.4B heads in an engine-like bucket (S = R, padded), stacked pool."""
-  case = dict(heads=(16, 16, 128), block_size=16, specs=specs, extra_rows=11, layers=3,
-              engine=True, seed=5)
-  b = build(case, jnp.bfloat16, tail_poison=1e3)
-  want = reference(b, case, 128 ** -0.5)
-  got = call(lambda *a, **kw: dispatch.paged_attention("hybrid", *a, **kw), b, 128 ** -0.5,
-             plan=plan_for(b))
-  assert_close(got, want, b, jnp.bfloat16, f"hybrid ouro {specs}")
+    """Ouro-1.4B heads in an engine-like bucket (S = R, padded), stacked pool."""
+    case = dict(heads=(16, 16, 128), block_size=16, specs=specs, extra_rows=11, layers=3, engine=True, seed=5)
+    b = build(case, jnp.bfloat16, tail_poison=1e3)
+    want = reference(b, case, 128**-0.5)
+    got = call(lambda *a, **kw: dispatch.paged_attention("hybrid", *a, **kw), b, 128**-0.5, plan=plan_for(b))
+    assert_close(got, want, b, jnp.bfloat16, f"hybrid ouro {specs}")

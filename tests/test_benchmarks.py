@@ -2,6 +2,7 @@
 ``benchmarks.run``, the bucket sweep (device part on the CPU, padding analysis on the scheduler
 alone), and the report. Nothing about speed is asserted: only the JSON schema, that every record
 carries a positive ``fraction_of_floor`` with its floor named, and that nothing recompiled."""
+
 import importlib.util
 import itertools
 import json
@@ -19,12 +20,48 @@ from scheduler import SchedulerConfig
 from scheduler.fake_runner import FakeRunner
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None  # plots are optional (extra "plots")
-SMALL = ["--preset", "tiny", "--scale", "0.02", "--count-scale", "0.05", "--max-num-seqs", "8",
-         "--max-num-batched-tokens", "64", "--buckets", "8", "16", "64", "--no-progress"]
-RECORD_KEYS = {"workload", "variant", "mode", "chunk", "wall_s", "prompt_tok_s", "output_tok_s", "request_throughput",
-               "latency", "invocations", "rows_per_invocation", "invocations_per_s", "host_time_per_invocation_s",
-               "device_wait_time_s", "peak_bytes_in_use", "compilations", "xla_compilations", "exit_histogram",
-               "floor", "fraction_of_floor", "floor_bound", "headline", "startup"}
+SMALL = [
+    "--preset",
+    "tiny",
+    "--scale",
+    "0.02",
+    "--count-scale",
+    "0.05",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "64",
+    "--buckets",
+    "8",
+    "16",
+    "64",
+    "--no-progress",
+]
+RECORD_KEYS = {
+    "workload",
+    "variant",
+    "mode",
+    "chunk",
+    "wall_s",
+    "prompt_tok_s",
+    "output_tok_s",
+    "request_throughput",
+    "latency",
+    "invocations",
+    "rows_per_invocation",
+    "invocations_per_s",
+    "host_time_per_invocation_s",
+    "device_wait_time_s",
+    "peak_bytes_in_use",
+    "compilations",
+    "xla_compilations",
+    "exit_histogram",
+    "floor",
+    "fraction_of_floor",
+    "floor_bound",
+    "headline",
+    "startup",
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +70,29 @@ def results(tmp_path_factory):
     args = SMALL + ["--out", out, "--chunk", "16"]
     h = run.harness_from_args(run.parser().parse_args(["--workload", "long4"] + args))
     res = run.main(["--workload", *WORKLOADS, "--generate-baseline", "long4", "serve1k", *args], harness=h)
-    sweep = sweep_buckets.main(["--part", "device", "padding", "--out", out, "--reps", "2", "--decode-context", "32",
-                                "--prefill-context", "64", "--prefill-segment", "16", "--chunk", "16", *SMALL[:-1],
-                                "--no-progress", "--no-plot"], harness=h)
+    sweep = sweep_buckets.main(
+        [
+            "--part",
+            "device",
+            "padding",
+            "--out",
+            out,
+            "--reps",
+            "2",
+            "--decode-context",
+            "32",
+            "--prefill-context",
+            "64",
+            "--prefill-segment",
+            "16",
+            "--chunk",
+            "16",
+            *SMALL[:-1],
+            "--no-progress",
+            "--no-plot",
+        ],
+        harness=h,
+    )
     return out, res, sweep, h
 
 
@@ -124,9 +181,17 @@ def test_floor_of_a_pure_prefill_schedule_is_the_closed_form():
     cfg = get_preset("ouro-1.4b")
     shape = suite_shape()
     wl = make("long4", cfg.vocab_size)[0]
-    sc = SchedulerConfig(num_loops=cfg.num_loops, num_blocks=sweep_buckets.default_num_blocks(cfg, shape),
-                         block_size=16, max_num_seqs=128, max_num_batched_tokens=1024, prefill_chunk_size=16,
-                         max_model_len=shape.max_model_len, prefill_mode="split", eos_token_id=cfg.eos_token_id)
+    sc = SchedulerConfig(
+        num_loops=cfg.num_loops,
+        num_blocks=sweep_buckets.default_num_blocks(cfg, shape),
+        block_size=16,
+        max_num_seqs=128,
+        max_num_batched_tokens=1024,
+        prefill_chunk_size=16,
+        max_model_len=shape.max_model_len,
+        prefill_mode="split",
+        eos_token_id=cfg.eos_token_id,
+    )
     rec = ScheduleRecorder(cfg)
     res = run.drive(sweep_buckets.SimEngine(sc, rec), wl)
     k = max(res.first_token_step.values())
@@ -141,9 +206,17 @@ def test_padding_simulation_schedules_like_the_fake_runner(name, mode):
     """Zero results give the schedule that the contract-checking FakeRunner gives (row counts)."""
     cfg = get_preset("tiny")
     wl = make(name, cfg.vocab_size, 0.05, 0.1)[-1]
-    sc = SchedulerConfig(num_loops=cfg.num_loops, num_blocks=2000, block_size=8, max_num_seqs=16,
-                         max_num_batched_tokens=64, prefill_chunk_size=16, max_model_len=512, prefill_mode=mode,
-                         eos_token_id=cfg.eos_token_id)
+    sc = SchedulerConfig(
+        num_loops=cfg.num_loops,
+        num_blocks=2000,
+        block_size=8,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        prefill_chunk_size=16,
+        max_model_len=512,
+        prefill_mode=mode,
+        eos_token_id=cfg.eos_token_id,
+    )
     needs = []
     for runner in (None, FakeRunner(2000, 8, sc.num_ring_rows, cfg.vocab_size, check=True)):
         eng = sweep_buckets.SimEngine(sc, runner=runner)
@@ -156,16 +229,19 @@ def test_optimal_buckets_match_brute_force():
     rng = np.random.default_rng(0)
     n = 300
     rows = rng.integers(1, 60, n)
-    inv = dict(need=rows + rng.integers(0, 3, n), rows=rows, bytes=rng.uniform(1e6, 1e7, n),
-               flops=rng.uniform(1e9, 1e10, n))
+    inv = dict(
+        need=rows + rng.integers(0, 3, n), rows=rows, bytes=rng.uniform(1e6, 1e7, n), flops=rng.uniform(1e9, 1e10, n)
+    )
     s = dict(layer_flops_per_row=1e8)
     top, k = 64, 3
     for obj in ("rows", "floor"):
         got = sweep_buckets.optimal_buckets(inv, [k], top, s, 1e12, 1e13, objective=obj)[k]
-        cost = lambda b: (sweep_buckets.price(inv, b, s, 1e12, 1e13)["padded_rows"] if obj == "rows"  # noqa: E731
-                          else sweep_buckets.price(inv, b, s, 1e12, 1e13)["floor_overhead"])
-        best = min((list(c) + [top] for m in range(k) for c in itertools.combinations(range(8, top, 8), m)),
-                   key=cost)
+        cost = lambda b: (
+            sweep_buckets.price(inv, b, s, 1e12, 1e13)["padded_rows"]
+            if obj == "rows"  # noqa: E731
+            else sweep_buckets.price(inv, b, s, 1e12, 1e13)["floor_overhead"]
+        )
+        best = min((list(c) + [top] for m in range(k) for c in itertools.combinations(range(8, top, 8), m)), key=cost)
         assert got[-1] == top and len(got) <= k
         assert cost(got) == pytest.approx(cost(best), rel=1e-9, abs=1e-12)
 
@@ -188,8 +264,10 @@ def test_bucket_sweep(results):
             assert o["buckets"] == sorted(o["buckets"]) and o["buckets"][-1] == pad["top_bucket"]
         rows_opt = {k: o for k, o in v["optimal"].items() if k.endswith("rows")}
         # the best 4-bucket set pads no more than the 4-bucket sparse candidate
-        assert rows_opt["k=4 rows"]["padded_rows"] <= v["by_set"]["sparse 8,64,256,max"]["padded_rows"] or \
-            len(pad["sets"]["sparse 8,64,256,max"]) > 4
+        assert (
+            rows_opt["k=4 rows"]["padded_rows"] <= v["by_set"]["sparse 8,64,256,max"]["padded_rows"]
+            or len(pad["sets"]["sparse 8,64,256,max"]) > 4
+        )
     for c in pad["configs"]:
         assert c["floor"]["floor_s"] > 0 and sum(c["need_hist"].values()) == c["invocations"]
 

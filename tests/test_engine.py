@@ -5,6 +5,7 @@ or arrival order, and (fixed full depth, LAST_EXITED) must equal the reference's
 Engines share one persistent compilation cache (see ``conftest.compile_cache``) so that the many
 engine configurations below do not each pay for compiling their buckets.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +25,16 @@ PROMPTS = [list(map(int, RNG.integers(1, CFG.vocab_size, n))) for n in LENGTHS]
 
 
 def make_llm(**kw):
-    args = dict(params=PARAMS, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=8, block_size=4,
-                max_model_len=64, buckets=[8, 16, 64], progress=False)
+    args = dict(
+        params=PARAMS,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        prefill_chunk_size=8,
+        block_size=4,
+        max_model_len=64,
+        buckets=[8, 16, 64],
+        progress=False,
+    )
     args.update(kw)
     return LLM(CFG, **args)
 
@@ -105,8 +114,11 @@ def test_arrival_order_and_decode_traffic(early_oracle):
 
 
 def test_delayed_and_fixed_exit_modes_match_reference():
-    for kw in (dict(exit_threshold=0.6, exit_mode="delayed"), dict(exit_mode="fixed", max_loops=2),
-               dict(exit_threshold=0.5, min_loops=2, max_loops=3)):
+    for kw in (
+        dict(exit_threshold=0.6, exit_mode="delayed"),
+        dict(exit_mode="fixed", max_loops=2),
+        dict(exit_threshold=0.5, min_loops=2, max_loops=3),
+    ):
         want, ok = oracle(PROMPTS[:4], **kw)
         for mode in ("split", "wavefront"):
             assert_matches(run(make_llm(prefill_mode=mode), PROMPTS[:4], **kw), want, ok)
@@ -173,16 +185,19 @@ def test_streaming_abort_and_step_api():
     assert llm.stats()["free_blocks"] == llm.scheduler_config.num_blocks - 1
 
 
-@pytest.mark.parametrize("prompt,sp,msg", [
-    ([], {}, "empty"),
-    ([1] * 70, {}, "max_model_len"),
-    ([1, 2], dict(temperature=float("nan")), "temperature"),
-    ([1, 2], dict(top_p=1.5), "top_p"),
-    ([1, 2], dict(exit_mode="sometimes"), "exit_mode"),
-    ([1, 2], dict(max_tokens=0), "max_tokens"),
-    ([1, 2], dict(min_loops=3, max_loops=2), "min_loops"),
-    ([1, 999], {}, "vocabulary"),
-])
+@pytest.mark.parametrize(
+    "prompt,sp,msg",
+    [
+        ([], {}, "empty"),
+        ([1] * 70, {}, "max_model_len"),
+        ([1, 2], dict(temperature=float("nan")), "temperature"),
+        ([1, 2], dict(top_p=1.5), "top_p"),
+        ([1, 2], dict(exit_mode="sometimes"), "exit_mode"),
+        ([1, 2], dict(max_tokens=0), "max_tokens"),
+        ([1, 2], dict(min_loops=3, max_loops=2), "min_loops"),
+        ([1, 999], {}, "vocabulary"),
+    ],
+)
 def test_bad_requests_are_rejected_before_anything_runs(prompt, sp, msg):
     llm = make_llm()
     with pytest.raises(ValueError, match=msg):
@@ -219,13 +234,22 @@ def test_checkpoint_folder_with_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from weights import save_random
+
     save_random(tmp_path, "tiny", seed=0)
     vocab = {f"w{i}": i for i in range(CFG.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    llm = LLM(str(tmp_path), max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=8, block_size=4,
-              max_model_len=32, buckets=[8, 16], progress=False)
+    llm = LLM(
+        str(tmp_path),
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        prefill_chunk_size=8,
+        block_size=4,
+        max_model_len=32,
+        buckets=[8, 16],
+        progress=False,
+    )
     [out] = llm.generate(["w5 w6 w7"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert list(out.prompt_token_ids) == [5, 6, 7]
     assert out.text == " ".join(f"w{t}" for t in out.token_ids)
@@ -267,8 +291,13 @@ def test_all_modes_identical_with_long_prompts_and_decode_traffic(chunk, budget,
     for thr in (1.0, 0.6):
         results = {}
         for mode in ("split", "mixed", "wavefront"):
-            llm = make_llm(prefill_mode=mode, prefill_chunk_size=chunk, max_num_batched_tokens=budget,
-                           max_model_len=256, buckets=[8, 32, budget])
+            llm = make_llm(
+                prefill_mode=mode,
+                prefill_chunk_size=chunk,
+                max_num_batched_tokens=budget,
+                max_model_len=256,
+                buckets=[8, 32, budget],
+            )
             results[mode] = _staggered(llm, SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=thr))
             assert llm.stats()["free_blocks"] == llm.scheduler_config.num_blocks - 1
         assert results["split"] == results["mixed"] == results["wavefront"]

@@ -6,6 +6,7 @@ reference's greedy generation and the loop-by-loop engine (the JAX runner on a t
 fused path must also really run (stats), compile nothing after start-up, and step aside whenever a
 row could exit early, prompt work is pending or a request waits for admission.
 """
+
 import sys
 from pathlib import Path
 
@@ -26,10 +27,17 @@ from test_scheduler_invariants import VOCAB, check_against_reference, run_worklo
 
 # ------------------------------------------------------------------ scheduler + fake runner
 def _reqs(rng, n, **sp):
-    return [dict(rid=i, prompt=rng.integers(0, VOCAB, size=int(rng.integers(3, 20))).tolist(),
-                 sp=SamplingParams(**{"max_tokens": int(rng.integers(1, 9)), "temperature": 0.7 * (i % 2),
-                                      "seed": i, **sp}),
-                 arrival=0, abort_at=None, priority=0) for i in range(n)]
+    return [
+        dict(
+            rid=i,
+            prompt=rng.integers(0, VOCAB, size=int(rng.integers(3, 20))).tolist(),
+            sp=SamplingParams(**{"max_tokens": int(rng.integers(1, 9)), "temperature": 0.7 * (i % 2), "seed": i, **sp}),
+            arrival=0,
+            abort_at=None,
+            priority=0,
+        )
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
@@ -39,9 +47,18 @@ def test_fused_steps_match_reference_with_stops_and_odd_lengths(layout, tokens):
     a multiple of the tokens per step: identical to the dense reference, and fused steps ran."""
     rng = np.random.default_rng(3)
     reqs = _reqs(rng, 3, exit_mode="fixed", stop_token_ids=(5, 17))
-    cfg = SchedulerConfig(num_loops=4, num_blocks=200, block_size=4, max_num_seqs=3, max_num_batched_tokens=12,
-                          prefill_chunk_size=4, max_model_len=40, kv_layout=layout, fused_decode_max_rows=3,
-                          fused_decode_tokens=tokens)
+    cfg = SchedulerConfig(
+        num_loops=4,
+        num_blocks=200,
+        block_size=4,
+        max_num_seqs=3,
+        max_num_batched_tokens=12,
+        prefill_chunk_size=4,
+        max_model_len=40,
+        kv_layout=layout,
+        fused_decode_max_rows=3,
+        fused_decode_tokens=tokens,
+    )
     h, objs, aborted = run_workload(cfg, reqs)
     check_against_reference(cfg, objs, aborted)
     st = h.s.stats()
@@ -56,14 +73,26 @@ def test_fused_steps_never_hold_a_row_that_may_exit_early():
     """Early-exit rows (ouro, synthetic draws below T, max_loops < T) run loop by loop; a fused
     step never contains one, and the results still match the reference."""
     rng = np.random.default_rng(5)
-    reqs = (_reqs(rng, 2, exit_mode="fixed", max_tokens=6)
-            + [dict(r, rid=10 + i) for i, r in enumerate(_reqs(rng, 2, exit_mode="ouro", exit_threshold=0.5,
-                                                               max_tokens=6))]
-            + [dict(r, rid=20 + i) for i, r in enumerate(_reqs(rng, 2, exit_mode="synthetic",
-                                                               synthetic_mean_loops=3.0, max_tokens=6))]
-            + [dict(r, rid=30) for r in _reqs(rng, 1, exit_mode="fixed", max_loops=2, max_tokens=6)])
-    cfg = SchedulerConfig(num_loops=4, num_blocks=400, block_size=4, max_num_seqs=2, max_num_batched_tokens=12,
-                          prefill_chunk_size=4, max_model_len=40, fused_decode_max_rows=2, fused_decode_tokens=2)
+    reqs = (
+        _reqs(rng, 2, exit_mode="fixed", max_tokens=6)
+        + [dict(r, rid=10 + i) for i, r in enumerate(_reqs(rng, 2, exit_mode="ouro", exit_threshold=0.5, max_tokens=6))]
+        + [
+            dict(r, rid=20 + i)
+            for i, r in enumerate(_reqs(rng, 2, exit_mode="synthetic", synthetic_mean_loops=3.0, max_tokens=6))
+        ]
+        + [dict(r, rid=30) for r in _reqs(rng, 1, exit_mode="fixed", max_loops=2, max_tokens=6)]
+    )
+    cfg = SchedulerConfig(
+        num_loops=4,
+        num_blocks=400,
+        block_size=4,
+        max_num_seqs=2,
+        max_num_batched_tokens=12,
+        prefill_chunk_size=4,
+        max_model_len=40,
+        fused_decode_max_rows=2,
+        fused_decode_tokens=2,
+    )
     h, objs, aborted = run_workload(cfg, reqs)
     check_against_reference(cfg, objs, aborted)
     fused_ids = {r.request_id for p in h.plans if p.sub_plans for r in p.ranges}
@@ -80,8 +109,16 @@ def test_no_fusion_while_prompts_wait_or_prefill():
     reqs = _reqs(rng, 4, exit_mode="fixed")
     for i, r in enumerate(reqs):
         r["arrival"] = 3 * i
-    cfg = SchedulerConfig(num_loops=4, num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=12,
-                          prefill_chunk_size=4, max_model_len=40, fused_decode_max_rows=4)
+    cfg = SchedulerConfig(
+        num_loops=4,
+        num_blocks=400,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=12,
+        prefill_chunk_size=4,
+        max_model_len=40,
+        fused_decode_max_rows=4,
+    )
     h, objs, aborted = run_workload(cfg, reqs)
     check_against_reference(cfg, objs, aborted)
     for p in h.plans:
@@ -90,13 +127,35 @@ def test_no_fusion_while_prompts_wait_or_prefill():
 
 
 def test_stacked_descriptor_contract():
-    cfg = SchedulerConfig(num_loops=2, num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
-                          max_model_len=16, fused_decode_max_rows=2, fused_decode_tokens=3)
+    cfg = SchedulerConfig(
+        num_loops=2,
+        num_blocks=16,
+        block_size=4,
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        max_model_len=16,
+        fused_decode_max_rows=2,
+        fused_decode_tokens=3,
+    )
     spec = cfg.bucket_spec()
     tables = np.zeros((2, 2, 4), np.int32)
-    kw = dict(seg_slot=[0], seg_plane=[0], seg_pos=[0], seg_len=[1], seg_ring=[1], pre_ring=[1], pre_token=[3],
-              coda_row=[], coda_temperature=[], coda_top_k=[], coda_top_p=[], coda_seed=[], coda_step=[],
-              fin_src=[], fin_dst=[])
+    kw = dict(
+        seg_slot=[0],
+        seg_plane=[0],
+        seg_pos=[0],
+        seg_len=[1],
+        seg_ring=[1],
+        pre_ring=[1],
+        pre_token=[3],
+        coda_row=[],
+        coda_temperature=[],
+        coda_top_k=[],
+        coda_top_p=[],
+        coda_seed=[],
+        coda_step=[],
+        fin_src=[],
+        fin_dst=[],
+    )
     a = build_descriptor(spec, tables, **kw)
     b = build_descriptor(spec, tables, **kw, key=a.key, feed_previous_tokens=True)
     assert b.feed_previous_tokens and not a.feed_previous_tokens
@@ -108,11 +167,9 @@ def test_stacked_descriptor_contract():
         build_descriptor(spec, tables, **{**kw, "seg_len": [9], "seg_slot": [0]}, key=a.key)
     assert cfg.fused_steps() == [(spec.key_for_bucket(8), 2), (spec.key_for_bucket(8), 6)]
     with pytest.raises(ValueError, match="fused_decode_max_rows"):
-        SchedulerConfig(num_loops=2, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=8,
-                        fused_decode_max_rows=3)
+        SchedulerConfig(num_loops=2, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=8, fused_decode_max_rows=3)
     with pytest.raises(ValueError, match="fused_decode_tokens"):
-        SchedulerConfig(num_loops=2, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=8,
-                        fused_decode_tokens=0)
+        SchedulerConfig(num_loops=2, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=8, fused_decode_tokens=0)
 
 
 # ------------------------------------------------------------------------ the JAX engine
@@ -123,15 +180,27 @@ PROMPTS = [list(map(int, np.random.default_rng(1).integers(1, CFG.vocab_size, n)
 
 
 def _engine(**kw):
-    return LLM(CFG, params=PARAMS, max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=8,
-               block_size=4, max_model_len=48, buckets=[8, 32], progress=False, **kw)
+    return LLM(
+        CFG,
+        params=PARAMS,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        prefill_chunk_size=8,
+        block_size=4,
+        max_model_len=48,
+        buckets=[8, 32],
+        progress=False,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("layout,tokens", [("last_exited", 1), ("last_exited", 3), ("shared", 2)])
 def test_engine_fused_equals_loop_by_loop_and_reference(layout, tokens):
-    sp = [SamplingParams(max_tokens=7, ignore_eos=True, exit_mode="fixed"),
-          SamplingParams(max_tokens=5, ignore_eos=True, exit_mode="fixed", temperature=0.8, top_k=20, seed=4),
-          SamplingParams(max_tokens=6, ignore_eos=True, exit_mode="fixed")]
+    sp = [
+        SamplingParams(max_tokens=7, ignore_eos=True, exit_mode="fixed"),
+        SamplingParams(max_tokens=5, ignore_eos=True, exit_mode="fixed", temperature=0.8, top_k=20, seed=4),
+        SamplingParams(max_tokens=6, ignore_eos=True, exit_mode="fixed"),
+    ]
     plain = _engine(kv_layout=layout, fused_decode_max_rows=0).generate(PROMPTS, sp, use_tqdm=False)
     llm = _engine(kv_layout=layout, fused_decode_max_rows=4, fused_decode_tokens=tokens)
     fused = llm.generate(PROMPTS, sp, use_tqdm=False)
@@ -153,8 +222,9 @@ def test_fused_step_updates_the_pool_in_place():
     """The fused step carries the KV pools through a ``fori_loop``: no copy of the pool in the
     compiled step, and the donated buffers come back at the same address (a copy of a 120 GB pool
     would not even fit on the H200)."""
-    from ouro_jax.runner import ModelRunner
     from test_kv_cache import _pool_copies
+
+    from ouro_jax.runner import ModelRunner
 
     llm = _engine(fused_decode_max_rows=4, fused_decode_tokens=2, warmup=False)
     r = llm.runner

@@ -3,6 +3,7 @@
 On the GPU the runner's attention is the Pallas ragged paged kernel; these tests check that it gives
 the same tokens and exit depths as the jnp reference attention and as the dense ``generate()``.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +12,10 @@ import pytest
 from ouro_jax import LLM, SamplingParams, forward, generate, get_preset
 from ouro_jax.params import random_params
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Pallas kernels compiled)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (Pallas kernels compiled)"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +35,10 @@ def _diff(a, b):
     return "; ".join(out)
 
 
-@pytest.mark.parametrize("mode,layer_loop,threshold", [
-    ("split", "scan", 1.0), ("wavefront", "scan", 1.0), ("split", "scan", 0.6), ("wavefront", "unrolled", 0.6)])
+@pytest.mark.parametrize(
+    "mode,layer_loop,threshold",
+    [("split", "scan", 1.0), ("wavefront", "scan", 1.0), ("split", "scan", 0.6), ("wavefront", "unrolled", 0.6)],
+)
 def test_pallas_engine_equals_reference_engine_and_generate(model, mode, layer_loop, threshold):
     cfg, params = model
     rng = np.random.default_rng(0)
@@ -42,23 +47,33 @@ def test_pallas_engine_equals_reference_engine_and_generate(model, mode, layer_l
     sp = SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=threshold)
     got = {}
     for attention in ("pallas", "reference"):
-        llm = LLM(cfg, params=params, max_num_seqs=4, max_num_batched_tokens=128, prefill_chunk_size=32,
-                  max_model_len=256, buckets=[8, 32, 128], prefill_mode=mode, attention=attention,
-                  layer_loop=layer_loop, kv_cache_bytes=1 << 30, progress=False)
+        llm = LLM(
+            cfg,
+            params=params,
+            max_num_seqs=4,
+            max_num_batched_tokens=128,
+            prefill_chunk_size=32,
+            max_model_len=256,
+            buckets=[8, 32, 128],
+            prefill_mode=mode,
+            attention=attention,
+            layer_loop=layer_loop,
+            kv_cache_bytes=1 << 30,
+            progress=False,
+        )
         got[attention] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert llm.stats()["compilations"] == len(llm.executable_keys())
     # One right-padded batch per check (one compilation each: compiles dominate this test's time).
     width = max(lengths)
     padded = jnp.asarray([p + [0] * (width - len(p)) for p in prompts])
     g = generate(params, cfg, padded, lengths, 8, exit_threshold=threshold)
-    want = [(np.asarray(g.tokens[i]).tolist(), np.asarray(g.exit_depths[i]).tolist())
-            for i in range(len(prompts))]
+    want = [(np.asarray(g.tokens[i]).tolist(), np.asarray(g.exit_depths[i]).tolist()) for i in range(len(prompts))]
     if threshold == 1.0:  # fixed depth: greedy over the full forward is a third, independent opinion
         full = [p + toks[:-1] for (toks, _), p in zip(want, prompts)]
         fw = max(map(len, full))
         logits = forward(params, cfg, jnp.asarray([f + [0] * (fw - len(f)) for f in full])).logits
         for i, ((toks, _), p) in enumerate(zip(want, prompts)):  # right padding changes nothing causal
-            assert toks == np.asarray(jnp.argmax(logits[i, len(p) - 1:len(full[i])], -1)).tolist()
+            assert toks == np.asarray(jnp.argmax(logits[i, len(p) - 1 : len(full[i])], -1)).tolist()
     assert got["reference"] == want, "reference attention vs generate(): " + _diff(got["reference"], want)
     assert got["pallas"] == got["reference"], "pallas vs reference attention: " + _diff(got["pallas"], got["reference"])
 
@@ -71,6 +86,7 @@ def test_mosaic_kernel_engine_equals_triton_kernel_engine(model):
     play next to short ones in one invocation: a fresh 129-row prompt (two tiles, the second of
     one row) with 64-, 56- and 7-row prompts, then a 136-row chunk after 56 rows of history."""
     from pallas_kernels.dispatch import hopper_available
+
     if not hopper_available():
         pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
     cfg, params = model
@@ -80,9 +96,19 @@ def test_mosaic_kernel_engine_equals_triton_kernel_engine(model):
     sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.6)
     got = {}
     for attention in ("triton", "mgpu", "hybrid", "pallas"):
-        llm = LLM(cfg, params=params, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=256,
-                  prefill_chunk_size=192, max_model_len=512, buckets=[8, 32, 256],
-                  attention=attention, kv_cache_bytes=1 << 30, progress=False)
+        llm = LLM(
+            cfg,
+            params=params,
+            dtype="bfloat16",
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            prefill_chunk_size=192,
+            max_model_len=512,
+            buckets=[8, 32, 256],
+            attention=attention,
+            kv_cache_bytes=1 << 30,
+            progress=False,
+        )
         got[attention] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got["mgpu"] == got["triton"], "mgpu vs triton kernel: " + _diff(got["mgpu"], got["triton"])
     assert got["hybrid"] == got["triton"], "hybrid vs triton kernel: " + _diff(got["hybrid"], got["triton"])

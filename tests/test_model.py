@@ -1,4 +1,5 @@
 """The Flax model, ``forward`` and the jitted ``generate`` against the float64 numpy reference."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +40,7 @@ def test_forward_matches_reference_every_loop(preset):
         assert _rel(out.exit_probs[:, b], r["exit_probs"]) < 1e-4
         assert _rel(out.logits[b], select_logits(ref, r["hidden_states"], r["gate_logits"])) < 1e-4
         for k in range(cfg.num_loops):
-            sel = forward(params, cfg, ids[b:b + 1], exit_at_step=k).logits[0]
+            sel = forward(params, cfg, ids[b : b + 1], exit_at_step=k).logits[0]
             assert _rel(sel, select_logits(ref, r["hidden_states"], r["gate_logits"], exit_at_step=k)) < 1e-4
 
 
@@ -86,14 +87,24 @@ def test_incremental_cache_equals_full_recompute(preset):
     apply = lambda *a, **k: model.apply({"params": params}, *a, **k)  # noqa: E731
     x = apply(jnp.asarray(ids[:, :P]), method=OuroModel.prelude)
     for d in range(T):
-        x, _, caches = apply(x, jnp.arange(P)[None], DenseCacheAttention(d, None, True, cfg.attn_scale), caches,
-                             method=OuroModel.recurrent)
+        x, _, caches = apply(
+            x,
+            jnp.arange(P)[None],
+            DenseCacheAttention(d, None, True, cfg.attn_scale),
+            caches,
+            method=OuroModel.recurrent,
+        )
         np.testing.assert_allclose(x, full.hidden_states[d][:, :P], rtol=1e-5, atol=1e-5)
     for pos in range(P, 9):
-        x = apply(jnp.asarray(ids[:, pos:pos + 1]), method=OuroModel.prelude)
+        x = apply(jnp.asarray(ids[:, pos : pos + 1]), method=OuroModel.prelude)
         for d in range(T):
-            x, g, caches = apply(x, jnp.array([[pos]]), DenseCacheAttention(d, jnp.array([pos]), False, cfg.attn_scale),
-                                 caches, method=OuroModel.recurrent)
+            x, g, caches = apply(
+                x,
+                jnp.array([[pos]]),
+                DenseCacheAttention(d, jnp.array([pos]), False, cfg.attn_scale),
+                caches,
+                method=OuroModel.recurrent,
+            )
             np.testing.assert_allclose(x[:, 0], full.hidden_states[d][:, pos], rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(g[:, 0], full.gate_logits[d][:, pos], rtol=1e-5, atol=1e-5)
 
@@ -114,8 +125,10 @@ def test_generate_greedy_fixed_depth_equals_reference(preset):
         assert list(np.asarray(out.exit_depths[b])) == [cfg.num_loops - 1] * 7
 
 
-@pytest.mark.parametrize("preset,threshold,min_loops,max_loops", [
-    ("tiny", 0.6, 1, None), ("tiny", 0.8, 2, 3), ("tiny-gqa", 0.3, 1, None), ("tiny-gqa", 0.45, 1, 2)])
+@pytest.mark.parametrize(
+    "preset,threshold,min_loops,max_loops",
+    [("tiny", 0.6, 1, None), ("tiny", 0.8, 2, 3), ("tiny-gqa", 0.3, 1, None), ("tiny-gqa", 0.45, 1, 2)],
+)
 def test_generate_early_exit_equals_reference_last_exited(preset, threshold, min_loops, max_loops):
     cfg, params, ref = _setup(preset)
     rng = np.random.default_rng(6)
@@ -123,13 +136,13 @@ def test_generate_early_exit_equals_reference_last_exited(preset, threshold, min
     ids = np.zeros((4, 8), np.int64)
     for b, n in enumerate(lengths):
         ids[b, :n] = rng.integers(0, cfg.vocab_size, n)
-    out = generate(params, cfg, ids, lengths, 8, exit_threshold=threshold, min_loops=min_loops,
-                   max_loops=max_loops)
+    out = generate(params, cfg, ids, lengths, 8, exit_threshold=threshold, min_loops=min_loops, max_loops=max_loops)
     seen_depths = set()
     checked = 0
     for b, n in enumerate(lengths):
-        r = reference_greedy_generate(ref, cfg, list(ids[b, :n]), 8, exit_threshold=threshold,
-                                      min_loops=min_loops, max_loops=max_loops)
+        r = reference_greedy_generate(
+            ref, cfg, list(ids[b, :n]), 8, exit_threshold=threshold, min_loops=min_loops, max_loops=max_loops
+        )
         if r.min_margin < 1e-4 or r.min_logit_gap < 1e-4:
             continue  # float32 could legitimately decide differently
         checked += 1
@@ -152,37 +165,56 @@ def test_generate_sampling_is_seeded_and_valid():
     assert np.all((np.asarray(a.tokens) >= 0) & (np.asarray(a.tokens) < cfg.vocab_size))
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(exit_threshold=1.5), "exit_threshold"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(min_loops=3, max_loops=2), "min_loops"),
-    (dict(prompt_lengths=[0, 4]), "prompt_lengths"),
-    (dict(max_new_tokens=600), "max_position_embeddings"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(exit_threshold=1.5), "exit_threshold"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(min_loops=3, max_loops=2), "min_loops"),
+        (dict(prompt_lengths=[0, 4]), "prompt_lengths"),
+        (dict(max_new_tokens=600), "max_position_embeddings"),
+    ],
+)
 def test_generate_rejects_bad_input(kw, msg):
     cfg, params, _ = _setup("tiny")
     args = dict(prompt_lengths=[4, 4], max_new_tokens=3)
     args.update(kw)
     with pytest.raises(ValueError, match=msg):
-        generate(params, cfg, np.zeros((2, 4), np.int32), args.pop("prompt_lengths"), args.pop("max_new_tokens"), **args)
+        generate(
+            params, cfg, np.zeros((2, 4), np.int32), args.pop("prompt_lengths"), args.pop("max_new_tokens"), **args
+        )
 
 
 def test_config_validation_and_hf_roundtrip(tmp_path):
     from ouro_jax.config import OuroConfig
+
     cfg = get_preset("tiny-gqa")
     cfg.to_json(tmp_path)
     assert OuroConfig.from_json(tmp_path) == cfg
-    for bad, msg in [(dict(num_key_value_heads=3), "multiple"), (dict(rope_scaling={"type": "linear"}), "rope_scaling"),
-                     (dict(use_sliding_window=True), "sliding"), (dict(hidden_act="gelu"), "silu"),
-                     (dict(total_ut_steps=0), "total_ut_steps"), (dict(tie_word_embeddings=True), "tie_word")]:
+    for bad, msg in [
+        (dict(num_key_value_heads=3), "multiple"),
+        (dict(rope_scaling={"type": "linear"}), "rope_scaling"),
+        (dict(use_sliding_window=True), "sliding"),
+        (dict(hidden_act="gelu"), "silu"),
+        (dict(total_ut_steps=0), "total_ut_steps"),
+        (dict(tie_word_embeddings=True), "tie_word"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             cfg.replace(**bad)
     with pytest.raises(ValueError, match="unknown preset"):
         get_preset("ouro-99b")
-    hf = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96, "num_hidden_layers": 2,
-          "vocab_size": 128, "eos_token_id": [0, 2], "architectures": ["OuroForCausalLM"], "use_cache": True}
+    hf = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "vocab_size": 128,
+        "eos_token_id": [0, 2],
+        "architectures": ["OuroForCausalLM"],
+        "use_cache": True,
+    }
     c2 = OuroConfig.from_dict(hf)
     assert c2.head_dim == 16 and c2.num_key_value_heads == 4 and c2.eos_token_id == 0
     assert get_preset("ouro-1.4b").num_params == 1_434_652_673

@@ -8,6 +8,7 @@ MHA, head_dim 64 and 128, f32 and bf16, with and without the stacked ``[L, ...]`
 no segment may read (the trash page 0, unused pages, block-table tails) are filled with NaN: any
 out-of-context read shows up as NaN in the output.
 """
+
 import math
 
 import jax
@@ -17,9 +18,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.ragged_paged_attention import (default_tuning, make_plan,
-                                                   ragged_paged_attention,
-                                                   ragged_paged_attention_reference)
+from pallas_kernels.ragged_paged_attention import (
+    default_tuning,
+    make_plan,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.gpu
@@ -31,120 +35,152 @@ skip_no_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (jax.default_ba
 # ----------------------------------------------------------------------------------------------
 
 
-def make_batch(rng, *, num_heads, kv_heads, head_dim, block_size, seg_specs, extra_rows,
-               num_layers=None, dtype=np.float32, gap_prob=0.3, share_prob=0.2,
-               tail_poison=np.nan):
-  """seg_specs: list of (q_len, ctx_len); q_len 0 = padding segment. Returns a dict of arrays.
+def make_batch(
+    rng,
+    *,
+    num_heads,
+    kv_heads,
+    head_dim,
+    block_size,
+    seg_specs,
+    extra_rows,
+    num_layers=None,
+    dtype=np.float32,
+    gap_prob=0.3,
+    share_prob=0.2,
+    tail_poison=np.nan,
+):
+    """seg_specs: list of (q_len, ctx_len); q_len 0 = padding segment. Returns a dict of arrays.
 
-  Unread pages are NaN; the unread tail of a partially read page is ``tail_poison`` (NaN by
-  default; the Mosaic GPU kernel's contract needs it finite, see its module docstring)."""
-  s = len(seg_specs)
-  max_ctx = max([c for _, c in seg_specs] + [1])
-  mb = max(1, math.ceil(max_ctx / block_size)) + int(rng.integers(0, 2))  # sometimes a spare col
-  # rows: segments in a random order, random gaps of padding rows between them
-  order = rng.permutation(s)
-  q_start = np.zeros(s, np.int32)
-  row = 0
-  for idx in order:
-    if rng.random() < gap_prob:
-      row += int(rng.integers(1, 3))
-    q_start[idx] = row
-    row += seg_specs[idx][0]
-  num_rows = row + extra_rows
-  num_rows = max(num_rows, 1)
-  # pages: every real segment gets its own pages (a plane's block table); some share a table
-  pages_needed = sum(math.ceil(c / block_size) for q, c in seg_specs if q > 0)
-  num_blocks = pages_needed + 2 + int(rng.integers(0, 3))
-  free = list(rng.permutation(np.arange(1, num_blocks)))
-  tables = np.zeros((s, mb), np.int32)  # tails point at the (NaN) trash page 0
-  prev = None
-  for i, (q, c) in enumerate(seg_specs):
-    n = math.ceil(c / block_size)
-    if q == 0:  # padding segment: junk start/ctx/table (must never be read)
-      q_start[i] = int(rng.integers(0, num_rows + 3))
-      tables[i] = rng.integers(0, num_blocks, size=mb)
-      continue
-    if prev is not None and rng.random() < share_prob and prev[1] >= n:
-      tables[i] = prev[0]  # same request's plane read twice (e.g. two chunks at one depth)
-    else:
-      tables[i, :n] = [free.pop() for _ in range(n)]
-      prev = (tables[i].copy(), n)
-  q_len = np.array([q for q, _ in seg_specs], np.int32)
-  ctx_len = np.array([c if q > 0 else int(rng.integers(0, 50)) for q, c in seg_specs], np.int32)
+    Unread pages are NaN; the unread tail of a partially read page is ``tail_poison`` (NaN by
+    default; the Mosaic GPU kernel's contract needs it finite, see its module docstring)."""
+    s = len(seg_specs)
+    max_ctx = max([c for _, c in seg_specs] + [1])
+    mb = max(1, math.ceil(max_ctx / block_size)) + int(rng.integers(0, 2))  # sometimes a spare col
+    # rows: segments in a random order, random gaps of padding rows between them
+    order = rng.permutation(s)
+    q_start = np.zeros(s, np.int32)
+    row = 0
+    for idx in order:
+        if rng.random() < gap_prob:
+            row += int(rng.integers(1, 3))
+        q_start[idx] = row
+        row += seg_specs[idx][0]
+    num_rows = row + extra_rows
+    num_rows = max(num_rows, 1)
+    # pages: every real segment gets its own pages (a plane's block table); some share a table
+    pages_needed = sum(math.ceil(c / block_size) for q, c in seg_specs if q > 0)
+    num_blocks = pages_needed + 2 + int(rng.integers(0, 3))
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    tables = np.zeros((s, mb), np.int32)  # tails point at the (NaN) trash page 0
+    prev = None
+    for i, (q, c) in enumerate(seg_specs):
+        n = math.ceil(c / block_size)
+        if q == 0:  # padding segment: junk start/ctx/table (must never be read)
+            q_start[i] = int(rng.integers(0, num_rows + 3))
+            tables[i] = rng.integers(0, num_blocks, size=mb)
+            continue
+        if prev is not None and rng.random() < share_prob and prev[1] >= n:
+            tables[i] = prev[0]  # same request's plane read twice (e.g. two chunks at one depth)
+        else:
+            tables[i, :n] = [free.pop() for _ in range(n)]
+            prev = (tables[i].copy(), n)
+    q_len = np.array([q for q, _ in seg_specs], np.int32)
+    ctx_len = np.array([c if q > 0 else int(rng.integers(0, 50)) for q, c in seg_specs], np.int32)
 
-  shape = (kv_heads, num_blocks, block_size, head_dim)
-  if num_layers is not None:
-    shape = (num_layers,) + shape
-  k = rng.standard_normal(shape).astype(np.float32)
-  v = rng.standard_normal(shape).astype(np.float32)
-  layer = None if num_layers is None else int(rng.integers(0, num_layers))
-  # poison every slot no segment may read: whole unread pages (trash page 0 included) and the
-  # tail of partially read pages
-  fill = np.zeros(num_blocks, np.int64)
-  for i, (ql, c) in enumerate(seg_specs):
-    if ql > 0:
-      for p in range(math.ceil(c / block_size)):
-        fill[tables[i, p]] = max(fill[tables[i, p]], min(block_size, c - p * block_size))
-  for page in range(num_blocks):
-    poison = np.nan if fill[page] == 0 else tail_poison
-    k[..., page, fill[page]:, :] = poison
-    v[..., page, fill[page]:, :] = poison
-  q = rng.standard_normal((num_rows, num_heads, head_dim)).astype(np.float32)
-  covered = np.zeros(num_rows, bool)
-  for i, (ql, _) in enumerate(seg_specs):
-    if ql > 0:
-      covered[q_start[i]:q_start[i] + ql] = True
-  q[~covered] = np.nan
-  cast = lambda x: np.asarray(jnp.asarray(x, dtype))  # noqa: E731
-  return dict(q=cast(q), k=cast(k), v=cast(v), q_start=q_start, q_len=q_len, ctx_len=ctx_len,
-              tables=tables, layer=layer, covered=covered)
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    if num_layers is not None:
+        shape = (num_layers,) + shape
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    layer = None if num_layers is None else int(rng.integers(0, num_layers))
+    # poison every slot no segment may read: whole unread pages (trash page 0 included) and the
+    # tail of partially read pages
+    fill = np.zeros(num_blocks, np.int64)
+    for i, (ql, c) in enumerate(seg_specs):
+        if ql > 0:
+            for p in range(math.ceil(c / block_size)):
+                fill[tables[i, p]] = max(fill[tables[i, p]], min(block_size, c - p * block_size))
+    for page in range(num_blocks):
+        poison = np.nan if fill[page] == 0 else tail_poison
+        k[..., page, fill[page] :, :] = poison
+        v[..., page, fill[page] :, :] = poison
+    q = rng.standard_normal((num_rows, num_heads, head_dim)).astype(np.float32)
+    covered = np.zeros(num_rows, bool)
+    for i, (ql, _) in enumerate(seg_specs):
+        if ql > 0:
+            covered[q_start[i] : q_start[i] + ql] = True
+    q[~covered] = np.nan
+    cast = lambda x: np.asarray(jnp.asarray(x, dtype))  # noqa: E731
+    return dict(
+        q=cast(q),
+        k=cast(k),
+        v=cast(v),
+        q_start=q_start,
+        q_len=q_len,
+        ctx_len=ctx_len,
+        tables=tables,
+        layer=layer,
+        covered=covered,
+    )
 
 
 def oracle(b, sm_scale):
-  """float64 dense softmax, segment by segment, row by row."""
-  q = np.asarray(b["q"], np.float64)
-  k = np.asarray(b["k"], np.float64)
-  v = np.asarray(b["v"], np.float64)
-  if b["layer"] is not None:
-    k, v = k[b["layer"]], v[b["layer"]]
-  num_rows, num_heads, _ = q.shape
-  kvh, _, bs, _ = k.shape
-  g = num_heads // kvh
-  out = np.zeros_like(q)
-  for s in range(len(b["q_len"])):
-    ql, cl = int(b["q_len"][s]), int(b["ctx_len"][s])
-    if ql == 0:
-      continue
-    toks = np.arange(cl)
-    pages, offs = b["tables"][s][toks // bs], toks % bs
-    kd, vd = k[:, pages, offs], v[:, pages, offs]  # [KVH, cl, hd]
-    for i in range(ql):
-      r, p = int(b["q_start"][s]) + i, cl - ql + i
-      for h in range(num_heads):
-        sc = kd[h // g, :p + 1] @ q[r, h] * sm_scale
-        w = np.exp(sc - sc.max())
-        out[r, h] = (w / w.sum()) @ vd[h // g, :p + 1]
-  return out
+    """float64 dense softmax, segment by segment, row by row."""
+    q = np.asarray(b["q"], np.float64)
+    k = np.asarray(b["k"], np.float64)
+    v = np.asarray(b["v"], np.float64)
+    if b["layer"] is not None:
+        k, v = k[b["layer"]], v[b["layer"]]
+    num_rows, num_heads, _ = q.shape
+    kvh, _, bs, _ = k.shape
+    g = num_heads // kvh
+    out = np.zeros_like(q)
+    for s in range(len(b["q_len"])):
+        ql, cl = int(b["q_len"][s]), int(b["ctx_len"][s])
+        if ql == 0:
+            continue
+        toks = np.arange(cl)
+        pages, offs = b["tables"][s][toks // bs], toks % bs
+        kd, vd = k[:, pages, offs], v[:, pages, offs]  # [KVH, cl, hd]
+        for i in range(ql):
+            r, p = int(b["q_start"][s]) + i, cl - ql + i
+            for h in range(num_heads):
+                sc = kd[h // g, : p + 1] @ q[r, h] * sm_scale
+                w = np.exp(sc - sc.max())
+                out[r, h] = (w / w.sum()) @ vd[h // g, : p + 1]
+    return out
 
 
 def run(fn, b, sm_scale, **kw):
-  layer = None if b["layer"] is None else jnp.int32(b["layer"])
-  return np.asarray(fn(jnp.asarray(b["q"]), jnp.asarray(b["k"]), jnp.asarray(b["v"]),
-                       jnp.asarray(b["q_start"]), jnp.asarray(b["q_len"]),
-                       jnp.asarray(b["ctx_len"]), jnp.asarray(b["tables"]), layer=layer,
-                       sm_scale=sm_scale, **kw), np.float32)
+    layer = None if b["layer"] is None else jnp.int32(b["layer"])
+    return np.asarray(
+        fn(
+            jnp.asarray(b["q"]),
+            jnp.asarray(b["k"]),
+            jnp.asarray(b["v"]),
+            jnp.asarray(b["q_start"]),
+            jnp.asarray(b["q_len"]),
+            jnp.asarray(b["ctx_len"]),
+            jnp.asarray(b["tables"]),
+            layer=layer,
+            sm_scale=sm_scale,
+            **kw,
+        ),
+        np.float32,
+    )
 
 
 def tol(dtype):
-  return 2e-5 if dtype == np.float32 else 3e-2
+    return 2e-5 if dtype == np.float32 else 3e-2
 
 
 def assert_close(got, want, b, dtype, what):
-  assert not np.isnan(got).any(), f"{what}: NaN in output"
-  np.testing.assert_array_equal(got[~b["covered"]], 0.0, err_msg=f"{what}: padding rows")
-  err = np.abs(got - want).max()
-  scale = max(1.0, np.abs(want).max())
-  assert err <= tol(dtype) * scale, f"{what}: max abs err {err}"
+    assert not np.isnan(got).any(), f"{what}: NaN in output"
+    np.testing.assert_array_equal(got[~b["covered"]], 0.0, err_msg=f"{what}: padding rows")
+    err = np.abs(got - want).max()
+    scale = max(1.0, np.abs(want).max())
+    assert err <= tol(dtype) * scale, f"{what}: max abs err {err}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,34 +192,44 @@ HEADS = [(4, 4, 64), (4, 2, 64), (2, 2, 128), (6, 2, 64), (8, 1, 64), (4, 2, 128
 
 @st.composite
 def batches(draw, max_segments=5, max_q=20, max_pages=5):
-  num_heads, kv_heads, head_dim = draw(st.sampled_from(HEADS))
-  block_size = draw(st.sampled_from([4, 8, 16]))
-  n_seg = draw(st.integers(1, max_segments))
-  specs = []
-  for _ in range(n_seg):
-    kind = draw(st.sampled_from(["decode", "decode", "prompt", "pad"]))
-    if kind == "pad":
-      specs.append((0, 0))
-      continue
-    ctx = draw(st.integers(1, max_pages * block_size))
-    if kind == "decode":
-      specs.append((1, ctx))
-    else:
-      specs.append((draw(st.integers(1, min(ctx, max_q))), ctx))
-  return dict(
-      heads=(num_heads, kv_heads, head_dim), block_size=block_size, specs=specs,
-      extra_rows=draw(st.integers(0, 3)),
-      layers=draw(st.sampled_from([None, None, 2, 3])),
-      seed=draw(st.integers(0, 2**31 - 1)),
-  )
+    num_heads, kv_heads, head_dim = draw(st.sampled_from(HEADS))
+    block_size = draw(st.sampled_from([4, 8, 16]))
+    n_seg = draw(st.integers(1, max_segments))
+    specs = []
+    for _ in range(n_seg):
+        kind = draw(st.sampled_from(["decode", "decode", "prompt", "pad"]))
+        if kind == "pad":
+            specs.append((0, 0))
+            continue
+        ctx = draw(st.integers(1, max_pages * block_size))
+        if kind == "decode":
+            specs.append((1, ctx))
+        else:
+            specs.append((draw(st.integers(1, min(ctx, max_q))), ctx))
+    return dict(
+        heads=(num_heads, kv_heads, head_dim),
+        block_size=block_size,
+        specs=specs,
+        extra_rows=draw(st.integers(0, 3)),
+        layers=draw(st.sampled_from([None, None, 2, 3])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 def build(case, dtype):
-  rng = np.random.default_rng(case["seed"])
-  h, kvh, hd = case["heads"]
-  return make_batch(rng, num_heads=h, kv_heads=kvh, head_dim=hd, block_size=case["block_size"],
-                    seg_specs=case["specs"], extra_rows=case["extra_rows"],
-                    num_layers=case["layers"], dtype=dtype)
+    rng = np.random.default_rng(case["seed"])
+    h, kvh, hd = case["heads"]
+    return make_batch(
+        rng,
+        num_heads=h,
+        kv_heads=kvh,
+        head_dim=hd,
+        block_size=case["block_size"],
+        seg_specs=case["specs"],
+        extra_rows=case["extra_rows"],
+        num_layers=case["layers"],
+        dtype=dtype,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,121 +240,136 @@ def build(case, dtype):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches(max_segments=6, max_q=24, max_pages=6))
 def test_reference_matches_numpy_oracle(case):
-  b = build(case, np.float32)
-  sm_scale = 1.0 / math.sqrt(case["heads"][2])
-  got = run(ragged_paged_attention_reference, b, sm_scale)
-  assert_close(got, oracle(b, sm_scale), b, np.float32, "reference")
+    b = build(case, np.float32)
+    sm_scale = 1.0 / math.sqrt(case["heads"][2])
+    got = run(ragged_paged_attention_reference, b, sm_scale)
+    assert_close(got, oracle(b, sm_scale), b, np.float32, "reference")
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches(max_segments=4, max_q=20, max_pages=4), st.sampled_from([1, 4, 16]))
 def test_reference_any_tile_height(case, block_q):
-  b = build(case, np.float32)
-  got = run(ragged_paged_attention_reference, b, 0.3, block_q=block_q)
-  assert_close(got, oracle(b, 0.3), b, np.float32, f"reference block_q={block_q}")
+    b = build(case, np.float32)
+    got = run(ragged_paged_attention_reference, b, 0.3, block_q=block_q)
+    assert_close(got, oracle(b, 0.3), b, np.float32, f"reference block_q={block_q}")
 
 
-TUNINGS = st.fixed_dictionaries(dict(
-    block_q=st.sampled_from([1, 2, 8, 16]),
-    block_k=st.sampled_from([16, 32]),
-    min_split_tokens=st.sampled_from([1, 16, 64, 4096]),
-    extra_items=st.sampled_from([1, 3, 8]),
-    prefetch=st.booleans(),
-))
+TUNINGS = st.fixed_dictionaries(
+    dict(
+        block_q=st.sampled_from([1, 2, 8, 16]),
+        block_k=st.sampled_from([16, 32]),
+        min_split_tokens=st.sampled_from([1, 16, 64, 4096]),
+        extra_items=st.sampled_from([1, 3, 8]),
+        prefetch=st.booleans(),
+    )
+)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batches(max_segments=4, max_q=18, max_pages=4), TUNINGS,
-       st.sampled_from([np.float32, np.float32, jnp.bfloat16]))
+@given(batches(max_segments=4, max_q=18, max_pages=4), TUNINGS, st.sampled_from([np.float32, np.float32, jnp.bfloat16]))
 def test_kernel_interpret_matches_reference(case, tuning, dtype):
-  b = build(case, dtype)
-  sm_scale = 1.0 / math.sqrt(case["heads"][2])
-  want = run(ragged_paged_attention_reference, b, sm_scale)
-  got = run(ragged_paged_attention, b, sm_scale, interpret=True, **tuning)
-  assert_close(got, want, b, dtype, f"kernel {tuning}")
-  if dtype == np.float32:
-    assert_close(got, oracle(b, sm_scale), b, dtype, "kernel vs oracle")
+    b = build(case, dtype)
+    sm_scale = 1.0 / math.sqrt(case["heads"][2])
+    want = run(ragged_paged_attention_reference, b, sm_scale)
+    got = run(ragged_paged_attention, b, sm_scale, interpret=True, **tuning)
+    assert_close(got, want, b, dtype, f"kernel {tuning}")
+    if dtype == np.float32:
+        assert_close(got, oracle(b, sm_scale), b, dtype, "kernel vs oracle")
 
 
 def test_kernel_interpret_fixed_mixed_batch():
-  """Deterministic mix: decode rows on/off page boundaries, a long prompt split along the context,
-  a padding segment, padding rows, stacked pool, MHA decode path (block_q 1) and the MMA path."""
-  rng = np.random.default_rng(7)
-  specs = [(1, 16), (1, 17), (0, 0), (12, 40), (1, 1), (5, 5), (1, 33)]
-  b = make_batch(rng, num_heads=4, kv_heads=4, head_dim=64, block_size=8, seg_specs=specs,
-                 extra_rows=2, num_layers=2)
-  want = oracle(b, 0.125)
-  for bq in (1, 16):
-    got = run(ragged_paged_attention, b, 0.125, interpret=True, block_q=bq, block_k=16,
-              min_split_tokens=16, extra_items=6)
-    assert_close(got, want, b, np.float32, f"block_q={bq}")
+    """Deterministic mix: decode rows on/off page boundaries, a long prompt split along the context,
+    a padding segment, padding rows, stacked pool, MHA decode path (block_q 1) and the MMA path."""
+    rng = np.random.default_rng(7)
+    specs = [(1, 16), (1, 17), (0, 0), (12, 40), (1, 1), (5, 5), (1, 33)]
+    b = make_batch(rng, num_heads=4, kv_heads=4, head_dim=64, block_size=8, seg_specs=specs, extra_rows=2, num_layers=2)
+    want = oracle(b, 0.125)
+    for bq in (1, 16):
+        got = run(
+            ragged_paged_attention, b, 0.125, interpret=True, block_q=bq, block_k=16, min_split_tokens=16, extra_items=6
+        )
+        assert_close(got, want, b, np.float32, f"block_q={bq}")
 
 
 def test_all_padding_gives_zeros():
-  rng = np.random.default_rng(1)
-  b = make_batch(rng, num_heads=2, kv_heads=1, head_dim=64, block_size=4,
-                 seg_specs=[(0, 0), (0, 0)], extra_rows=3)
-  for fn, kw in ((ragged_paged_attention_reference, {}),
-                 (ragged_paged_attention, dict(interpret=True))):
-    got = run(fn, b, 0.1, **kw)
-    np.testing.assert_array_equal(got, 0.0)
+    rng = np.random.default_rng(1)
+    b = make_batch(rng, num_heads=2, kv_heads=1, head_dim=64, block_size=4, seg_specs=[(0, 0), (0, 0)], extra_rows=3)
+    for fn, kw in ((ragged_paged_attention_reference, {}), (ragged_paged_attention, dict(interpret=True))):
+        got = run(fn, b, 0.1, **kw)
+        np.testing.assert_array_equal(got, 0.0)
 
 
 def test_plan_bounds_and_reuse():
-  """A plan built once can be passed in (what the runner does once per step, for all layers);
-  the work list never overflows its static capacity, whatever the lengths."""
-  rng = np.random.default_rng(2)
-  specs = [(1, 60), (7, 7), (1, 3), (0, 0)]
-  b = make_batch(rng, num_heads=4, kv_heads=2, head_dim=64, block_size=4, seg_specs=specs,
-                 extra_rows=1, num_layers=3)
-  r, s = b["q"].shape[0], len(specs)
-  t = default_tuning(r, s, 4, 2, 64, block_q=4, block_k=16, min_split_tokens=16, extra_items=5)
-  plan = make_plan(jnp.asarray(b["q_start"]), jnp.asarray(b["q_len"]), jnp.asarray(b["ctx_len"]),
-                   num_rows=r, num_q_per_kv=2, tuning=t)
-  items = np.asarray(plan.items)
-  k0, k1, nrows = items[:, 4], items[:, 5], items[:, 2]
-  real = nrows > 0
-  assert (k1[real] > k0[real]).all() and (k1[~real] == k0[~real]).all()
-  # every (tile, position) pair covered exactly once
-  cover = {}
-  for seg, row0, n, pos0, a, z, _, _ in items[real]:
-    for p in range(a, z):
-      cover[(row0, p)] = cover.get((row0, p), 0) + 1
-  assert all(c == 1 for c in cover.values())
-  assert sum(1 for (r0, _) in cover if r0 == b["q_start"][0]) == 60
-  got = run(ragged_paged_attention, b, 0.2, interpret=True, block_q=4, block_k=16,
-            min_split_tokens=16, extra_items=5, plan=plan)
-  assert_close(got, oracle(b, 0.2), b, np.float32, "with plan")
+    """A plan built once can be passed in (what the runner does once per step, for all layers);
+    the work list never overflows its static capacity, whatever the lengths."""
+    rng = np.random.default_rng(2)
+    specs = [(1, 60), (7, 7), (1, 3), (0, 0)]
+    b = make_batch(rng, num_heads=4, kv_heads=2, head_dim=64, block_size=4, seg_specs=specs, extra_rows=1, num_layers=3)
+    r, s = b["q"].shape[0], len(specs)
+    t = default_tuning(r, s, 4, 2, 64, block_q=4, block_k=16, min_split_tokens=16, extra_items=5)
+    plan = make_plan(
+        jnp.asarray(b["q_start"]),
+        jnp.asarray(b["q_len"]),
+        jnp.asarray(b["ctx_len"]),
+        num_rows=r,
+        num_q_per_kv=2,
+        tuning=t,
+    )
+    items = np.asarray(plan.items)
+    k0, k1, nrows = items[:, 4], items[:, 5], items[:, 2]
+    real = nrows > 0
+    assert (k1[real] > k0[real]).all() and (k1[~real] == k0[~real]).all()
+    # every (tile, position) pair covered exactly once
+    cover = {}
+    for seg, row0, n, pos0, a, z, _, _ in items[real]:
+        for p in range(a, z):
+            cover[(row0, p)] = cover.get((row0, p), 0) + 1
+    assert all(c == 1 for c in cover.values())
+    assert sum(1 for (r0, _) in cover if r0 == b["q_start"][0]) == 60
+    got = run(
+        ragged_paged_attention,
+        b,
+        0.2,
+        interpret=True,
+        block_q=4,
+        block_k=16,
+        min_split_tokens=16,
+        extra_items=5,
+        plan=plan,
+    )
+    assert_close(got, oracle(b, 0.2), b, np.float32, "with plan")
 
 
 def test_triton_lowering_on_cpu():
-  """The kernels lower to Triton IR (cross-lowering for CUDA from a CPU host, no GPU needed):
-  catches unsupported ops in the kernel body before any device time is spent."""
-  # private modules: jax is pinned (==0.11.2), so a move shows up here as a failure, not a skip
-  from jax._src.pallas.triton import gpu_info as gi
-  from jax._src.pallas.triton import pallas_call_registration as pcr
-  old = pcr.gpu_info_lib.get_gpu_info
-  pcr.gpu_info_lib.get_gpu_info = lambda: gi.get_gpu_info_from_version(gi.GpuVersion.H200)
-  try:
-    for (h, kvh, hd, layered, dt, bq) in [(16, 16, 128, False, jnp.bfloat16, 1),
-                                          (16, 16, 128, True, jnp.bfloat16, 64),
-                                          (8, 2, 64, True, jnp.float32, 16)]:
-      r, s, mb, nb, bs = 64, 8, 32, 256, 16
-      shape = (4, kvh, nb, bs, hd) if layered else (kvh, nb, bs, hd)
-      qa = jax.ShapeDtypeStruct((r, h, hd), dt)
-      ka = jax.ShapeDtypeStruct(shape, dt)
-      ia = jax.ShapeDtypeStruct((s,), jnp.int32)
-      ta = jax.ShapeDtypeStruct((s, mb), jnp.int32)
-      la = jax.ShapeDtypeStruct((), jnp.int32) if layered else None
+    """The kernels lower to Triton IR (cross-lowering for CUDA from a CPU host, no GPU needed):
+    catches unsupported ops in the kernel body before any device time is spent."""
+    # private modules: jax is pinned (==0.11.2), so a move shows up here as a failure, not a skip
+    from jax._src.pallas.triton import gpu_info as gi
+    from jax._src.pallas.triton import pallas_call_registration as pcr
 
-      def f(q, k, v, a, b_, c, d, lyr, bq=bq):
-        return ragged_paged_attention(q, k, v, a, b_, c, d, layer=lyr, sm_scale=0.1, block_q=bq)
+    old = pcr.gpu_info_lib.get_gpu_info
+    pcr.gpu_info_lib.get_gpu_info = lambda: gi.get_gpu_info_from_version(gi.GpuVersion.H200)
+    try:
+        for h, kvh, hd, layered, dt, bq in [
+            (16, 16, 128, False, jnp.bfloat16, 1),
+            (16, 16, 128, True, jnp.bfloat16, 64),
+            (8, 2, 64, True, jnp.float32, 16),
+        ]:
+            r, s, mb, nb, bs = 64, 8, 32, 256, 16
+            shape = (4, kvh, nb, bs, hd) if layered else (kvh, nb, bs, hd)
+            qa = jax.ShapeDtypeStruct((r, h, hd), dt)
+            ka = jax.ShapeDtypeStruct(shape, dt)
+            ia = jax.ShapeDtypeStruct((s,), jnp.int32)
+            ta = jax.ShapeDtypeStruct((s, mb), jnp.int32)
+            la = jax.ShapeDtypeStruct((), jnp.int32) if layered else None
 
-      text = jax.jit(f).trace(qa, ka, ka, ia, ia, ia, ta, la).lower(
-          lowering_platforms=("cuda",)).as_text()
-      assert text.count("xla.gpu.triton") == 2
-  finally:
-    pcr.gpu_info_lib.get_gpu_info = old
+            def f(q, k, v, a, b_, c, d, lyr, bq=bq):
+                return ragged_paged_attention(q, k, v, a, b_, c, d, layer=lyr, sm_scale=0.1, block_q=bq)
+
+            text = jax.jit(f).trace(qa, ka, ka, ia, ia, ia, ta, la).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("xla.gpu.triton") == 2
+    finally:
+        pcr.gpu_info_lib.get_gpu_info = old
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,30 +380,42 @@ def test_triton_lowering_on_cpu():
 @gpu
 @skip_no_gpu
 # no shrinking on the GPU: every example compiles kernels; report the first failure as drawn
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-          phases=[Phase.explicit, Phase.reuse, Phase.generate])
-@given(batches(max_segments=6, max_q=40, max_pages=8), TUNINGS,
-       st.sampled_from([np.float32, jnp.bfloat16]))
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
+@given(batches(max_segments=6, max_q=40, max_pages=8), TUNINGS, st.sampled_from([np.float32, jnp.bfloat16]))
 def test_kernel_gpu_matches_reference(case, tuning, dtype):
-  b = build(case, dtype)
-  sm_scale = 1.0 / math.sqrt(case["heads"][2])
-  want = run(ragged_paged_attention_reference, b, sm_scale)
-  got = run(ragged_paged_attention, b, sm_scale, **tuning)
-  assert_close(got, want, b, dtype, f"gpu kernel {tuning}")
-  if dtype == np.float32:
-    assert_close(got, oracle(b, sm_scale), b, dtype, "gpu kernel vs oracle")
+    b = build(case, dtype)
+    sm_scale = 1.0 / math.sqrt(case["heads"][2])
+    want = run(ragged_paged_attention_reference, b, sm_scale)
+    got = run(ragged_paged_attention, b, sm_scale, **tuning)
+    assert_close(got, want, b, dtype, f"gpu kernel {tuning}")
+    if dtype == np.float32:
+        assert_close(got, oracle(b, sm_scale), b, dtype, "gpu kernel vs oracle")
 
 
 @gpu
 @skip_no_gpu
 @pytest.mark.parametrize("bq", [None, 1, 16, 64, 128])
 def test_kernel_gpu_ouro_shapes(bq):
-  """Ouro-1.4B heads (H=KVH=16, hd=128, bf16, block 16), default and explicit tilings, long
-  contexts (split along the context), stacked pool."""
-  rng = np.random.default_rng(11)
-  specs = [(1, 3000), (1, 16), (1, 17), (200, 1500), (0, 0), (64, 64), (1, 777)]
-  b = make_batch(rng, num_heads=16, kv_heads=16, head_dim=128, block_size=16, seg_specs=specs,
-                 extra_rows=5, num_layers=2, dtype=jnp.bfloat16)
-  want = run(ragged_paged_attention_reference, b, 128 ** -0.5)
-  got = run(ragged_paged_attention, b, 128 ** -0.5, block_q=bq)
-  assert_close(got, want, b, jnp.bfloat16, f"ouro bq={bq}")
+    """Ouro-1.4B heads (H=KVH=16, hd=128, bf16, block 16), default and explicit tilings, long
+    contexts (split along the context), stacked pool."""
+    rng = np.random.default_rng(11)
+    specs = [(1, 3000), (1, 16), (1, 17), (200, 1500), (0, 0), (64, 64), (1, 777)]
+    b = make_batch(
+        rng,
+        num_heads=16,
+        kv_heads=16,
+        head_dim=128,
+        block_size=16,
+        seg_specs=specs,
+        extra_rows=5,
+        num_layers=2,
+        dtype=jnp.bfloat16,
+    )
+    want = run(ragged_paged_attention_reference, b, 128**-0.5)
+    got = run(ragged_paged_attention, b, 128**-0.5, block_q=bq)
+    assert_close(got, want, b, jnp.bfloat16, f"ouro bq={bq}")

@@ -1,5 +1,6 @@
 """benchmarks/profile_step.py: the aggregation on made-up kernels, the trace parsing on a fake GPU
 plane, and the script end to end on the tiny preset (CPU: the host-plane fallback)."""
+
 from __future__ import annotations
 
 import json
@@ -15,44 +16,52 @@ from benchmarks.workloads import suite_shape
 
 
 # --------------------------------------------------------------------------- pure functions
-@pytest.mark.parametrize("raw,base", [
-    ("loop_add_fusion_12", "loop_add_fusion"),
-    ("loop_add_fusion.3", "loop_add_fusion"),
-    ("input_reduce_fusion_3_1", "input_reduce_fusion"),
-    ("fusion", "fusion"),
-    ("copy.7", "copy"),
-    ("ragged_paged_attention_bq16_bk64", "ragged_paged_attention_bq16_bk64"),
-    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "nvjet_tst_64x8_64x16_4x1_v_bz_TNT"),
-    ("cutlass_80_tensorop_bf16_s16816gemm_bf16_64x64_32x6_tn_align8",
-     "cutlass_80_tensorop_bf16_s16816gemm_bf16_64x64_32x6_tn_align8"),
-    ("void cutlass::Kernel2<Op_1>(Params_2)", "void cutlass::Kernel2<Op_1>(Params_2)"),
-])
+@pytest.mark.parametrize(
+    "raw,base",
+    [
+        ("loop_add_fusion_12", "loop_add_fusion"),
+        ("loop_add_fusion.3", "loop_add_fusion"),
+        ("input_reduce_fusion_3_1", "input_reduce_fusion"),
+        ("fusion", "fusion"),
+        ("copy.7", "copy"),
+        ("ragged_paged_attention_bq16_bk64", "ragged_paged_attention_bq16_bk64"),
+        ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "nvjet_tst_64x8_64x16_4x1_v_bz_TNT"),
+        (
+            "cutlass_80_tensorop_bf16_s16816gemm_bf16_64x64_32x6_tn_align8",
+            "cutlass_80_tensorop_bf16_s16816gemm_bf16_64x64_32x6_tn_align8",
+        ),
+        ("void cutlass::Kernel2<Op_1>(Params_2)", "void cutlass::Kernel2<Op_1>(Params_2)"),
+    ],
+)
 def test_base_name(raw, base):
     assert ps.base_name(raw) == base
 
 
-@pytest.mark.parametrize("name,cat", [
-    ("ragged_paged_attention_bq16_bk64", "attention"),
-    ("ragged_paged_attention_combine", "attention"),
-    ("write_kv_kernel", "kv_write"),
-    ("copy_kv_slots", "kv_write"),
-    ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "gemm"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_cublas", "gemm"),
-    ("triton_gemm_dot_3", "gemm"),
-    ("loop_dot_fusion", "gemm"),
-    ("dot.3", "gemm"),
-    ("sort_1", "sort_topk"),
-    ("input_scatter_fusion_2", "scatter_gather"),
-    ("dynamic_update_slice_fusion", "scatter_gather"),
-    ("MemcpyD2D", "copy_memset"),
-    ("Memset", "copy_memset"),
-    ("copy_12", "copy_memset"),
-    ("loop_multiply_fusion", "xla_fusion"),
-    ("input_reduce_fusion", "xla_fusion"),
-    ("wrapped_concatenate", "xla_fusion"),
-    ("reduce_3", "xla_fusion"),
-    ("some_custom_kernel", "other"),
-])
+@pytest.mark.parametrize(
+    "name,cat",
+    [
+        ("ragged_paged_attention_bq16_bk64", "attention"),
+        ("ragged_paged_attention_combine", "attention"),
+        ("write_kv_kernel", "kv_write"),
+        ("copy_kv_slots", "kv_write"),
+        ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_cublas", "gemm"),
+        ("triton_gemm_dot_3", "gemm"),
+        ("loop_dot_fusion", "gemm"),
+        ("dot.3", "gemm"),
+        ("sort_1", "sort_topk"),
+        ("input_scatter_fusion_2", "scatter_gather"),
+        ("dynamic_update_slice_fusion", "scatter_gather"),
+        ("MemcpyD2D", "copy_memset"),
+        ("Memset", "copy_memset"),
+        ("copy_12", "copy_memset"),
+        ("loop_multiply_fusion", "xla_fusion"),
+        ("input_reduce_fusion", "xla_fusion"),
+        ("wrapped_concatenate", "xla_fusion"),
+        ("reduce_3", "xla_fusion"),
+        ("some_custom_kernel", "other"),
+    ],
+)
 def test_categorise(name, cat):
     assert ps.categorise(name) == cat
 
@@ -72,20 +81,24 @@ def _ev(name, start, dur, **stats):
 
 def test_aggregate_synthetic_events():
     # two invocations' worth: 5 kernels, a memset on a second stream overlapping a fusion
-    evs = [_ev("loop_add_fusion_1", 0, 100, hlo_op="loop_add_fusion.1"),
-           _ev("memset", 100, 100),
-           _ev("loop_add_fusion_2", 150, 50),
-           _ev("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 200, 300, hlo_op="custom-call.4"),
-           _ev("ragged_paged_attention_bq16_bk64", 600, 200)]
-    hlo = {"loop_add_fusion.1": "jit(_step)/OuroModel.recurrent/layers_3/mlp/add",
-           "loop_add_fusion.2": "jit(_step)/OuroModel.recurrent/layers_4/mlp/add",
-           "custom-call.4": "jit(_step)/OuroModel.recurrent/layers_4/mlp/down_proj/dot_general"}
+    evs = [
+        _ev("loop_add_fusion_1", 0, 100, hlo_op="loop_add_fusion.1"),
+        _ev("memset", 100, 100),
+        _ev("loop_add_fusion_2", 150, 50),
+        _ev("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 200, 300, hlo_op="custom-call.4"),
+        _ev("ragged_paged_attention_bq16_bk64", 600, 200),
+    ]
+    hlo = {
+        "loop_add_fusion.1": "jit(_step)/OuroModel.recurrent/layers_3/mlp/add",
+        "loop_add_fusion.2": "jit(_step)/OuroModel.recurrent/layers_4/mlp/add",
+        "custom-call.4": "jit(_step)/OuroModel.recurrent/layers_4/mlp/down_proj/dot_general",
+    }
     a = ps.aggregate(evs, 2, top=3, hlo_ops=hlo)
     total = 750.0
     assert a["kernels"] == 5 and a["kernels_per_inv"] == 2.5
     assert a["distinct_kernels"] == 4 and a["distinct_raw_kernels"] == 5
     assert a["kernel_ms_per_inv"] == pytest.approx(total / 2 / 1e6)
-    assert a["busy_ms_per_inv"] == pytest.approx(700 / 2 / 1e6)       # [0, 500] and [600, 800]
+    assert a["busy_ms_per_inv"] == pytest.approx(700 / 2 / 1e6)  # [0, 500] and [600, 800]
     assert a["span_ms_per_inv"] == pytest.approx(800 / 2 / 1e6)
     assert a["idle_in_span_ms_per_inv"] == pytest.approx(100 / 2 / 1e6)
     cats = a["categories"]
@@ -95,8 +108,11 @@ def test_aggregate_synthetic_events():
     assert cats["xla_fusion"]["count_per_inv"] == 1.0 and cats["xla_fusion"]["distinct_kernels"] == 1
     assert sum(c["share"] for c in cats.values()) == pytest.approx(1.0)
     top = a["top_kernels"]
-    assert [k["name"] for k in top] == ["nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "ragged_paged_attention_bq16_bk64",
-                                        "loop_add_fusion"]  # top=3 cuts the memset
+    assert [k["name"] for k in top] == [
+        "nvjet_tst_64x8_64x16_4x1_v_bz_TNT",
+        "ragged_paged_attention_bq16_bk64",
+        "loop_add_fusion",
+    ]  # top=3 cuts the memset
     fus = top[2]
     assert fus["count"] == 2 and fus["distinct_raw_names"] == 2
     assert set(fus["raw_names"]) == {"loop_add_fusion_1", "loop_add_fusion_2"}
@@ -129,20 +145,34 @@ def test_hlo_op_names():
 
 
 def _plane(name, lines):
-    return NS(name=name, lines=[NS(name=ln, events=[NS(name=n, start_ns=s, duration_ns=d, stats=st)
-                                                    for n, s, d, st in evs]) for ln, evs in lines])
+    return NS(
+        name=name,
+        lines=[
+            NS(name=ln, events=[NS(name=n, start_ns=s, duration_ns=d, stats=st) for n, s, d, st in evs])
+            for ln, evs in lines
+        ],
+    )
 
 
 def test_kernel_events_picks_the_gpu_plane_and_its_stream_lines():
-    prof = NS(planes=[
-        _plane("/host:CPU", [("python", [("PjitFunction(_step)", 0, 500, [])])]),
-        _plane("/device:GPU:0", [
-            ("XLA Modules", [("jit__step(1)", 0, 900, []), ("jit__step(1)", 1000, 900, [])]),
-            ("XLA Ops", [("fusion.1", 10, 100, [])]),
-            ("Stream #13(Kernel,Memset)", [("fusion_1", 10, 100, [("hlo_op", "fusion.1"), ("other", 1)]),
-                                           ("Memset", 200, 5, [])]),
-            ("Stream #14(MemcpyD2D)", [("MemcpyD2D", 300, 7, [])])]),
-        _plane("/device:GPU:1", [("Stream #1", [("x", 0, 1, [])])])])
+    prof = NS(
+        planes=[
+            _plane("/host:CPU", [("python", [("PjitFunction(_step)", 0, 500, [])])]),
+            _plane(
+                "/device:GPU:0",
+                [
+                    ("XLA Modules", [("jit__step(1)", 0, 900, []), ("jit__step(1)", 1000, 900, [])]),
+                    ("XLA Ops", [("fusion.1", 10, 100, [])]),
+                    (
+                        "Stream #13(Kernel,Memset)",
+                        [("fusion_1", 10, 100, [("hlo_op", "fusion.1"), ("other", 1)]), ("Memset", 200, 5, [])],
+                    ),
+                    ("Stream #14(MemcpyD2D)", [("MemcpyD2D", 300, 7, [])]),
+                ],
+            ),
+            _plane("/device:GPU:1", [("Stream #1", [("x", 0, 1, [])])]),
+        ]
+    )
     plane, evs, info = ps.kernel_events(prof, 0)
     assert plane == "/device:GPU:0"
     assert [e["name"] for e in evs] == ["fusion_1", "Memset", "MemcpyD2D"]
@@ -151,10 +181,25 @@ def test_kernel_events_picks_the_gpu_plane_and_its_stream_lines():
     assert info["kernel_lines"] == ["Stream #13(Kernel,Memset)", "Stream #14(MemcpyD2D)"]
     # no /device:GPU:<i> plane of that index: any device plane; no device plane at all: the host's pools
     assert ps.kernel_events(prof, 5)[0] == "/device:GPU:0"
-    host = NS(planes=[_plane("/host:CPU", [
-        ("python", [("PjitFunction(_step)", 0, 500, [])]),
-        ("tf_XLAEigen/1", [("ThunkExecutor::Execute", 0, 400, []), ("fusion.1", 10, 50, []),
-                           ("end: fusion.1", 60, 1, []), ("ThreadpoolListener::Record", 70, 0, [])])])])
+    host = NS(
+        planes=[
+            _plane(
+                "/host:CPU",
+                [
+                    ("python", [("PjitFunction(_step)", 0, 500, [])]),
+                    (
+                        "tf_XLAEigen/1",
+                        [
+                            ("ThunkExecutor::Execute", 0, 400, []),
+                            ("fusion.1", 10, 50, []),
+                            ("end: fusion.1", 60, 1, []),
+                            ("ThreadpoolListener::Record", 70, 0, []),
+                        ],
+                    ),
+                ],
+            )
+        ]
+    )
     plane, evs, info = ps.kernel_events(host, 0)
     assert plane is None and [e["name"] for e in evs] == ["fusion.1"]
     with pytest.raises(RuntimeError):
@@ -168,8 +213,23 @@ def harness():
     return Harness("tiny", None, shape, quick_ceilings=True, progress=False)
 
 
-ARGS = ["--preset", "tiny", "--steps", "2", "--warmup", "1", "--decode-context", "32", "--prefill-context", "64",
-        "--prefill-segment", "16", "--no-progress", "--top", "10"]
+ARGS = [
+    "--preset",
+    "tiny",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--decode-context",
+    "32",
+    "--prefill-context",
+    "64",
+    "--prefill-segment",
+    "16",
+    "--no-progress",
+    "--top",
+    "10",
+]
 
 
 def test_main_on_tiny(harness, tmp_path):

@@ -1,4 +1,5 @@
 """The float64 numpy reference checked against the math docs and against itself."""
+
 import subprocess
 import sys
 
@@ -9,9 +10,19 @@ from hypothesis import strategies as st
 
 from ouro_jax.config import get_preset
 from ouro_jax.params import hf_name_to_path, random_hf_tensors, set_path
-from ouro_jax.reference import (exit_decision, exit_distribution, from_param_tree, layer_finish,
-                                layer_qkv, load_reference_weights, reference_forward,
-                                reference_greedy_generate, rms_norm, rope_cos_sin, select_logits)
+from ouro_jax.reference import (
+    exit_decision,
+    exit_distribution,
+    from_param_tree,
+    layer_finish,
+    layer_qkv,
+    load_reference_weights,
+    reference_forward,
+    reference_greedy_generate,
+    rms_norm,
+    rope_cos_sin,
+    select_logits,
+)
 
 PRESETS = ["tiny", "tiny-gqa"]
 
@@ -31,8 +42,7 @@ def prompt(cfg, n, seed=0):
 
 
 def test_reference_imports_neither_jax_nor_flax():
-    code = ("import sys, ouro_jax.reference; "
-            "assert not {'jax', 'flax'} & set(sys.modules), sorted(sys.modules)")
+    code = "import sys, ouro_jax.reference; assert not {'jax', 'flax'} & set(sys.modules), sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -43,7 +53,7 @@ def test_exit_distribution_sums_to_one_and_matches_closed_form(g):
     p = exit_distribution(np.array(g))
     lam = 1 / (1 + np.exp(-np.array(g)))
     T = len(g)
-    expect = [lam[t] * np.prod(1 - lam[:t]) for t in range(T - 1)] + [np.prod(1 - lam[:T - 1])]
+    expect = [lam[t] * np.prod(1 - lam[:t]) for t in range(T - 1)] + [np.prod(1 - lam[: T - 1])]
     np.testing.assert_allclose(p, expect, rtol=1e-9, atol=1e-15)  # 1 - lambda cancels
     assert abs(p.sum() - 1) < 1e-12 and (p >= 0).all()
 
@@ -52,23 +62,23 @@ def test_gates_example_from_semantics_doc():
     g = [logit(0.3), logit(0.3), -30.0, -30.0]
     assert exit_distribution(np.array(g))[:2].sum() == pytest.approx(0.51)
     e, margin = exit_decision(g, exit_threshold=0.5)
-    assert e == 1 and margin == pytest.approx(0.01)          # 0.3 < 0.5 <= 0.51
-    assert exit_decision(g, exit_threshold=0.52)[0] == 3     # never reached: the last loop
+    assert e == 1 and margin == pytest.approx(0.01)  # 0.3 < 0.5 <= 0.51
+    assert exit_decision(g, exit_threshold=0.52)[0] == 3  # never reached: the last loop
     assert exit_decision(g, exit_threshold=0.3)[0] == 0
     assert exit_decision(g, exit_threshold=0.3, min_loops=2)[0] == 1  # loop 0 still counts
 
 
 # ---------------------------------------------------------------------------------- exit rule
-G = [logit(0.1), logit(0.5), logit(0.5), logit(0.9), 0.0]    # 1-remaining: .1 .55 .775 .9775
+G = [logit(0.1), logit(0.5), logit(0.5), logit(0.9), 0.0]  # 1-remaining: .1 .55 .775 .9775
 CASES = [  # (kwargs, ouro, delayed, fixed)
-    (dict(), 4, 4, 4),                                        # threshold 1.0: always max loops
+    (dict(), 4, 4, 4),  # threshold 1.0: always max loops
     (dict(exit_threshold=0.5), 1, 2, 4),
     (dict(exit_threshold=0.05), 0, 1, 4),
     (dict(exit_threshold=0.05, min_loops=3), 2, 3, 4),
-    (dict(exit_threshold=0.99), 4, 4, 4),                     # last loop, delay capped
-    (dict(exit_threshold=0.7, max_loops=3), 2, 2, 2),         # reached at the cap
-    (dict(exit_threshold=0.8, max_loops=3), 2, 2, 2),         # cap reached first
-    (dict(exit_threshold=0.5, max_loops=2), 1, 1, 1),         # delay capped by max_loops
+    (dict(exit_threshold=0.99), 4, 4, 4),  # last loop, delay capped
+    (dict(exit_threshold=0.7, max_loops=3), 2, 2, 2),  # reached at the cap
+    (dict(exit_threshold=0.8, max_loops=3), 2, 2, 2),  # cap reached first
+    (dict(exit_threshold=0.5, max_loops=2), 1, 1, 1),  # delay capped by max_loops
     (dict(exit_threshold=0.95, max_loops=4), 3, 3, 3),
     (dict(exit_threshold=0.0), 0, 1, 4),
     (dict(max_loops=1), 0, 0, 0),
@@ -148,9 +158,9 @@ def test_last_exited_changes_only_what_reads_the_stale_kv(model):
     depths = [T - 1] * S
     depths[j] = e
     early = reference_forward(w, cfg, ids, exit_depths=depths)["hidden_states"]
-    np.testing.assert_array_equal(plain[:, :j], early[:, :j])          # earlier positions
-    np.testing.assert_array_equal(plain[:e + 1], early[:e + 1])        # loops up to e_j
-    assert not np.allclose(plain[e + 1:, j + 1:], early[e + 1:, j + 1:])
+    np.testing.assert_array_equal(plain[:, :j], early[:, :j])  # earlier positions
+    np.testing.assert_array_equal(plain[: e + 1], early[: e + 1])  # loops up to e_j
+    assert not np.allclose(plain[e + 1 :, j + 1 :], early[e + 1 :, j + 1 :])
     with pytest.raises(ValueError):
         reference_forward(w, cfg, ids, exit_depths=[T] * S)
 
@@ -183,8 +193,9 @@ def test_from_param_tree_matches_hf_weights():
         set_path(tree, path, arr.T if transpose else arr)
     a, b = load_reference_weights(cfg, hf), from_param_tree(cfg, tree)
     ids = prompt(cfg, 5)
-    np.testing.assert_array_equal(reference_forward(a, cfg, ids)["hidden_states"],
-                                  reference_forward(b, cfg, ids)["hidden_states"])
+    np.testing.assert_array_equal(
+        reference_forward(a, cfg, ids)["hidden_states"], reference_forward(b, cfg, ids)["hidden_states"]
+    )
     np.testing.assert_array_equal(from_param_tree(cfg, {"params": tree}).lm_head, a.lm_head)
     del hf["lm_head.weight"]
     with pytest.raises(KeyError, match="lm_head"):
@@ -196,19 +207,18 @@ def test_greedy_fixed_depth_equals_teacher_forced_argmax(model):
     cfg, w = model
     T, ids, n = cfg.num_loops, prompt(cfg, 5), 6
     res = reference_greedy_generate(w, cfg, ids, n, max_loops=T)
-    tokens, depths = res                                   # unpacks like a (tokens, depths) pair
+    tokens, depths = res  # unpacks like a (tokens, depths) pair
     assert len(tokens) == n and depths == [T - 1] * n and res.min_margin == np.inf
     out = reference_forward(w, cfg, ids + tokens[:-1])
     logits = select_logits(w, out["hidden_states"], out["gate_logits"], exit_at_step=T - 1)
-    assert tokens == logits[len(ids) - 1:].argmax(-1).tolist()
+    assert tokens == logits[len(ids) - 1 :].argmax(-1).tolist()
 
 
 def test_greedy_fixed_mode_and_max_loops(model):
     cfg, w = model
     T, ids = cfg.num_loops, prompt(cfg, 4)
-    res = reference_greedy_generate(w, cfg, ids, 4, exit_mode="fixed", max_loops=2,
-                                    exit_threshold=0.1)
-    assert res.exit_depths == [T - 1, 1, 1, 1]              # the prompt always runs T loops
+    res = reference_greedy_generate(w, cfg, ids, 4, exit_mode="fixed", max_loops=2, exit_threshold=0.1)
+    assert res.exit_depths == [T - 1, 1, 1, 1]  # the prompt always runs T loops
     # every decode position exits at loop 1 and exposes its loop-1 K/V from then on
     out = reference_forward(w, cfg, ids + res.tokens[:-1], exit_depths=[T - 1] * 4 + [1, 1, 1])
     logits = out["hidden_states"][res.exit_depths, np.arange(3, 7)] @ w.lm_head.T
@@ -230,8 +240,7 @@ def incremental_generate(w, cfg, prompt_ids, n, exit_threshold, min_loops, max_l
 
     def ouro_exit(gates, k):  # the ouro condition after k loops
         remaining = np.prod([1 - 1 / (1 + np.exp(-g)) for g in gates[:k]])
-        return k >= max_loops or (exit_threshold < 1 and k >= min_loops
-                                  and 1 - remaining >= exit_threshold)
+        return k >= max_loops or (exit_threshold < 1 and k >= min_loops and 1 - remaining >= exit_threshold)
 
     def run(tok, pos, full_depth):
         x = w.embed[[tok]]
@@ -275,16 +284,16 @@ def incremental_generate(w, cfg, prompt_ids, n, exit_threshold, min_loops, max_l
 
 
 @pytest.mark.parametrize("exit_mode", ["ouro", "delayed", "fixed"])
-@pytest.mark.parametrize("kw", [dict(exit_threshold=None, min_loops=1, max_loops=None),
-                                dict(exit_threshold=0.5, min_loops=2, max_loops=3)])
+@pytest.mark.parametrize(
+    "kw", [dict(exit_threshold=None, min_loops=1, max_loops=None), dict(exit_threshold=0.5, min_loops=2, max_loops=3)]
+)
 def test_greedy_early_exit_equals_incremental_plane_cache(model, exit_mode, kw):
     cfg, w = model
     varied = {4: 0.6, 3: 0.3}[cfg.num_loops]  # tiny / tiny-gqa: thresholds where depths vary
-    kw = dict(kw, exit_threshold=kw["exit_threshold"] or varied,
-              max_loops=kw["max_loops"] or cfg.num_loops)
+    kw = dict(kw, exit_threshold=kw["exit_threshold"] or varied, max_loops=kw["max_loops"] or cfg.num_loops)
     ids, n = prompt(cfg, 5, seed=7), 8
     res = reference_greedy_generate(w, cfg, ids, n, exit_mode=exit_mode, **kw)
-    assert res.min_margin > 1e-9 and res.min_logit_gap > 1e-9   # float64 vs float64: no near ties
+    assert res.min_margin > 1e-9 and res.min_logit_gap > 1e-9  # float64 vs float64: no near ties
     assert (res.tokens, res.exit_depths) == incremental_generate(w, cfg, ids, n, exit_mode=exit_mode, **kw)
     assert res.exit_depths[0] == cfg.num_loops - 1
     if exit_mode == "ouro" and kw["min_loops"] == 1:

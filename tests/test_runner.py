@@ -1,5 +1,6 @@
 """The runner on hand-built descriptors (no scheduler): one loop per invocation over the paged
 pool must reproduce the dense forward, loop by loop, and padding must change nothing."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,7 @@ def _desc(key: BucketKey, rows, segs, prelude=(), coda=(), fin=()):
         d.row_ring[i], d.row_pos[i], d.row_slot[i] = ring, pos, slot
     for i, (qs, ql, cl, table) in enumerate(segs):
         d.seg_q_start[i], d.seg_q_len[i], d.seg_ctx_len[i] = qs, ql, cl
-        d.seg_block_table[i, :len(table)] = table
+        d.seg_block_table[i, : len(table)] = table
     for i, (ring, tok) in enumerate(prelude):
         d.pre_ring[i], d.pre_token[i] = ring, tok
     for i, (row, temp, k, p, seed, step) in enumerate(coda):
@@ -56,7 +57,7 @@ def test_runner_reproduces_dense_forward(preset, layer_loop):
         coda = [(n - 1, 0.0, 0, 1.0, 0, 0)] if d == T - 1 else ()
         h = runner.execute(_desc(key, rows, [(0, n, n, tables[d])], prelude, coda))
         np.testing.assert_allclose(h.gates()[:n], full.gate_logits[d, 0, :n], rtol=2e-5, atol=2e-5)
-        np.testing.assert_allclose(runner.ring[1:1 + n], full.hidden_states[d, 0, :n], rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(runner.ring[1 : 1 + n], full.hidden_states[d, 0, :n], rtol=2e-5, atol=2e-5)
     assert runner.compilations == 1
     # decode two positions, each a 1-row segment per depth, with padding rows around it
     for pos in (5, 6):
@@ -80,7 +81,9 @@ def test_runner_coda_and_finalize():
     for d in range(T):
         rows = [(1 + i, i, _slot(tables[d], i)) for i in range(4)]
         coda = [(3, 0.0, 0, 1.0, 0, 0), (3, 1.0, 5, 0.9, 7, 0)] if d == T - 1 else ()
-        h = runner.execute(_desc(key, rows, [(0, 4, 4, tables[d])], [(1 + i, ids[i]) for i in range(4)] if d == 0 else (), coda))
+        h = runner.execute(
+            _desc(key, rows, [(0, 4, 4, tables[d])], [(1 + i, ids[i]) for i in range(4)] if d == 0 else (), coda)
+        )
     full = forward(params, cfg, ids[None])
     assert int(h.tokens()[0]) == int(np.argmax(full.logits[0, 3]))
     assert 0 <= int(h.tokens()[1]) < cfg.vocab_size

@@ -1,4 +1,5 @@
 """KVBlockManager: block 0 is never handed out, reservations cover every plane, nothing leaks."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +16,7 @@ def req(rid, n, max_tokens):
 
 def test_reserves_prompt_plus_generated_tokens_in_every_plane():
     bm = KVBlockManager(num_blocks=33, block_size=4, num_planes=4)
-    r = req("a", 5, 4)                 # positions 0..7 get KV: 2 blocks per plane
+    r = req("a", 5, 4)  # positions 0..7 get KV: 2 blocks per plane
     assert r.max_kv_tokens == 8 and bm.blocks_needed(8) == 8
     table = bm.allocate(r)
     assert table.shape == (4, 2) and 0 not in table and len(set(table.ravel())) == 8
@@ -32,12 +33,12 @@ def test_can_allocate_and_watermark():
     bm = KVBlockManager(num_blocks=11, block_size=4, num_planes=2, watermark=0.2)
     assert bm.watermark_blocks == 2 and bm.capacity_blocks == 8
     assert bm.can_ever_fit(16) and not bm.can_ever_fit(17)
-    a = req("a", 8, 5)                 # 12 tokens: 3 blocks x 2 planes
+    a = req("a", 8, 5)  # 12 tokens: 3 blocks x 2 planes
     assert bm.can_allocate(a)
     bm.allocate(a)
-    b = req("b", 4, 1)                 # 1 block x 2 planes: 4 free, 2 kept back
+    b = req("b", 4, 1)  # 1 block x 2 planes: 4 free, 2 kept back
     assert bm.can_allocate(b)
-    c = req("c", 5, 1)                 # 2 blocks x 2 planes: would dig into the watermark
+    c = req("c", 5, 1)  # 2 blocks x 2 planes: would dig into the watermark
     assert not bm.can_allocate(c)
     with pytest.raises(RuntimeError, match="not enough free blocks"):
         bm.allocate(c)
@@ -52,8 +53,11 @@ def test_constructor_errors(kw):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 20), st.integers(1, 6)), max_size=40),
-       st.integers(1, 4), st.integers(1, 4))
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(1, 20), st.integers(1, 6)), max_size=40),
+    st.integers(1, 4),
+    st.integers(1, 4),
+)
 def test_random_alloc_free_never_leaks_or_double_books(ops, planes, bs):
     bm = KVBlockManager(num_blocks=40, block_size=bs, num_planes=planes)
     live = {}

@@ -1,4 +1,5 @@
 """Buckets and the packed BatchDescriptor: shapes per key, padding, pack/unpack round trip."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -61,11 +62,24 @@ def hand_tables():
 def test_build_lays_out_segments_and_pads():
     s = BucketSpec(max_num_batched_tokens=16, max_num_seqs=2, num_loops=2, max_model_len=12, block_size=4)
     d = build_descriptor(
-        s, hand_tables(),
-        seg_slot=[1, 0, 0], seg_plane=[1, 0, 1], seg_pos=[6, 3, 0], seg_len=[1, 4, 3], seg_ring=[40, 13, 10],
-        pre_ring=[13, 14, 15, 16], pre_token=[7, 8, 9, 10],
-        coda_row=[0], coda_temperature=[0.5], coda_top_k=[3], coda_top_p=[0.9], coda_seed=[2 ** 32 - 1],
-        coda_step=[4], fin_src=[46], fin_dst=[49])
+        s,
+        hand_tables(),
+        seg_slot=[1, 0, 0],
+        seg_plane=[1, 0, 1],
+        seg_pos=[6, 3, 0],
+        seg_len=[1, 4, 3],
+        seg_ring=[40, 13, 10],
+        pre_ring=[13, 14, 15, 16],
+        pre_token=[7, 8, 9, 10],
+        coda_row=[0],
+        coda_temperature=[0.5],
+        coda_top_k=[3],
+        coda_top_p=[0.9],
+        coda_seed=[2**32 - 1],
+        coda_step=[4],
+        fin_src=[46],
+        fin_dst=[49],
+    )
     assert tuple(d.key) == (8, 8, 2, 2, 3)
     assert (d.num_rows, d.num_segments, d.num_prelude, d.num_coda, d.num_finalize) == (8, 3, 4, 1, 1)
     assert d.row_pos.tolist() == [6, 3, 4, 5, 6, 0, 1, 2]
@@ -77,7 +91,7 @@ def test_build_lays_out_segments_and_pads():
     assert d.seg_block_table[:3].tolist() == [[13, 14, 0], [5, 6, 7], [8, 9, 10]]
     assert (d.seg_block_table[3:] == 0).all()
     assert d.pre_ring.tolist() == [13, 14, 15, 16, 0, 0, 0, 0] and d.pre_token[:4].tolist() == [7, 8, 9, 10]
-    assert d.coda_seed[0] == 2 ** 32 - 1 and d.coda_temperature[0] == np.float32(0.5)
+    assert d.coda_seed[0] == 2**32 - 1 and d.coda_temperature[0] == np.float32(0.5)
     assert d.coda_top_k.tolist() == [3, 0] and d.coda_top_p.tolist() == [np.float32(0.9), 1.0]
     assert d.fin_src.tolist() == [46, -1] and d.fin_dst.tolist() == [49, -1]
 
@@ -85,28 +99,45 @@ def test_build_lays_out_segments_and_pads():
 def test_bucket_grows_for_pending_finalize_pairs():
     s = BucketSpec(max_num_batched_tokens=64, max_num_seqs=16, num_loops=4, max_model_len=12, block_size=4)
     pairs = np.arange(30)  # ten tokens exited at depth 0: 3 pairs each
-    d = build_descriptor(s, hand_tables(), seg_slot=[], seg_plane=[], seg_pos=[], seg_len=[], seg_ring=[],
-                         pre_ring=[], pre_token=[], coda_row=[], coda_temperature=[], coda_top_k=[],
-                         coda_top_p=[], coda_seed=[], coda_step=[], fin_src=pairs, fin_dst=pairs + 100)
+    d = build_descriptor(
+        s,
+        hand_tables(),
+        seg_slot=[],
+        seg_plane=[],
+        seg_pos=[],
+        seg_len=[],
+        seg_ring=[],
+        pre_ring=[],
+        pre_token=[],
+        coda_row=[],
+        coda_temperature=[],
+        coda_top_k=[],
+        coda_top_p=[],
+        coda_seed=[],
+        coda_step=[],
+        fin_src=pairs,
+        fin_dst=pairs + 100,
+    )
     assert d.key.R == 16 and d.key.F == 48 and d.num_finalize == 30 and d.num_rows == 0
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_pack_unpack_round_trip(data):
-    s = spec(max_num_batched_tokens=data.draw(st.integers(1, 64)), max_num_seqs=1,
-             num_loops=data.draw(st.integers(1, 4)))
+    s = spec(
+        max_num_batched_tokens=data.draw(st.integers(1, 64)), max_num_seqs=1, num_loops=data.draw(st.integers(1, 4))
+    )
     key = data.draw(st.sampled_from(s.keys()))
     d = BatchDescriptor(key)
-    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 31)))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
     for name in ARRAY_NAMES:
         a = getattr(d, name)
         if a.dtype == np.float32:
             a[...] = rng.standard_normal(a.shape).astype(np.float32)
         elif a.dtype == np.uint32:
-            a[...] = rng.integers(0, 2 ** 32, a.shape, dtype=np.uint64).astype(np.uint32)
+            a[...] = rng.integers(0, 2**32, a.shape, dtype=np.uint64).astype(np.uint32)
         else:
-            a[...] = rng.integers(-2 ** 31, 2 ** 31, a.shape, dtype=np.int64).astype(np.int32)
+            a[...] = rng.integers(-(2**31), 2**31, a.shape, dtype=np.int64).astype(np.int32)
     d.counts[:5] = rng.integers(0, 9, 5)
     packed = d.pack()
     assert packed.dtype == np.int32 and packed.ndim == 1
@@ -117,8 +148,9 @@ def test_pack_unpack_round_trip(data):
         assert getattr(e, name).dtype == getattr(d, name).dtype
     # the layout's offsets address the same words the fields view
     for f in descriptor_layout(key):
-        np.testing.assert_array_equal(packed[f.offset:f.offset + f.size].view(f.dtype).reshape(f.shape),
-                                      getattr(d, f.name))
+        np.testing.assert_array_equal(
+            packed[f.offset : f.offset + f.size].view(f.dtype).reshape(f.shape), getattr(d, f.name)
+        )
     packed[0] += 1  # unpack copied: the original is not aliased
     assert e.counts[0] != packed[0]
     with pytest.raises(ValueError, match="words"):

@@ -1,4 +1,5 @@
 """The per-token exit rule on hand-built gates (engine-semantics.md, "Exit policy")."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import Phase, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.exit_policy import (coda_kind, gate_needed, reference_exit_loops, sigmoid,
-                                   synthetic_exit_loops)
+from scheduler.exit_policy import coda_kind, gate_needed, reference_exit_loops, sigmoid, synthetic_exit_loops
 
 
 def logit(p: float) -> float:
@@ -31,14 +31,14 @@ def test_ouro_example_from_the_semantics():
     # sigmoid 0.3, 0.3: 1 - remaining = 0.51 after loop 2
     g = [0.3, 0.3, 0.3, 0.3]
     assert loops(g, exit_threshold=0.5) == 2
-    assert loops(g, exit_threshold=0.52) == 3        # 1 - 0.7^3 = 0.657
+    assert loops(g, exit_threshold=0.52) == 3  # 1 - 0.7^3 = 0.657
     assert loops(g, exit_threshold=0.25) == 1
-    assert loops(g, exit_threshold=0.25, min_loops=3) == 3   # loops before min_loops still count
-    assert loops(g, exit_threshold=0.9) == 4         # 1 - 0.7^4 = 0.76: capped at T
+    assert loops(g, exit_threshold=0.25, min_loops=3) == 3  # loops before min_loops still count
+    assert loops(g, exit_threshold=0.9) == 4  # 1 - 0.7^4 = 0.76: capped at T
     assert loops(g, exit_threshold=0.9, max_loops=2) == 2
-    assert loops(g) == 4                             # threshold 1.0 = fixed full depth
-    assert loops([0.999999] * 4) == 4                # even when the gates saturate
-    assert loops(g, exit_threshold=0.0) == 1         # threshold 0 exits at min_loops
+    assert loops(g) == 4  # threshold 1.0 = fixed full depth
+    assert loops([0.999999] * 4) == 4  # even when the gates saturate
+    assert loops(g, exit_threshold=0.0) == 1  # threshold 0 exits at min_loops
     assert loops(g, exit_threshold=0.0, min_loops=2) == 2
 
 
@@ -50,8 +50,14 @@ def test_delayed_exits_one_loop_later_capped_at_max_loops():
     assert loops(g, exit_threshold=0.52, exit_mode="delayed") == 4
     assert loops(g, exit_threshold=0.9, exit_mode="delayed") == 4
     # the decision after loop t reads only g[0..t-1]: the last gate is never read
-    assert reference_exit_loops(SamplingParams(exit_threshold=0.5, exit_mode="delayed"), 4,
-                                [logit(0.3), logit(0.3), float("nan"), float("nan")]) == 3
+    assert (
+        reference_exit_loops(
+            SamplingParams(exit_threshold=0.5, exit_mode="delayed"),
+            4,
+            [logit(0.3), logit(0.3), float("nan"), float("nan")],
+        )
+        == 3
+    )
 
 
 def test_fixed_runs_max_loops_whatever_the_gates():
@@ -116,7 +122,7 @@ class GateTableRunner:
     def __call__(self, plan, req):
         gates = np.zeros(plan.descriptor.key.R, np.float32)
         for r in plan.ranges_of(Phase.DECODE):
-            k = len(req.output_token_ids) - 1       # token in flight
+            k = len(req.output_token_ids) - 1  # token in flight
             gates[r.row_start] = self.table[k % len(self.table)][r.depth]
         tokens = np.full(plan.descriptor.key.C, 11, np.int32)
         return gates, tokens
@@ -125,11 +131,21 @@ class GateTableRunner:
 @pytest.mark.parametrize("mode", ["ouro", "delayed"])
 def test_scheduler_applies_the_rule_one_loop_at_a_time(mode):
     T = 4
-    table = [[logit(p) for p in row] for row in
-             ([0.3, 0.3, 0.3, 0.3], [0.9, 0.1, 0.1, 0.1], [0.05, 0.05, 0.9, 0.2], [0.01, 0.01, 0.01, 0.01])]
+    table = [
+        [logit(p) for p in row]
+        for row in ([0.3, 0.3, 0.3, 0.3], [0.9, 0.1, 0.1, 0.1], [0.05, 0.05, 0.9, 0.2], [0.01, 0.01, 0.01, 0.01])
+    ]
     sp = SamplingParams(max_tokens=9, exit_threshold=0.5, exit_mode=mode)
-    cfg = SchedulerConfig(num_loops=T, num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=8,
-                          prefill_chunk_size=8, max_model_len=32, prefill_mode="mixed")
+    cfg = SchedulerConfig(
+        num_loops=T,
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=1,
+        max_num_batched_tokens=8,
+        prefill_chunk_size=8,
+        max_model_len=32,
+        prefill_mode="mixed",
+    )
     s = Scheduler(cfg)
     req = Request(0, [1, 2, 3], sp)
     s.add_request(req)

@@ -4,6 +4,7 @@ Every plan is checked as it is produced (budgets, readiness, ring rows, descript
 run is compared with the fake model's dense reference, so exit depths and tokens must be the same
 whatever the prefill mode, chunk size, buckets, arrival order or aborts.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -27,16 +28,16 @@ class Harness:
         self.s = Scheduler(cfg)
         self.fr = FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, VOCAB)
         self.ring_tag: dict[int, tuple] = {}
-        self.prompt_runs = Counter()      # (rid, pos, depth) -> times run
+        self.prompt_runs = Counter()  # (rid, pos, depth) -> times run
         self.lazy = lazy
-        self.reads = []                   # (plan, which) read by update
+        self.reads = []  # (plan, which) read by update
         self.plans = []
         self.max_rows = 0
         self.max_running = 0
-        self.fused = 0                    # fused decode steps run
+        self.fused = 0  # fused decode steps run
 
     def step(self):
-        s, cfg, T = self.s, self.cfg, self.cfg.num_loops
+        s, T = self.s, self.cfg.num_loops
         plan = s.schedule()
         if plan is None:
             return None
@@ -53,11 +54,14 @@ class Harness:
         before = {r.request_id: list(r.prefill_depth_frontiers) for r in s.running}
         gates, toks = self.fr.step(plan.descriptor)
         if self.lazy:
+
             def thunk(arr, which):
                 def f():
                     self.reads.append((plan.step, which))
                     return arr
+
                 return f
+
             deltas = s.update(plan, thunk(gates, "gates"), thunk(toks, "tokens"))
         else:
             deltas = s.update(plan, gates, toks)
@@ -129,8 +133,10 @@ class Harness:
                 assert r.depth == (req.decode_depth if decode_at[1] is None else decode_at[1])
             for i, p in enumerate(range(r.token_start, r.token_end)):
                 want = ("embed", r.request_id, p) if r.depth == 0 else (r.request_id, p, r.depth - 1)
-                assert self.ring_tag.get(r.ring_row_offset + i) == want, \
-                    f"ring row {r.ring_row_offset + i} holds {self.ring_tag.get(r.ring_row_offset + i)}, expected {want}"
+                assert self.ring_tag.get(r.ring_row_offset + i) == want, (
+                    f"ring row {r.ring_row_offset + i} holds {self.ring_tag.get(r.ring_row_offset + i)}, "
+                    f"expected {want}"
+                )
                 new_tags[r.ring_row_offset + i] = (r.request_id, p, r.depth)
         self.ring_tag.update(new_tags)
         if cfg.prefill_mode == "split":
@@ -183,28 +189,43 @@ def workloads(draw):
         sp = SamplingParams(
             max_tokens=draw(st.integers(1, 6)),
             temperature=draw(st.sampled_from([0.0, 0.0, 0.8])),
-            seed=draw(st.integers(0, 2 ** 32 - 1)),
+            seed=draw(st.integers(0, 2**32 - 1)),
             stop_token_ids=tuple(draw(st.lists(st.integers(0, VOCAB - 1), max_size=2))),
             ignore_eos=draw(st.booleans()),
-            min_loops=min_loops, max_loops=max_loops,
+            min_loops=min_loops,
+            max_loops=max_loops,
             exit_threshold=draw(st.sampled_from([1.0, 0.3, 0.6, 0.9])),
-            exit_mode=exit_mode, **kw)
+            exit_mode=exit_mode,
+            **kw,
+        )
         arrival = draw(st.integers(0, 12))
         abort_at = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(0, 40)))
-        reqs.append(dict(rid=f"r{i}", prompt=prompt, sp=sp, arrival=arrival, abort_at=abort_at,
-                         priority=draw(st.integers(0, 2))))
+        reqs.append(
+            dict(
+                rid=f"r{i}", prompt=prompt, sp=sp, arrival=arrival, abort_at=abort_at, priority=draw(st.integers(0, 2))
+            )
+        )
     planes = T if layout == "last_exited" else 1
     need = max(-(-(len(r["prompt"]) + r["sp"].max_tokens - 1) // block_size) * planes for r in reqs)
     num_blocks = 1 + need + draw(st.integers(0, 3 * need))
     max_len = max(len(r["prompt"]) + r["sp"].max_tokens for r in reqs) + draw(st.integers(0, 5))
     buckets = draw(st.sampled_from([None, "fine"]))
-    cfg = SchedulerConfig(num_loops=T, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_seqs,
-                          max_num_batched_tokens=budget, prefill_chunk_size=chunk, max_model_len=max_len,
-                          kv_layout=layout, prefill_mode=mode, policy=draw(st.sampled_from(["fcfs", "priority"])),
-                          eos_token_id=eos,
-                          buckets=None if buckets is None else tuple(range(1, budget + 1)),
-                          fused_decode_max_rows=draw(st.sampled_from([0, 0, max_seqs])),
-                          fused_decode_tokens=draw(st.integers(1, 3)))
+    cfg = SchedulerConfig(
+        num_loops=T,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        prefill_chunk_size=chunk,
+        max_model_len=max_len,
+        kv_layout=layout,
+        prefill_mode=mode,
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        eos_token_id=eos,
+        buckets=None if buckets is None else tuple(range(1, budget + 1)),
+        fused_decode_max_rows=draw(st.sampled_from([0, 0, max_seqs])),
+        fused_decode_tokens=draw(st.integers(1, 3)),
+    )
     return cfg, reqs
 
 
@@ -236,9 +257,15 @@ def run_workload(cfg, reqs, lazy=False):
 
 def check_against_reference(cfg, objs, aborted):
     rids = [rid for rid in objs if rid not in aborted]
-    ref = reference_generate([objs[r][1]["prompt"] for r in rids], [objs[r][1]["sp"] for r in rids],
-                             cfg.num_loops, request_ids=rids, kv_layout=cfg.kv_layout,
-                             eos_token_id=cfg.eos_token_id, vocab_size=VOCAB)
+    ref = reference_generate(
+        [objs[r][1]["prompt"] for r in rids],
+        [objs[r][1]["sp"] for r in rids],
+        cfg.num_loops,
+        request_ids=rids,
+        kv_layout=cfg.kv_layout,
+        eos_token_id=cfg.eos_token_id,
+        vocab_size=VOCAB,
+    )
     for rid, want in zip(rids, ref):
         req = objs[rid][0]
         assert req.output_token_ids == want["tokens"], rid
@@ -276,12 +303,34 @@ def test_modes_and_chunks_give_identical_tokens_and_exit_depths(mode, chunk):
     T = 4
     reqs = []
     for i in range(6):
-        sp = SamplingParams(max_tokens=8, exit_threshold=0.6, exit_mode=["ouro", "delayed", "synthetic"][i % 3],
-                            synthetic_mean_loops=2.5 if i % 3 == 2 else None, temperature=0.7 * (i % 2), seed=i)
-        reqs.append(dict(rid=i, prompt=rng.integers(0, VOCAB, size=int(rng.integers(3, 40))).tolist(), sp=sp,
-                         arrival=i, abort_at=None, priority=0))
-    cfg = SchedulerConfig(num_loops=T, num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
-                          prefill_chunk_size=chunk, max_model_len=64, prefill_mode=mode)
+        sp = SamplingParams(
+            max_tokens=8,
+            exit_threshold=0.6,
+            exit_mode=["ouro", "delayed", "synthetic"][i % 3],
+            synthetic_mean_loops=2.5 if i % 3 == 2 else None,
+            temperature=0.7 * (i % 2),
+            seed=i,
+        )
+        reqs.append(
+            dict(
+                rid=i,
+                prompt=rng.integers(0, VOCAB, size=int(rng.integers(3, 40))).tolist(),
+                sp=sp,
+                arrival=i,
+                abort_at=None,
+                priority=0,
+            )
+        )
+    cfg = SchedulerConfig(
+        num_loops=T,
+        num_blocks=400,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+        prefill_chunk_size=chunk,
+        max_model_len=64,
+        prefill_mode=mode,
+    )
     h, objs, aborted = run_workload(cfg, reqs)
     check_against_reference(cfg, objs, aborted)
     depths = [d for req, _ in objs.values() for d in req.exit_depths[1:]]
@@ -296,16 +345,34 @@ def test_modes_and_chunks_give_identical_tokens_and_exit_depths(mode, chunk):
 
 def test_shared_layout_runs_prompts_position_by_position():
     T = 3
-    reqs = [dict(rid=i, prompt=list(range(10 + i, 20 + 2 * i)), sp=SamplingParams(max_tokens=4, exit_threshold=0.5),
-                 arrival=0, abort_at=None, priority=0) for i in range(3)]
+    reqs = [
+        dict(
+            rid=i,
+            prompt=list(range(10 + i, 20 + 2 * i)),
+            sp=SamplingParams(max_tokens=4, exit_threshold=0.5),
+            arrival=0,
+            abort_at=None,
+            priority=0,
+        )
+        for i in range(3)
+    ]
     for mode in ("split", "mixed"):
-        cfg = SchedulerConfig(num_loops=T, num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=8,
-                              prefill_chunk_size=4, max_model_len=40, kv_layout="shared", prefill_mode=mode)
+        cfg = SchedulerConfig(
+            num_loops=T,
+            num_blocks=64,
+            block_size=4,
+            max_num_seqs=3,
+            max_num_batched_tokens=8,
+            prefill_chunk_size=4,
+            max_model_len=40,
+            kv_layout="shared",
+            prefill_mode=mode,
+        )
         h, objs, aborted = run_workload(cfg, reqs)
         check_against_reference(cfg, objs, aborted)
         for plan in h.plans:
             for r in plan.ranges_of(Phase.RECURRENT):
-                assert r.token_count == 1     # one position at a time, all its loops before the next
+                assert r.token_count == 1  # one position at a time, all its loops before the next
         assert all(len(plan.finalize) == 0 for plan in h.plans)
 
 
@@ -314,9 +381,16 @@ def test_wavefront_fills_more_rows_than_split_at_small_chunk():
     T chunks of every prompt in flight (engine-semantics.md; the RFC measured 64 vs 254 rows)."""
     rows = {}
     for mode in ("split", "wavefront"):
-        cfg = SchedulerConfig(num_loops=4, num_blocks=4 * 4 * 40 + 1, block_size=16, max_num_seqs=4,
-                              max_num_batched_tokens=1024, prefill_chunk_size=16, max_model_len=1024,
-                              prefill_mode=mode)
+        cfg = SchedulerConfig(
+            num_loops=4,
+            num_blocks=4 * 4 * 40 + 1,
+            block_size=16,
+            max_num_seqs=4,
+            max_num_batched_tokens=1024,
+            prefill_chunk_size=16,
+            max_model_len=1024,
+            prefill_mode=mode,
+        )
         s = Scheduler(cfg)
         fr = FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, VOCAB, check=False)
         for i in range(4):
@@ -334,8 +408,16 @@ def test_decode_refill_and_exit_at_loop_level():
     """A row that exits frees its place: the next token starts at depth 0 in the next invocation,
     and its KV finalize pairs run in that invocation's step 1."""
     T = 4
-    cfg = SchedulerConfig(num_loops=T, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
-                          prefill_chunk_size=8, max_model_len=32, prefill_mode="mixed")
+    cfg = SchedulerConfig(
+        num_loops=T,
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        prefill_chunk_size=8,
+        max_model_len=32,
+        prefill_mode="mixed",
+    )
     s = Scheduler(cfg)
     sp = SamplingParams(max_tokens=4, exit_mode="synthetic", synthetic_depths=[3, 1, 0, 2])
     req = Request("a", [1, 2, 3], sp)
@@ -344,27 +426,44 @@ def test_decode_refill_and_exit_at_loop_level():
     trace = []
     while s.has_unfinished():
         plan = s.schedule()
-        trace.append([(r.phase, r.depth) for r in plan.ranges if r.phase is not Phase.PRELUDE]
-                     + [("fin", len(plan.finalize))])
+        trace.append(
+            [(r.phase, r.depth) for r in plan.ranges if r.phase is not Phase.PRELUDE] + [("fin", len(plan.finalize))]
+        )
         s.update(plan, *fr.step(plan.descriptor))
     D, R = Phase.DECODE, Phase.RECURRENT
     assert trace == [
-        [(R, 0), ("fin", 0)], [(R, 1), ("fin", 0)], [(R, 2), ("fin", 0)], [(R, 3), ("fin", 0)],  # prompt
-        [(D, 0), ("fin", 0)], [(D, 1), ("fin", 0)],   # token 0 runs loops 0..1: token 1 exits at depth 1
-        [(D, 0), ("fin", 2)],                          # token 1 starts at once; planes 2, 3 finalized first
-        [(D, 0), ("fin", 3)],                          # token 1 exits at depth 0: planes 1..3 finalized
-        [(D, 1), ("fin", 0)], [(D, 2), ("fin", 0)],    # token 2 exits at depth 2, the last token
+        [(R, 0), ("fin", 0)],
+        [(R, 1), ("fin", 0)],
+        [(R, 2), ("fin", 0)],
+        [(R, 3), ("fin", 0)],  # prompt
+        [(D, 0), ("fin", 0)],
+        [(D, 1), ("fin", 0)],  # token 0 runs loops 0..1: token 1 exits at depth 1
+        [(D, 0), ("fin", 2)],  # token 1 starts at once; planes 2, 3 finalized first
+        [(D, 0), ("fin", 3)],  # token 1 exits at depth 0: planes 1..3 finalized
+        [(D, 1), ("fin", 0)],
+        [(D, 2), ("fin", 0)],  # token 2 exits at depth 2, the last token
     ]
     assert req.exit_depths == [3, 1, 0, 2]
     assert s.block_manager.num_used_blocks == 0
 
 
 def test_abort_frees_everything_at_once_even_with_a_plan_in_flight():
-    cfg = SchedulerConfig(num_loops=2, num_blocks=40, block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
-                          prefill_chunk_size=4, max_model_len=40, prefill_mode="wavefront")
+    cfg = SchedulerConfig(
+        num_loops=2,
+        num_blocks=40,
+        block_size=4,
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        prefill_chunk_size=4,
+        max_model_len=40,
+        prefill_mode="wavefront",
+    )
     s = Scheduler(cfg)
     fr = FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, VOCAB)
-    a, b = Request("a", list(range(20)), SamplingParams(max_tokens=3)), Request("b", [5, 6], SamplingParams(max_tokens=3))
+    a, b = (
+        Request("a", list(range(20)), SamplingParams(max_tokens=3)),
+        Request("b", [5, 6], SamplingParams(max_tokens=3)),
+    )
     s.add_request(a)
     s.add_request(b)
     plan = s.schedule()
@@ -372,7 +471,7 @@ def test_abort_frees_everything_at_once_even_with_a_plan_in_flight():
     delta = s.abort("a")
     assert delta.finished and delta.finish_reason == "abort" and a.status is RequestStatus.FINISHED_ABORTED
     assert s.block_manager.num_used_blocks < used and a.batch_slot is None
-    s.update(plan, *fr.step(plan.descriptor))          # the in-flight plan skips "a"
+    s.update(plan, *fr.step(plan.descriptor))  # the in-flight plan skips "a"
     assert s.abort("a") is None and s.abort("nope") is None
     while s.has_unfinished():
         plan = s.schedule()

@@ -1,4 +1,5 @@
 """Clear errors for bad sampling parameters, bad configs, impossible requests and API misuse."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,34 +8,37 @@ import pytest
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=-3), "max_tokens"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_p=float("nan")), "top_p"),
-    (dict(top_k=-1), "top_k"),
-    (dict(seed=-1), "seed"),
-    (dict(seed=2 ** 32), "seed"),
-    (dict(stop_token_ids=[3, -1]), "stop_token_ids"),
-    (dict(min_loops=0), "min_loops"),
-    (dict(min_loops=3, max_loops=2), "min_loops=3 exceeds max_loops=2"),
-    (dict(max_loops=5), "exceeds the model's number of loops T=4"),
-    (dict(max_loops=0), "max_loops"),
-    (dict(exit_threshold=-0.5), "exit_threshold"),
-    (dict(exit_threshold=float("nan")), "exit_threshold"),
-    (dict(exit_threshold=1.5), "exit_threshold"),
-    (dict(exit_mode="early"), "exit_mode"),
-    (dict(exit_mode="synthetic"), "exactly one of"),
-    (dict(exit_mode="synthetic", synthetic_mean_loops=2.0, synthetic_depths=[1]), "exactly one of"),
-    (dict(exit_mode="synthetic", synthetic_mean_loops=5.0), "synthetic_mean_loops"),
-    (dict(exit_mode="synthetic", synthetic_mean_loops=float("nan")), "synthetic_mean_loops"),
-    (dict(exit_mode="synthetic", synthetic_depths=[]), "must not be empty"),
-    (dict(exit_mode="synthetic", synthetic_depths=[4]), "synthetic_depths"),
-    (dict(synthetic_mean_loops=2.0), "only meaningful"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**32), "seed"),
+        (dict(stop_token_ids=[3, -1]), "stop_token_ids"),
+        (dict(min_loops=0), "min_loops"),
+        (dict(min_loops=3, max_loops=2), "min_loops=3 exceeds max_loops=2"),
+        (dict(max_loops=5), "exceeds the model's number of loops T=4"),
+        (dict(max_loops=0), "max_loops"),
+        (dict(exit_threshold=-0.5), "exit_threshold"),
+        (dict(exit_threshold=float("nan")), "exit_threshold"),
+        (dict(exit_threshold=1.5), "exit_threshold"),
+        (dict(exit_mode="early"), "exit_mode"),
+        (dict(exit_mode="synthetic"), "exactly one of"),
+        (dict(exit_mode="synthetic", synthetic_mean_loops=2.0, synthetic_depths=[1]), "exactly one of"),
+        (dict(exit_mode="synthetic", synthetic_mean_loops=5.0), "synthetic_mean_loops"),
+        (dict(exit_mode="synthetic", synthetic_mean_loops=float("nan")), "synthetic_mean_loops"),
+        (dict(exit_mode="synthetic", synthetic_depths=[]), "must not be empty"),
+        (dict(exit_mode="synthetic", synthetic_depths=[4]), "synthetic_depths"),
+        (dict(synthetic_mean_loops=2.0), "only meaningful"),
+    ],
+)
 def test_sampling_params_errors_name_the_field(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw).validate(4)
@@ -49,30 +53,40 @@ def test_sampling_params_defaults_are_valid_and_hashable():
 
 
 def cfg(**kw):
-    base = dict(num_loops=4, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
-                prefill_chunk_size=8, max_model_len=64)
+    base = dict(
+        num_loops=4,
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        prefill_chunk_size=8,
+        max_model_len=64,
+    )
     base.update(kw)
     return SchedulerConfig(**base)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(num_loops=0), "num_loops"),
-    (dict(num_blocks=1), "num_blocks"),
-    (dict(block_size=0), "block_size"),
-    (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(max_num_seqs=64, max_num_batched_tokens=32), "must be >= max_num_seqs"),
-    (dict(prefill_chunk_size=0), "prefill_chunk_size"),
-    (dict(max_model_len=0), "max_model_len"),
-    (dict(kv_layout="paged"), "kv_layout"),
-    (dict(prefill_mode="chunked"), "prefill_mode"),
-    (dict(prefill_mode="wavefront", kv_layout="shared"), "LAST_EXITED"),
-    (dict(prefill_mode="wavefront", kv_layout="SHARED"), "LAST_EXITED"),
-    (dict(policy="lifo"), "policy"),
-    (dict(eos_token_id=-1), "eos_token_id"),
-    (dict(watermark=1.0), "watermark"),
-    (dict(buckets=[16, 8, 32]), "strictly increasing"),
-    (dict(buckets=[8, 16]), "smaller than max_num_batched_tokens"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(num_loops=0), "num_loops"),
+        (dict(num_blocks=1), "num_blocks"),
+        (dict(block_size=0), "block_size"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(max_num_seqs=64, max_num_batched_tokens=32), "must be >= max_num_seqs"),
+        (dict(prefill_chunk_size=0), "prefill_chunk_size"),
+        (dict(max_model_len=0), "max_model_len"),
+        (dict(kv_layout="paged"), "kv_layout"),
+        (dict(prefill_mode="chunked"), "prefill_mode"),
+        (dict(prefill_mode="wavefront", kv_layout="shared"), "LAST_EXITED"),
+        (dict(prefill_mode="wavefront", kv_layout="SHARED"), "LAST_EXITED"),
+        (dict(policy="lifo"), "policy"),
+        (dict(eos_token_id=-1), "eos_token_id"),
+        (dict(watermark=1.0), "watermark"),
+        (dict(buckets=[16, 8, 32]), "strictly increasing"),
+        (dict(buckets=[8, 16]), "smaller than max_num_batched_tokens"),
+    ],
+)
 def test_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         cfg(**kw)
@@ -87,7 +101,7 @@ def test_config_derived_sizes():
 
 
 def test_add_request_rejects_impossible_requests_without_changing_anything():
-    s = Scheduler(cfg(num_blocks=9))          # 8 usable blocks: 2 blocks in each of the 4 planes
+    s = Scheduler(cfg(num_blocks=9))  # 8 usable blocks: 2 blocks in each of the 4 planes
     before = s.stats()
     bad = [
         (Request("e", [], SamplingParams()), "empty"),
@@ -99,7 +113,7 @@ def test_add_request_rejects_impossible_requests_without_changing_anything():
         with pytest.raises(ValueError, match=match):
             s.add_request(req)
     assert not s.has_unfinished() and s.stats() == before and s.schedule() is None
-    ok = Request("ok", [1, 2, 3], SamplingParams(max_tokens=6))   # 8 positions x 4 planes = 8 blocks
+    ok = Request("ok", [1, 2, 3], SamplingParams(max_tokens=6))  # 8 positions x 4 planes = 8 blocks
     s.add_request(ok)
     with pytest.raises(ValueError, match="already queued"):
         s.add_request(Request("ok", [1], SamplingParams()))
@@ -154,9 +168,11 @@ def test_priority_and_fcfs_admission_order():
 
 def test_stop_tokens_eos_and_ignore_eos():
     s = Scheduler(cfg(num_loops=1, eos_token_id=5))
-    reqs = [Request("stop", [1], SamplingParams(max_tokens=5, stop_token_ids=[9])),
-            Request("eos", [1], SamplingParams(max_tokens=5)),
-            Request("ign", [1], SamplingParams(max_tokens=5, ignore_eos=True))]
+    reqs = [
+        Request("stop", [1], SamplingParams(max_tokens=5, stop_token_ids=[9])),
+        Request("eos", [1], SamplingParams(max_tokens=5)),
+        Request("ign", [1], SamplingParams(max_tokens=5, ignore_eos=True)),
+    ]
     for r in reqs:
         s.add_request(r)
     script = {"stop": [3, 9], "eos": [5], "ign": [5, 5, 5, 5, 5]}
@@ -174,6 +190,9 @@ def test_stop_tokens_eos_and_ignore_eos():
 def test_scheduler_package_never_imports_jax():
     import subprocess
     import sys
-    code = ("import sys, scheduler, scheduler.fake_runner; "
-            "bad = [m for m in ('jax', 'flax') if m in sys.modules]; assert not bad, bad")
+
+    code = (
+        "import sys, scheduler, scheduler.fake_runner; "
+        "bad = [m for m in ('jax', 'flax') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,5 @@
 """weights/: HF and converted checkpoints, random checkpoints, error messages, the CLI."""
+
 import json
 import os
 import shutil
@@ -58,8 +59,9 @@ def test_hf_single_file_roundtrip(tmp_path, preset):
     assert_equals_random(params, cfg, 3, np.float32)
 
 
-@pytest.mark.parametrize("preset,dtype,np_dtype", [("tiny-gqa", "bfloat16", ml_dtypes.bfloat16),
-                                                   ("tiny", "float32", np.float32)])
+@pytest.mark.parametrize(
+    "preset,dtype,np_dtype", [("tiny-gqa", "bfloat16", ml_dtypes.bfloat16), ("tiny", "float32", np.float32)]
+)
 def test_hf_sharded_roundtrip(tmp_path, preset, dtype, np_dtype):
     cfg = get_preset(preset)
     weights.save_random(tmp_path / "hf", cfg, seed=5, dtype=dtype, max_shard_bytes=30_000)
@@ -82,9 +84,10 @@ def test_load_casts(tmp_path):
         weights.load_checkpoint(tmp_path / "hf", dtype=jnp.int32)
 
 
-@pytest.mark.parametrize("preset,src_dtype,conv_dtype", [("tiny", "float32", None),
-                                                         ("tiny-gqa", "bfloat16", None),
-                                                         ("tiny-gqa", "float32", "bfloat16")])
+@pytest.mark.parametrize(
+    "preset,src_dtype,conv_dtype",
+    [("tiny", "float32", None), ("tiny-gqa", "bfloat16", None), ("tiny-gqa", "float32", "bfloat16")],
+)
 def test_convert_matches_hf_load(tmp_path, preset, src_dtype, conv_dtype):
     cfg = get_preset(preset)
     weights.save_random(tmp_path / "hf", cfg, seed=7, dtype=src_dtype, max_shard_bytes=40_000)
@@ -253,8 +256,9 @@ def test_corrupt_safetensors(good_hf, tmp_path):
 def test_converted_checkpoint_checked_against_config(good_hf, tmp_path):
     weights.convert(good_hf / "single", tmp_path / "conv", progress=False)
     _edit_config(tmp_path / "conv", num_hidden_layers=3)
-    with pytest.raises(CheckpointError,
-                       match=r"missing.*model\.layers\.2\.self_attn\.q_proj\.weight.*num_hidden_layers=3"):
+    with pytest.raises(
+        CheckpointError, match=r"missing.*model\.layers\.2\.self_attn\.q_proj\.weight.*num_hidden_layers=3"
+    ):
         weights.load_checkpoint(tmp_path / "conv")
     _edit_config(tmp_path / "conv", num_hidden_layers=2)
     os.remove(tmp_path / "conv" / "params" / "_METADATA")
@@ -265,8 +269,7 @@ def test_converted_checkpoint_checked_against_config(good_hf, tmp_path):
 # ------------------------------------------------------------------------------------ CLI
 def test_cli_random_checkpoint_and_convert(tmp_path, capsys):
     src, dst = str(tmp_path / "hf"), str(tmp_path / "conv")
-    assert main(["random-checkpoint", src, "--preset", "tiny-gqa", "--seed", "2", "--max-shard-bytes",
-                 "50000"]) == 0
+    assert main(["random-checkpoint", src, "--preset", "tiny-gqa", "--seed", "2", "--max-shard-bytes", "50000"]) == 0
     assert main(["convert", src, dst, "--dtype", "bfloat16", "--no-progress"]) == 0
     assert "converted" in capsys.readouterr().out
     config, params = weights.load_checkpoint(dst)

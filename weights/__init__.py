@@ -14,6 +14,7 @@
 Every problem with a checkpoint raises :class:`CheckpointError` (a ``ValueError``) naming the file and
 tensor; a non-empty destination raises ``FileExistsError`` unless ``overwrite=True``.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,24 +25,35 @@ import numpy as np
 from ouro_jax.config import OuroConfig, get_preset
 from ouro_jax.params import hf_name_to_path, random_hf_tensors, set_path
 
-from ._common import (CONFIG_NAME, MARKER_NAME, CheckpointError, canonical_dtype, dtype_name, place,
-                      prepare_dst)
+from ._common import CONFIG_NAME, MARKER_NAME, CheckpointError, canonical_dtype, dtype_name, place, prepare_dst
 from .hf import iter_hf_tensors, load_hf, open_hf, write_hf
 from .orbax_io import load_orbax, save_orbax
 
 __all__ = ["load_checkpoint", "convert", "save_random", "detect_format", "CheckpointError"]
 
 # Files of a HF folder that convert() copies next to the converted weights (tokenizer, chat template).
-AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-             "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+AUX_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def detect_format(path) -> str:
     """``"orbax"`` (converted by ouro-jax) or ``"hf"``; raises :class:`CheckpointError` otherwise."""
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint folder {path} does not exist" if not os.path.exists(path)
-                              else f"checkpoint path {path} is a file, not a folder")
+        raise CheckpointError(
+            f"checkpoint folder {path} does not exist"
+            if not os.path.exists(path)
+            else f"checkpoint path {path} is a file, not a folder"
+        )
     if os.path.isfile(os.path.join(path, MARKER_NAME)):
         return "orbax"
     if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
@@ -74,6 +86,7 @@ def convert(src, dst, dtype=None, progress: bool = True, overwrite: bool = False
     it = iter_hf_tensors(src, inv)
     if progress:
         from tqdm import tqdm
+
         it = tqdm(it, total=len(inv), desc="convert", unit="tensor")
     params: dict = {}
     for name, arr in it:
@@ -88,8 +101,15 @@ def convert(src, dst, dtype=None, progress: bool = True, overwrite: bool = False
     return dst
 
 
-def save_random(path, config: OuroConfig | str, seed: int = 0, layout: str = "hf", dtype="float32",
-                max_shard_bytes: int | None = None, overwrite: bool = False) -> str:
+def save_random(
+    path,
+    config: OuroConfig | str,
+    seed: int = 0,
+    layout: str = "hf",
+    dtype="float32",
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+) -> str:
     """Write a seeded random checkpoint; ``config`` is an :class:`OuroConfig` or a preset name.
 
     ``layout="hf"``: config.json + model.safetensors (or shards of at most ``max_shard_bytes`` data
@@ -118,4 +138,3 @@ def save_random(path, config: OuroConfig | str, seed: int = 0, layout: str = "hf
             set_path(params, p, place(arr, transpose, None))
         save_orbax(path, config, params, extra={"source": f"random(seed={seed})"})
     return path
-

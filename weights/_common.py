@@ -1,5 +1,6 @@
 """Shared pieces of the weights package: the error type, dtypes, the check of a tensor inventory
 against an :class:`OuroConfig`, on-device placement, and destination-folder handling."""
+
 from __future__ import annotations
 
 import copy
@@ -18,7 +19,7 @@ from ouro_jax.params import hf_tensor_shapes
 
 CONFIG_NAME = "config.json"
 MARKER_NAME = "ouro_jax_checkpoint.json"  # present only in a converted (orbax) folder
-PARAMS_DIR = "params"                     # the orbax checkpoint inside a converted folder
+PARAMS_DIR = "params"  # the orbax checkpoint inside a converted folder
 FORMAT_NAME = "ouro-jax-orbax"
 FORMAT_VERSION = 1
 SINGLE_FILE = "model.safetensors"
@@ -33,8 +34,11 @@ class CheckpointError(ValueError):
 # safetensors dtype tag <-> numpy dtype, for the dtypes the model can hold.
 ST_TO_NP = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
 NP_TO_ST = {v: k for k, v in ST_TO_NP.items()}
-DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
-               np.dtype(np.float16): "float16"}
+DTYPE_NAMES = {
+    np.dtype(np.float32): "float32",
+    np.dtype(ml_dtypes.bfloat16): "bfloat16",
+    np.dtype(np.float16): "float16",
+}
 
 
 def canonical_dtype(dtype) -> np.dtype | None:
@@ -47,8 +51,9 @@ def canonical_dtype(dtype) -> np.dtype | None:
     except TypeError:
         d = None
     if d not in DTYPE_NAMES:
-        raise CheckpointError(f"unsupported dtype {dtype!r}: use bfloat16, float32 or float16 (or None "
-                              f"to keep the checkpoint's dtype)")
+        raise CheckpointError(
+            f"unsupported dtype {dtype!r}: use bfloat16, float32 or float16 (or None to keep the checkpoint's dtype)"
+        )
     return d
 
 
@@ -60,8 +65,9 @@ def dtype_name(dtype) -> str:
 def read_config(folder: str) -> OuroConfig:
     p = os.path.join(folder, CONFIG_NAME)
     if not os.path.isfile(p):
-        raise CheckpointError(f"no {CONFIG_NAME} in {folder}: a checkpoint folder needs the model's "
-                              f"config.json next to its weights")
+        raise CheckpointError(
+            f"no {CONFIG_NAME} in {folder}: a checkpoint folder needs the model's config.json next to its weights"
+        )
     try:
         with open(p) as f:
             d = json.load(f)
@@ -76,8 +82,14 @@ def read_config(folder: str) -> OuroConfig:
 
 
 # ------------------------------------------------------------------ inventory vs config
-_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim")
+_SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 
 
 def _dim_fields(config: OuroConfig, name: str) -> list[list[str]]:
@@ -114,8 +126,7 @@ def explain_shape(config: OuroConfig, name: str, got: tuple[int, ...]) -> str:
     return "; ".join(parts)
 
 
-def check_inventory(config: OuroConfig, found: dict[str, tuple[str, tuple[int, ...], str]],
-                    where: str) -> None:
+def check_inventory(config: OuroConfig, found: dict[str, tuple[str, tuple[int, ...], str]], where: str) -> None:
     """``found``: HF tensor name -> (safetensors dtype tag, HF-layout shape, file it lives in).
 
     Raises :class:`CheckpointError` for missing tensors, unexpected extra tensors, shape mismatches
@@ -126,14 +137,19 @@ def check_inventory(config: OuroConfig, found: dict[str, tuple[str, tuple[int, .
     if missing or extra:
         msg = []
         if missing:
-            msg.append(f"{len(missing)} tensor(s) missing from {where}: " + ", ".join(missing[:8])
-                       + (" ..." if len(missing) > 8 else ""))
+            msg.append(
+                f"{len(missing)} tensor(s) missing from {where}: "
+                + ", ".join(missing[:8])
+                + (" ..." if len(missing) > 8 else "")
+            )
         if extra:
             files = {found[n][2] for n in extra}
             where_extra = f"{where}/{next(iter(files))}" if len(files) == 1 else where
-            msg.append(f"{len(extra)} unexpected extra tensor(s) in {where_extra}: "
-                       + ", ".join(n if len(files) == 1 else f"{n} (in {found[n][2]})" for n in extra[:8])
-                       + (" ..." if len(extra) > 8 else ""))
+            msg.append(
+                f"{len(extra)} unexpected extra tensor(s) in {where_extra}: "
+                + ", ".join(n if len(files) == 1 else f"{n} (in {found[n][2]})" for n in extra[:8])
+                + (" ..." if len(extra) > 8 else "")
+            )
         if any(n.startswith("model.layers.") for n in extra + missing):
             msg.append(f"config.json has num_hidden_layers={config.num_hidden_layers}")
         raise CheckpointError("; ".join(msg))
@@ -144,11 +160,13 @@ def check_inventory(config: OuroConfig, found: dict[str, tuple[str, tuple[int, .
         more = f" (and {len(bad_shape) - 1} other tensor(s) disagree)" if len(bad_shape) > 1 else ""
         raise CheckpointError(
             f"shape mismatch for tensor {n} in {found[n][2]}: checkpoint has {list(got)}, config "
-            f"expects {list(expected[n])}: {explain_shape(config, n, got)}{more}")
+            f"expects {list(expected[n])}: {explain_shape(config, n, got)}{more}"
+        )
     for n in expected:
         if found[n][0] not in ST_TO_NP:
-            raise CheckpointError(f"tensor {n} in {found[n][2]} has unsupported dtype {found[n][0]}; "
-                                  f"supported: {', '.join(ST_TO_NP)}")
+            raise CheckpointError(
+                f"tensor {n} in {found[n][2]} has unsupported dtype {found[n][0]}; supported: {', '.join(ST_TO_NP)}"
+            )
 
 
 # ---------------------------------------------------------------------------- placement
@@ -181,8 +199,9 @@ def prepare_dst(dst: str, overwrite: bool) -> str:
         raise FileExistsError(f"destination {dst} exists and is not a folder")
     if os.path.isdir(dst) and os.listdir(dst):
         if not overwrite:
-            raise FileExistsError(f"destination {dst} is not empty; pass overwrite=True (--overwrite) "
-                                  f"to replace the checkpoint in it")
+            raise FileExistsError(
+                f"destination {dst} is not empty; pass overwrite=True (--overwrite) to replace the checkpoint in it"
+            )
         # Remove only what a checkpoint of ours consists of; anything else is left in place.
         for name in os.listdir(dst):
             p = os.path.join(dst, name)

@@ -1,6 +1,7 @@
 """Hugging Face checkpoint folders: ``config.json`` + ``model.safetensors``, or shards listed in
 ``model.safetensors.index.json``.  Reading checks the whole inventory (names, shapes, dtypes) from
 the headers before a single tensor is read; writing streams tensor by tensor."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,7 @@ import numpy as np
 from ouro_jax.config import OuroConfig
 from ouro_jax.params import hf_name_to_path, hf_tensor_shapes, set_path
 
-from ._common import (CONFIG_NAME, INDEX_FILE, SINGLE_FILE, CheckpointError, check_inventory, place,
-                      read_config)
+from ._common import CONFIG_NAME, INDEX_FILE, SINGLE_FILE, CheckpointError, check_inventory, place, read_config
 from .safetensors_io import read_header, read_tensors, write_safetensors
 
 
@@ -37,14 +37,15 @@ def tensor_files(folder: str) -> dict[str, str]:
         for name, shard in wm.items():
             p = os.path.join(folder, shard)
             if not os.path.isfile(p):
-                raise CheckpointError(f"{index} puts tensor {name} in shard {shard}, which does not "
-                                      f"exist in {folder}")
+                raise CheckpointError(f"{index} puts tensor {name} in shard {shard}, which does not exist in {folder}")
             out[name] = p
         return out
     others = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     if others:
-        raise CheckpointError(f"{folder} has safetensors shards ({', '.join(others[:4])}) but no "
-                              f"{INDEX_FILE} to say which tensor is where")
+        raise CheckpointError(
+            f"{folder} has safetensors shards ({', '.join(others[:4])}) but no "
+            f"{INDEX_FILE} to say which tensor is where"
+        )
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder}")
 
 
@@ -57,8 +58,10 @@ def inventory(folder: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
     for name, p in files.items():
         h = headers[p]
         if name not in h:
-            raise CheckpointError(f"tensor {name} is listed in {INDEX_FILE} under "
-                                  f"{os.path.basename(p)} but that shard does not contain it")
+            raise CheckpointError(
+                f"tensor {name} is listed in {INDEX_FILE} under "
+                f"{os.path.basename(p)} but that shard does not contain it"
+            )
         out[name] = (h[name][0], h[name][1], os.path.basename(p))
     return out
 
@@ -117,8 +120,13 @@ def shard_plan(specs: list[tuple[str, np.dtype, tuple[int, ...]]], max_shard_byt
     return shards
 
 
-def write_hf(folder: str, config: OuroConfig, tensors: Iterator[tuple[str, np.ndarray]], dtype: np.dtype,
-             max_shard_bytes: int | None = None) -> list[str]:
+def write_hf(
+    folder: str,
+    config: OuroConfig,
+    tensors: Iterator[tuple[str, np.ndarray]],
+    dtype: np.dtype,
+    max_shard_bytes: int | None = None,
+) -> list[str]:
     """Write ``config.json`` and the tensors (HF names/layout, all of dtype ``dtype``, in
     ``hf_tensor_shapes`` order) as one file or as shards + index.  Returns the files written."""
     specs = [(n, np.dtype(dtype), s) for n, s in hf_tensor_shapes(config).items()]
@@ -136,4 +144,3 @@ def write_hf(folder: str, config: OuroConfig, tensors: Iterator[tuple[str, np.nd
     with open(os.path.join(folder, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return names + [INDEX_FILE]
-

@@ -1,5 +1,6 @@
 """The converted layout: a folder with our ``config.json``, a ``ouro_jax_checkpoint.json`` marker and
 an orbax checkpoint of the Flax param tree in ``params/`` (already transposed, already cast)."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,18 @@ import orbax.checkpoint as ocp
 from ouro_jax.config import OuroConfig
 from ouro_jax.params import iter_paths, path_to_hf_name
 
-from ._common import (CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, MARKER_NAME, NP_TO_ST, PARAMS_DIR,
-                      CheckpointError, check_inventory, dtype_name, read_config)
+from ._common import (
+    CONFIG_NAME,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MARKER_NAME,
+    NP_TO_ST,
+    PARAMS_DIR,
+    CheckpointError,
+    check_inventory,
+    dtype_name,
+    read_config,
+)
 
 
 def save_orbax(folder: str, config: OuroConfig, params: dict, extra: dict | None = None) -> None:
@@ -29,8 +40,13 @@ def save_orbax(folder: str, config: OuroConfig, params: dict, extra: dict | None
         ckptr.save(os.path.join(folder, PARAMS_DIR), params)
         ckptr.wait_until_finished()
     config.to_json(os.path.join(folder, CONFIG_NAME))
-    marker = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "dtype": dtype,
-              "params": PARAMS_DIR, **(extra or {})}
+    marker = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype,
+        "params": PARAMS_DIR,
+        **(extra or {}),
+    }
     with open(os.path.join(folder, MARKER_NAME), "w") as f:
         json.dump(marker, f, indent=2)
 
@@ -45,8 +61,10 @@ def read_marker(folder: str) -> dict:
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{p} is not an ouro-jax checkpoint marker")
     if m.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{p}: checkpoint format version {m.get('format_version')!r} is not "
-                              f"supported by this ouro-jax (it reads version {FORMAT_VERSION})")
+        raise CheckpointError(
+            f"{p}: checkpoint format version {m.get('format_version')!r} is not "
+            f"supported by this ouro-jax (it reads version {FORMAT_VERSION})"
+        )
     return m
 
 
@@ -66,8 +84,9 @@ def load_orbax(folder: str, dtype=None, device=None) -> tuple[OuroConfig, dict]:
             raise CheckpointError(f"corrupt orbax checkpoint {pdir}: {_short(e)}") from None
         tree = getattr(meta, "tree", None)
         if not isinstance(tree, dict):
-            raise CheckpointError(f"corrupt orbax checkpoint {pdir}: its tree metadata (_METADATA) is "
-                                  f"missing or unreadable")
+            raise CheckpointError(
+                f"corrupt orbax checkpoint {pdir}: its tree metadata (_METADATA) is missing or unreadable"
+            )
         # Check the stored tree against the config in HF terms (same messages as a HF folder).
         found, paths = {}, {}
         for path, meta in iter_paths(tree):
@@ -83,8 +102,11 @@ def load_orbax(folder: str, dtype=None, device=None) -> tuple[OuroConfig, dict]:
             paths[name] = path
         check_inventory(config, found, pdir)
         target = jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(dtype if dtype is not None else m.dtype),
-                                           sharding=sharding), tree)
+            lambda m: jax.ShapeDtypeStruct(
+                tuple(m.shape), np.dtype(dtype if dtype is not None else m.dtype), sharding=sharding
+            ),
+            tree,
+        )
         try:
             params = ckptr.restore(pdir, target)
         except Exception as e:

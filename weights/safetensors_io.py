@@ -4,6 +4,7 @@ safetensors 0.8.0 returns ``BF16`` tensors as ``ml_dtypes.bfloat16`` numpy array
 hand back raw 16-bit words or refuse, so a ``BF16`` tensor that does not come back as bfloat16 is
 reinterpreted from its bytes (``view``), which is exact.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,14 +51,17 @@ def read_tensors(path: str, names: Iterable[str]) -> Iterator[tuple[str, np.ndar
                 raise CheckpointError(f"tensor {name} in {path} has unsupported dtype {tag}")
             if arr.dtype != want:
                 if arr.dtype.itemsize != want.itemsize:
-                    raise CheckpointError(f"tensor {name} in {path}: safetensors returned {arr.dtype} "
-                                          f"for dtype {tag}")
+                    raise CheckpointError(f"tensor {name} in {path}: safetensors returned {arr.dtype} for dtype {tag}")
                 arr = arr.view(want)
             yield name, arr
 
 
-def write_safetensors(path: str, specs: list[tuple[str, np.dtype, tuple[int, ...]]],
-                      tensors: Iterator[tuple[str, np.ndarray]], metadata: dict | None = None) -> int:
+def write_safetensors(
+    path: str,
+    specs: list[tuple[str, np.dtype, tuple[int, ...]]],
+    tensors: Iterator[tuple[str, np.ndarray]],
+    metadata: dict | None = None,
+) -> int:
     """Stream ``tensors`` (in the order of ``specs``) into one safetensors file; returns data bytes.
 
     The header is computed from ``specs`` first, so no more than one tensor is ever in memory."""
@@ -65,8 +69,7 @@ def write_safetensors(path: str, specs: list[tuple[str, np.dtype, tuple[int, ...
     off = 0
     for name, dtype, shape in specs:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": NP_TO_ST[np.dtype(dtype)], "shape": list(shape),
-                        "data_offsets": [off, off + nbytes]}
+        header[name] = {"dtype": NP_TO_ST[np.dtype(dtype)], "shape": list(shape), "data_offsets": [off, off + nbytes]}
         off += nbytes
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
@@ -77,8 +80,9 @@ def write_safetensors(path: str, specs: list[tuple[str, np.dtype, tuple[int, ...
         for name, dtype, shape in specs:
             got_name, arr = next(tensors)
             if got_name != name or tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
-                raise AssertionError(f"writer got {got_name} {arr.shape} {arr.dtype}, "
-                                     f"expected {name} {shape} {np.dtype(dtype)}")
+                raise AssertionError(
+                    f"writer got {got_name} {arr.shape} {arr.dtype}, expected {name} {shape} {np.dtype(dtype)}"
+                )
             arr = np.ascontiguousarray(arr)
             if arr.dtype.byteorder == ">":
                 arr = arr.byteswap().view(arr.dtype.newbyteorder("<"))
