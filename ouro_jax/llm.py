@@ -10,7 +10,8 @@ results, reading the device's gates/tokens only when a decision needs them, so p
 never wait for the device and the host builds the next descriptor while the device computes.
 
 ``add_request`` / ``step`` / ``abort`` / ``has_unfinished`` let callers drive the loop themselves;
-``stream`` yields outputs as tokens arrive.
+``stream`` yields outputs as tokens arrive. ``LLM``'s docstring states the one rule by which every
+path hands outputs out.
 """
 
 from __future__ import annotations
@@ -85,7 +86,23 @@ def _device_memory() -> Optional[tuple[int, int]]:
 
 
 class LLM:
-    """The Ouro engine: loop-level batching, paged depth-plane KV, bucketed compiled steps."""
+    """The Ouro engine: loop-level batching, paged depth-plane KV, bucketed compiled steps.
+
+    Request lifecycle, one rule for every path (``generate``, ``stream``, ``add_request`` +
+    ``step``, ``abort``): every output is handed out exactly once, to whoever drives the loop, and
+    the engine forgets a request once its final output has been handed out.
+
+    - ``step()`` returns one ``RequestOutput`` (cumulative: all tokens so far) for every request
+      that got tokens or finished since its output was last handed out, including requests that
+      ``generate``/``stream`` ran but did not own and requests aborted since the last step.
+    - ``generate()`` and ``stream()`` drive the loop until *their* prompts finish and hand out only
+      their prompts' outputs; outputs of other requests produced meanwhile are kept (the latest
+      one per request) and returned by the next ``step()``.
+    - ``abort(id)`` finishes a queued or running request at once (its KV blocks and ring rows are
+      free on return); its final output (``finish_reason="abort"``) comes from the next ``step()``
+      (or from the ``generate``/``stream`` that owns it). ``has_unfinished()`` stays true until
+      every final output has been handed out.
+    """
 
     def __init__(
         self,
@@ -181,7 +198,8 @@ class LLM:
         )
         self._ids = itertools.count()
         self._live: dict[object, Request] = {}  # queued or running, by id
-        self._finished: dict[object, Request] = {}  # finished, until generate() hands them out
+        # outputs produced but not yet handed out (the latest per request; see the class docstring)
+        self._unreported: dict[object, RequestOutput] = {}
         self.warmup_time = self.runner.warmup(self.executable_keys(), progress) if warmup else 0.0
 
     def executable_keys(self) -> list:
@@ -272,23 +290,34 @@ class LLM:
         """Validate and queue one request (``ValueError`` before anything changes); returns its id."""
         ids = self._encode(prompt)
         rid = next(self._ids) if request_id is None else request_id
+        if rid in self._unreported:
+            raise ValueError(f"request {rid!r}: a request with this id has an output not handed out yet (call step())")
         req = Request(rid, ids, sampling_params or SamplingParams(), priority=priority)
         self.scheduler.add_request(req)
         self._live[rid] = req
         return rid
 
     def abort(self, request_id) -> bool:
-        """Cancel a request now; every KV block and ring row it held is free on return."""
+        """Cancel a queued or running request now; every KV block and ring row it held is free on
+        return. Its final output (``finish_reason="abort"``) is handed out by the next ``step()``.
+        False if the id is unknown or the request already finished."""
         if self.scheduler.abort(request_id) is None:
             return False
-        self._finished[request_id] = self._live.pop(request_id)
+        req = self._live.pop(request_id)
+        self._unreported[request_id] = self._output(req)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """True while a request is queued or running, or a final output has not been handed out."""
+        return self.scheduler.has_unfinished() or bool(self._unreported)
 
     def step(self) -> list[RequestOutput]:
-        """Run one invocation; returns an output for every request that got tokens or finished."""
+        """Run one invocation; returns an output for every request that got tokens or finished
+        since its output was last handed out (see the class docstring)."""
+        return self._collect(None)
+
+    def _advance(self) -> list[RequestOutput]:
+        """One invocation; the outputs of the requests it gave tokens or finished."""
         plan = self.scheduler.schedule()
         if plan is None:
             if self.scheduler.has_unfinished():
@@ -302,9 +331,24 @@ class LLM:
             if req is None:
                 continue
             if d.finished:
-                self._finished[d.request_id] = self._live.pop(d.request_id)
+                del self._live[d.request_id]
             outs.append(self._output(req, with_text=d.finished))
         return outs
+
+    def _collect(self, mine: Optional[set]) -> list[RequestOutput]:
+        """Outputs for the caller that drives the loop: every request's (``mine=None``) or only
+        those of ``mine``, the others kept for the next ``step()``. Unreported outputs come first;
+        a newer output of the same request replaces an older one (outputs are cumulative)."""
+        outs: dict[object, RequestOutput] = {}
+        for rid in [r for r in self._unreported if mine is None or r in mine]:
+            outs[rid] = self._unreported.pop(rid)
+        if self.scheduler.has_unfinished():
+            for o in self._advance():
+                if mine is None or o.request_id in mine:
+                    outs[o.request_id] = o
+                else:
+                    self._unreported[o.request_id] = o
+        return list(outs.values())
 
     def _output(self, req: Request, with_text: bool = True) -> RequestOutput:
         """Per-step outputs are cheap (O(new tokens)): text is decoded only when asked for."""
@@ -327,15 +371,20 @@ class LLM:
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
     ) -> Iterator[RequestOutput]:
-        """Add the prompts and yield a ``RequestOutput`` each time one of them gets tokens."""
+        """Add the prompts and yield a ``RequestOutput`` each time one of them gets tokens or
+        finishes; returns once every one of them has finished."""
         ids = self._add_all(prompts, sampling_params)
-        mine = set(ids)
-        while self.has_unfinished():
-            for out in self.step():
-                if out.request_id in mine:
-                    if self.tokenizer is not None and out.text is None:
-                        out.text = self.tokenizer.decode(out.token_ids)
-                    yield out
+        left = set(ids)
+        while left:
+            outs = self._collect(left)
+            if not outs and not self.scheduler.has_unfinished():
+                raise RuntimeError(f"requests {sorted(map(str, left))} were lost")  # the lifecycle rule broke
+            for out in outs:
+                if out.finished:
+                    left.discard(out.request_id)
+                if self.tokenizer is not None and out.text is None:
+                    out.text = self.tokenizer.decode(out.token_ids)
+                yield out
 
     def generate(
         self,
@@ -343,22 +392,33 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: Optional[bool] = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order of ``prompts``."""
+        """Run every prompt to completion; outputs in the order of ``prompts``. Requests added
+        with ``add_request`` keep running alongside; their outputs wait for the next ``step()``."""
         ids = self._add_all(prompts, sampling_params)
+        left, final = set(ids), {}
         bar = None
         if self.progress if use_tqdm is None else use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         try:
-            while self.has_unfinished():
-                for out in self.step():
-                    if out.finished and bar is not None:
-                        bar.update(1)
+            while left:
+                outs = self._collect(left)
+                if not outs and not self.scheduler.has_unfinished():
+                    raise RuntimeError(f"requests {sorted(map(str, left))} were lost")
+                for out in outs:
+                    if out.finished:
+                        left.discard(out.request_id)
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
-        return [self._output(self._finished.pop(i)) for i in ids]
+        for out in final.values():
+            if self.tokenizer is not None and out.text is None:
+                out.text = self.tokenizer.decode(out.token_ids)
+        return [final[i] for i in ids]
 
     def _add_all(self, prompts, sampling_params) -> list:
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):

@@ -97,19 +97,18 @@ def test_arrival_order_and_decode_traffic(early_oracle):
     llm = make_llm(prefill_mode="wavefront", max_num_seqs=3, max_num_batched_tokens=16, buckets=[8, 16])
     sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.6)
     order = [4, 0, 5, 2, 1, 3]
-    ids = {}
+    ids, final = {}, {}
     pending = list(order)
     steps = 0
     while pending or llm.has_unfinished():
         if pending and steps % 3 == 0:
             i = pending.pop(0)
             ids[llm.add_request(PROMPTS[i], sp)] = i
-        llm.step()
+        final.update((o.request_id, o) for o in llm.step() if o.finished)
         steps += 1
     got = [None] * len(PROMPTS)
     for rid, i in ids.items():
-        req = llm._finished[rid]
-        got[i] = (req.output_token_ids, req.exit_depths)
+        got[i] = (final[rid].token_ids, final[rid].exit_depths)
     assert_matches(got, *early_oracle)
 
 
@@ -174,14 +173,15 @@ def test_streaming_abort_and_step_api():
     assert all(v == sorted(v) and v[-1] == 5 for v in seen.values())
     a = llm.add_request(PROMPTS[5], SamplingParams(max_tokens=20, ignore_eos=True))
     b = llm.add_request(PROMPTS[4], SamplingParams(max_tokens=3, ignore_eos=True))
+    final = {}
     for _ in range(6):
-        llm.step()
+        final.update((o.request_id, o) for o in llm.step() if o.finished)
     assert llm.abort(a)
     assert not llm.abort(a)
     while llm.has_unfinished():
-        llm.step()
-    assert llm._finished[a].finish_reason == "abort"
-    assert len(llm._finished[b].output_token_ids) == 3
+        final.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert final[a].finish_reason == "abort"
+    assert len(final[b].token_ids) == 3
     assert llm.stats()["free_blocks"] == llm.scheduler_config.num_blocks - 1
 
 
@@ -268,18 +268,17 @@ def long_oracles():
 
 def _staggered(llm, sp):
     """Two short requests start decoding first; the long prompts arrive while they decode."""
-    order, ids, steps = [0, 1, 2, 3], {}, 0
+    order, ids, steps, final = [0, 1, 2, 3], {}, 0, {}
     arrivals = {0: [0, 1], 3: [2], 6: [3]}
     while order or llm.has_unfinished():
         for i in arrivals.get(steps, []):
             ids[llm.add_request(LONG[i], sp)] = i
             order.remove(i)
-        llm.step()
+        final.update((o.request_id, o) for o in llm.step() if o.finished)
         steps += 1
     got = [None] * len(LONG)
     for rid, i in ids.items():
-        req = llm._finished.pop(rid)
-        got[i] = (req.output_token_ids, req.exit_depths)
+        got[i] = (final[rid].token_ids, final[rid].exit_depths)
     return got
 
 
