@@ -4,9 +4,10 @@ Subcommands (each a ``_cmd_*`` handler registered by an ``_add_*`` function in :
 
 - ``convert SRC DST [--dtype bfloat16|float32] [--overwrite] [--no-progress]``
 - ``random-checkpoint DST --preset NAME [--seed N] [--layout hf|orbax] [--dtype ...]
-  [--max-shard-bytes N] [--overwrite]``
-- ``demo [--model PRESET|DIR] [--batch N] [--prompt-len N] [--max-tokens N] [--exit-threshold Q]``:
-  the jitted ``generate()`` and the engine on a random-weight model, with tokens, exit depths, tok/s
+  [--max-shard-bytes N] [--overwrite] [--no-progress]``: the weights ``LLM(NAME, seed=N)`` builds
+- ``demo [--model PRESET|DIR] [--seed N] [--batch N] [--prompt-len N] [--max-tokens N] [--exit-threshold Q]``:
+  the jitted ``generate()`` and the engine on a preset (random weights) or a checkpoint, with tokens,
+  exit depths, tok/s
 
 Heavy imports (jax, orbax) happen inside the handlers, so ``ouro-jax --help`` stays fast.
 """
@@ -62,6 +63,7 @@ def _add_random_checkpoint(sub) -> None:
         help="hf layout: split into shards of at most this many bytes (+ index.json)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_cmd_random_checkpoint)
 
 
@@ -76,6 +78,7 @@ def _cmd_random_checkpoint(args) -> int:
         dtype=args.dtype,
         max_shard_bytes=args.max_shard_bytes,
         overwrite=args.overwrite,
+        progress=not args.no_progress,
     )
     print(f"wrote random {args.preset} checkpoint (seed {args.seed}, {args.layout}, {args.dtype}) to {path}")
     return 0
@@ -83,7 +86,9 @@ def _cmd_random_checkpoint(args) -> int:
 
 # ---------------------------------------------------------------------------------- demo
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="generate with a random-weight model: the jitted generate(), then the engine")
+    p = sub.add_parser(
+        "demo", help="generate with a preset (random weights) or a checkpoint: the jitted generate(), then the engine"
+    )
     p.add_argument("--model", default="ouro-small", help="preset name or checkpoint folder (default: ouro-small)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -95,7 +100,7 @@ def _add_demo(sub) -> None:
         help="early exit: stop a token's loops once this much exit probability has accumulated",
     )
     p.add_argument("--prefill-mode", choices=("split", "mixed", "wavefront"), default="wavefront")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random weights of a preset, and the prompts")
     p.set_defaults(handler=_cmd_demo)
 
 
@@ -122,8 +127,9 @@ def _cmd_demo(args) -> int:
     cfg = llm.config
     print(
         f"model {args.model}: {cfg.num_hidden_layers} layers x T={cfg.num_loops} loops, "
-        f"hidden {cfg.hidden_size}, {cfg.num_params / 1e6:.1f}M params (random weights)"
+        f"hidden {cfg.hidden_size}, {cfg.num_params / 1e6:.1f}M params"
     )
+    print(f"weights: {_demo_weights(args.model, args.seed)}")
     rng = np.random.default_rng(args.seed)
     prompts = [list(map(int, rng.integers(1, cfg.vocab_size, args.prompt_len))) for _ in range(args.batch)]
 
@@ -168,6 +174,18 @@ def _cmd_demo(args) -> int:
     mean_loops = np.mean([d + 1 for o in outs for d in o.exit_depths[1:]])
     print(f"  mean loops per generated token: {mean_loops:.2f} of {cfg.num_loops}")
     return 0
+
+
+def _demo_weights(model: str, seed: int) -> str:
+    """Which weights ``LLM(model, seed=seed)`` ran, in words (a checkpoint folder or a preset + seed)."""
+    import os
+
+    from .config import PRESETS
+
+    if model in PRESETS:
+        same = f"`ouro-jax random-checkpoint --preset {model} --seed {seed}`"
+        return f"random, preset {model} seed {seed} (the same as {same})"
+    return f"checkpoint {os.path.abspath(model)}"
 
 
 # --------------------------------------------------------------------------------- main

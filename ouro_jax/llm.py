@@ -241,10 +241,12 @@ class LLM:
                 f"model must be a preset ({', '.join(sorted(PRESETS))}), an OuroConfig or a "
                 f"checkpoint folder; got {model!r}"
             )
-        if params is None:
-            from .model import init_params
+        if params is None:  # the same weights as `ouro-jax random-checkpoint --seed` writes
+            from weights.random_init import random_params
 
-            params = init_params(config, seed, dtype or config.torch_dtype)
+            from .model import dtype_of
+
+            params = jax.tree.map(jax.numpy.asarray, random_params(config, seed, dtype_of(dtype or config.torch_dtype)))
         elif dtype is not None:
             from .model import dtype_of
 

@@ -17,7 +17,7 @@ paged Pallas kernels of the engine are all just different ``attention`` objects;
 nothing about requests, pages or planes.
 
 Rows may have any leading shape (``[B, S]`` for dense use, ``[R]`` for the engine's packed rows).
-Parameters are a plain nested dict (see ``ouro_jax/params.py``); ``model.apply`` is only ever
+Parameters are a plain nested dict (see ``weights/hf_names.py``); ``model.apply`` is only ever
 called inside ``jax.jit``, so Flax's module traversal happens once, at trace time.
 """
 
@@ -234,8 +234,9 @@ class OuroModel(nn.Module):
 
 
 def init_params(config: OuroConfig, seed: int = 0, dtype="float32") -> dict:
-    """Random parameters with Flax's own initialisers (tests use ``weights.save_random`` instead,
-    whose values are reproducible across dtypes and layouts)."""
+    """Random parameters from Flax's initialisers, drawn on the device: the benchmarks' weights, whose
+    values do not matter and whose 1.4B draw must be fast.  ``LLM(preset, seed=)``, the tests and
+    ``random-checkpoint`` use ``weights.random_init`` instead (reproducible across dtypes and layouts)."""
     from .attention import DenseCausalAttention
 
     dt = dtype_of(dtype)

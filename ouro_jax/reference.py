@@ -1,7 +1,7 @@
 """Dense float64 numpy reference of an Ouro model: the oracle of the test suite.
 
 Written from ``docs/ouro-model.md`` and ``docs/engine-semantics.md`` alone; it imports neither jax
-nor flax and shares nothing with the engine but the HF tensor names (``params.py``).  One sequence at
+nor flax and shares nothing with the engine but the HF tensor names (``weights/hf_names.py``).  One sequence at
 a time, everything recomputed from scratch, no caches: slow, short and easy to check by eye.
 
 - :func:`reference_forward` runs all ``T`` loops over one sequence and returns every loop's hidden
@@ -20,8 +20,9 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from weights.hf_names import get_path, hf_name_to_path, hf_tensor_shapes
+
 from .config import OuroConfig
-from .params import get_path, hf_name_to_path, hf_tensor_shapes
 
 __all__ = [
     "RefWeights",

@@ -389,9 +389,9 @@ def test_interpret_mode_refuses_hybrid():
     """No CPU interpret for the Mosaic half: the kernel call and the engine (forced onto "hybrid"
     in interpret mode) fail with the same clear error as "mgpu"; unknown names list "hybrid"."""
     from ouro_jax import get_preset
-    from ouro_jax.params import random_params
     from ouro_jax.runner import ModelRunner
     from scheduler.buckets import BucketKey
+    from weights.random_init import random_params
 
     q = jnp.zeros((8, 2, 64), jnp.bfloat16)
     kp = jnp.zeros((2, 8, 16, 64), jnp.bfloat16)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ouro_jax import LLM, SamplingParams, get_preset
-from ouro_jax.params import random_params
 from ouro_jax.reference import from_param_tree, reference_greedy_generate, reference_shared_greedy_generate
+from weights.random_init import random_params
 
 CFG = get_preset("tiny")
 PARAMS = jax.tree.map(jnp.asarray, random_params(CFG, 0))

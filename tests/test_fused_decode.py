@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from ouro_jax import LLM, SamplingParams, get_preset
-from ouro_jax.params import random_params
 from ouro_jax.reference import from_param_tree, reference_greedy_generate
 from scheduler import SchedulerConfig
 from scheduler.descriptor import StackedDescriptor, build_descriptor
+from weights.random_init import random_params
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_scheduler_invariants import VOCAB, check_against_reference, run_workload  # noqa: E402

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ouro_jax import LLM, SamplingParams, forward, generate, get_preset
-from ouro_jax.params import random_params
+from weights.random_init import random_params
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ouro_jax import LLM, SamplingParams, get_preset
-from ouro_jax.params import random_params
+from weights.random_init import random_params
 
 pytestmark = [
     pytest.mark.gpu,

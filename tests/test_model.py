@@ -8,8 +8,8 @@ import pytest
 from ouro_jax import forward, generate, get_preset
 from ouro_jax.attention import DenseCacheAttention
 from ouro_jax.model import OuroModel
-from ouro_jax.params import random_params
 from ouro_jax.reference import from_param_tree, reference_forward, reference_greedy_generate, select_logits
+from weights.random_init import random_params
 
 PRESETS = ["tiny", "tiny-gqa"]
 

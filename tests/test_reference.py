@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ouro_jax.config import get_preset
-from ouro_jax.params import hf_name_to_path, random_hf_tensors, set_path
 from ouro_jax.reference import (
     exit_decision,
     exit_distribution,
@@ -23,6 +22,8 @@ from ouro_jax.reference import (
     rope_cos_sin,
     select_logits,
 )
+from weights.hf_names import hf_name_to_path, set_path
+from weights.random_init import random_hf_tensors
 
 PRESETS = ["tiny", "tiny-gqa"]
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from ouro_jax import forward, get_preset
-from ouro_jax.params import random_params
 from ouro_jax.runner import ModelRunner
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import BatchDescriptor
+from weights.random_init import random_params
 
 BS, NB = 4, 24
 

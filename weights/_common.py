@@ -15,7 +15,8 @@ import ml_dtypes
 import numpy as np
 
 from ouro_jax.config import OuroConfig
-from ouro_jax.params import hf_tensor_shapes
+
+from .hf_names import hf_tensor_shapes
 
 CONFIG_NAME = "config.json"
 MARKER_NAME = "ouro_jax_checkpoint.json"  # present only in a converted (orbax) folder

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from ouro_jax.config import OuroConfig
-from ouro_jax.params import iter_paths, path_to_hf_name
 
 from ._common import (
     CONFIG_NAME,
@@ -25,19 +25,24 @@ from ._common import (
     dtype_name,
     read_config,
 )
+from .hf_names import iter_paths, path_to_hf_name
 
 
-def save_orbax(folder: str, config: OuroConfig, params: dict, extra: dict | None = None) -> None:
+def save_orbax(
+    folder: str, config: OuroConfig, params: dict, extra: dict | None = None, progress: bool = False
+) -> None:
     """Write ``params`` (a tree of jax arrays, Flax layout) + config + marker into ``folder``, which
     must already exist and hold none of these.  The marker is written last: a folder without it is
-    not mistaken for a finished conversion."""
+    not mistaken for a finished conversion.  ``progress``: a bar of the bytes orbax has written."""
     folder = os.path.abspath(folder)  # orbax wants absolute paths
     dtypes = sorted({dtype_name(x.dtype) for _, x in iter_paths(params)})
     dtype = dtypes[0] if len(dtypes) == 1 else "mixed"
     if dtype != "mixed":
         config = config.replace(torch_dtype=dtype)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(folder, PARAMS_DIR), params)
+    pdir = os.path.join(folder, PARAMS_DIR)
+    total = sum(int(x.nbytes) for _, x in iter_paths(params))
+    with ocp.StandardCheckpointer() as ckptr, _BytesWritten(folder, total, "save", progress):
+        ckptr.save(pdir, params)
         ckptr.wait_until_finished()
     config.to_json(os.path.join(folder, CONFIG_NAME))
     marker = {
@@ -49,6 +54,48 @@ def save_orbax(folder: str, config: OuroConfig, params: dict, extra: dict | None
     }
     with open(os.path.join(folder, MARKER_NAME), "w") as f:
         json.dump(marker, f, indent=2)
+
+
+class _BytesWritten:
+    """A tqdm bar of the bytes under ``folder`` while orbax saves (its save is one opaque call; the
+    bytes on disk are the only progress it shows).  A no-op when ``enabled`` is false."""
+
+    def __init__(self, folder: str, total: int, desc: str, enabled: bool, interval: float = 0.25):
+        self.folder, self.total, self.desc, self.enabled, self.interval = folder, total, desc, enabled, interval
+        self._stop = threading.Event()
+
+    def _bytes(self) -> int:
+        n = 0
+        for root, _, files in os.walk(self.folder):
+            for f in files:
+                try:
+                    n += os.path.getsize(os.path.join(root, f))
+                except OSError:  # orbax renames its temporary folders while we walk
+                    pass
+        return n
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.bar.n = min(self._bytes(), self.total)
+            self.bar.refresh()
+
+    def __enter__(self):
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024)
+            self.thread = threading.Thread(target=self._poll, daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if self.enabled:
+            self._stop.set()
+            self.thread.join()
+            if exc_type is None:
+                self.bar.n = self.total
+            self.bar.close()
+        return False
 
 
 def read_marker(folder: str) -> dict:

@@ -1,4 +1,4 @@
-"""The parameter pytree of an Ouro model, and its mapping to Hugging Face tensor names.
+"""The parameter pytree of an Ouro model and its mapping to Hugging Face tensor names.
 
 The tree is the one Flax linen builds for ``ouro_jax.model.OuroModel`` (a plain nested dict of
 arrays, usable directly inside ``jax.jit``)::
@@ -17,7 +17,7 @@ arrays, usable directly inside ``jax.jit``)::
 
 Linear kernels are stored ``[in, out]`` (Flax) while Hugging Face stores ``[out, in]`` (PyTorch), so
 every 2-D projection is transposed on the way in and out.  The mapping lives here, in one place,
-so that the loader, the converter, the random-checkpoint writer and the numpy reference agree.
+so that the loader, the converter, the random weights and the numpy reference agree.
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ from __future__ import annotations
 import re
 from typing import Iterator
 
-import numpy as np
-
-from .config import OuroConfig
+from ouro_jax.config import OuroConfig
 
 __all__ = [
     "hf_tensor_shapes",
@@ -37,8 +35,6 @@ __all__ = [
     "get_path",
     "set_path",
     "iter_paths",
-    "random_hf_tensors",
-    "random_params",
 ]
 
 _LAYER_PROJ = {
@@ -150,36 +146,3 @@ def iter_paths(tree: dict, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple
             yield from iter_paths(v, prefix + (k,))
         else:
             yield prefix + (k,), v
-
-
-def random_hf_tensors(config: OuroConfig, seed: int = 0, dtype=np.float32) -> Iterator[tuple[str, np.ndarray]]:
-    """Seeded random weights in Hugging Face layout, one tensor at a time (never the whole model).
-
-    Linear weights ~ N(0, 1/fan_in) so activations keep unit scale through the sandwich norms;
-    norm scales ~ 1 + N(0, 0.1^2); the exit-gate bias is spread so that exit depths vary.
-    Each tensor's stream is derived from ``(seed, tensor name)`` so any subset is reproducible.
-    """
-    import zlib
-
-    for name, shape in hf_tensor_shapes(config).items():
-        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-        if name.endswith("layernorm.weight") or name.endswith("layernorm_2.weight") or name == "model.norm.weight":
-            arr = 1.0 + 0.1 * rng.standard_normal(shape)
-        elif name == "model.early_exit_gate.bias":
-            arr = rng.normal(-0.5, 0.5, shape)
-        elif name == "model.embed_tokens.weight":
-            arr = rng.standard_normal(shape)
-        else:
-            fan_in = shape[-1]
-            arr = rng.standard_normal(shape) / np.sqrt(fan_in)
-        yield name, arr.astype(dtype)
-
-
-def random_params(config: OuroConfig, seed: int = 0, dtype=np.float32) -> dict:
-    """The param tree of :func:`random_hf_tensors` (numpy leaves, Flax layout) - the same values a
-    random checkpoint written by ``weights.save_random`` holds, without touching the disk."""
-    tree: dict = {}
-    for name, arr in random_hf_tensors(config, seed, np.float32):
-        path, transpose = hf_name_to_path(name)
-        set_path(tree, path, np.ascontiguousarray(arr.T if transpose else arr).astype(dtype))
-    return tree
