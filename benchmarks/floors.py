@@ -1,9 +1,8 @@
 """Floors: the least time any engine needs for a schedule (bytes / bandwidth vs FLOPs / peak).
 
-The model of ``shared/tools/floors.py``, generalised to any ``OuroConfig`` and to the loops actually
-run: a recurrent invocation reads every layer weight once whatever its rows; every prompt segment or
-decode row reads the K/V of its whole context at its plane once per layer; matmuls and attention
-cost FLOPs. Use the ceilings measured in the same run (``benchmarks/ceilings.py``).
+The model of docs/performance.md, for any ``OuroConfig`` and the loops actually run: a recurrent
+invocation reads every layer weight once whatever its rows; every prompt segment or decode row reads
+the K/V of its whole context at its plane once per layer; matmuls and attention cost FLOPs. Use the ceilings measured in the same run (``benchmarks/ceilings.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Dense float64 numpy reference of an Ouro model: the oracle of the test suite.
 
-Written from ``docs/ouro-model.md`` and ``docs/engine-semantics.md`` alone; it imports neither jax
+Written from ``docs/model.md`` and ``docs/engine-semantics.md`` alone; it imports neither jax
 nor flax and shares nothing with the engine but the HF tensor names (``weights/hf_names.py``).  One sequence at
 a time, everything recomputed from scratch, no caches: slow, short and easy to check by eye.
 
