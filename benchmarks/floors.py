@@ -2,7 +2,8 @@
 
 The model of docs/performance.md, for any ``OuroConfig`` and the loops actually run: a recurrent
 invocation reads every layer weight once whatever its rows; every prompt segment or decode row reads
-the K/V of its whole context at its plane once per layer; matmuls and attention cost FLOPs. Use the ceilings measured in the same run (``benchmarks/ceilings.py``).
+the K/V of its whole context at its plane once per layer; matmuls and attention cost FLOPs. Use the
+ceilings measured in the same run (``benchmarks/ceilings.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
     python -m benchmarks.report [--results benchmarks/results]
 
 Reads ``<workload>.json`` (``benchmarks/run.py``), ``bucket_sweep.json`` / ``bucket_padding.json``
-(``benchmarks/sweep_buckets.py``) and ``generate.json`` (``benchmarks/generate_bench.py``), and
+(``benchmarks/sweep_buckets.py``) and ``generate.json`` (an earlier static-batch run; ``benchmarks.run``
+now records ``generate()`` baselines in the workload JSONs), and
 writes ``REPORT.md`` with the targets of docs/performance.md, one table per workload, the bucket
 sweep, and plots (throughput vs chunk per mode, latency CDFs, bucket roofline, padding by bucket set).
 """
@@ -655,7 +656,7 @@ def write_report(folder: str) -> str:
                 lines += [f"![{name}{suffix}]({os.path.basename(p)})", ""]
     gen = results.get("generate")
     if gen and gen.get("records"):
-        lines += ["## generate() static batch (benchmarks/generate_bench.py)", ""]
+        lines += ["## generate() static batch (generate.json)", ""]
         lines.append(
             _table(
                 ["batch", "prompt", "new", "out tok/s", "floor tok/s", "of floor", "first call s"],

@@ -3,6 +3,7 @@
     python -m benchmarks.run --workload long4 [--mode split mixed wavefront] [--chunk 16 32 64 128]
         [--preset ouro-1.4b] [--out benchmarks/results] [--scale S] [--time-budget SECONDS]
     python -m benchmarks.run --workload serve1k long4 mixed32 --scale 0.05 --preset tiny ...
+    python -m benchmarks.run --suite h200-core [--time-budget SECONDS] ...   (benchmarks/suite.py)
 
 For every workload variant (``benchmarks/workloads.py``) and every (mode, chunk) of the sweep, an
 ``LLM`` is built over the same random weights (``init_params(cfg, 0, dtype)``, created once) with the
@@ -1063,6 +1064,12 @@ def harness_from_args(a) -> Harness:
 
 
 def main(argv=None, harness: Optional[Harness] = None) -> dict:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if any(x == "--suite" or x.startswith("--suite=") for x in args):  # a named suite of stages
+        from benchmarks import suite
+
+        suite.main(args)
+        return {}
     a = parser().parse_args(argv)
     a.argv = None if argv is None else list(argv)
     try:
@@ -1081,7 +1088,7 @@ def main(argv=None, harness: Optional[Harness] = None) -> dict:
     try:
         for name in a.workload:
             results[name] = run_workload(h, name, a, estimates)
-    except KeyboardInterrupt:  # the campaign's timeout: every finished record is already saved
+    except KeyboardInterrupt:  # a suite's time limit (SIGINT): every finished record is already saved
         print("interrupted: records so far are saved", flush=True)
     print()
     print_table([r for res in results.values() for r in res["records"]])

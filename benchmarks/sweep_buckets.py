@@ -549,7 +549,7 @@ def main(argv=None, harness=None) -> dict:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--json", default=None, help="output file (default: <out>/bucket_sweep.json)")
-    ap.add_argument("--merge", default=None, help="a padding-part JSON to fold into this one (campaign)")
+    ap.add_argument("--merge", default=None, help="a padding-part JSON to fold into this one (suite)")
     ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=sorted(WORKLOADS))
     ap.add_argument("--mode", nargs="+", default=None)
     ap.add_argument("--chunk", nargs="+", type=int, default=None)

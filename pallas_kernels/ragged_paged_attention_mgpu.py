@@ -55,7 +55,7 @@ LOG2E = math.log2(math.e)
 NEG = -1e30  # finite "minus infinity": rows with no visible key never produce inf - inf
 COMPUTE_WGS = 2
 # K/V tokens per pipeline step (``block_kv / block_size`` page copies) and steps in flight. Tuned on
-# the H200 (benchmarks/mgpu_tune.py, results/mgpu_tune.json): 128 x 2 beat 64 x 2 by 10-13% on
+# the H200 (benchmarks/results/mgpu_tune.json): 128 x 2 beat 64 x 2 by 10-13% on
 # 1x1024@8K, 4x2048@2K and 1x1024@32K in run 2, and by 7% on 1x1024@8K in run 4 (the others were
 # cut off there), with the same error against the reference; 3 or 4 steps were faster on one
 # shape and slower on another.

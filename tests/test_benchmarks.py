@@ -283,3 +283,67 @@ def test_report(results):
         assert os.path.exists(os.path.join(out, "bucket_sweep.png"))
         assert os.path.exists(os.path.join(out, "serve1k_latency.png"))
         assert "![serve1k](serve1k.png)" in text
+
+
+# ------------------------------------------------------------------------------------ suites
+def _fake_suite(tmp_path, monkeypatch, stages, budget, extra=(), seconds_per_stage=0.0):
+    """A suite whose processes are not started: records each stage's argv and process limit."""
+    from benchmarks import suite as suite_mod
+
+    ran = []
+    clock = [0.0]
+    monkeypatch.setattr(suite_mod.time, "monotonic", lambda: clock[0])
+
+    class _P:
+        def __init__(self, argv):
+            self.argv = argv
+
+    def spawn(self, stage, argv, log_file):
+        return _P(argv)
+
+    def wait(p, limit):
+        ran.append((p.argv, limit))
+        clock[0] += seconds_per_stage
+        return 0
+
+    monkeypatch.setattr(suite_mod.Suite, "spawn", spawn)
+    monkeypatch.setattr(suite_mod.Suite, "wait", staticmethod(wait))
+    s = suite_mod.Suite("h200-core", stages, str(tmp_path / "res"), str(tmp_path / "logs"), budget, list(extra), None)
+    s.run()
+    return ran
+
+
+def test_suite_without_budget_caps_nothing(tmp_path, monkeypatch):
+    ran = _fake_suite(tmp_path, monkeypatch, ["serve1k+long4", "report"], None, ["--preset", "tiny"])
+    (run_argv, limit), (report_argv, _) = ran
+    assert limit is None and "--time-budget" not in run_argv and "--workload-budget" not in run_argv
+    assert run_argv[-2:] == ["--preset", "tiny"] and "--preset" not in report_argv  # shape flags: workloads only
+    assert report_argv[:2] == ["-m", "benchmarks.report"]
+
+
+def test_suite_budget_shared_by_priority(tmp_path, monkeypatch):
+    stages = ["serve1k+long4", "mixed32+decode_under_prefill", "report"]
+    ran = _fake_suite(tmp_path, monkeypatch, stages, 335.0, seconds_per_stage=100.0)
+    budgets = [float(a[a.index("--time-budget") + 1]) for a, _ in ran if "--time-budget" in a]
+    # shares 225 : 85 : 25 of 335 s; the second gets its share of what is left after 100 s
+    assert budgets == [225.0, round(235 * 85 / 110)]
+    wb = ran[0][0][ran[0][0].index("--workload-budget") + 1 :][:2]
+    assert wb == ["serve1k=130", "long4=95"]
+    assert ran[0][1] == 225.0 + 40.0  # interrupted after its budget and the grace
+
+
+def test_suite_skips_low_priorities_when_time_runs_out(tmp_path, monkeypatch):
+    ran = _fake_suite(
+        tmp_path, monkeypatch, ["serve1k+long4", "generate", "mixed128", "report"], 100.0, seconds_per_stage=90.0
+    )
+    names = [a[a.index("--workload") + 1] if "--workload" in a else a[1] for a, _ in ran]
+    assert names == ["serve1k", "benchmarks.report"]  # generate and mixed128 had < 30 s: skipped, the report ran
+
+
+def test_suite_refuses_unknown_stage(tmp_path):
+    from benchmarks import suite as suite_mod
+
+    with pytest.raises(ValueError, match="no stage nope"):
+        suite_mod.Suite("h200-core", ["nope"], str(tmp_path), str(tmp_path), None, [], None)
+    with pytest.raises(ValueError, match="positive"):
+        suite_mod.Suite("h200-core", ["report"], str(tmp_path), str(tmp_path), 0, [], None)
