@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from ouro_jax import LLM, SamplingParams, get_preset
-from ouro_jax.params import random_params
 from scheduler import Request, Scheduler, SchedulerConfig
 from scheduler.fake_runner import FakeRunner
+from weights.random_init import random_params
 
 CFG = get_preset("tiny")
 RNG = np.random.default_rng(3)
