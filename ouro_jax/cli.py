@@ -7,7 +7,9 @@ Subcommands (each a ``_cmd_*`` handler registered by an ``_add_*`` function in :
   [--max-shard-bytes N] [--overwrite] [--no-progress]``: the weights ``LLM(NAME, seed=N)`` builds
 - ``demo [--model PRESET|DIR] [--seed N] [--batch N] [--prompt-len N] [--max-tokens N] [--exit-threshold Q]``:
   the jitted ``generate()`` and the engine on a preset (random weights) or a checkpoint, with tokens,
-  exit depths, tok/s
+  exit depths, tok/s (and text when the checkpoint has a tokenizer)
+- ``serve MODEL [--host] [--port] [engine flags]``: the OpenAI-compatible HTTP server (``ouro_jax/server``)
+- ``generate MODEL "text" [--max-tokens] [--temperature] [--exit-threshold] ...``: stream one prompt's text
 
 Heavy imports (jax, orbax) happen inside the handlers, so ``ouro-jax --help`` stays fast.
 """
@@ -161,6 +163,8 @@ def _cmd_demo(args) -> int:
     )
     for o in outs[:2]:
         print(f"  tokens      {o.token_ids}")
+        if o.text is not None:
+            print(f"  text        {o.text!r}")
         print(
             f"  exit depths {o.exit_depths}   (same as generate(): "
             f"{o.token_ids == np.asarray(out.tokens[o.request_id]).tolist()})"
@@ -196,6 +200,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     _add_convert(sub)
     _add_random_checkpoint(sub)
     _add_demo(sub)
+    from .server.cli_commands import add_generate, add_serve
+
+    add_serve(sub)
+    add_generate(sub)
     return parser, sub
 
 

@@ -1,0 +1,511 @@
+"""The FastAPI application: OpenAI-style routes over one :class:`EngineLoop`.
+
+Every request is validated here, with the engine's own rules (``LLM`` encoding, ``SamplingParams``
+and the scheduler's admission checks run on a probe scheduler), before anything reaches the engine
+thread: a bad request is answered with an OpenAI error body and cannot disturb any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import random
+import time
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scheduler import Request as EngineRequest
+from scheduler import SamplingParams, Scheduler
+
+from . import protocol as P
+from .chat_template import ChatTemplate
+from .engine_loop import EngineDead, EngineLoop, TokenEvent
+from .metrics import ServerMetrics
+
+log = logging.getLogger("ouro_jax.server")
+
+__all__ = ["ServerState", "create_app"]
+
+_POLL_S = 0.5  # how often a waiting handler looks for a dropped client or a dead engine
+
+
+@dataclasses.dataclass
+class ServerState:
+    llm: Any
+    engine: EngineLoop
+    model_name: str
+    chat_template: Optional[ChatTemplate] = None
+    metrics: Optional[ServerMetrics] = None
+    retry_after_s: int = 1
+    draining: bool = False
+    startup: Optional[dict] = None  # the start-up timings (see startup.py), shown by /health
+
+    def __post_init__(self):
+        if self.metrics is None:
+            self.metrics = ServerMetrics(self.model_name)
+        # admission checks without touching the engine: the same Scheduler rules on a private copy
+        self._probe = Scheduler(self.llm.scheduler_config)
+        self._probe_ids = 0
+
+    # --------------------------------------------------------------------- validation
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise P.APIError(
+                f"The model `{name}` does not exist; this server serves `{self.model_name}`",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise P.APIError(
+                "the server is shutting down",
+                status=503,
+                type="service_unavailable",
+                code="shutting_down",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+        if not self.engine.alive:
+            raise P.APIError("the engine is not running", status=503, type="service_unavailable", code="engine_dead")
+
+    def encode(self, prompt, param: str = "prompt") -> list[int]:
+        try:
+            return self.llm._encode(prompt)
+        except ValueError as e:
+            raise P.APIError(str(e), param=param) from None
+
+    def encode_text(self, text: str) -> list[int]:
+        """Rendered chat text: the template already holds the special tokens, as in Hugging Face."""
+        if self.llm.tokenizer is None:
+            raise P.APIError("chat completions need a tokenizer (tokenizer.json in the checkpoint folder)")
+        return self.llm.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def admit_check(self, ids: list[int], sp: SamplingParams) -> None:
+        """The scheduler's own admission rules (sampling values, empty prompt, length, pool size)."""
+        self._probe_ids += 1
+        rid = ("probe", self._probe_ids)
+        try:
+            self._probe.add_request(EngineRequest(rid, ids, sp))
+        except ValueError as e:
+            msg = str(e).replace(f"request {rid!r}: ", "").replace(f"request {rid!r} ", "the request ")
+            raise P.APIError(msg, param=_param_of(msg)) from None
+        self._probe.abort(rid)
+
+    def sampling_params(self, req: P._Sampling, n_prompt: int, default_max_tokens: Optional[int]) -> SamplingParams:
+        if req.n != 1:
+            raise P.APIError("only n=1 is supported", param="n")
+        if getattr(req, "best_of", None) not in (None, 1):
+            raise P.APIError("best_of is not supported", param="best_of")
+        if req.logprobs not in (None, False):
+            raise P.APIError("logprobs are not supported", param="logprobs")
+        if getattr(req, "echo", False):
+            raise P.APIError("echo is not supported", param="echo")
+        if getattr(req, "suffix", None):
+            raise P.APIError("suffix is not supported", param="suffix")
+        if req.stop and self.llm.tokenizer is None:
+            raise P.APIError("stop strings need a tokenizer; use stop_token_ids", param="stop")
+        max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        if max_tokens is None:  # chat: as much as the context allows
+            max_tokens = self.llm.scheduler_config.max_model_len - n_prompt
+            if max_tokens < 1:
+                raise P.APIError(
+                    f"the prompt ({n_prompt} tokens) leaves no room under max_model_len "
+                    f"({self.llm.scheduler_config.max_model_len})",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
+        kw = dict(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
+            # an unseeded request must not repeat every other unseeded one
+            seed=random.getrandbits(32) if req.seed is None else req.seed,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+        )
+        for f in ("exit_threshold", "min_loops", "max_loops", "exit_mode"):
+            if getattr(req, f) is not None:
+                kw[f] = getattr(req, f)
+        try:
+            sp = SamplingParams(**kw)
+            sp.validate(self.llm.config.num_loops)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise P.APIError(msg, param=_param_of(msg)) from None
+        return sp
+
+    def reserve(self, n: int) -> None:
+        if not self.engine.try_reserve(n):
+            self.metrics.request_rejected(429)
+            raise P.APIError(
+                f"the server's queue is full ({self.engine.max_pending} requests); retry later",
+                status=429,
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+
+
+def _param_of(msg: str) -> Optional[str]:
+    if "max_model_len" in msg or "prompt" in msg or "KV pool" in msg:
+        return "prompt"
+    for f in (
+        "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
+        "min_loops", "max_loops", "exit_threshold", "exit_mode",
+    ):  # fmt: skip
+        if f in msg:
+            return f
+    return None
+
+
+# ------------------------------------------------------------------------------- choices
+class _Choice:
+    """One prompt's output as it arrives: tokens, text (incrementally decoded), stop strings."""
+
+    def __init__(self, index: int, rid: str, n_prompt: int, tokenizer, stop: list[str], t0: float):
+        self.index, self.rid, self.n_prompt, self.tokenizer = index, rid, n_prompt, tokenizer
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars a stop string may still claim
+        self.ids: list[int] = []
+        self.depths: list[int] = []
+        self.text = ""
+        self.sent = 0  # chars of text already streamed
+        self.finished = False
+        self.finish_reason: Optional[str] = None
+        self.t0, self.t_first, self.t_last = t0, None, None
+
+    def add(self, ev: TokenEvent) -> tuple[list[int], list[int], str]:
+        """Apply one event; returns the new token ids, exit depths and text that may be sent now."""
+        now = time.monotonic()
+        if ev.token_ids:
+            self.t_first = self.t_first or now
+            self.t_last = now
+        n0 = len(self.ids)
+        self.ids += ev.token_ids
+        self.depths += ev.exit_depths
+        if ev.finished:
+            self.finished, self.finish_reason = True, ev.finish_reason
+        if self.tokenizer is None:
+            return self.ids[n0:], self.depths[n0:], ""
+        if ev.token_ids:
+            self.text = self.tokenizer.decode(self.ids)
+        end = len(self.text)
+        if self.stop and ev.token_ids:
+            hits = [p for p in (self.text.find(s) for s in self.stop) if p >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.finished, self.finish_reason = True, "stop"
+                end = len(self.text)
+        if not self.finished:
+            end = max(self.sent, end - self.hold)
+            while end > self.sent and self.text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+                end -= 1
+        delta = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return self.ids[n0:], self.depths[n0:], delta
+
+    def timings(self):
+        ttft = None if self.t_first is None else self.t_first - self.t0
+        tpot = None
+        if self.t_first is not None and len(self.ids) > 1:
+            tpot = (self.t_last - self.t_first) / (len(self.ids) - 1)
+        return ttft, tpot, time.monotonic() - self.t0
+
+
+class _Job:
+    """The engine requests of one HTTP request, their shared event queue and their bookkeeping."""
+
+    def __init__(self, state: ServerState, prefix: str, prompts: list[list[int]], sps, stop: list[str]):
+        self.state = state
+        self.id = P.new_id(prefix)
+        self.created = P.now()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        t0 = time.monotonic()
+        tok = state.llm.tokenizer
+        self.choices = [_Choice(i, f"{self.id}-{i}", len(p), tok, stop, t0) for i, p in enumerate(prompts)]
+        self.prompts, self.sps = prompts, sps
+        self.recorded = False
+
+    def submit(self) -> None:
+        st = self.state
+        st.reserve(len(self.choices))
+        for k, (c, ids, sp) in enumerate(zip(self.choices, self.prompts, self.sps)):
+            try:
+                st.engine.submit(c.rid, ids, sp, self.queue, c.index)
+            except EngineDead as e:
+                st.engine.release(len(self.choices) - k)
+                for c2 in self.choices[:k]:
+                    st.engine.abort(c2.rid)
+                raise P.APIError(str(e), status=503, type="service_unavailable", code="engine_dead") from None
+
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    async def next_event(self) -> Optional[TokenEvent]:
+        """The next event, or None after ``_POLL_S`` without one."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), _POLL_S)
+        except asyncio.TimeoutError:
+            if not self.state.engine.alive:
+                raise P.APIError("the engine stopped", status=503, type="service_unavailable") from None
+            return None
+
+    def apply(self, ev: TokenEvent):
+        if ev.error is not None:
+            if isinstance(ev.error, EngineDead):
+                raise P.APIError(str(ev.error), status=503, type="service_unavailable", code="engine_dead")
+            raise P.APIError(str(ev.error))
+        c = self.choices[ev.index]
+        if c.finished:  # a stop string ended it already; later tokens are dropped
+            return c, [], [], ""
+        was_finished = c.finished
+        out = c.add(ev)
+        if c.finished and not was_finished and not ev.finished:
+            self.state.engine.abort(c.rid)  # a stop string: the engine need not go on
+        return (c, *out)
+
+    def abort_unfinished(self) -> None:
+        for c in self.choices:
+            if not c.finished:
+                self.state.engine.abort(c.rid)
+                c.finished, c.finish_reason = True, "abort"
+
+    def record(self, status: str) -> None:
+        if self.recorded:
+            return
+        self.recorded = True
+        m = self.state.metrics
+        for c in self.choices:
+            ttft, tpot, e2e = c.timings()
+            m.request_done(status, c.n_prompt, c.depths, ttft, tpot, e2e)
+
+    def usage(self) -> P.Usage:
+        p = sum(c.n_prompt for c in self.choices)
+        g = sum(len(c.ids) for c in self.choices)
+        return P.Usage(prompt_tokens=p, completion_tokens=g, total_tokens=p + g)
+
+
+async def _collect(job: _Job, raw: Request) -> None:
+    """Wait for every choice to finish; a client that goes away aborts its requests."""
+    try:
+        while not job.done:
+            ev = await job.next_event()
+            if ev is None:
+                if await raw.is_disconnected():
+                    job.abort_unfinished()
+                    job.record("abort")
+                    return
+                continue
+            job.apply(ev)
+    except BaseException:
+        job.abort_unfinished()
+        job.record("error")
+        raise
+    job.record("success")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _stream(job: _Job, chunk, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks as tokens arrive; cancellation (a dropped client) aborts the unfinished requests."""
+    status = "success"
+    try:
+        for c in job.choices:
+            first = chunk(c, None, [], [], "", first=True)
+            if first is not None:
+                yield _sse(first)
+        while not job.done:
+            ev = await job.next_event()
+            if ev is None:
+                continue
+            try:
+                c, ids, depths, delta = job.apply(ev)
+            except P.APIError as e:
+                status = "error"
+                yield _sse(e.body())
+                break
+            if ids or delta or c.finished:
+                yield _sse(chunk(c, c.finish_reason if c.finished else None, ids, depths, delta))
+        if include_usage:
+            yield _sse(
+                {"id": job.id, "object": chunk.object, "created": job.created, "model": job.state.model_name,
+                 "choices": [], "usage": job.usage().model_dump()}
+            )  # fmt: skip
+        yield "data: [DONE]\n\n"
+    except BaseException:
+        status = "abort"
+        raise
+    finally:
+        if not job.done:
+            job.abort_unfinished()
+            status = "abort"
+        job.record(status)
+
+
+def _error_response(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="ouro-jax", version="0.1.0")
+    app.state.server = state
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request: Request, e: P.APIError):
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(P.APIError(f"invalid JSON body: {first.get('ctx', {}).get('error', '')}"))
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body')}: {er.get('msg')}" for er in errs)
+        return _error_response(P.APIError(msg or "invalid request", param=".".join(loc) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        typ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(P.APIError(str(e.detail), status=e.status_code, type=typ))
+
+    @app.get("/health")
+    async def health():
+        if state.draining or not state.engine.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        s = state.engine.state
+        state.metrics.engine_state(s["running"], s["waiting"], s["kv_usage"])
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = P.ModelCard(id=state.model_name, created=P.now(), max_model_len=state.llm.scheduler_config.max_model_len)
+        return P.ModelList(data=[card])
+
+    def _prompts(prompt) -> list:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise P.APIError("prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    @app.post("/v1/completions")
+    async def completions(req: P.CompletionRequest, raw: Request):
+        state.check_model(req.model)
+        state.check_accepting()
+        prompts = [state.encode(p) for p in _prompts(req.prompt)]
+        sps = [state.sampling_params(req, len(ids), 16) for ids in prompts]
+        for ids, sp in zip(prompts, sps):
+            state.admit_check(ids, sp)
+        job = _Job(state, "cmpl", prompts, sps, _stops(req.stop))
+        job.submit()
+
+        if req.stream:
+
+            def chunk(c, finish, ids, depths, delta, first=False):
+                if first:
+                    return None
+                return {
+                    "id": job.id, "object": "text_completion", "created": job.created, "model": state.model_name,
+                    "choices": [{"index": c.index, "text": delta, "token_ids": ids, "exit_depths": depths,
+                                 "logprobs": None, "finish_reason": finish}],
+                }  # fmt: skip
+
+            chunk.object = "text_completion"
+            return StreamingResponse(_stream(job, chunk, _include_usage(req)), media_type="text/event-stream")
+
+        await _collect(job, raw)
+        choices = [
+            P.CompletionChoice(
+                index=c.index, text=c.text, token_ids=c.ids, exit_depths=c.depths, finish_reason=c.finish_reason
+            )
+            for c in job.choices
+        ]
+        return P.CompletionResponse(
+            id=job.id, created=job.created, model=state.model_name, choices=choices, usage=job.usage()
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
+        state.check_model(req.model)
+        state.check_accepting()
+        if state.chat_template is None:
+            raise P.APIError("this checkpoint has no chat template (tokenizer_config.json: chat_template)")
+        messages = [_message(m) for m in req.messages]
+        text = state.chat_template.render(
+            messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
+        )
+        ids = state.encode_text(text)
+        sp = state.sampling_params(req, len(ids), None)
+        state.admit_check(ids, sp)
+        job = _Job(state, "chatcmpl", [ids], [sp], _stops(req.stop))
+        job.submit()
+
+        if req.stream:
+
+            def chunk(c, finish, ids, depths, delta, first=False):
+                d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+                return {
+                    "id": job.id, "object": "chat.completion.chunk", "created": job.created,
+                    "model": state.model_name,
+                    "choices": [{"index": c.index, "delta": d, "token_ids": ids, "exit_depths": depths,
+                                 "logprobs": None, "finish_reason": finish}],
+                }  # fmt: skip
+
+            chunk.object = "chat.completion.chunk"
+            return StreamingResponse(_stream(job, chunk, _include_usage(req)), media_type="text/event-stream")
+
+        await _collect(job, raw)
+        c = job.choices[0]
+        choice = P.ChatChoice(
+            index=0,
+            message=P.ChatResponseMessage(content=c.text),
+            token_ids=c.ids,
+            exit_depths=c.depths,
+            finish_reason=c.finish_reason,
+        )
+        return P.ChatCompletionResponse(
+            id=job.id, created=job.created, model=state.model_name, choices=[choice], usage=job.usage()
+        )
+
+    return app
+
+
+def _stops(stop) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _include_usage(req) -> bool:
+    return bool((req.stream_options or {}).get("include_usage"))
+
+
+def _message(m: P.ChatMessage) -> dict:
+    """A message as templates expect it: text parts joined into one string content."""
+    d = m.model_dump(exclude_none=True)
+    if isinstance(m.content, list):
+        d["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
+    d.setdefault("content", "")
+    return d

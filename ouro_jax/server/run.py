@@ -1,0 +1,111 @@
+"""Running the app: ``serve`` (the CLI's blocking server, SIGTERM drains) and ``BackgroundServer``
+(uvicorn in a thread on a loopback port, for tests and benchmarks)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Optional
+
+import uvicorn
+
+from .app import ServerState, create_app
+from .chat_template import load_chat_template
+from .engine_loop import EngineLoop
+
+log = logging.getLogger("ouro_jax.server")
+
+__all__ = ["make_state", "serve", "BackgroundServer"]
+
+
+def make_state(
+    llm,
+    model_name: str,
+    model_path=None,
+    max_queue: int = 256,
+    startup: Optional[dict] = None,
+) -> ServerState:
+    """The server around a built ``llm``: its engine thread (started) and the checkpoint's chat template.
+
+    At most ``max_num_seqs + max_queue`` requests are unfinished at once; more are answered 429."""
+    if max_queue < 0:
+        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    folder = os.fspath(model_path) if model_path is not None and os.path.isdir(os.fspath(model_path)) else None
+    template = load_chat_template(folder)
+    engine = EngineLoop(llm, llm.scheduler_config.max_num_seqs + max_queue).start()
+    return ServerState(llm=llm, engine=engine, model_name=model_name, chat_template=template, startup=startup)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which answers 503 from the first SIGTERM/SIGINT on while open requests finish."""
+
+    def __init__(self, config, state: ServerState, t_start: Optional[float] = None):
+        super().__init__(config)
+        self.state, self.t_start = state, t_start
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.state.draining:
+            log.info("shutting down: draining %d unfinished requests", self.state.engine.pending)
+        self.state.draining = True
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.t_start is not None and self.started:
+            st = self.state.startup or {}
+            log.info(
+                "start-up: ready in %.2f s (load %.2f s, compile %.2f s: %d executables from the cache, %d compiled)",
+                time.perf_counter() - self.t_start, st.get("load_s", 0.0), st.get("compile_s", 0.0),
+                st.get("cache_hits", 0), st.get("compiled", 0),
+            )  # fmt: skip
+
+
+def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", t_start=None):
+    """Serve until SIGTERM / SIGINT; running requests are finished before the engine stops."""
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level, timeout_keep_alive=5)
+    server = _Server(config, state, t_start)
+    try:
+        server.run()
+    finally:
+        state.engine.shutdown(drain=True, timeout=60)
+    return 0
+
+
+class BackgroundServer:
+    """The app on ``127.0.0.1:<free port>`` in a daemon thread; ``stop`` drains and joins (bounded)."""
+
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.state = state
+        config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level, lifespan="off")
+        self.server = _Server(config, state)
+        self._thread = threading.Thread(target=self.server.run, name="ouro-uvicorn", daemon=True)
+        self.host = host
+        self.port: Optional[int] = None
+
+    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.state.draining = True
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self.state.engine.shutdown(drain=False, timeout=timeout)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

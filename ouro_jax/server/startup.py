@@ -1,0 +1,99 @@
+"""Engine construction for the server, timed: load / compile (per executable, persistent cache hit or
+not) / ready.
+
+The engine's own warm-up compiles every executable a run can launch, through the persistent
+compilation cache that ``LLM`` enables (``~/.cache/ouro_jax/xla`` or ``$OURO_JAX_COMPILE_CACHE``);
+here it runs one executable at a time so that each one's time and cache outcome can be logged. The
+outcome comes from jax's own monitoring events (``/jax/compilation_cache/cache_hits`` and
+``cache_misses``, the latter recorded when an entry is written).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+log = logging.getLogger("ouro_jax.server")
+
+__all__ = ["build_engine", "CacheEvents"]
+
+
+class CacheEvents:
+    """Counts jax's persistent-cache events (one listener per process, registered on first use)."""
+
+    _lock = threading.Lock()
+    _counts: dict[str, int] = {}
+    _registered = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._registered:
+                return
+            import jax
+
+            def listener(event: str, **kwargs) -> None:
+                if event.startswith("/jax/compilation_cache/"):
+                    name = event.rsplit("/", 1)[-1]
+                    cls._counts[name] = cls._counts.get(name, 0) + 1
+
+            jax.monitoring.register_event_listener(listener)
+            cls._registered = True
+
+    @classmethod
+    def snapshot(cls) -> dict[str, int]:
+        return dict(cls._counts)
+
+
+def _outcome(before: dict, after: dict) -> str:
+    d = lambda k: after.get(k, 0) - before.get(k, 0)  # noqa: E731
+    if d("cache_hits"):
+        return "cache hit"
+    if d("cache_misses"):
+        return "compiled, written to cache"
+    if d("compile_requests_use_cache"):
+        return "compiled, not cached (below the cache's minimum compile time)"
+    return "compiled, cache off"
+
+
+def build_engine(model, engine_kwargs: Optional[dict] = None, warmup: bool = True, progress: bool = False):
+    """``(llm, timings)``: an ``LLM`` warmed up executable by executable, and what each part took.
+
+    ``timings``: ``load_s`` (weights, tokenizer, KV pool), ``compile_s`` and ``executables`` (one
+    ``{"key", "seconds", "outcome"}`` per executable), ``cache_hits`` / ``compiled`` counts."""
+    from ouro_jax.llm import LLM
+
+    CacheEvents.install()
+    kw = dict(engine_kwargs or {})
+    kw["warmup"] = False
+    kw.setdefault("progress", progress)
+    t0 = time.perf_counter()
+    llm = LLM(model, **kw)
+    load_s = time.perf_counter() - t0
+    log.info("start-up: loaded %s in %.2f s (%d KV blocks)", model, load_s, llm.scheduler_config.num_blocks)
+    executables = []
+    t1 = time.perf_counter()
+    if warmup:
+        for key in llm.executable_keys():
+            before = CacheEvents.snapshot()
+            dt = llm.runner.warmup([key], progress=False)
+            outcome = _outcome(before, CacheEvents.snapshot())
+            executables.append({"key": str(key), "seconds": dt, "outcome": outcome})
+            log.info("start-up: executable %s: %.2f s (%s)", key, dt, outcome)
+    compile_s = time.perf_counter() - t1
+    llm.warmup_time = compile_s
+    hits = sum(e["outcome"] == "cache hit" for e in executables)
+    timings = dict(
+        load_s=load_s,
+        compile_s=compile_s,
+        executables=executables,
+        cache_hits=hits,
+        compiled=len(executables) - hits,
+    )
+    log.info(
+        "start-up: %d executables in %.2f s (%d from the persistent cache, %d compiled)",
+        len(executables), compile_s, hits, len(executables) - hits,
+    )  # fmt: skip
+    return llm, timings
