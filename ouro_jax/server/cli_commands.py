@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -86,10 +87,12 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    ekw = engine_kwargs(args)
+    _num_loops(args.model)  # an unknown model fails here, before anything loads
     from .run import make_state, serve
     from .startup import build_engine
 
-    llm, timings = build_engine(args.model, engine_kwargs(args))
+    llm, timings = build_engine(args.model, ekw)
     name = args.served_model_name or args.model
     state = make_state(llm, name, args.model, max_queue=args.max_queue, startup=timings)
     return serve(state, args.host, args.port, args.log_level, t_start=t_start)
@@ -114,8 +117,19 @@ def add_generate(sub) -> None:
     p.set_defaults(handler=cmd_generate)
 
 
-def _prompt_of(llm, text: str):
-    if llm.tokenizer is not None:
+def _num_loops(model) -> int:
+    from ouro_jax.config import PRESETS, OuroConfig
+
+    if model in PRESETS:
+        return PRESETS[model].num_loops
+    if os.path.isfile(os.path.join(os.fspath(model), "config.json")):
+        return OuroConfig.from_json(model).num_loops
+    raise ValueError(f"model must be a preset ({', '.join(sorted(PRESETS))}) or a checkpoint folder, got {model!r}")
+
+
+def _prompt_of(model, text: str):
+    """The prompt as the engine takes it; checked before the engine is built (a bad one costs nothing)."""
+    if os.path.isfile(os.path.join(os.fspath(model), "tokenizer.json")):
         return text
     try:
         return [int(t) for t in text.replace(",", " ").split()]
@@ -142,11 +156,11 @@ def cmd_generate(args) -> int:
         if getattr(args, f) is not None:
             kw[f] = getattr(args, f)
     sp = SamplingParams(**kw)
+    sp.validate(_num_loops(args.model))
+    prompt = _prompt_of(args.model, args.prompt)
     ekw = engine_kwargs(args)
     ekw.setdefault("max_num_seqs", 1)
     llm, _ = build_engine(args.model, ekw)
-    sp.validate(llm.config.num_loops)
-    prompt = _prompt_of(llm, args.prompt)
     tok = llm.tokenizer
     out = sys.stdout
     sent, n_sent, last = "", 0, None

@@ -50,6 +50,11 @@ class _Server(uvicorn.Server):
             log.info("shutting down: draining %d unfinished requests", self.state.engine.pending)
         self.state.draining = True
         super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal once it has stopped, which would kill the process before the
+        # engine thread is joined; a drained shutdown is a clean exit instead (status 0)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)

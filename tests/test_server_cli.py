@@ -1,0 +1,133 @@
+"""``ouro-jax generate`` in-process and ``ouro-jax serve`` as a subprocess: a second start finds its
+executable in the persistent cache, and SIGTERM lets a running stream finish before the process exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+from test_server import ENGINE, TEXT_PROMPT, write_checkpoint  # noqa: E402
+
+from scheduler import SamplingParams  # noqa: E402
+
+FLAGS = [
+    "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+    "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+    "--prefill-chunk-size", str(ENGINE["prefill_chunk_size"]),
+    "--block-size", str(ENGINE["block_size"]),
+    "--max-model-len", str(ENGINE["max_model_len"]),
+    "--buckets", ",".join(map(str, ENGINE["buckets"])),
+    "--fused-decode-max-rows", str(ENGINE["fused_decode_max_rows"]),
+]  # fmt: skip
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from ouro_jax.server.startup import build_engine
+
+    folder = write_checkpoint(tmp_path_factory.mktemp("ckpt_cli"))
+    llm, _ = build_engine(folder, ENGINE)  # fills the persistent cache for the starts below
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
+    want = llm.generate([TEXT_PROMPT], sp, use_tqdm=False)[0]
+    return folder, want
+
+
+def test_generate_streams_text(ckpt, capsys):
+    from ouro_jax.cli import main
+
+    folder, want = ckpt
+    argv = ["generate", folder, TEXT_PROMPT, "--max-tokens", "6", "--ignore-eos", "--exit-threshold", "0.5", *FLAGS]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == want.text + "\n"
+    assert "6 tokens" in err and "finish_reason=length" in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_subprocess_cached_start_and_sigterm_drain(ckpt):
+    folder, _ = ckpt
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest")
+    cmd = [sys.executable, "-m", "ouro_jax.cli", "serve", folder, "--port", str(port), "--served-model-name", "m"]
+    proc = subprocess.Popen(cmd + FLAGS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, "".join(log)
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start:\n" + "".join(log)
+            time.sleep(0.2)
+        body = dict(model="m", prompt=[5, 6], max_tokens=40, temperature=0, stream=True, ignore_eos=True)
+        ids, lines = [], []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0]["token_ids"]
+                    if len(ids) == 1:
+                        proc.send_signal(signal.SIGTERM)  # mid-stream: this request must still finish
+                        time.sleep(0.2)
+                        try:  # new requests are refused (503, or the listening socket is already closed)
+                            st = httpx.post(url + "/v1/completions", json=dict(body, stream=False), timeout=5)
+                            assert st.status_code == 503
+                        except httpx.TransportError:
+                            pass
+        assert lines[-1] == "data: [DONE]" and len(ids) == 40
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    reader.join(10)
+    text = "".join(log)
+    # start-up is logged in parts, and the executable compiled in-process above came from the cache
+    assert "start-up: loaded" in text and "start-up: ready in" in text, text
+    assert "1 executables" in text and "(1 from the persistent cache, 0 compiled)" in text, text
+    assert "cache hit" in text
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["generate", "tiny", "hello"], "no tokenizer"),
+        (["generate", "tiny", "1 2", "--exit-threshold", "2"], "exit_threshold"),
+        (["generate", "no-such-model", "1 2"], "preset"),
+        (["serve", "tiny", "--port", "70000"], "--port"),
+        (["serve", "tiny", "--buckets", "8,x"], "--buckets"),
+    ],
+)
+def test_cli_rejects_bad_input_before_building(argv, msg, capsys):
+    from ouro_jax.cli import main
+
+    t = time.perf_counter()
+    assert main(argv) == 1
+    assert msg in capsys.readouterr().err
+    assert time.perf_counter() - t < 5  # no engine was built
