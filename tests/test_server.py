@@ -286,22 +286,38 @@ def test_64_concurrent_streams_each_as_alone(server):
     _idle(server)
 
 
-def test_dropped_client_aborts_and_frees_blocks(server):
+@pytest.fixture
+def slow_engine(server):
+    """Steps of at least 10 ms, so that a request of 40 tokens (160 steps) outlasts a client's patience."""
     llm = server.state.llm
+    step = llm.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    llm.step = slow_step
+    yield server
+    del llm.step
+
+
+def test_dropped_client_aborts_and_frees_blocks(slow_engine):
+    server = slow_engine
+    llm = server.state.llm
+    aborted = llm.stats()["aborted"]
     body = dict(model=MODEL, prompt=[5, 6], max_tokens=40, temperature=0, stream=True, ignore_eos=True)
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # one token, then hang up mid-stream
-    deadline = time.monotonic() + 20
-    while llm.scheduler.block_manager.num_used_blocks and time.monotonic() < deadline:
-        time.sleep(0.02)
     _idle(server)
+    assert llm.stats()["aborted"] == aborted + 1
     assert 'status="abort"' in httpx.get(server.url + "/metrics").text
     # a non-streaming client that gives up is aborted too
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json=dict(body, stream=False), timeout=0.3)
     _idle(server)
+    assert llm.stats()["aborted"] == aborted + 2
     # and the engine still answers as before
     r = server.client.completions.create(
         model=MODEL, prompt=[5, 6], max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
@@ -309,7 +325,8 @@ def test_dropped_client_aborts_and_frees_blocks(server):
     assert _extra(r.choices[0], "token_ids") == server.expect["long"]["token_ids"]
 
 
-def test_full_queue_answers_429(server):
+def test_full_queue_answers_429(slow_engine):
+    server = slow_engine
     engine = server.state.engine
     old = engine.max_pending
     engine.max_pending = 1
@@ -380,4 +397,9 @@ def test_bad_requests_leave_others_alone(server):
     # chat: a template error and a missing message list
     r = httpx.post(server.url + "/v1/chat/completions", json=dict(model=MODEL, messages=[]), timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    bad_kwargs = dict(model=MODEL, messages=CHAT, chat_template_kwargs={"messages": 1})
+    r = httpx.post(server.url + "/v1/chat/completions", json=bad_kwargs, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(server.url + "/v1/chat/completions", json=dict(model="other", messages=CHAT), timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     _idle(server)

@@ -133,7 +133,7 @@ class ServerState:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
         )
-        for f in ("exit_threshold", "min_loops", "max_loops", "exit_mode"):
+        for f in ("exit_threshold", "min_loops", "max_loops", "exit_mode", "synthetic_mean_loops"):
             if getattr(req, f) is not None:
                 kw[f] = getattr(req, f)
         try:
@@ -269,9 +269,8 @@ class _Job:
         c = self.choices[ev.index]
         if c.finished:  # a stop string ended it already; later tokens are dropped
             return c, [], [], ""
-        was_finished = c.finished
         out = c.add(ev)
-        if c.finished and not was_finished and not ev.finished:
+        if c.finished and not ev.finished:
             self.state.engine.abort(c.rid)  # a stop string: the engine need not go on
         return (c, *out)
 
@@ -299,15 +298,17 @@ class _Job:
 async def _collect(job: _Job, raw: Request) -> None:
     """Wait for every choice to finish; a client that goes away aborts its requests."""
     try:
+        checked = time.monotonic()
         while not job.done:
             ev = await job.next_event()
-            if ev is None:
+            if ev is not None:
+                job.apply(ev)
+            if ev is None or time.monotonic() - checked >= _POLL_S:  # tokens may keep coming: look anyway
+                checked = time.monotonic()
                 if await raw.is_disconnected():
                     job.abort_unfinished()
                     job.record("abort")
                     return
-                continue
-            job.apply(ev)
     except BaseException:
         job.abort_unfinished()
         job.record("error")
@@ -453,9 +454,12 @@ def create_app(state: ServerState) -> FastAPI:
         if state.chat_template is None:
             raise P.APIError("this checkpoint has no chat template (tokenizer_config.json: chat_template)")
         messages = [_message(m) for m in req.messages]
-        text = state.chat_template.render(
-            messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
-        )
+        try:
+            text = state.chat_template.render(
+                messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
+            )
+        except (ValueError, TypeError) as e:
+            raise P.APIError(str(e), param="messages") from None
         ids = state.encode_text(text)
         sp = state.sampling_params(req, len(ids), None)
         state.admit_check(ids, sp)

@@ -76,6 +76,7 @@ def add_serve(sub) -> None:
         "--max-queue", type=int, default=256, help="requests waiting beyond max-num-seqs before answering 429"
     )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
     add_engine_args(p)
     p.set_defaults(handler=cmd_serve)
 
@@ -95,7 +96,7 @@ def cmd_serve(args) -> int:
     llm, timings = build_engine(args.model, ekw)
     name = args.served_model_name or args.model
     state = make_state(llm, name, args.model, max_queue=args.max_queue, startup=timings)
-    return serve(state, args.host, args.port, args.log_level, t_start=t_start)
+    return serve(state, args.host, args.port, args.log_level, t_start=t_start, access_log=not args.no_access_log)
 
 
 # -------------------------------------------------------------------------------- generate

@@ -42,6 +42,7 @@ class _Sampling(BaseModel):
     min_loops: Optional[int] = None
     max_loops: Optional[int] = None
     exit_mode: Optional[str] = None
+    synthetic_mean_loops: Optional[float] = None  # exit_mode="synthetic" (benchmarks on random weights)
 
 
 class CompletionRequest(_Sampling):

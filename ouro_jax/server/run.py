@@ -67,9 +67,18 @@ class _Server(uvicorn.Server):
             )  # fmt: skip
 
 
-def serve(state: ServerState, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", t_start=None):
+def serve(
+    state: ServerState,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    t_start=None,
+    access_log: bool = True,
+):
     """Serve until SIGTERM / SIGINT; running requests are finished before the engine stops."""
-    config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level, timeout_keep_alive=5)
+    config = uvicorn.Config(
+        create_app(state), host=host, port=port, log_level=log_level, timeout_keep_alive=5, access_log=access_log
+    )
     server = _Server(config, state, t_start)
     try:
         server.run()
