@@ -12,15 +12,15 @@ so the difference is what the HTTP layer costs under load. ``--overhead``: one r
         --num-requests 4 --server inproc --out /tmp/serve.json       # CPU smoke run
 
 The server listens on 127.0.0.1 only: in this process (``--server inproc``: client and server share
-the interpreter) or as an ``ouro-jax serve`` subprocess (``--server subprocess``, the default: the
-offline engine is released first so that both fit on one device).
+the interpreter and one engine) or as an ``ouro-jax serve`` subprocess (``--server subprocess``, the
+default); then the HTTP runs come first and the offline engine is built here only after the server
+has exited, since jax takes most of the device's memory in whichever process starts it first.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import signal
@@ -249,11 +249,62 @@ def parser() -> argparse.ArgumentParser:
 def _print(label: str, s: dict) -> None:
     f = lambda d, k: "-" if not d else f"{1e3 * d[k]:.1f}"  # noqa: E731
     print(
-        f"  {label:<8} TTFT p50 {f(s['ttft'], 'p50')} p99 {f(s['ttft'], 'p99')} ms | TPOT p50 {f(s['tpot'], 'p50')} "
+        f"  {label:<14} TTFT p50 {f(s['ttft'], 'p50')} p99 {f(s['ttft'], 'p99')} ms | TPOT p50 {f(s['tpot'], 'p50')} "
         f"p99 {f(s['tpot'], 'p99')} ms | E2E p50 {f(s['e2e'], 'p50')} ms | {s['output_tok_per_s']:.1f} tok/s | "
         f"goodput {100 * s['goodput_share']:.0f}%",
         flush=True,
     )
+
+
+def _config(model):
+    """The model's config without touching the device (the subprocess server may need all of it)."""
+    from ouro_jax.config import PRESETS, OuroConfig
+
+    return PRESETS[model] if model in PRESETS else OuroConfig.from_json(model)
+
+
+def _http_part(args, url, model_name, rates, fields, vocab, result) -> dict:
+    """HTTP runs: per rate, or the c=1 overhead requests; returns the rows of the latter."""
+    over = None
+    if args.overhead:
+        over = [run_http(url, model_name, [p], [0.0], fields)[0][0] for p in _overhead_prompts(args, vocab)]
+    else:
+        for rate in rates:
+            prompts = make_requests(args.num_requests, args.prompt_len, args.output_len, vocab, args.request_seed)
+            arrivals = arrival_times(args.num_requests, rate, args.request_seed)
+            rows, dur = run_http(url, model_name, prompts, arrivals, fields)
+            s = summarize(rows, dur, args.slo_ttft, args.slo_tpot)
+            s["max_arrival_lag_s"] = max(r["arrival_lag"] for r in rows)
+            _record(result, rate)["http"] = s
+            _print(f"{rate:g}/s http", s)
+    return over
+
+
+def _offline_part(args, llm, rates, fields, vocab, result) -> Optional[list]:
+    over = None
+    if args.overhead:
+        over = [run_offline(llm, [p], [0.0], fields)[0][0] for p in _overhead_prompts(args, vocab)]
+    elif not args.skip_offline:
+        for rate in rates:
+            prompts = make_requests(args.num_requests, args.prompt_len, args.output_len, vocab, args.request_seed)
+            arrivals = arrival_times(args.num_requests, rate, args.request_seed)
+            rows, dur = run_offline(llm, prompts, arrivals, fields)
+            s = summarize(rows, dur, args.slo_ttft, args.slo_tpot)
+            _record(result, rate)["offline"] = s
+            _print(f"{rate:g}/s offline", s)
+    return over
+
+
+def _record(result: dict, rate: float) -> dict:
+    rec = next((r for r in result["runs"] if r["rate"] == rate), None)
+    if rec is None:
+        rec = dict(rate=rate)
+        result["runs"].append(rec)
+    return rec
+
+
+def _overhead_prompts(args, vocab):
+    return make_requests(args.overhead_requests, args.prompt_len, args.output_len, vocab, args.request_seed + 7)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -263,25 +314,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
         raise ValueError(f"--rates must be positive numbers, got {args.rates!r}")
     if min(args.num_requests, args.prompt_len, args.output_len, args.overhead_requests) < 1:
         raise ValueError("--num-requests, --prompt-len, --output-len and --overhead-requests must be >= 1")
-    import jax
-
-    from ouro_jax.server.run import BackgroundServer, make_state
-    from ouro_jax.server.startup import build_engine
-
     ekw = engine_kwargs(args)
     ekw.setdefault("max_model_len", args.prompt_len + args.output_len)
     if args.engine_max_model_len is None:
         args.engine_max_model_len = ekw["max_model_len"]  # the subprocess gets the same engine
-    llm, timings = build_engine(args.model, ekw)
-    vocab = llm.config.vocab_size
+    vocab = _config(args.model).vocab_size
     fields = sampling_fields(args)
     model_name = "bench"
     result = dict(
-        device=jax.devices()[0].device_kind,
-        backend=jax.default_backend(),
         model=args.model,
-        engine={k: v for k, v in ekw.items()},
-        num_blocks=llm.scheduler_config.num_blocks,
+        engine=dict(ekw),
         workload=dict(
             prompt_len=args.prompt_len,
             output_len=args.output_len,
@@ -292,66 +334,55 @@ def main(argv: Optional[list[str]] = None) -> dict:
             slo_tpot_s=args.slo_tpot,
             server=args.server,
         ),
-        startup=timings,
         runs=[],
     )
-    n_over = args.overhead_requests
-    over_prompts = make_requests(n_over, args.prompt_len, args.output_len, vocab, args.request_seed + 7)
-    offline: dict[float, tuple] = {}
-    over_direct = None
-    if args.overhead:
-        over_direct = [run_offline(llm, [p], [0.0], fields)[0][0] for p in over_prompts]
-    elif not args.skip_offline:
-        for rate in rates:
-            prompts = make_requests(args.num_requests, args.prompt_len, args.output_len, vocab, args.request_seed)
-            arrivals = arrival_times(args.num_requests, rate, args.request_seed)
-            print(f"rate {rate:g} req/s: offline engine", flush=True)
-            offline[rate] = run_offline(llm, prompts, arrivals, fields)
+    from ouro_jax.server.run import BackgroundServer, make_state
+    from ouro_jax.server.startup import build_engine
 
-    # the server: this process's engine, or a subprocess once this one is released
-    if args.server == "inproc":
+    if args.server == "subprocess":
+        # the server first, while this process holds no device memory; then the engine here
+        srv = _Subprocess(args, model_name)
+        try:
+            srv.wait_ready(args.ready_timeout)
+            over_http = _http_part(args, srv.url, model_name, rates, fields, vocab, result)
+        finally:
+            srv.stop()
+        llm, timings = build_engine(args.model, ekw)
+        over_direct = _offline_part(args, llm, rates, fields, vocab, result)
+    else:
+        llm, timings = build_engine(args.model, ekw)
+        over_direct = _offline_part(args, llm, rates, fields, vocab, result)
         srv = BackgroundServer(make_state(llm, model_name, args.model, max_queue=max(256, args.num_requests)))
         srv.start()
-    else:
-        del llm
-        gc.collect()
-        srv = _Subprocess(args, model_name)
-        srv.wait_ready(args.ready_timeout)
-    try:
-        if args.overhead:
-            over_http = [run_http(srv.url, model_name, [p], [0.0], fields)[0][0] for p in over_prompts]
-            d = np.mean([r["tpot"] for r in over_direct if r["tpot"] is not None])
-            h = np.mean([r["tpot"] for r in over_http if r["tpot"] is not None])
-            result["overhead"] = dict(
-                requests=n_over,
-                engine_tpot_s=float(d),
-                http_tpot_s=float(h),
-                overhead_share=float((h - d) / d),
-                engine_ttft_s=float(np.mean([r["ttft"] for r in over_direct])),
-                http_ttft_s=float(np.mean([r["ttft"] for r in over_http])),
-            )
-            o = result["overhead"]
-            print(
-                f"c=1 TPOT: engine {1e3 * o['engine_tpot_s']:.2f} ms, HTTP streaming {1e3 * o['http_tpot_s']:.2f} ms "
-                f"-> overhead {100 * o['overhead_share']:.1f}% of TPOT",
-                flush=True,
-            )
-        else:
-            for rate in rates:
-                prompts = make_requests(args.num_requests, args.prompt_len, args.output_len, vocab, args.request_seed)
-                arrivals = arrival_times(args.num_requests, rate, args.request_seed)
-                print(f"rate {rate:g} req/s:", flush=True)
-                rec = dict(rate=rate)
-                if rate in offline:
-                    rec["offline"] = summarize(*offline[rate], args.slo_ttft, args.slo_tpot)
-                    _print("offline", rec["offline"])
-                rows, dur = run_http(srv.url, model_name, prompts, arrivals, fields)
-                rec["http"] = summarize(rows, dur, args.slo_ttft, args.slo_tpot)
-                rec["http"]["max_arrival_lag_s"] = max(r["arrival_lag"] for r in rows)
-                _print("http", rec["http"])
-                result["runs"].append(rec)
-    finally:
-        srv.stop()
+        try:
+            over_http = _http_part(args, srv.url, model_name, rates, fields, vocab, result)
+        finally:
+            srv.stop()
+    import jax
+
+    result.update(
+        device=jax.devices()[0].device_kind,
+        backend=jax.default_backend(),
+        num_blocks=llm.scheduler_config.num_blocks,
+        startup=timings,
+    )
+    result["runs"].sort(key=lambda r: r["rate"])
+    if args.overhead:
+        d = float(np.mean([r["tpot"] for r in over_direct if r["tpot"] is not None]))
+        h = float(np.mean([r["tpot"] for r in over_http if r["tpot"] is not None]))
+        result["overhead"] = o = dict(
+            requests=args.overhead_requests,
+            engine_tpot_s=d,
+            http_tpot_s=h,
+            overhead_share=(h - d) / d,
+            engine_ttft_s=float(np.mean([r["ttft"] for r in over_direct])),
+            http_ttft_s=float(np.mean([r["ttft"] for r in over_http])),
+        )
+        print(
+            f"c=1 TPOT: engine {1e3 * d:.2f} ms, HTTP streaming {1e3 * h:.2f} ms "
+            f"-> overhead {100 * o['overhead_share']:.1f}% of TPOT",
+            flush=True,
+        )
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     from benchmarks.run import save_json
@@ -387,11 +418,14 @@ def plot(result: dict, path: str) -> Optional[str]:
     wl = result["workload"]
     axes[0].set_ylabel("TTFT (ms)")
     axes[1].set_ylabel("TPOT (ms)")
-    axes[2].set_ylabel(f"goodput (% of requests with TTFT <= {wl['slo_ttft_s']} s, TPOT <= {wl['slo_tpot_s']} s)")
+    axes[2].set_ylabel("goodput (% of requests)")
+    axes[2].set_title(f"SLOs: TTFT <= {wl['slo_ttft_s']} s, TPOT <= {1e3 * wl['slo_tpot_s']:g} ms", fontsize=10)
+    axes[2].set_ylim(0, 105)
     for ax in axes:
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.suptitle(
         f"{result['model']} on {result['device']}: {wl['prompt_len']} in / {wl['output_len']} out, "
         f"{wl['num_requests']} requests per rate, HTTP streaming vs the engine driven directly"
