@@ -3,6 +3,7 @@ engine directly, the JSON it writes and its plot. Nothing about speed is asserte
 
 import importlib.util
 import json
+import os
 
 import pytest
 
@@ -17,6 +18,7 @@ TINY = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_rates_http_against_offline(tmp_path):
     out = tmp_path / "serve.json"
     res = serve_bench.main(TINY + ["--rates", "20,40", "--num-requests", "3", "--server", "inproc", "--out", str(out)])
@@ -41,6 +43,26 @@ def test_overhead_mode(tmp_path):
     assert o["requests"] == 2 and o["engine_tpot_s"] > 0 and o["http_tpot_s"] > 0
     assert o["overhead_share"] == pytest.approx((o["http_tpot_s"] - o["engine_tpot_s"]) / o["engine_tpot_s"])
     assert res["runs"] == []
+
+
+def test_summary_goodput_and_arrivals(tmp_path):
+    rows = [
+        dict(ttft=0.5, tpot=0.01, e2e=1.0, tokens=4),  # meets both SLOs
+        dict(ttft=2.0, tpot=0.01, e2e=2.5, tokens=4),  # TTFT too long
+        dict(ttft=0.2, tpot=0.2, e2e=3.0, tokens=4),  # TPOT too long
+        dict(ttft=0.3, tpot=None, e2e=0.3, tokens=1),  # one token: no TPOT, meets the TTFT SLO
+    ]
+    s = serve_bench.summarize(rows, 2.0, slo_ttft=1.0, slo_tpot=0.05)
+    assert s["goodput_share"] == 0.5 and s["goodput_req_per_s"] == 1.0
+    assert s["output_tok_per_s"] == 6.5 and s["tpot"]["n"] == 3 and s["ttft"]["max"] == 2.0
+    a = serve_bench.arrival_times(2000, 50.0, seed=0)
+    assert a == sorted(a) and a[0] > 0 and abs(len(a) / a[-1] - 50.0) < 5.0  # Poisson at the asked rate
+    assert a == serve_bench.arrival_times(2000, 50.0, seed=0)
+    if importlib.util.find_spec("matplotlib") is not None:
+        run = dict(rate=1.0, http=s, offline=s)
+        result = dict(model="m", device="d", runs=[run, dict(run, rate=2.0)], workload=dict(
+            prompt_len=1, output_len=1, num_requests=4, slo_ttft_s=1.0, slo_tpot_s=0.05))  # fmt: skip
+        assert os.path.getsize(serve_bench.plot(result, str(tmp_path / "p.png"))) > 0
 
 
 def test_bad_arguments():
