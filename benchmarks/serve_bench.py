@@ -120,15 +120,7 @@ def run_offline(llm, prompts, arrivals, fields) -> tuple[list[dict], float]:
             if o.finished:
                 i = rid_of[o.request_id]
                 rows[i] = _row(arrivals[i], ts, t)
-                _forget(llm, o.request_id)
     return [rows[i] for i in range(len(prompts))], time.monotonic() - t0
-
-
-def _forget(llm, rid) -> None:
-    """Finished requests an engine keeps for ``generate`` to collect are not ours to keep."""
-    kept = getattr(llm, "_finished", None)
-    if isinstance(kept, dict):
-        kept.pop(rid, None)
 
 
 # ---------------------------------------------------------------------------------- HTTP

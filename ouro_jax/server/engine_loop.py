@@ -6,7 +6,8 @@ hand it commands through a thread-safe queue, and it hands each request's new to
 ``loop.call_soon_threadsafe`` into the asyncio queue the handler waits on.
 
 Only the public engine API is used. After this thread aborts a request it sends that request's final
-event itself, so a stream ends whether or not the engine reports the abort as an output.
+event itself and forgets it; the engine's own final output of the abort (handed out by the next
+``step``) then finds no listener and is dropped.
 """
 
 from __future__ import annotations
@@ -122,10 +123,6 @@ class EngineLoop:
         self._sinks.pop(rid, None)
         with self._lock:
             self._pending -= 1
-        # an engine that keeps finished requests for generate() to collect must not keep ours
-        kept = getattr(self.llm, "_finished", None)
-        if isinstance(kept, dict):
-            kept.pop(rid, None)
 
     def _command(self, cmd) -> None:
         kind = cmd[0]
