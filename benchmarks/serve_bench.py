@@ -36,7 +36,7 @@ from benchmarks.metrics import percentiles
 from ouro_jax.server.cli_commands import add_engine_args, engine_kwargs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "serve_http.json")
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
 # ------------------------------------------------------------------------------ workload
@@ -232,7 +232,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-offline", action="store_true", help="HTTP runs only")
     p.add_argument("--request-seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=600.0)
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument(
+        "--out", default=None, help="JSON path (default: results/serve_http.json, --overhead: serve_http_overhead.json)"
+    )
     p.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
     add_engine_args(p)
     return p
@@ -301,6 +303,8 @@ def _overhead_prompts(args, vocab):
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parser().parse_args(argv)
+    if args.out is None:
+        args.out = os.path.join(RESULTS, "serve_http_overhead.json" if args.overhead else "serve_http.json")
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if any(r <= 0 for r in rates) or not rates:
         raise ValueError(f"--rates must be positive numbers, got {args.rates!r}")
