@@ -246,7 +246,7 @@ class LLM:
 
             from .model import dtype_of
 
-            params = jax.tree.map(jax.numpy.asarray, random_params(config, seed, dtype_of(dtype or config.torch_dtype)))
+            params = random_params(config, seed, dtype_of(dtype or config.torch_dtype), on_device=True)
         elif dtype is not None:
             from .model import dtype_of
 

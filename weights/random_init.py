@@ -1,11 +1,15 @@
 """Seeded random Ouro weights, the one source of random parameters for ``LLM(preset, seed=)``,
-``ouro-jax random-checkpoint`` and the tests: each tensor's values depend only on ``(seed, name)``."""
+``ouro-jax random-checkpoint`` and the tests: each tensor's values depend only on ``(seed, name)``.
+
+Tensors are drawn with JAX's counter-based generator on the default device: a 1.4B model is ~1.4e9
+draws, which take milliseconds on a GPU and a minute or more in numpy on the host. The same seed
+gives bit-identical weights on the same backend (the normal transform is float32 arithmetic, so a
+CPU and a GPU draw may differ in the last bit)."""
 
 from __future__ import annotations
 
-import os
+import functools
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import numpy as np
@@ -17,44 +21,56 @@ from .hf_names import hf_name_to_path, hf_tensor_shapes, set_path
 __all__ = ["random_hf_tensors", "random_params"]
 
 
-def _tensor(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
-    """One tensor in float64, from its own stream ``(seed, crc32(name))``."""
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+def _kind(name: str) -> str:
     if name.endswith("layernorm.weight") or name.endswith("layernorm_2.weight") or name == "model.norm.weight":
-        return 1.0 + 0.1 * rng.standard_normal(shape)
+        return "norm"  # 1 + N(0, 0.1^2)
     if name == "model.early_exit_gate.bias":
-        return rng.normal(-0.5, 0.5, shape)
+        return "gate_bias"  # N(-0.5, 0.5^2): spread so that exit depths vary
     if name == "model.embed_tokens.weight":
-        return rng.standard_normal(shape)
-    return rng.standard_normal(shape) / np.sqrt(shape[-1])  # fan_in
+        return "embed"  # N(0, 1)
+    return "linear"  # N(0, 1/fan_in): activations keep unit scale through the sandwich norms
+
+
+@functools.cache
+def _drawer(shape: tuple[int, ...], kind: str, transpose: bool, dtype):
+    """A jitted draw of one tensor, compiled once per (shape, kind, layout, dtype)."""
+    import jax
+    import jax.numpy as jnp
+
+    def draw(seed, tag):
+        key = jax.random.fold_in(jax.random.key(seed), tag)
+        x = jax.random.normal(key, shape, jnp.float32)
+        if kind == "norm":
+            x = 1.0 + 0.1 * x
+        elif kind == "gate_bias":
+            x = 0.5 * x - 0.5
+        elif kind == "linear":
+            x = x * (1.0 / np.sqrt(shape[-1]))
+        return (x.T if transpose else x).astype(dtype)
+
+    return jax.jit(draw)
+
+
+def _draw(name: str, shape: tuple[int, ...], seed: int, transpose: bool = False, dtype=np.float32):
+    # crc32 fits uint32; the fold-in tag is its int32 bit pattern
+    tag = np.uint32(zlib.crc32(name.encode())).view(np.int32)
+    return _drawer(tuple(shape), _kind(name), transpose, np.dtype(dtype))(np.uint32(seed), tag)
 
 
 def random_hf_tensors(config: OuroConfig, seed: int = 0, dtype=np.float32) -> Iterator[tuple[str, np.ndarray]]:
-    """Seeded random weights in Hugging Face layout, one tensor at a time (never the whole model).
-
-    Linear weights ~ N(0, 1/fan_in) so activations keep unit scale through the sandwich norms;
-    norm scales ~ 1 + N(0, 0.1^2); the exit-gate bias is spread so that exit depths vary.
-    Each tensor's stream is derived from ``(seed, tensor name)`` so any subset is reproducible.
-    """
+    """Seeded random weights in Hugging Face layout as numpy arrays, one tensor at a time (never the
+    whole model on the host)."""
     for name, shape in hf_tensor_shapes(config).items():
-        yield name, _tensor(name, shape, seed).astype(dtype)
+        yield name, np.asarray(_draw(name, shape, seed)).astype(dtype)
 
 
-def random_params(config: OuroConfig, seed: int = 0, dtype=np.float32) -> dict:
-    """The param tree of :func:`random_hf_tensors` (numpy leaves, Flax layout) - the same values a
-    random checkpoint written by ``weights.save_random`` holds, without touching the disk.
-
-    Tensors are drawn on several threads (numpy's generators release the GIL; each tensor has its
-    own), so that a 1.4B model's weights do not take a single core's minute."""
-
-    def one(item):
-        name, shape = item
-        arr = _tensor(name, shape, seed).astype(np.float32)
-        path, transpose = hf_name_to_path(name)
-        return path, np.ascontiguousarray(arr.T if transpose else arr).astype(dtype)
-
+def random_params(config: OuroConfig, seed: int = 0, dtype=np.float32, *, on_device: bool = False) -> dict:
+    """The param tree of :func:`random_hf_tensors` (Flax layout) - the same values a random checkpoint
+    written by ``weights.save_random`` holds, without touching the disk. ``on_device=True`` keeps the
+    leaves as device arrays (what the engine wants); otherwise they are numpy arrays."""
     tree: dict = {}
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for path, arr in pool.map(one, hf_tensor_shapes(config).items()):
-            set_path(tree, path, arr)
+    for name, shape in hf_tensor_shapes(config).items():
+        path, transpose = hf_name_to_path(name)
+        arr = _draw(name, shape, seed, transpose, dtype)
+        set_path(tree, path, arr if on_device else np.asarray(arr))
     return tree
