@@ -129,6 +129,9 @@ class LLM:
         num_ring_rows: Optional[int] = None,
         fused_decode_max_rows: Optional[int] = None,
         fused_decode_tokens: int = 1,
+        kv_allocation: str = "on_demand",
+        enable_prefix_caching: Optional[bool] = None,
+        watermark: float = 0.01,
         warmup: bool = True,
         progress: bool = True,
     ):
@@ -173,6 +176,11 @@ class LLM:
             buckets=buckets,
             fused_decode_max_rows=fused_decode_max_rows,
             fused_decode_tokens=fused_decode_tokens,
+            # on_demand: blocks as tokens need them, preemption when the pool runs out; reserve:
+            # prompt + max_tokens at admission (docs/decisions.md, "KV allocation")
+            kv_allocation=kv_allocation,
+            enable_prefix_caching=enable_prefix_caching,  # None: scheduler.DEFAULT_ENABLE_PREFIX_CACHING
+            watermark=watermark,
         )
         need = planes * -(-max_model_len // block_size) + 1
         if num_blocks < need:

@@ -5,7 +5,7 @@
 key (docs/contracts.md).
 """
 
-from .block_manager import KVBlockManager
+from .block_manager import DEFAULT_ENABLE_PREFIX_CACHING, KVBlockManager, prefix_block_hashes
 from .buckets import BucketKey, BucketSpec
 from .descriptor import BatchDescriptor, StackedDescriptor, build_descriptor, descriptor_layout
 from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
@@ -15,7 +15,9 @@ from .sampling_params import SamplingParams
 from .scheduler import RequestDelta, Scheduler, SchedulerConfig
 
 __all__ = [
+    "DEFAULT_ENABLE_PREFIX_CACHING",
     "KVBlockManager",
+    "prefix_block_hashes",
     "BucketKey",
     "BucketSpec",
     "BatchDescriptor",

@@ -1,27 +1,60 @@
-"""KVBlockManager: which pages of the KV pool belong to which request, per plane.
+"""KVBlockManager: which pages of the KV pool belong to which request, per plane, and the prefix cache.
 
 The pool (owned by the runner, docs/contracts.md) holds ``num_blocks`` pages of ``block_size``
 tokens per layer. LAST_EXITED gives every request one block table per depth plane (``T`` of them),
 SHARED one; all planes draw from the same pool. Block 0 is the trash page that padding rows write
 to, so it is never handed out.
 
-A request reserves, at admission, every block it can ever need (its whole prompt plus every
-generated token that will get KV, in every plane). A running request therefore never meets an
-exhausted pool and nothing has to be preempted mid-run; the price is that admission is
-conservative. Ref counts are kept per block so that prefix caching (a block shared by several
-requests, published by hash) and preemption (free and later re-reserve) can be added without
-changing how tables are handed out.
+Tables grow one *column* at a time: column ``i`` is block ``i`` of every plane (positions
+``i*bs .. (i+1)*bs - 1``). Every plane of a position is needed sooner or later (a token that exits
+at ``e`` has its plane-``e`` K/V copied into the planes above), so the planes grow together. How
+many columns a request takes at admission, and when it grows, is the scheduler's policy
+(``SchedulerConfig.kv_allocation``, docs/decisions.md).
+
+Prefix cache (``enable_prefix_caching``): a column of a request's prompt whose positions are final
+in every plane can be *published* under the hash chain of the prompt's token ids up to its end
+(``prefix_block_hashes``). A later request whose prompt starts with the same blocks takes those
+columns by reference (``allocate(..., hashes=...)``). A cached column stays in the pool when its
+last holder lets go ("idle"), and idle columns are evicted, least recently released first, only
+when a request needs blocks that the free list cannot give. Reference counts are per block; the
+blocks of one column are always held together.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
+from typing import Optional, Sequence
+
 import numpy as np
 
-__all__ = ["KVBlockManager"]
+__all__ = ["KVBlockManager", "prefix_block_hashes", "DEFAULT_ENABLE_PREFIX_CACHING"]
+
+# The engine's default for prefix caching (LLM and SchedulerConfig): off until the H200 run of
+# benchmarks' shared_prefix workload shows what it pays; one constant so that switching is one line.
+DEFAULT_ENABLE_PREFIX_CACHING = False
+
+
+def prefix_block_hashes(token_ids: np.ndarray, block_size: int, salt: bytes, num_blocks: int) -> list[bytes]:
+    """Hash chain of the first ``num_blocks`` full blocks: ``h_i = H(h_{i-1}, tokens of block i)``,
+    ``h_{-1} = salt``. A hash therefore names a block *and everything before it*."""
+    out, h = [], salt
+    ids = np.ascontiguousarray(np.asarray(token_ids, "<i4"))
+    for i in range(num_blocks):
+        h = hashlib.blake2b(h + ids[i * block_size : (i + 1) * block_size].tobytes(), digest_size=16).digest()
+        out.append(h)
+    return out
 
 
 class KVBlockManager:
-    def __init__(self, num_blocks: int, block_size: int, num_planes: int, watermark: float = 0.0):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_planes: int,
+        watermark: float = 0.0,
+        enable_prefix_caching: bool = False,
+    ):
         if not (isinstance(num_blocks, int) and num_blocks >= 2):
             raise ValueError(
                 f"KVBlockManager: num_blocks must be an int >= 2 (block 0 is the trash page), got {num_blocks!r}"
@@ -36,23 +69,33 @@ class KVBlockManager:
         self.block_size = block_size
         self.num_planes = num_planes
         self.watermark = watermark
-        # blocks admission keeps free (a margin for later prefix-cache / preemption policies)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        # blocks admission keeps free for the growth of running requests (on-demand allocation)
         self.watermark_blocks = int(watermark * (num_blocks - 1))
         # a stack: the most recently freed block is handed out first (warm in L2)
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))
         self._ref_count = np.zeros(num_blocks, np.int32)
         self._ref_count[0] = 1  # the trash page is permanently "in use"
-        self._tables: dict[object, np.ndarray] = {}
+        self._tables: dict[object, list[np.ndarray]] = {}  # request id -> its columns ([planes] each)
+        self._cached: dict[bytes, np.ndarray] = {}  # hash -> column
+        self._hash_of: dict[int, bytes] = {}  # plane-0 block of a cached column -> its hash
+        self._idle: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # held by nobody, LRU first
 
     # ----------------------------------------------------------------- sizes
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no request holds: the free list plus idle cached columns (evictable on demand)."""
+        return len(self._free) + len(self._idle) * self.num_planes
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by requests (the trash page not counted)."""
-        return self.num_blocks - 1 - len(self._free)
+        return self.num_blocks - 1 - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache, held or idle."""
+        return len(self._cached) * self.num_planes
 
     @property
     def capacity_blocks(self) -> int:
@@ -67,45 +110,111 @@ class KVBlockManager:
         return self.blocks_per_plane(num_tokens) * self.num_planes
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) <= self.capacity_blocks
+        return self.blocks_needed(num_tokens) <= self.num_blocks - 1
+
+    def num_held_tokens(self, request_id) -> int:
+        """Positions the request's tables cover (every plane)."""
+        return len(self._tables[request_id]) * self.block_size
+
+    # ------------------------------------------------------------- prefix cache
+    def num_cached_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``hashes`` the cache holds."""
+        n = 0
+        for h in hashes:
+            if h not in self._cached:
+                break
+            n += 1
+        return n
+
+    def publish(self, request_id, column: int, h: bytes) -> bool:
+        """Cache column ``column`` of ``request_id`` (final in every plane) under hash ``h``; False
+        if ``h`` is cached already (the request keeps its own copy private) or caching is off."""
+        if not self.enable_prefix_caching or h in self._cached:
+            return False
+        col = self._tables[request_id][column]
+        if int(col[0]) in self._hash_of:
+            return False  # the column came from the cache
+        self._cached[h] = col
+        self._hash_of[int(col[0])] = h
+        return True
+
+    def _evict(self, n_blocks: int) -> None:
+        while len(self._free) < n_blocks and self._idle:
+            h, _ = self._idle.popitem(last=False)
+            col = self._cached.pop(h)
+            del self._hash_of[int(col[0])]
+            self._free.extend(int(b) for b in col[::-1])
+
+    def _take(self, n: int) -> list[int]:
+        self._evict(n)
+        out = self._free[len(self._free) - n :][::-1] if n else []
+        del self._free[len(self._free) - n :]
+        return out
 
     # ------------------------------------------------------------ allocation
-    def can_allocate(self, request) -> bool:
-        return self.blocks_needed(request.max_kv_tokens) <= len(self._free) - self.watermark_blocks
+    def allocate(
+        self, request_id, num_tokens: int, hashes: Sequence[bytes] = (), keep_free: int = 0
+    ) -> Optional[tuple[np.ndarray, int]]:
+        """Tables for positions ``0..num_tokens-1`` of a request that holds none: the leading blocks
+        cached under ``hashes`` by reference, fresh blocks for the rest. None (nothing changed) if
+        that would leave fewer than ``keep_free`` blocks free. Returns ``(table [planes, blocks],
+        number of cached blocks used)``."""
+        if request_id in self._tables:
+            raise ValueError(f"KVBlockManager: request {request_id!r} already holds blocks")
+        per_plane = self.blocks_per_plane(num_tokens)
+        hits = [self._cached[h] for h in hashes[: self.num_cached_prefix(hashes[:per_plane])]]
+        fresh = (per_plane - len(hits)) * self.num_planes
+        idle_hit = sum(1 for h in hashes[: len(hits)] if h in self._idle) * self.num_planes
+        if fresh + idle_hit > self.num_free_blocks - keep_free:
+            return None
+        for h, col in zip(hashes, hits):
+            self._idle.pop(h, None)
+            self._ref_count[col] += 1
+        new = np.asarray(self._take(fresh), np.int32).reshape(-1, self.num_planes)
+        self._ref_count[new.ravel()] += 1
+        cols = hits + list(new)
+        self._tables[request_id] = cols
+        return self.block_table(request_id), len(hits)
 
-    def allocate(self, request) -> np.ndarray:
-        """Reserve every block ``request`` can ever need; returns its tables ``[planes, blocks]``."""
-        rid = request.request_id
-        if rid in self._tables:
-            raise ValueError(f"KVBlockManager: request {rid!r} already holds blocks")
-        if not self.can_allocate(request):
-            raise RuntimeError(
-                f"KVBlockManager: not enough free blocks for request {rid!r} "
-                f"({self.blocks_needed(request.max_kv_tokens)} needed, "
-                f"{len(self._free)} free, watermark {self.watermark_blocks})"
-            )
-        per_plane = self.blocks_per_plane(request.max_kv_tokens)
-        n = per_plane * self.num_planes
-        blocks = self._free[-n:][::-1] if n else []
-        del self._free[len(self._free) - n :]
-        table = np.asarray(blocks, np.int32).reshape(self.num_planes, per_plane)
-        self._ref_count[table.ravel()] += 1
-        self._tables[rid] = table
-        return table
+    def grow(self, request_id, num_tokens: int) -> Optional[np.ndarray]:
+        """Extend the request's tables to cover ``num_tokens`` positions; returns the new columns
+        ``[planes, k]`` (``k`` may be 0), or None (nothing changed) if the pool cannot give them."""
+        cols = self._tables[request_id]
+        k = self.blocks_per_plane(num_tokens) - len(cols)
+        if k <= 0:
+            return np.zeros((self.num_planes, 0), np.int32)
+        if k * self.num_planes > self.num_free_blocks:
+            return None
+        new = np.asarray(self._take(k * self.num_planes), np.int32).reshape(k, self.num_planes)
+        self._ref_count[new.ravel()] += 1
+        cols.extend(new)
+        return new.T
 
-    def free(self, request) -> None:
-        """Give back every block of ``request`` (no-op if it holds none)."""
-        table = self._tables.pop(request.request_id, None)
-        if table is None:
+    def free(self, request_id) -> None:
+        """Give back every block of the request (no-op if it holds none). Cached columns stay in
+        the cache, idle once nobody holds them; the request's last columns become idle first, so
+        that eviction takes the ends of prefixes before their starts."""
+        cols = self._tables.pop(request_id, None)
+        if cols is None:
             return
-        flat = table.ravel()
-        self._ref_count[flat] -= 1
-        # blocks shared with another holder (prefix caching) stay allocated
-        released = flat[self._ref_count[flat] == 0]
-        self._free.extend(int(b) for b in released[::-1])
+        for col in reversed(cols):
+            self._ref_count[col] -= 1
+            if self._ref_count[col[0]] == 0:
+                h = self._hash_of.get(int(col[0]))
+                if h is None:
+                    self._free.extend(int(b) for b in col[::-1])
+                else:
+                    self._idle[h] = None
 
     def block_table(self, request_id) -> np.ndarray:
-        return self._tables[request_id]
+        cols = self._tables[request_id]
+        if not cols:
+            return np.zeros((self.num_planes, 0), np.int32)
+        return np.stack(cols, axis=1)
 
     def holds(self, request_id) -> bool:
         return request_id in self._tables
+
+    def ref_counts(self) -> np.ndarray:
+        """A copy of the per-block reference counts (tests check they return to zero)."""
+        return self._ref_count.copy()

@@ -144,6 +144,9 @@ class StagedPolicy:
     def __init__(self):
         self._rr = 0
 
+    def forget(self, req: Request) -> None:
+        """``req`` was preempted: nothing of it stays planned (staged selection keeps no plan)."""
+
     def select(self, running: list[Request], budget: int, num_loops: int) -> Optional[Selection]:
         self._rr += 1
         decode = select_decode(running, budget, self._rr)
@@ -183,6 +186,11 @@ class SplitPolicy:
     def ring_slots(self, num_loops: int) -> int:
         return 1
 
+    def forget(self, req: Request) -> None:
+        """``req`` was preempted: its ranges leave the prefill group (it restarts from scratch)."""
+        if self._group is not None:
+            self._group = [g for g in self._group if g[0] is not req] or None
+
     def select(self, running: list[Request], budget: int, num_loops: int) -> Optional[Selection]:
         if self._group is not None:
             sel = self._continue_prefill(num_loops)
@@ -211,7 +219,8 @@ class SplitPolicy:
 
     def _continue_prefill(self, num_loops: int) -> Optional[Selection]:
         d = self._group_depth
-        prompt = [(r, d, s, e) for r, s, e in self._group if r.is_prefilling]
+        # a rebuilt generated position runs no loop above its depth cap: one range per run of the rest
+        prompt = [(r, d, a, b) for r, s, e in self._group if r.is_prefilling for a, b in r.capped_runs(d, s, e)]
         self._group_depth += 1
         if self._group_depth >= num_loops or not prompt:
             self._group = None

@@ -21,6 +21,16 @@ split ``1``; SHARED KV uses chunks of one position (all loops of ``p`` before ``
 Decode progress: the last generated token (index ``k``, position ``n+k``) is "in flight": it runs
 one loop per invocation at ``decode_depth``; the exit rule decides after each loop whether its
 coda token becomes generated token ``k+1``.
+
+Resume after preemption (recomputation): a request preempted after ``k`` generated tokens is
+rebuilt as a longer "prompt" of ``prefill_len = n + k - 1`` positions (the prompt, then every
+generated token but the one in flight) through the same frontiers, chunks and ring. Generated
+position ``n + j - 1`` (token ``j - 1``) ran loops ``0..exit_depths[j]`` when it was first computed;
+its *depth cap* (``recompute_caps``) keeps it at that: it runs no loop above its cap, the scheduler
+finalizes it (plane cap -> the planes above) once it has run its cap, and the frontier of a depth
+above its cap steps over it once the frontier below has passed it (``skip_capped``). So every plane
+is rebuilt exactly as it was, the first token is not sampled again, and the token in flight
+restarts at depth 0 once the rebuild reaches the final depth.
 """
 
 from __future__ import annotations
@@ -87,6 +97,11 @@ class Request:
         # resources, set at admission
         self.batch_slot: Optional[int] = None  # index into the scheduler's table/ring regions
         self.ring_base: Optional[int] = None  # first ring row of the request's region
+        self.arrival_seq = 0  # tie-break of equal arrival times (set by the scheduler)
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt positions of the current admission taken from the prefix cache
+        self.num_published_blocks = 0  # leading prompt blocks known to the prefix cache
+        self.block_hashes: Optional[list] = None  # hash chain of the full prompt blocks (prefix cache)
 
         # prompt progress (set up by start_prefill)
         self.prefill_chunk_size = 0
@@ -94,6 +109,9 @@ class Request:
         self.prefill_window_origin = 0  # > 0 once a cached prefix is reused
         self.num_preluded_tokens = 0
         self.prefill_depth_frontiers: list[int] = []
+        self.prefill_len = 0  # positions to (re)build before decoding: the prompt, after a preemption more
+        self.prefill_token_ids = self.prompt_token_ids  # their token ids
+        self.recompute_caps: Optional[np.ndarray] = None  # depth cap of positions n.. (see the module doc)
 
         # decode progress of the token in flight
         self.decode_depth = 0
@@ -122,11 +140,41 @@ class Request:
         return self.token_times[0] if self.token_times else None
 
     # -------------------------------------------------------- prompt progress
-    def start_prefill(self, num_loops: int, chunk_size: int, ring_slots: int) -> None:
+    @property
+    def num_rebuild_tokens(self) -> int:
+        """Positions an admission must (re)build before decoding: the prompt, and after a
+        preemption every generated token but the one in flight."""
+        return self.num_prompt_tokens + max(0, len(self.output_token_ids) - 1)
+
+    def start_prefill(self, num_loops: int, chunk_size: int, ring_slots: int, origin: int = 0) -> None:
+        """Set up prompt progress at admission; ``origin`` positions come from the prefix cache."""
+        k = len(self.output_token_ids)
+        self.prefill_len = self.num_rebuild_tokens
+        self.recompute_caps = None
+        self.prefill_token_ids = self.prompt_token_ids
+        if k > 1:
+            self.prefill_token_ids = np.concatenate([self.prompt_token_ids, np.asarray(self.output_token_ids[:-1])])
+            caps = np.asarray(self.exit_depths[1:k], np.int32)
+            if (caps < num_loops - 1).any():
+                self.recompute_caps = caps
         self.prefill_chunk_size = chunk_size
         self.prefill_ring_slots = ring_slots
-        self.prefill_depth_frontiers = [self.prefill_window_origin] * num_loops
-        self.num_preluded_tokens = self.prefill_window_origin
+        self.prefill_window_origin = origin
+        self.prefill_depth_frontiers = [origin] * num_loops
+        self.num_preluded_tokens = origin
+        self.num_cached_tokens = origin
+
+    def preempt(self) -> None:
+        """Back to WAITING with no resources and no progress but its outputs (resumed by
+        recomputation, see the module doc)."""
+        self.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.batch_slot = self.ring_base = None
+        self.prefill_depth_frontiers = []
+        self.num_preluded_tokens = 0
+        self.pending_gates = []
+        self.pending_finalize = []
+        self.decode_depth = 0
 
     @property
     def num_prefilled_tokens(self) -> int:
@@ -135,25 +183,57 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.status is RequestStatus.RUNNING and not self.output_token_ids
+        return self.status is RequestStatus.RUNNING and self.prefill_depth_frontiers[-1] < self.prefill_len
 
     @property
     def is_decoding(self) -> bool:
-        return self.status is RequestStatus.RUNNING and bool(self.output_token_ids)
+        return (
+            self.status is RequestStatus.RUNNING
+            and bool(self.output_token_ids)
+            and self.prefill_depth_frontiers[-1] >= self.prefill_len
+        )
+
+    def depth_cap(self, pos: int) -> int:
+        """The deepest loop position ``pos`` runs while it is (re)built."""
+        n = self.num_prompt_tokens
+        if self.recompute_caps is None or pos < n:
+            return len(self.prefill_depth_frontiers) - 1
+        return int(self.recompute_caps[pos - n])
+
+    def capped_runs(self, depth: int, start: int, end: int) -> list[tuple[int, int]]:
+        """The maximal runs of ``[start, end)`` whose positions run loop ``depth``."""
+        if self.recompute_caps is None or end <= self.num_prompt_tokens or depth == 0:
+            return [(start, end)] if end > start else []
+        n = self.num_prompt_tokens
+        ok = np.ones(end - start, bool)
+        lo = max(start, n)
+        ok[lo - start :] = self.recompute_caps[lo - n : end - n] >= depth
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], ok.astype(np.int8), [0]])))
+        return [(start + int(a), start + int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+    def skip_capped(self) -> None:
+        """Step each depth's frontier over positions capped below that depth whose loop at their
+        cap has run (the frontier below has passed them): their planes there are finalize copies."""
+        caps, f, n = self.recompute_caps, self.prefill_depth_frontiers, self.num_prompt_tokens
+        if caps is None:
+            return
+        for d in range(1, len(f)):
+            while f[d] < f[d - 1] and f[d] >= n and caps[f[d] - n] < d:
+                f[d] += 1
 
     def chunk_start(self, pos: int) -> int:
         o, c = self.prefill_window_origin, self.prefill_chunk_size
         return o + ((pos - o) // c) * c
 
     def chunk_end(self, pos: int) -> int:
-        return min(self.chunk_start(pos) + self.prefill_chunk_size, self.num_prompt_tokens)
+        return min(self.chunk_start(pos) + self.prefill_chunk_size, self.prefill_len)
 
     @property
     def prefill_reclaimable_tokens(self) -> int:
         """Start of the oldest resident chunk: every chunk before it finished the final depth, so
         their ring slots may be reused."""
         f = self.num_prefilled_tokens
-        return f if f >= self.num_prompt_tokens else self.chunk_start(f)
+        return f if f >= self.prefill_len else self.chunk_start(f)
 
     def ring_row(self, pos: int) -> int:
         o, c = self.prefill_window_origin, self.prefill_chunk_size
@@ -165,12 +245,15 @@ class Request:
         start = f[depth]
         if depth == 0:
             ring_limit = self.prefill_reclaimable_tokens + self.prefill_ring_slots * self.prefill_chunk_size
-            end = min(self.num_prompt_tokens, ring_limit)
+            end = min(self.prefill_len, ring_limit)
         else:
             end = f[depth - 1]
         if start >= end:
             return start, start
-        return start, min(end, self.chunk_end(start))
+        end = min(end, self.chunk_end(start))
+        if depth and self.recompute_caps is not None and end > self.num_prompt_tokens:
+            return self.capped_runs(depth, start, end)[0] if self.depth_cap(start) >= depth else (start, start)
+        return start, end
 
     # -------------------------------------------------------- decode progress
     @property

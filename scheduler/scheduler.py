@@ -18,19 +18,30 @@ the token its (speculative) coda sampled, queues its KV finalize copies (LAST_EX
 ``e < T-1``: plane ``e`` -> planes ``e+1..T-1``) for step 1 of the next invocation and refills:
 the next token starts at depth 0 next invocation. Finished and aborted requests give back every
 block and their ring region at once.
+
+KV allocation (``SchedulerConfig.kv_allocation``, docs/decisions.md): ``on_demand`` (default) gives
+a request the blocks of the positions it (re)builds at admission (its prompt; after a preemption
+also its generated tokens) and one more column of blocks whenever its token in flight crosses into
+a new block; admission keeps ``watermark`` of the pool free for that growth. When a running request
+cannot grow, the lowest-priority, latest-arriving running request is preempted (its blocks and
+ring region freed, back to the waiting queue) and later resumed by recomputation
+(``Request.start_prefill``). ``reserve`` takes ``prompt + max_tokens - 1`` positions at admission
+and never preempts. Prefix caching (``enable_prefix_caching``, LAST_EXITED) reuses the published
+full prompt blocks of earlier requests (``KVBlockManager``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from collections import Counter
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from .block_manager import KVBlockManager
+from .block_manager import DEFAULT_ENABLE_PREFIX_CACHING, KVBlockManager, prefix_block_hashes
 from .buckets import BucketKey, BucketSpec
 from .descriptor import StackedDescriptor, build_descriptor
 from .exit_policy import coda_kind, decide_exit, fold_gate, gate_needed, gates_needed_at, synthetic_exit_loops
@@ -44,6 +55,7 @@ ArrayOrThunk = Union[np.ndarray, Callable[[], np.ndarray]]
 
 KV_LAYOUTS = ("last_exited", "shared")
 PREFILL_MODES = ("split", "mixed", "wavefront")
+KV_ALLOCATIONS = ("on_demand", "reserve")
 
 
 def _is_int(v) -> bool:
@@ -64,7 +76,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" | "priority"
     eos_token_id: Optional[int] = None
     buckets: Optional[Sequence[int]] = None  # row buckets; None = powers of two from 8
-    watermark: float = 0.0
+    watermark: float = 0.01  # on_demand: share of the pool admission keeps free for running requests' growth
+    kv_allocation: str = "on_demand"  # "on_demand" | "reserve" (prompt + max_tokens at admission)
+    enable_prefix_caching: Optional[bool] = None  # None: DEFAULT_ENABLE_PREFIX_CACHING under LAST_EXITED
     fused_decode_max_rows: int = 0  # fused decode steps for up to this many rows; 0 = off
     fused_decode_tokens: int = 1  # tokens per fused decode step (each T loops)
 
@@ -72,6 +86,9 @@ class SchedulerConfig:
         object.__setattr__(self, "kv_layout", str(self.kv_layout).lower())
         if self.buckets is not None:
             object.__setattr__(self, "buckets", tuple(self.buckets))
+        if self.enable_prefix_caching is None:
+            default = DEFAULT_ENABLE_PREFIX_CACHING and self.kv_layout == "last_exited"
+            object.__setattr__(self, "enable_prefix_caching", default)
         self.validate()
 
     def validate(self) -> None:
@@ -107,6 +124,19 @@ class SchedulerConfig:
             not (self.prefill_mode == "wavefront" and self.kv_layout == "shared"),
             "prefill_mode='wavefront' needs kv_layout LAST_EXITED: with SHARED KV a position's "
             "depth 0 reads the final KV of every earlier position, so chunks cannot overlap in depth",
+        )
+        need(
+            self.kv_allocation in KV_ALLOCATIONS,
+            f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}",
+        )
+        need(
+            isinstance(self.enable_prefix_caching, bool),
+            f"enable_prefix_caching must be a bool or None, got {self.enable_prefix_caching!r}",
+        )
+        need(
+            not (self.enable_prefix_caching and self.kv_layout == "shared"),
+            "enable_prefix_caching needs kv_layout LAST_EXITED: engine-semantics.md reserves prefix "
+            "caching to LAST_EXITED (docs/decisions.md says why SHARED is rejected)",
         )
         need(self.policy in ("fcfs", "priority"), f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         need(
@@ -232,8 +262,14 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.num_loops = config.num_loops
-        self.block_manager = KVBlockManager(config.num_blocks, config.block_size, config.num_planes, config.watermark)
+        self.block_manager = KVBlockManager(
+            config.num_blocks, config.block_size, config.num_planes, config.watermark, config.enable_prefix_caching
+        )
+        # prefix hashes name the layout too: a block is only reusable by an engine that lays KV out alike
+        self._hash_salt = f"{config.kv_layout}/{config.num_planes}/{config.block_size}".encode()
+        self._arrivals = itertools.count()
         self.bucket_spec = config.bucket_spec()
+        self._max_finalize_pairs = self.bucket_spec.key_for_bucket(self.bucket_spec.row_buckets[-1]).F
         self.policy = make_policy(config.prefill_mode)
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []  # admission order
@@ -274,8 +310,9 @@ class Scheduler:
                 f"request {rid!r} can never fit in the KV pool: it needs "
                 f"{self.block_manager.blocks_needed(request.max_kv_tokens)} blocks "
                 f"({request.max_kv_tokens} tokens x {cfg.num_planes} planes), the pool "
-                f"can give {self.block_manager.capacity_blocks}"
+                f"can give {cfg.num_blocks - 1}"
             )
+        request.arrival_seq = next(self._arrivals)
         self._requests[rid] = request
         self.waiting.add(request)
 
@@ -307,26 +344,95 @@ class Scheduler:
         cfg = self.config
         while len(self.waiting) and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
-            if not self.block_manager.can_allocate(req):
+            if not self._allocate(req):
                 break  # head-of-line: admission order is the policy's order
             self.waiting.pop()
-            table = self.block_manager.allocate(req)
-            slot = self._free_slots.pop()
-            self._tables[slot, :, : table.shape[1]] = table
-            req.batch_slot = slot
-            req.ring_base = 1 + slot * cfg.ring_rows_per_request
-            req.start_prefill(cfg.num_loops, cfg.effective_chunk_size, cfg.ring_slots)
-            req.status = RequestStatus.RUNNING
             self.running.append(req)
+
+    def _allocate(self, req: Request) -> bool:
+        """Blocks, batch slot and ring region for ``req``, and its prompt progress; False (nothing
+        changed) if the pool cannot give the blocks now."""
+        cfg, bm = self.config, self.block_manager
+        n = req.num_prompt_tokens
+        tokens = req.max_kv_tokens if cfg.kv_allocation == "reserve" else req.num_rebuild_tokens
+        hashes: list = []
+        if cfg.enable_prefix_caching:
+            if req.block_hashes is None:
+                req.block_hashes = prefix_block_hashes(
+                    req.prompt_token_ids, cfg.block_size, self._hash_salt, n // cfg.block_size
+                )
+            # at least one prompt position is computed: its last one samples the first token
+            hashes = req.block_hashes[: (n - 1) // cfg.block_size]
+        # the watermark keeps room for running requests to grow; with none running it has nothing to protect
+        keep = bm.watermark_blocks if cfg.kv_allocation == "on_demand" and self.running else 0
+        got = bm.allocate(req.request_id, tokens, hashes, keep)
+        if got is None:
+            return False
+        table, hit_blocks = got
+        slot = self._free_slots.pop()
+        self._tables[slot, :, : table.shape[1]] = table
+        req.batch_slot = slot
+        req.ring_base = 1 + slot * cfg.ring_rows_per_request
+        origin = hit_blocks * cfg.block_size
+        req.start_prefill(cfg.num_loops, cfg.effective_chunk_size, cfg.ring_slots, origin)
+        req.num_published_blocks = hit_blocks
+        if req.output_token_ids:  # resumed: its token in flight starts again at depth 0
+            req.start_token(self._target(req, len(req.output_token_ids)))
+        req.status = RequestStatus.RUNNING
+        st = self._stats
+        if cfg.enable_prefix_caching:
+            st["prefix_cache_queried_tokens"] += n
+            st["prefix_cache_hit_tokens"] += origin
+        st["admissions"] += 1
+        return True
+
+    def _target(self, req: Request, k: int) -> Optional[int]:
+        p = req.sampling_params
+        return synthetic_exit_loops(p, self.num_loops, req.request_id, k) if p.exit_mode == "synthetic" else None
 
     def _release(self, req: Request) -> None:
         if req.batch_slot is None:
             return
-        self.block_manager.free(req)
+        self.block_manager.free(req.request_id)
         self._tables[req.batch_slot] = 0
         self._free_slots.append(req.batch_slot)
         req.batch_slot = None
         self.running.remove(req)
+
+    def _victim_key(self, req: Request) -> tuple:
+        """Larger = preempted first: lowest priority (the largest value), then the latest arrival."""
+        pri = req.priority if self.config.policy == "priority" else 0
+        return (pri, req.arrival_time, req.arrival_seq)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.preempt()
+        self.policy.forget(req)
+        self.waiting.add(req)
+        self._stats["preemptions"] += 1
+
+    def _grow_to(self, req: Request, num_tokens: int) -> bool:
+        """Blocks for positions ``0..num_tokens-1`` of ``req`` (no preemption); False if the pool is short."""
+        bm = self.block_manager
+        have = bm.num_held_tokens(req.request_id)
+        if have >= num_tokens:
+            return True
+        new = bm.grow(req.request_id, num_tokens)
+        if new is None:
+            return False
+        c0 = have // self.config.block_size
+        self._tables[req.batch_slot, :, c0 : c0 + new.shape[1]] = new
+        return True
+
+    def _grow(self) -> None:
+        """Give every decoding request the block of its token in flight, preempting when the pool
+        is short (the best-placed requests grow first and are preempted last)."""
+        bm = self.block_manager
+        needy = [r for r in self.running if r.is_decoding and bm.num_held_tokens(r.request_id) <= r.position_in_flight]
+        for req in sorted(needy, key=self._victim_key):
+            while req.batch_slot is not None and not self._grow_to(req, req.position_in_flight + 1):
+                victim = max(self.running, key=self._victim_key)
+                self._preempt(victim)
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> Optional[BatchPlan]:
@@ -335,13 +441,27 @@ class Scheduler:
             raise RuntimeError("Scheduler.schedule: the previous plan has not been passed to update() yet")
         t0 = time.perf_counter()
         cfg, T = self.config, self.num_loops
-        self._admit()
-        sel = self.policy.select(self.running, cfg.max_num_batched_tokens, T)
         finalize: list[int] = []  # flat (src, dst) pairs: numpy converts flat int lists fastest
-        for req in self.running:
-            if req.pending_finalize:
-                finalize.extend(req.pending_finalize)
-                req.pending_finalize = []
+        if sum(len(r.pending_finalize) for r in self.running) > 2 * self._max_finalize_pairs:
+            # more copies than one invocation holds (a rebuild finalizing a whole chunk at once):
+            # copy-only invocations first, so that every copy still lands before anything reads it
+            room = 2 * self._max_finalize_pairs
+            for req in self.running:
+                take = req.pending_finalize[:room]
+                finalize.extend(take)
+                req.pending_finalize = req.pending_finalize[len(take) :]
+                room -= len(take)
+            sel = None
+        else:
+            if cfg.kv_allocation == "on_demand":
+                self._grow()
+            self._admit()
+            self._stats["max_running"] = max(self._stats["max_running"], len(self.running))
+            sel = self.policy.select(self.running, cfg.max_num_batched_tokens, T)
+            for req in self.running:
+                if req.pending_finalize:
+                    finalize.extend(req.pending_finalize)
+                    req.pending_finalize = []
         if sel is None and not finalize:
             self._stats["schedule_time_s"] += time.perf_counter() - t0
             return None
@@ -383,10 +503,10 @@ class Scheduler:
             if d == 0:
                 ranges.append(ScheduledRange(req.request_id, Phase.PRELUDE, 0, s, cnt, cs, ring))
                 pre_ring_pr.append(np.arange(ring, ring + cnt))
-                pre_tok_pr.append(req.prompt_token_ids[s:e])
+                pre_tok_pr.append(req.prefill_token_ids[s:e])
             ranges.append(ScheduledRange(req.request_id, Phase.RECURRENT, d, s, cnt, cs, ring, row))
             segs.extend((req.batch_slot, d if last_exited else 0, s, cnt, ring))
-            if d == T - 1 and e == req.num_prompt_tokens:
+            if d == T - 1 and e == req.prefill_len and not req.output_token_ids:
                 p = req.sampling_params
                 coda.append(CodaRow(req.request_id, row + cnt - 1, 0, False))
                 coda_params.extend((p.temperature, p.top_k, p.top_p, p.seed, 0))
@@ -497,6 +617,7 @@ class Scheduler:
                     req.decode_depth != 0
                     or req.sampling_params.max_tokens - k < want
                     or not all(self._full_depth(req, k + j) for j in range(want))
+                    or not self._grow_to(req, req.position_in_flight + want)  # blocks for every token
                 ):
                     ok = False
                     break
@@ -636,9 +757,15 @@ class Scheduler:
                 f = req.prefill_depth_frontiers
                 assert f[r.depth] == r.token_start, "a prompt range must start at its depth's frontier"
                 f[r.depth] = r.token_end
-                if r.depth == T - 1 and r.token_end == req.num_prompt_tokens:
-                    tok = toks.get()[coda_index[r.row_start + r.token_count - 1]]
-                    self._emit(req, int(tok), T - 1, now, deltas)
+                if req.recompute_caps is not None:
+                    self._finalize_rebuilt(req, r)
+                    req.skip_capped()
+                if r.depth == T - 1:
+                    if self.config.enable_prefix_caching:
+                        self._publish(req)
+                    if r.token_end == req.prefill_len and not req.output_token_ids:
+                        tok = toks.get()[coda_index[r.row_start + r.token_count - 1]]
+                        self._emit(req, int(tok), T - 1, now, deltas)
             else:
                 self._apply_decode(req, r, gates, toks, coda_index, now, deltas)
 
@@ -656,12 +783,36 @@ class Scheduler:
             return
         self._emit(req, int(toks.get()[coda_index[r.row_start]]), d, now, deltas)
         if req.status is RequestStatus.RUNNING and self.config.kv_layout == "last_exited" and d < T - 1:
-            pos, bs = r.token_start, self.config.block_size
-            off = pos % bs
-            col = self._tables[req.batch_slot, :, pos // bs].tolist()  # the position's block, per plane
-            src = col[d] * bs + off
-            for p in range(d + 1, T):
-                req.pending_finalize += (src, col[p] * bs + off)
+            self._queue_finalize(req, r.token_start, d)
+
+    def _queue_finalize(self, req: Request, pos: int, d: int) -> None:
+        """Copy position ``pos``'s plane-``d`` K/V into planes ``d+1..T-1`` in the next invocation."""
+        bs = self.config.block_size
+        off = pos % bs
+        col = self._tables[req.batch_slot, :, pos // bs].tolist()  # the position's block, per plane
+        src = col[d] * bs + off
+        for p in range(d + 1, self.num_loops):
+            req.pending_finalize += (src, col[p] * bs + off)
+
+    def _finalize_rebuilt(self, req: Request, r: ScheduledRange) -> None:
+        """Rebuilt generated positions of ``r`` whose cap is its depth are finalized as they were."""
+        if self.config.kv_layout != "last_exited" or r.depth == self.num_loops - 1:
+            return
+        n = req.num_prompt_tokens
+        lo = max(r.token_start, n)
+        if lo >= r.token_end:
+            return
+        for i in np.flatnonzero(req.recompute_caps[lo - n : r.token_end - n] == r.depth).tolist():
+            self._queue_finalize(req, lo + i, r.depth)
+
+    def _publish(self, req: Request) -> None:
+        """Offer the prefix cache every full prompt block whose positions are final in every plane."""
+        bm, bs = self.block_manager, self.config.block_size
+        full = min(req.num_prefilled_tokens, req.num_prompt_tokens) // bs
+        while req.num_published_blocks < full:
+            i = req.num_published_blocks
+            bm.publish(req.request_id, i, req.block_hashes[i])
+            req.num_published_blocks += 1
 
     def _emit(self, req: Request, tok: int, depth: int, now: float, deltas) -> None:
         """Record generated token ``tok`` (exit depth ``depth``); finish or start the next token."""
@@ -684,11 +835,7 @@ class Scheduler:
             del self._requests[req.request_id]
             delta.finished, delta.finish_reason = True, reason
             return
-        k = len(req.output_token_ids)  # index of the token the next loops will produce
-        target = (
-            synthetic_exit_loops(params, self.num_loops, req.request_id, k) if params.exit_mode == "synthetic" else None
-        )
-        req.start_token(target)
+        req.start_token(self._target(req, len(req.output_token_ids)))  # the token the next loops produce
 
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict:
@@ -708,8 +855,14 @@ class Scheduler:
             "launches",
             "fused_launches",
             "fused_loops",
+            "preemptions",
+            "admissions",
+            "max_running",
+            "prefix_cache_hit_tokens",
+            "prefix_cache_queried_tokens",
         ):
             st.setdefault(k, 0)
+        st["prefix_cache_hit_rate"] = st["prefix_cache_hit_tokens"] / max(1, st["prefix_cache_queried_tokens"])
         st.setdefault("schedule_time_s", 0.0)
         st.setdefault("update_time_s", 0.0)
         st["host_time_s"] = st["schedule_time_s"] + st["update_time_s"]
@@ -718,5 +871,10 @@ class Scheduler:
         st["host_time_per_invocation_s"] = st["host_time_s"] / inv
         st["row_buckets_used"] = dict(sorted(self._keys_used.items()))
         st["waiting"], st["running"] = len(self.waiting), len(self.running)
-        st["free_blocks"] = self.block_manager.num_free_blocks
+        bm = self.block_manager
+        st["free_blocks"] = bm.num_free_blocks  # idle prefix-cache blocks count: they are evicted on demand
+        st["used_blocks"] = bm.num_used_blocks
+        st["cached_blocks"] = bm.num_cached_blocks
+        st["kv_allocation"] = self.config.kv_allocation
+        st["prefix_caching"] = self.config.enable_prefix_caching
         return st

@@ -1,4 +1,5 @@
-"""KVBlockManager: block 0 is never handed out, reservations cover every plane, nothing leaks."""
+"""KVBlockManager: block 0 is never handed out, tables cover every plane, prefix-cache columns are
+shared by reference and evicted LRU, nothing leaks and reference counts return to zero."""
 
 from __future__ import annotations
 
@@ -7,41 +8,36 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import KVBlockManager, Request, SamplingParams
+from scheduler import KVBlockManager, prefix_block_hashes
 
 
-def req(rid, n, max_tokens):
-    return Request(rid, list(range(n)), SamplingParams(max_tokens=max_tokens))
-
-
-def test_reserves_prompt_plus_generated_tokens_in_every_plane():
+def test_tables_cover_every_plane_and_grow_by_columns():
     bm = KVBlockManager(num_blocks=33, block_size=4, num_planes=4)
-    r = req("a", 5, 4)  # positions 0..7 get KV: 2 blocks per plane
-    assert r.max_kv_tokens == 8 and bm.blocks_needed(8) == 8
-    table = bm.allocate(r)
-    assert table.shape == (4, 2) and 0 not in table and len(set(table.ravel())) == 8
-    assert bm.num_free_blocks == 24 and bm.num_used_blocks == 8
+    table, hits = bm.allocate("a", 5)  # positions 0..4: 2 blocks per plane
+    assert hits == 0 and table.shape == (4, 2) and 0 not in table and len(set(table.ravel())) == 8
+    assert bm.num_free_blocks == 24 and bm.num_used_blocks == 8 and bm.num_held_tokens("a") == 8
     assert (bm.block_table("a") == table).all()
+    assert bm.grow("a", 8).shape == (4, 0)  # still covered
+    new = bm.grow("a", 9)
+    assert new.shape == (4, 1) and (bm.block_table("a")[:, 2] == new[:, 0]).all()
     with pytest.raises(ValueError, match="already holds"):
-        bm.allocate(r)
-    bm.free(r)
-    bm.free(r)  # idempotent
+        bm.allocate("a", 3)
+    bm.free("a")
+    bm.free("a")  # idempotent
     assert bm.num_free_blocks == 32 and bm.num_used_blocks == 0 and not bm.holds("a")
+    assert (bm.ref_counts()[1:] == 0).all()
 
 
-def test_can_allocate_and_watermark():
+def test_allocation_refuses_without_changing_anything():
     bm = KVBlockManager(num_blocks=11, block_size=4, num_planes=2, watermark=0.2)
     assert bm.watermark_blocks == 2 and bm.capacity_blocks == 8
-    assert bm.can_ever_fit(16) and not bm.can_ever_fit(17)
-    a = req("a", 8, 5)  # 12 tokens: 3 blocks x 2 planes
-    assert bm.can_allocate(a)
-    bm.allocate(a)
-    b = req("b", 4, 1)  # 1 block x 2 planes: 4 free, 2 kept back
-    assert bm.can_allocate(b)
-    c = req("c", 5, 1)  # 2 blocks x 2 planes: would dig into the watermark
-    assert not bm.can_allocate(c)
-    with pytest.raises(RuntimeError, match="not enough free blocks"):
-        bm.allocate(c)
+    assert bm.can_ever_fit(20) and not bm.can_ever_fit(21)
+    assert bm.allocate("a", 12, keep_free=2) is not None  # 3 blocks x 2 planes, 4 left
+    assert bm.allocate("c", 5, keep_free=2) is None  # 4 blocks would dig into the kept 2
+    assert not bm.holds("c") and bm.num_free_blocks == 4
+    assert bm.allocate("b", 4, keep_free=2) is not None  # 2 blocks: exactly the margin left
+    assert bm.grow("a", 20) is None and bm.num_held_tokens("a") == 12  # needs 4 more, 2 free
+    assert bm.grow("a", 16).shape == (2, 1) and bm.num_free_blocks == 0
 
 
 @pytest.mark.parametrize("kw", [dict(num_blocks=1), dict(block_size=0), dict(num_planes=0), dict(watermark=1.0)])
@@ -52,26 +48,83 @@ def test_constructor_errors(kw):
         KVBlockManager(**base)
 
 
+def test_hash_chain_names_a_block_and_everything_before_it():
+    a = prefix_block_hashes(np.arange(12), 4, b"x", 3)
+    b = prefix_block_hashes(np.r_[np.arange(8), [0, 0, 0, 0]], 4, b"x", 3)
+    c = prefix_block_hashes(np.r_[[99], np.arange(1, 12)], 4, b"x", 3)
+    assert a[:2] == b[:2] and a[2] != b[2]
+    assert all(x != y for x, y in zip(a, c))  # a change in block 0 changes every later hash
+    assert prefix_block_hashes(np.arange(12), 4, b"y", 3)[0] != a[0]  # the salt (layout) counts
+
+
+def test_prefix_columns_are_shared_kept_idle_and_evicted_lru():
+    bm = KVBlockManager(num_blocks=1 + 2 * 6, block_size=2, num_planes=2, enable_prefix_caching=True)
+    h = prefix_block_hashes(np.arange(6), 2, b"", 3)
+    ta, _ = bm.allocate("a", 6)
+    assert bm.publish("a", 0, h[0]) and bm.publish("a", 1, h[1]) and not bm.publish("a", 1, h[1])
+    tb, hits = bm.allocate("b", 6, h)
+    assert hits == 2 and (tb[:, :2] == ta[:, :2]).all() and (tb[:, 2] != ta[:, 2]).all()
+    assert bm.ref_counts()[ta[:, 0]].tolist() == [2, 2] and bm.num_cached_blocks == 4
+    assert not bm.publish("b", 0, h[0])
+    bm.free("a")
+    bm.free("b")  # the cached columns stay, idle; b's last cached column is released first
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == 12 and bm.num_cached_blocks == 4
+    assert (bm.ref_counts()[1:] == 0).all()
+    # a request needing all 12 blocks evicts the idle columns, later prefix blocks first
+    _, hits = bm.allocate("c", 12)
+    assert hits == 0 and bm.num_cached_blocks == 0 and bm.num_free_blocks == 0
+    bm.free("c")
+    assert bm.num_free_blocks == 12
+
+
+def test_idle_hit_counts_against_the_free_blocks():
+    bm = KVBlockManager(num_blocks=1 + 4, block_size=1, num_planes=1, enable_prefix_caching=True)
+    h = prefix_block_hashes(np.arange(2), 1, b"", 2)
+    bm.allocate("a", 2)
+    bm.publish("a", 0, h[0])
+    bm.free("a")
+    assert bm.num_free_blocks == 4
+    assert bm.allocate("b", 5, h) is None  # 1 hit + 4 fresh > 4 free
+    assert bm.allocate("b", 4, h, keep_free=1) is None
+    assert bm.allocate("b", 4, h)[1] == 1 and bm.num_free_blocks == 0
+
+
 @settings(max_examples=100, deadline=None)
 @given(
-    st.lists(st.tuples(st.booleans(), st.integers(1, 20), st.integers(1, 6)), max_size=40),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(1, 20), st.integers(0, 3)), max_size=50),
     st.integers(1, 4),
     st.integers(1, 4),
+    st.booleans(),
 )
-def test_random_alloc_free_never_leaks_or_double_books(ops, planes, bs):
-    bm = KVBlockManager(num_blocks=40, block_size=bs, num_planes=planes)
+def test_random_ops_never_leak_or_double_book(ops, planes, bs, caching):
+    bm = KVBlockManager(num_blocks=40, block_size=bs, num_planes=planes, enable_prefix_caching=caching)
+    prompts = [np.arange(20) % (k + 2) for k in range(4)]
     live = {}
-    for i, (do_alloc, n, m) in enumerate(ops):
-        if do_alloc or not live:
-            r = req(i, n, m)
-            if bm.can_allocate(r):
-                live[i] = (r, bm.allocate(r))
+    for i, (op, n, which) in enumerate(ops):
+        if op == 0 or not live:
+            hashes = prefix_block_hashes(prompts[which], bs, b"", n // bs)
+            if bm.allocate(i, n, hashes) is not None:
+                live[i] = hashes
+        elif op == 1:
+            bm.free(sorted(live)[n % len(live)])
+            live.pop(sorted(live)[n % len(live)])
+        elif op == 2:
+            rid = sorted(live)[n % len(live)]
+            bm.grow(rid, bm.num_held_tokens(rid) + n)
         else:
             rid = sorted(live)[n % len(live)]
-            bm.free(live.pop(rid)[0])
-        held = np.concatenate([t.ravel() for _, t in live.values()]) if live else np.zeros(0, int)
-        assert 0 not in held and len(set(held.tolist())) == held.size
-        assert bm.num_used_blocks == held.size and bm.num_free_blocks + held.size == 39
-    for r, _ in list(live.values()):
+            for c, h in enumerate(live[rid][: len(bm._tables[rid])]):
+                bm.publish(rid, c, h)
+        tables = [bm.block_table(r) for r in live]
+        held = np.concatenate([t.ravel() for t in tables]) if tables else np.zeros(0, int)
+        assert 0 not in held
+        ref = bm.ref_counts()
+        uniq, cnt = np.unique(held, return_counts=True)
+        assert (ref[uniq] == cnt).all(), "reference counts differ from the tables"
+        assert bm.num_used_blocks == uniq.size
+        assert bm.num_free_blocks + uniq.size == 39
+        free = set(bm._free)
+        assert not free & set(uniq.tolist()) and len(free) == len(bm._free)
+    for r in list(live):
         bm.free(r)
-    assert bm.num_free_blocks == 39
+    assert bm.num_free_blocks == 39 and (bm.ref_counts()[1:] == 0).all()

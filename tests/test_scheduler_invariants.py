@@ -92,13 +92,14 @@ class Harness:
                     self.ring_tag[r.ring_row_offset + i] = ("embed", r.request_id, r.token_start + i)
             elif r.phase is Phase.DECODE and r.depth == 0:
                 self.ring_tag[r.ring_row_offset] = ("embed", r.request_id, r.token_start)
-        new_tags = {}
+        new_tags, run_end = {}, {}
         for r in plan.ranges:
             if r.phase is Phase.PRELUDE:
                 continue
             req = s.get_request(r.request_id)
             assert req is not None and req.status is RequestStatus.RUNNING
-            key = (r.request_id, r.depth, r.phase)
+            # one range per request and depth, except runs of a rebuilt request split by depth caps
+            key = (r.request_id, r.depth, r.phase) + ((r.token_start,) if req.recompute_caps is not None else ())
             assert key not in seen, "two ranges of one request at one depth"
             seen.add(key)
             rows = slice(r.row_start, r.row_start + r.token_count)
@@ -112,8 +113,13 @@ class Harness:
             if r.phase is Phase.RECURRENT:
                 f = req.prefill_depth_frontiers
                 # depth-d work starts exactly at the depth-d KV prefix: every earlier position
-                # has its depth-d KV, none of these positions has it yet
-                assert r.token_start == f[r.depth]
+                # has its depth-d KV, none of these positions has it yet (positions in between, if
+                # any, are rebuilt generated tokens capped below d: finalize copies, not loops)
+                f_d = run_end.get((r.request_id, r.depth), f[r.depth])  # after this plan's earlier runs
+                assert r.token_start >= f_d
+                assert all(req.depth_cap(p) < r.depth for p in range(f_d, r.token_start))
+                run_end[(r.request_id, r.depth)] = r.token_end
+                assert all(req.depth_cap(p) >= r.depth for p in range(r.token_start, r.token_end))
                 # its inputs exist: depth d-1 finished in an EARLIER invocation (or, at depth 0,
                 # the prelude of the same tokens runs first in this one)
                 if r.depth == 0:
@@ -155,6 +161,8 @@ class Harness:
         assert not s.has_unfinished() and not s.running and len(s.waiting) == 0
         assert s.block_manager.num_free_blocks == cfg.num_blocks - 1, "KV blocks leaked"
         assert s.block_manager.num_used_blocks == 0
+        assert (s.block_manager.ref_counts()[1:] == 0).all(), "reference counts not back to zero"
+        assert not s.block_manager._tables
         assert sorted(s._free_slots) == list(range(cfg.max_num_seqs)), "ring regions leaked"
         assert (s._tables == 0).all()
 
@@ -172,10 +180,17 @@ def workloads(draw):
     chunk = draw(st.integers(1, 8))
     nreq = draw(st.integers(1, 5))
     eos = draw(st.sampled_from([None, None, 7]))
+    # a common prefix some prompts start with (prefix-cache hits), or whole repeated prompts
+    common = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=20))
     reqs = []
     for i in range(nreq):
         n = draw(st.integers(1, 24))
         prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
+        share = draw(st.sampled_from(["none", "prefix", "repeat"]))
+        if share == "prefix":
+            prompt = (common + prompt)[:32]
+        elif share == "repeat" and reqs:
+            prompt = list(reqs[draw(st.integers(0, len(reqs) - 1))]["prompt"])
         exit_mode = draw(st.sampled_from(["ouro", "delayed", "fixed", "synthetic"]))
         max_loops = draw(st.one_of(st.none(), st.integers(1, T)))
         hi = T if max_loops is None else max_loops
@@ -187,7 +202,7 @@ def workloads(draw):
             else:
                 kw["synthetic_depths"] = draw(st.lists(st.integers(0, T - 1), min_size=1, max_size=5))
         sp = SamplingParams(
-            max_tokens=draw(st.integers(1, 6)),
+            max_tokens=draw(st.integers(1, 12)),
             temperature=draw(st.sampled_from([0.0, 0.0, 0.8])),
             seed=draw(st.integers(0, 2**32 - 1)),
             stop_token_ids=tuple(draw(st.lists(st.integers(0, VOCAB - 1), max_size=2))),
@@ -207,7 +222,9 @@ def workloads(draw):
         )
     planes = T if layout == "last_exited" else 1
     need = max(-(-(len(r["prompt"]) + r["sp"].max_tokens - 1) // block_size) * planes for r in reqs)
-    num_blocks = 1 + need + draw(st.integers(0, 3 * need))
+    # a tight pool (one request's worth and a few blocks) forces on-demand allocation to preempt
+    tight = draw(st.booleans())
+    num_blocks = 1 + need + draw(st.integers(0, planes if tight else 3 * need))
     max_len = max(len(r["prompt"]) + r["sp"].max_tokens for r in reqs) + draw(st.integers(0, 5))
     buckets = draw(st.sampled_from([None, "fine"]))
     cfg = SchedulerConfig(
@@ -225,6 +242,9 @@ def workloads(draw):
         buckets=None if buckets is None else tuple(range(1, budget + 1)),
         fused_decode_max_rows=draw(st.sampled_from([0, 0, max_seqs])),
         fused_decode_tokens=draw(st.integers(1, 3)),
+        kv_allocation=draw(st.sampled_from(["on_demand", "on_demand", "reserve"])),
+        enable_prefix_caching=layout == "last_exited" and draw(st.booleans()),
+        watermark=draw(st.sampled_from([0.0, 0.01, 0.1])),
     )
     return cfg, reqs
 
@@ -283,7 +303,7 @@ def test_random_workloads_keep_invariants_and_match_reference(wl, lazy):
     h, objs, aborted = run_workload(cfg, reqs, lazy=lazy)
     # every prompt position of a request that finished normally ran every depth exactly once
     for rid, (req, r) in objs.items():
-        if rid in aborted:
+        if rid in aborted or req.num_preemptions or req.num_cached_tokens:
             continue
         for p in range(len(r["prompt"])):
             for dd in range(cfg.num_loops):
