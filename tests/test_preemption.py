@@ -254,13 +254,16 @@ def make_llm(**kw):
         block_size=4,
         max_model_len=64,
         buckets=[8, 16, 64],
-        num_blocks=4 * 17 + 1,  # one 64-token request: every engine here has the same shapes (compiled once)
+        # one 64-token request; the wavefront ring: every engine here has the same shapes (compiled once)
+        num_blocks=4 * 17 + 1,
+        num_ring_rows=1 + 4 * 8 * 4,
         progress=False,
     )
     args.update(kw)
     return LLM(cfg, **args)
 
 
+@pytest.mark.slow  # ~35 s on CPU, mostly compiling the tiny model's buckets
 @pytest.mark.parametrize("mode,threshold", [("split", 1.0), ("wavefront", 0.6)])
 def test_engine_preemption_keeps_tokens_and_exit_depths(mode, threshold):
     _, _, prompts = engine_parts()
