@@ -179,6 +179,8 @@ def drive(engine, wl: Workload, *, deadline: Optional[float] = None, bar=None, s
 
     def submit(i):
         engine.add_request(reqs[i].prompt, reqs[i].params, request_id=rid[i])
+        if reqs[i].reserve_tokens is not None:  # eos512: reserve KV as if max_tokens were this
+            engine.scheduler.get_request(rid[i]).reserve_max_tokens = reqs[i].reserve_tokens
         submitted.append(rid[i])
 
     t0 = time.monotonic()
@@ -228,6 +230,28 @@ def drive(engine, wl: Workload, *, deadline: Optional[float] = None, bar=None, s
     if sync is not None:
         sync()
     return DriveResult(outputs, specs, t0, time.monotonic(), steps, first, submitted, truncated, aborted, step_s)
+
+
+def _kv_fields(wl: Workload, res: DriveResult, s1: dict, stats: dict) -> dict:
+    """KV allocation and prefix-cache figures of one run (issue 16's eos512 and shared_prefix)."""
+    submitted_prompt = sum(res.specs[r].num_prompt_tokens for r in res.submitted)
+    hit = stats.get("prefix_cache_hit_tokens", 0)
+    return dict(
+        engine_options=dict(wl.engine_kw),
+        kv_allocation=s1.get("kv_allocation"),
+        prefix_caching=s1.get("prefix_caching"),
+        max_running=s1.get("max_running"),  # the largest number of requests running at once
+        preemptions=stats.get("preemptions", 0),
+        prefix_cache_hit_tokens=hit,
+        prefix_cache_queried_tokens=stats.get("prefix_cache_queried_tokens", 0),
+        prompt_work_skipped_share=hit / max(1, submitted_prompt),
+        stop_rule=(
+            "per-request max_tokens (finish 'length'), KV reserved as for max_tokens="
+            f"{max(s.reserve_tokens for s in wl.requests)}"
+            if any(s.reserve_tokens is not None for s in wl.requests)
+            else None
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------------- the harness
@@ -315,7 +339,8 @@ class Harness:
         )
 
     # ------------------------------------------------------------------------------ engines
-    def engine(self, mode: str, chunk: int, chunks: Sequence[int] = ()) -> tuple[LLM, dict]:
+    def engine(self, mode: str, chunk: int, chunks: Sequence[int] = (), **engine_kw) -> tuple[LLM, dict]:
+        """``engine_kw``: options that do not change executable shapes (kv_allocation, prefix caching)."""
         sh, c = self.shape, self.config
         t = time.perf_counter()
         llm = LLM(
@@ -338,6 +363,7 @@ class Harness:
             fused_decode_tokens=self.fused_decode_tokens,
             warmup=False,
             progress=False,
+            **engine_kw,
         )
         construct_s = time.perf_counter() - t
         r = llm.runner
@@ -416,11 +442,13 @@ class Harness:
     ) -> dict:
         """``timeout``: seconds the measured run may take; it starts after the engine's start-up
         (compilation) and warm-up request, which a configuration must not be charged for."""
-        llm, st = self.engine(mode, chunk, chunks)
+        llm, st = self.engine(mode, chunk, chunks, **wl.engine_kw)
         try:
             rec = ScheduleRecorder(self.config, np.dtype(llm.runner.dtype).itemsize).attach(llm.runner)
             rec.enabled = False
             self._warm(llm, chunk)
+            if wl.warm_prompts:  # e.g. the shared prefix, as a server that served it before has it
+                llm.generate(list(wl.warm_prompts), SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
             rec.enabled = True
             s0, ev0, mem0 = llm.stats(), self.events.snapshot(), _memory()
             bar = None
@@ -446,6 +474,7 @@ class Harness:
             rec_out.update(_memory())
             rec_out["bytes_in_use_before"] = mem0.get("bytes_in_use")
             rec_out["kv_blocks"], rec_out["kv_cache_bytes"] = s1["kv_blocks"], s1["kv_cache_bytes"]
+            rec_out.update(_kv_fields(wl, res, s1, stats))
             # how many of this workload's largest requests the KV pool holds at once (all planes)
             sc = llm.scheduler_config
             per_req = sc.num_planes * max(

@@ -8,6 +8,11 @@
     decode_under_prefill  64 decoding streams (128 prompt, 256 out); 8064-token prompts arrive while
                           they decode (triggered by the streams' progress, so every configuration
                           sees the same interference); the run stops when the streams finish
+    eos512                512 requests at t=0, 1024-token prompts, max_tokens=1024 as far as KV
+                          reservation knows, stopping after 64-256 tokens (see ``eos512``);
+                          variants: KV reserved at admission against allocated on demand
+    shared_prefix         64 requests at t=0: a 2048-token common prefix + 64 unique tokens, 128 out;
+                          variants: prefix cache off / on (the prefix warmed before the timed run)
 
 Every generator returns a list of ``Workload`` variants (serve1k: one per concurrency and exit mode).
 ``scale`` multiplies token lengths (prompts, outputs) and ``count_scale`` request counts and
@@ -59,6 +64,7 @@ class RequestSpec:
     tag: str = "main"  # groups requests for per-tag latency figures
     after_tokens: Optional[int] = None  # triggered arrival: submit once the background streams
     # have produced this many tokens each (None: at t=0)
+    reserve_tokens: Optional[int] = None  # KV reservation as if max_tokens were this (eos512)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -98,6 +104,8 @@ class Workload:
     generate_baseline: bool = False  # a static-batch generate() of the same batch applies
     exit: str = "fixed"  # "fixed" | "early" (synthetic)
     description: str = ""
+    engine_kw: dict = dataclasses.field(default_factory=dict)  # LLM options of this variant
+    warm_prompts: tuple = ()  # run (1 token each) before the timed run, e.g. to fill a prefix cache
 
     @property
     def label(self) -> str:
@@ -275,12 +283,72 @@ def decode_under_prefill(
     ]
 
 
+def eos512(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0) -> list[Workload]:
+    """Outputs that stop well before ``max_tokens``, as EOS stops them in service. Random weights
+    put no EOS where we want it and ``SamplingParams`` has no ``min_tokens``, so every request
+    gets ``ignore_eos`` and its own ``max_tokens`` drawn in 64..256 (finish reason "length"), while
+    KV reservation is told ``max_tokens=1024`` (``RequestSpec.reserve_tokens``): the reserve variant
+    holds what a server that trusts ``max_tokens`` would hold, on-demand allocation what is used."""
+    s = _Scaler(scale, count_scale)
+    rng = _rng("eos512", seed)
+    n, prompt = s.count(512), s.prompt(1024)
+    lo, hi, cap = s.out(64), s.out(256), s.out(1024)
+    lengths = rng.integers(lo, hi + 1, n)
+    reqs = [
+        RequestSpec(_ids(rng, prompt, vocab_size), _params(int(k), seed=i), reserve_tokens=cap)
+        for i, k in enumerate(lengths)
+    ]
+    return [
+        Workload(
+            "eos512",
+            alloc,
+            reqs,
+            "batch",
+            modes=("split",),
+            chunks=(128,),
+            engine_kw=dict(kv_allocation=alloc),
+            description=f"{n} requests at t=0, {prompt}-token prompts, outputs of {lo}..{hi} tokens "
+            f"(per-request max_tokens, ignore_eos) reserved as max_tokens={cap}; kv_allocation={alloc}",
+        )
+        for alloc in ("reserve", "on_demand")
+    ]
+
+
+def shared_prefix(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0) -> list[Workload]:
+    """A system prompt shared by every request. The prefix is run once before the timed run (as
+    a server that has served it before would have it cached); with the cache off that warm-up
+    changes nothing. Records carry the hit tokens and the prompt rows run, so the cut in prompt
+    work can be compared with the share of prompt tokens hit."""
+    s = _Scaler(scale, count_scale)
+    rng = _rng("shared_prefix", seed)
+    n, plen, ulen, out = s.count(64), s.prompt(2048), s.prompt(64), s.out(128)
+    prefix = _ids(rng, plen, vocab_size)
+    reqs = [RequestSpec(np.concatenate([prefix, _ids(rng, ulen, vocab_size)]), _params(out)) for _ in range(n)]
+    return [
+        Workload(
+            "shared_prefix",
+            f"cache {'on' if on else 'off'}",
+            reqs,
+            "batch",
+            modes=("split", "wavefront"),
+            chunks=(128,),
+            engine_kw=dict(enable_prefix_caching=on),
+            warm_prompts=(np.concatenate([prefix, _ids(_rng("shared_prefix-warm", seed), ulen, vocab_size)]),),
+            description=f"{n} requests at t=0: a {plen}-token common prefix (warmed before the run) + "
+            f"{ulen} unique tokens, {out} out; prefix cache {'on' if on else 'off'}",
+        )
+        for on in (False, True)
+    ]
+
+
 WORKLOADS: dict[str, Callable[..., list[Workload]]] = {
     "long4": long4,
     "mixed32": mixed32,
     "mixed128": mixed128,
     "serve1k": serve1k,
     "decode_under_prefill": decode_under_prefill,
+    "eos512": eos512,
+    "shared_prefix": shared_prefix,
 }
 
 
@@ -297,6 +365,12 @@ def make(
 def suite_shape(scale: float = 1.0, count_scale: float = 1.0, **overrides) -> EngineShape:
     """One engine shape for every standard workload at this scale (8192 tokens at full scale)."""
     s = _Scaler(scale, count_scale)
-    longest = max(s.prompt(8064) + s.out(64), s.prompt(1024) + s.out(128), s.prompt(128) + s.out(256))
+    longest = max(
+        s.prompt(8064) + s.out(64),
+        s.prompt(1024) + s.out(128),
+        s.prompt(128) + s.out(256),
+        s.prompt(1024) + s.out(1024),  # eos512's reservation
+        s.prompt(2048) + s.prompt(64) + s.out(128),  # shared_prefix
+    )
     shape = EngineShape(max_model_len=next_power_of_two(longest))
     return dataclasses.replace(shape, **{k: v for k, v in overrides.items() if v is not None})

@@ -97,6 +97,7 @@ class Request:
         # resources, set at admission
         self.batch_slot: Optional[int] = None  # index into the scheduler's table/ring regions
         self.ring_base: Optional[int] = None  # first ring row of the request's region
+        self.reserve_max_tokens: Optional[int] = None  # see max_kv_tokens
         self.arrival_seq = 0  # tie-break of equal arrival times (set by the scheduler)
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt positions of the current admission taken from the prefix cache
@@ -128,8 +129,10 @@ class Request:
 
     @property
     def max_kv_tokens(self) -> int:
-        """Positions that ever get KV: the prompt and every generated token but the last."""
-        return self.num_prompt_tokens + self.sampling_params.max_tokens - 1
+        """Positions that ever get KV: the prompt and every generated token but the last (with
+        ``reserve_max_tokens``, as many as if ``max_tokens`` were that: what ``reserve`` allocation
+        holds for a request that a stop token ends early; benchmarks' eos512)."""
+        return self.num_prompt_tokens + max(self.sampling_params.max_tokens, self.reserve_max_tokens or 0) - 1
 
     @property
     def is_finished(self) -> bool:

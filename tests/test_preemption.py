@@ -233,7 +233,7 @@ def engine_parts():
     import jax.numpy as jnp
 
     from ouro_jax import get_preset
-    from ouro_jax.params import random_params
+    from weights.random_init import random_params
 
     cfg = get_preset("tiny")
     params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
