@@ -146,6 +146,10 @@ def test_engine_prefix_hits_keep_tokens():
         got[caching] = [(o.token_ids, o.exit_depths) for o in outs]
         st_ = llm.stats()
     assert got[True] == got[False]
-    # the second call hits the 24-token prefix and 32 of the repeated 33-token prompt
-    assert st_["prefix_cache_hit_tokens"] == 24 + 32
+    # the second call hits the 24-token prefix and 32 of the repeated 33-token prompt (a request
+    # preempted in this small pool hits its own published blocks again when it is readmitted)
+    if st_["preemptions"]:
+        assert st_["prefix_cache_hit_tokens"] >= 24 + 32
+    else:
+        assert st_["prefix_cache_hit_tokens"] == 24 + 32
     assert st_["used_blocks"] == 0
