@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 __all__ = ["OuroConfig", "PRESETS", "get_preset"]
@@ -30,7 +31,8 @@ class OuroConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 65536
     total_ut_steps: int = 4
-    early_exit_threshold: float = 1.0
+    # No ``early_exit_threshold``: the exit threshold is per request (``SamplingParams.exit_threshold``,
+    # default 1.0 = full depth); ``from_dict`` ignores the checkpoint's and warns when it is not 1.0.
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     bos_token_id: int = 0
@@ -98,10 +100,6 @@ class OuroConfig:
         need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
         need(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
-        need(
-            0.0 <= self.early_exit_threshold <= 1.0,
-            f"early_exit_threshold must lie in [0, 1], got {self.early_exit_threshold}",
-        )
         need(self.rope_scaling is None, f"rope_scaling is not supported (got {self.rope_scaling!r})")
         need(not self.use_sliding_window, "use_sliding_window=true is not supported")
         need(not self.attention_bias, "attention_bias=true is not supported (Ouro has no attention bias)")
@@ -120,6 +118,13 @@ class OuroConfig:
     def from_dict(cls, d: dict) -> "OuroConfig":
         """Build from a Hugging Face ``config.json`` dict; unknown keys are ignored, known
         unsupported features raise."""
+        thr = d.get("early_exit_threshold")
+        if thr is not None and thr != 1.0:
+            warnings.warn(
+                f"OuroConfig: the checkpoint's early_exit_threshold={thr} is not used; the exit threshold "
+                f"is per request (SamplingParams.exit_threshold, default 1.0 = full depth)",
+                stacklevel=2,
+            )
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in fields}
         if "dtype" in d and "torch_dtype" not in d:

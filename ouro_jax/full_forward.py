@@ -8,11 +8,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from . import exit_rule
 from .attention import DenseCausalAttention
 from .config import OuroConfig
 from .model import OuroModel
 
-__all__ = ["forward", "ForwardResult", "exit_distribution", "select_exit_loop"]
+__all__ = ["forward", "ForwardResult", "exit_distribution"]
 
 
 class ForwardResult(NamedTuple):
@@ -33,22 +34,6 @@ def exit_distribution(gate_logits: jax.Array) -> jax.Array:
     return p.at[t - 1].set(before[t - 1])
 
 
-def select_exit_loop(exit_probs, exit_at_step=None, exit_threshold=None):
-    """Per token: ``exit_at_step`` if given; else the first loop whose cumulative exit probability
-    reaches ``exit_threshold``; else (and by default) the last loop."""
-    t = exit_probs.shape[0]
-    shape = exit_probs.shape[1:]
-    if exit_at_step is not None:
-        if not 0 <= exit_at_step < t:
-            raise ValueError(f"exit_at_step={exit_at_step} must lie in [0, {t - 1}]")
-        return jnp.full(shape, exit_at_step, jnp.int32)
-    if exit_threshold is None:
-        return jnp.full(shape, t - 1, jnp.int32)
-    reached = jnp.cumsum(exit_probs, axis=0) >= exit_threshold
-    reached = reached.at[t - 1].set(True)
-    return jnp.argmax(reached, axis=0).astype(jnp.int32)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "dtype_name", "exit_at_step"))
 def _forward(params, token_ids, exit_threshold, *, config, dtype_name, exit_at_step):
     from .model import dtype_of
@@ -65,7 +50,10 @@ def _forward(params, token_ids, exit_threshold, *, config, dtype_name, exit_at_s
 
     _, (hs, gs) = jax.lax.scan(one_loop, x, None, length=config.num_loops)
     probs = exit_distribution(gs)
-    loop = select_exit_loop(probs, exit_at_step, None if exit_at_step is not None else exit_threshold)
+    if exit_at_step is not None:  # fixed depth: exit_at_step + 1 loops
+        loop = exit_rule.exit_loops(gs, 1.0, 1, exit_at_step + 1, "fixed") - 1
+    else:
+        loop = exit_rule.exit_loops(gs, exit_threshold, 1, config.num_loops, "ouro") - 1
     h_sel = jnp.take_along_axis(hs, loop[None, ..., None], axis=0)[0]
     logits = model.apply({"params": params}, h_sel, method=OuroModel.coda)
     return ForwardResult(hs, gs, probs, loop, logits)
@@ -76,14 +64,20 @@ def forward(
 ) -> ForwardResult:
     """Run every loop over ``token_ids [B, S]`` and select each token's logits.
 
-    Default (both ``None``): the last loop, i.e. fixed full depth, which is what the reference's
-    ``exit_threshold = 1.0`` means (its bfloat16 arithmetic can exit earlier; we do not copy that).
+    ``exit_at_step=k``: loop ``k`` (fixed depth ``k + 1``); ``exit_threshold=q``: the engine's
+    ``ouro`` rule (``exit_rule``, ``min_loops=1``). Default (both ``None``, or ``q = 1.0``): the last
+    loop, i.e. fixed full depth (the reference's bfloat16 arithmetic can exit earlier; we do not
+    copy that).
     """
     token_ids = jnp.asarray(token_ids, jnp.int32)
     if token_ids.ndim != 2:
         raise ValueError(f"token_ids must be [batch, seq], got shape {token_ids.shape}")
+    if exit_at_step is not None and exit_threshold is not None:
+        raise ValueError("give exit_at_step or exit_threshold, not both")
+    if exit_at_step is not None and not 0 <= exit_at_step < config.num_loops:
+        raise ValueError(f"exit_at_step={exit_at_step} must lie in [0, {config.num_loops - 1}]")
     if exit_threshold is not None and not 0.0 <= float(exit_threshold) <= 1.0:
         raise ValueError(f"exit_threshold must lie in [0, 1], got {exit_threshold}")
     dtype_name = str(jax.tree.leaves(params)[0].dtype)
-    thr = jnp.float32(2.0 if exit_threshold is None else exit_threshold)  # 2.0: never reached -> last loop
+    thr = jnp.float32(1.0 if exit_threshold is None else exit_threshold)  # 1.0: fixed full depth
     return _forward(params, token_ids, thr, config=config, dtype_name=dtype_name, exit_at_step=exit_at_step)

@@ -6,9 +6,9 @@ The simple path users reach for first, and the baseline the engine must beat on 
   all ``T`` loops over the padded block (causal, so the padding never leaks into real positions).
 * The ``k``-th generated token sits at position ``len_b + k``. Each new token runs loops
   ``0, 1, ...`` while any row is still going (``lax.while_loop`` over depths inside a
-  ``lax.while_loop`` over tokens); a row stops at its exit loop by the ``ouro`` rule of
-  ``docs/engine-semantics`` (``min_loops``, ``max_loops``, ``exit_threshold``), and its logits come
-  from its exit loop's hidden state.
+  ``lax.while_loop`` over tokens); a row stops at its exit loop by the engine's ``ouro`` rule
+  (``exit_rule``: ``min_loops``, ``max_loops``, ``exit_threshold``), and its logits come from its
+  exit loop's hidden state.
 * LAST_EXITED: a token that exits at ``e < T-1`` has its K/V of plane ``e`` copied into planes
   ``e+1 .. T-1`` so later tokens at deeper loops read its last version. Rows that already exited keep
   being computed while others go on (static batch), but what they write past their exit is
@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from . import exit_rule
 from .attention import DenseCacheAttention
 from .config import OuroConfig
 from .model import OuroModel, dtype_of
@@ -103,12 +104,8 @@ def _generate(
             d, x, remaining, exited, e, h_exit, caches = s
             attn = DenseCacheAttention(d, posn, False, c.attn_scale)
             h, g, caches = apply(x, posn[:, None], attn, caches, method=OuroModel.recurrent)
-            remaining = remaining * (1.0 - jax.nn.sigmoid(g[:, 0]))
-            done = d + 1
-            now = ~exited & (
-                (done >= max_loops)
-                | ((exit_threshold < 1.0) & (done >= min_loops) & (1.0 - remaining >= exit_threshold))
-            )
+            remaining = exit_rule.fold_gate(remaining, g[:, 0])
+            now = ~exited & exit_rule.decide_exit(d + 1, remaining, exit_threshold, min_loops, max_loops, "ouro")
             h_exit = jnp.where(now[:, None], h[:, 0], h_exit)
             e = jnp.where(now, d, e)
             return d + 1, h, remaining, exited | now, e, h_exit, caches
