@@ -128,13 +128,12 @@ def ours_fn(n_calls, layers, tune, planned=True, kernel="triton"):
 
         @jax.jit
         def g(q, k, v, qs, ql, cl, bt):
+            attn = dispatch.AttentionKernel(kernel, q.shape[0], H, KVH, HD)
             plan = None
             if planned:
-                plan = dispatch.make_kernel_plan(kernel, q.shape[0], H, KVH, HD, qs, ql, cl, bt)
+                plan = attn.plan(qs, ql, cl, bt)
             for i in range(n_calls):
-                q = dispatch.paged_attention(
-                    kernel, q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers), sm_scale=SCALE, plan=plan
-                )
+                q = attn(q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers), sm_scale=SCALE, plan=plan)
             return q
 
         return g

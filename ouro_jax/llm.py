@@ -24,6 +24,7 @@ from typing import Iterator, Optional, Sequence, Union
 import jax
 import numpy as np
 
+from pallas_kernels.dispatch import check_attention
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 
 from .config import PRESETS, OuroConfig
@@ -137,6 +138,7 @@ class LLM:
     ):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
+        attention = check_attention(attention)  # before the weights are built
         self._enable_compile_cache(compile_cache_dir)
         self.config, self.params, self.tokenizer = self._load(model, params, dtype, seed)
         c = self.config

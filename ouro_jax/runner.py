@@ -37,12 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import copy_kv_slots
+from pallas_kernels.dispatch import choose_attention, resolve_attention
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import descriptor_layout
 
 from .config import OuroConfig
 from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
-from .paged_attention import PagedAttention, attention_plan, resolve_impl
+from .paged_attention import PagedAttention
 from .sampling import row_keys, sample
 
 __all__ = ["ModelRunner", "StepHandle", "packed_size", "packed_shape"]
@@ -109,7 +110,7 @@ def _loop(
     key: BucketKey,
     config: OuroConfig,
     dtype_name: str,
-    impl: str,
+    attention: str,
     interpret: bool,
     layer_loop: str,
 ):
@@ -135,29 +136,19 @@ def _loop(
     ring = ring.at[a["pre_ring"]].set(emb.astype(ring.dtype))
     # 3. one loop for every row
     x = ring[a["row_ring"]]
-    impl = resolve_impl(impl, key.R, key.S, dt, c.head_dim, kp.shape[-2], c.num_attention_heads)
-    plan = attention_plan(
-        impl,
-        key.R,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.head_dim,
-        a["seg_q_start"],
-        a["seg_q_len"],
-        a["seg_ctx_len"],
-        a["seg_block_table"],
+    kernel = choose_attention(
+        attention,
+        num_rows=key.R,
+        num_segments=key.S,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        block_size=kp.shape[-2],
+        dtype=dt,
+        interpret=interpret,
     )
-    attn = PagedAttention(
-        a["row_slot"],
-        a["seg_q_start"],
-        a["seg_q_len"],
-        a["seg_ctx_len"],
-        a["seg_block_table"],
-        c.attn_scale,
-        impl,
-        interpret,
-        plan,
-    )
+    seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
+    attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg))
     if layer_loop == "unrolled":
         h, g, (kp, vp) = model.apply(
             {"params": params["top"] | params["layers"]}, x, a["row_pos"], attn, (kp, vp), method=OuroModel.recurrent
@@ -236,14 +227,7 @@ class ModelRunner:
         layer_loop: str = "unrolled",
         interpret: bool = False,
     ):
-        if attention == "auto":
-            attention = "pallas" if jax.default_backend() == "gpu" else "reference"
-        if attention not in ("pallas", "triton", "mgpu", "hybrid", "reference"):
-            raise ValueError(
-                "attention must be 'auto', 'pallas' (the faster Pallas kernel per "
-                "bucket), 'triton', 'mgpu', 'hybrid' or 'reference', got "
-                f"{attention!r}"
-            )
+        attention = resolve_attention(attention)
         if layer_loop not in ("scan", "unrolled"):
             raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
         self.config = config
@@ -258,7 +242,9 @@ class ModelRunner:
         self.v_pool = jnp.zeros(pool_shape, self.dtype)
         self.ring = jnp.zeros((num_ring_rows, c.hidden_size), self.dtype)
         self.num_blocks, self.block_size, self.num_ring_rows = num_blocks, block_size, num_ring_rows
-        static = dict(config=c, dtype_name=self.dtype_name, impl=attention, interpret=interpret, layer_loop=layer_loop)
+        static = dict(
+            config=c, dtype_name=self.dtype_name, attention=attention, interpret=interpret, layer_loop=layer_loop
+        )
         self._jitted = jax.jit(functools.partial(_step, **static), static_argnames=("key",), donate_argnums=(1, 2, 3))
         self._jitted_fused = jax.jit(
             functools.partial(_fused_step, **static), static_argnames=("key",), donate_argnums=(1, 2, 3)

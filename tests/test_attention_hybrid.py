@@ -135,17 +135,13 @@ def reference(b, case, sm_scale):
 
 
 # one compilation per shape (op by op, the plan's many small ops compile one at a time)
-make_plan = jax.jit(dispatch.make_kernel_plan, static_argnums=(0, 1, 2, 3, 4))
+make_plan = jax.jit(lambda kernel, *seg: kernel.plan(*seg), static_argnums=0)
 
 
 def plan_for(b):
     h, hd = b["q"].shape[1:]
     return make_plan(
-        "hybrid",
-        b["q"].shape[0],
-        h,
-        b["k"].shape[-4],
-        hd,
+        dispatch.AttentionKernel("hybrid", b["q"].shape[0], h, b["k"].shape[-4], hd),
         jnp.asarray(b["q_start"]),
         jnp.asarray(b["q_len"]),
         jnp.asarray(b["ctx_len"]),
@@ -181,12 +177,11 @@ def test_triton_half_serves_short_segments_and_merge_gives_reference(case):
     want = reference(b, case, scale)
     # Triton half alone: its plan and its q_len (long segments are padding to it)
     got_t = call(
-        lambda *a, **kw: dispatch.paged_attention("triton", *a, **kw),
+        dispatch.AttentionKernel("triton", b["q"].shape[0], *case["heads"], interpret=True),
         b,
         scale,
         q_len=plan.triton_q_len,
         plan=plan.triton,
-        interpret=True,
     )
     short = b["covered"] & ~b["long_row"]
     assert not np.isnan(got_t).any()
@@ -222,9 +217,8 @@ def check_packing(lens, num_rows, num_segments=None, gaps=None):
     ql = np.array(list(lens) + [0] * pad, np.int32)
     cl = np.array([n + 5 for n in lens] + [0] * pad, np.int32)
     table = np.zeros((num_segments, 2), np.int32)
-    plan = make_plan(
-        "hybrid", num_rows, 2, 2, 64, jnp.asarray(qs), jnp.asarray(ql), jnp.asarray(cl), jnp.asarray(table)
-    )
+    kernel = dispatch.AttentionKernel("hybrid", num_rows, 2, 2, 64)
+    plan = make_plan(kernel, jnp.asarray(qs), jnp.asarray(ql), jnp.asarray(cl), jnp.asarray(table))
     bound = dispatch.hybrid_tiles(num_rows, num_segments)
     assert bound <= max(1, num_rows // 64), (num_rows, bound)
     tiles = np.asarray(plan.mgpu.meta[: 4 * bound]).reshape(bound, 4)
@@ -327,11 +321,10 @@ def test_hybrid_lowering_on_cpu(r):
     seg = sd((r,), jnp.int32)
 
     def step(q, k, v, qs, ql, cl, bt):
-        plan = dispatch.make_kernel_plan("hybrid", r, h, kvh, hd, qs, ql, cl, bt)
+        kernel = dispatch.AttentionKernel("hybrid", r, h, kvh, hd)
+        plan = kernel.plan(qs, ql, cl, bt)
         for layer in range(layers):
-            q = dispatch.paged_attention(
-                "hybrid", q, k, v, qs, ql, cl, bt, layer=jnp.int32(layer), sm_scale=hd**-0.5, plan=plan
-            )
+            q = kernel(q, k, v, qs, ql, cl, bt, layer=jnp.int32(layer), sm_scale=hd**-0.5, plan=plan)
         return q
 
     # Triton custom calls carry no serialisation guarantee; only the lowering is wanted here.
@@ -386,28 +379,29 @@ def test_select_kernel_hybrid_rule(monkeypatch):
 
 
 def test_interpret_mode_refuses_hybrid():
-    """No CPU interpret for the Mosaic half: the kernel call and the engine (forced onto "hybrid"
-    in interpret mode) fail with the same clear error as "mgpu"; unknown names list "hybrid"."""
+    """No CPU interpret for the Mosaic half: the kernel choice and the engine (forced onto "hybrid"
+    in interpret mode) fail with the same clear error as "mgpu"; unknown names list "hybrid", and
+    names are taken in any case."""
     from ouro_jax import get_preset
     from ouro_jax.runner import ModelRunner
     from scheduler.buckets import BucketKey
     from weights.random_init import random_params
 
-    q = jnp.zeros((8, 2, 64), jnp.bfloat16)
-    kp = jnp.zeros((2, 8, 16, 64), jnp.bfloat16)
-    z = jnp.zeros((8,), jnp.int32)
-    for kernel in ("mgpu", "hybrid"):
+    for kernel in ("mgpu", "hybrid", "HYBRID"):
         with pytest.raises(ValueError, match="no CPU interpret mode"):
-            dispatch.paged_attention(
-                kernel, q, kp, kp, z, z, z, jnp.zeros((8, 4), jnp.int32), sm_scale=0.1, interpret=True
-            )
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        dispatch.make_kernel_plan("cudnn", 8, 2, 2, 64, z, z, z, jnp.zeros((8, 4), jnp.int32))
+            dispatch.AttentionKernel(kernel, 8, 2, 2, 64, interpret=True)
+    assert dispatch.AttentionKernel(" Triton", 8, 2, 2, 64, interpret=True).name == "triton"
+    for bad in ("cudnn", "pallas", None):  # "pallas" is an option, not a kernel: choose_attention resolves it
+        with pytest.raises(ValueError, match="must be one of"):
+            dispatch.AttentionKernel(bad, 8, 2, 2, 64)
+    assert dispatch.check_attention("Reference") == "reference"
+    assert dispatch.resolve_attention("AUTO") == ("pallas" if jax.default_backend() == "gpu" else "reference")
     cfg = get_preset("tiny")
     params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
     with pytest.raises(ValueError, match="'hybrid'"):
         ModelRunner(cfg, params, num_blocks=8, block_size=4, num_ring_rows=8, attention="bogus")
-    runner = ModelRunner(cfg, params, num_blocks=8, block_size=4, num_ring_rows=8, attention="hybrid", interpret=True)
+    runner = ModelRunner(cfg, params, num_blocks=8, block_size=4, num_ring_rows=8, attention="Hybrid", interpret=True)
+    assert runner.attention == "hybrid"
     with pytest.raises(ValueError, match="no CPU interpret mode"):
         runner.warmup([BucketKey(R=8, S=8, C=8, F=24, MB=2)], progress=False)
 
@@ -431,10 +425,11 @@ def test_hybrid_matches_reference(case):
     b = build(case, jnp.bfloat16, tail_poison=1e3)
     scale = 1.0 / math.sqrt(case["heads"][2])
     want = reference(b, case, scale)
-    got = call(lambda *a, **kw: dispatch.paged_attention("hybrid", *a, **kw), b, scale)
+    kernel = dispatch.AttentionKernel("hybrid", b["q"].shape[0], *case["heads"])
+    got = call(kernel, b, scale)
     assert_close(got, want, b, jnp.bfloat16, f"hybrid {case}")
     # the runner's path: a plan built once, passed in
-    got2 = call(lambda *a, **kw: dispatch.paged_attention("hybrid", *a, **kw), b, scale, plan=plan_for(b))
+    got2 = call(kernel, b, scale, plan=plan_for(b))
     np.testing.assert_array_equal(got2, got)
 
 
@@ -453,5 +448,6 @@ def test_hybrid_ouro_shapes(specs):
     case = dict(heads=(16, 16, 128), block_size=16, specs=specs, extra_rows=11, layers=3, engine=True, seed=5)
     b = build(case, jnp.bfloat16, tail_poison=1e3)
     want = reference(b, case, 128**-0.5)
-    got = call(lambda *a, **kw: dispatch.paged_attention("hybrid", *a, **kw), b, 128**-0.5, plan=plan_for(b))
+    kernel = dispatch.AttentionKernel("hybrid", b["q"].shape[0], 16, 16, 128)
+    got = call(kernel, b, 128**-0.5, plan=plan_for(b))
     assert_close(got, want, b, jnp.bfloat16, f"hybrid ouro {specs}")

@@ -109,7 +109,7 @@ def test_unsupported_launch_is_refused():
     with pytest.raises(ValueError, match="dtype float32"):
         ragged_paged_attention_mgpu(q, kp, kp, z, z, z, jnp.zeros((1, 4), jnp.int32), sm_scale=0.1)
     with pytest.raises(ValueError, match="interpret"):
-        dispatch.paged_attention("mgpu", q, kp, kp, z, z, z, jnp.zeros((1, 4), jnp.int32), sm_scale=0.1, interpret=True)
+        dispatch.AttentionKernel("mgpu", 128, 2, 2, 64, interpret=True)
 
 
 @pytest.mark.parametrize("h,kvh,hd,layered", [(16, 16, 128, True), (8, 2, 64, False)])
@@ -237,16 +237,9 @@ def test_mgpu_ouro_shapes(specs):
     got = run(ragged_paged_attention_mgpu, b, 128**-0.5)
     assert_close(got, want, b, jnp.bfloat16, f"mgpu ouro {specs}")
     # the dispatcher's plan path gives the same result
-    plan = dispatch.make_kernel_plan(
-        "mgpu",
-        b["q"].shape[0],
-        16,
-        16,
-        128,
-        jnp.asarray(b["q_start"]),
-        jnp.asarray(b["q_len"]),
-        jnp.asarray(b["ctx_len"]),
-        jnp.asarray(b["tables"]),
+    kernel = dispatch.AttentionKernel("mgpu", b["q"].shape[0], 16, 16, 128)
+    plan = kernel.plan(
+        jnp.asarray(b["q_start"]), jnp.asarray(b["q_len"]), jnp.asarray(b["ctx_len"]), jnp.asarray(b["tables"])
     )
-    got2 = run(functools.partial(dispatch.paged_attention, "mgpu", plan=plan), b, 128**-0.5)
+    got2 = run(functools.partial(kernel, plan=plan), b, 128**-0.5)
     np.testing.assert_array_equal(got2, got)
