@@ -99,7 +99,7 @@ def floor_of(cost: InvocationCost, bandwidth: float, peak_flops: float) -> dict:
 
 
 class ScheduleRecorder:
-    """Wraps ``runner.execute`` (or is fed descriptors by hand) and prices every invocation.
+    """Wraps ``runner.step`` (or is fed descriptors by hand) and prices every invocation.
 
     ``observe`` only copies the few numbers it needs (about a microsecond, inside the timed loop);
     the pricing happens when ``costs`` is first read."""
@@ -120,21 +120,27 @@ class ScheduleRecorder:
             for sub in desc.steps:
                 self.observe(sub)
             return
-        c = desc.counts
-        nseg = int(c[1])
+        nseg = desc.num_segments
         self._raw.append(
-            (int(c[0]), int(c[3]), int(c[4]), desc.seg_q_len[:nseg].copy(), desc.seg_ctx_len[:nseg].copy(), desc.key.R)
+            (
+                desc.num_rows,
+                desc.num_coda,
+                desc.num_finalize,
+                desc.seg_q_len[:nseg].copy(),
+                desc.seg_ctx_len[:nseg].copy(),
+                desc.key.R,
+            )
         )
 
     def attach(self, runner) -> "ScheduleRecorder":
-        """Record every descriptor ``runner.execute`` runs (an instance attribute shadows the method)."""
-        execute = runner.execute
+        """Record every descriptor ``runner.step`` runs (an instance attribute shadows the method)."""
+        step = runner.step
 
         def recorded(desc):
             self.observe(desc)
-            return execute(desc)
+            return step(desc)
 
-        runner.execute = recorded
+        runner.step = recorded
         return self
 
     @property

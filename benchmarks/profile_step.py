@@ -442,12 +442,12 @@ def _newest_xplane(trace_dir: str) -> str:
 
 
 # ------------------------------------------------------------------------------ one bucket
-def _invoke(r, exe, packed, n: int):
+def _invoke(r, key, packed, n: int):
     import jax
 
     g = tok = None
     for _ in range(n):
-        r.k_pool, r.v_pool, r.ring, g, tok = exe(r.params, r.k_pool, r.v_pool, r.ring, packed)
+        g, tok = r.launch(key, packed)
     jax.block_until_ready((r.ring, g, tok))
 
 
@@ -470,11 +470,11 @@ def profile_bucket(
     r = llm.runner
     spec = llm.scheduler.bucket_spec
     key = spec.key_for_bucket(b["R"])
-    if key not in r._exe:
+    if key not in r.executables():
         raise ValueError(f"bucket R={b['R']} is not one of the engine's row buckets {spec.row_buckets}")
     desc = synthetic_descriptor(spec, b["R"], b["kind"], b["context"], prefill_segment, r.num_blocks)
     assert desc.key == key, (desc.key, key)
-    exe = r._exe[key]
+    exe = r.executable(key)
     packed = jnp.asarray(desc.pack())
     packed.block_until_ready()
     nseg = desc.num_segments
@@ -500,13 +500,13 @@ def profile_bucket(
         compile_s=r.compile_times.get(key),
     )
     # warm-up, then the timed loop without the profiler (dispatch = host time inside the calls)
-    _invoke(r, exe, packed, warmup)
+    _invoke(r, key, packed, warmup)
     disp = 0.0
     t = time.perf_counter()
     g = tok = None
     for _ in range(reps):
         t1 = time.perf_counter()
-        r.k_pool, r.v_pool, r.ring, g, tok = exe(r.params, r.k_pool, r.v_pool, r.ring, packed)
+        g, tok = r.launch(key, packed)
         disp += time.perf_counter() - t1
     jax.block_until_ready((r.ring, g, tok))
     wall = (time.perf_counter() - t) / reps
@@ -525,11 +525,11 @@ def profile_bucket(
         try:
             with jax.profiler.trace(tdir):
                 t = time.perf_counter()
-                _invoke(r, exe, packed, steps)
+                _invoke(r, key, packed, steps)
                 rec["profiled_wall_ms_per_inv"] = (time.perf_counter() - t) / steps * 1e3  # under the profiler
             path = _newest_xplane(tdir)
             profile = PD.from_file(path)
-            plane, events, info = kernel_events(profile, getattr(r._device, "local_hardware_id", None) or 0)
+            plane, events, info = kernel_events(profile, getattr(r.device, "local_hardware_id", None) or 0)
             if not own:
                 rec["trace_file"] = path
         finally:

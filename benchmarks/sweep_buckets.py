@@ -45,6 +45,7 @@ from scheduler import Request, Scheduler, SchedulerConfig
 from scheduler.buckets import BucketSpec, next_power_of_two
 from scheduler.descriptor import build_descriptor
 from scheduler.fake_runner import FakeRunner
+from scheduler.sizes import descriptor_rows
 
 __all__ = [
     "SimEngine",
@@ -103,13 +104,13 @@ class SimEngine:
                 raise RuntimeError("the scheduler has unfinished requests but nothing it can run")
             return []
         d = plan.descriptor
-        nrows, npre, ncoda, nfin = d.num_rows, d.num_prelude, d.num_coda, d.num_finalize
-        self.needs.append(max(nrows, npre, ncoda, -(-nfin // max(1, self.T - 1))))
-        self.rows.append(nrows)
+        self.needs.append(descriptor_rows(d.num_rows, d.num_prelude, d.num_coda, d.num_finalize, self.T))
+        self.rows.append(d.num_rows)
         if self.recorder is not None:
             self.recorder.observe(d)
         if self.runner is not None:
-            gates, tokens = self.runner.step(d)
+            result = self.runner.step(d)
+            gates, tokens = result.gates, result.tokens
         else:
             gates, tokens = np.zeros(d.key.R, np.float32), np.zeros(d.key.C, np.int32)
         deltas = self.scheduler.update(plan, gates, tokens)
@@ -458,7 +459,7 @@ def device_sweep(
                 MB=key.MB,
                 compile_s=r.compile_times.get(key),
                 compile_source=startup["source"],
-                memory=_memory_analysis(r._exe[key]),
+                memory=_memory_analysis(r.executable(key)),
             )
             for kind, ctx in (("decode", decode_context), ("prefill", prefill_context)):
                 t = time.perf_counter()
@@ -471,13 +472,12 @@ def device_sweep(
                     packed = jnp.asarray(desc.pack())
                     packed.block_until_ready()
                 upload_s = (time.perf_counter() - t) / build_reps
-                exe = r._exe[key]
                 for _ in range(2):
-                    r.k_pool, r.v_pool, r.ring, g, tok = exe(r.params, r.k_pool, r.v_pool, r.ring, packed)
+                    g, tok = r.launch(key, packed)
                 jax.block_until_ready((r.ring, g, tok))
                 t = time.perf_counter()
                 for _ in range(reps):
-                    r.k_pool, r.v_pool, r.ring, g, tok = exe(r.params, r.k_pool, r.v_pool, r.ring, packed)
+                    g, tok = r.launch(key, packed)
                 jax.block_until_ready((r.ring, g, tok))
                 dt = (time.perf_counter() - t) / reps
                 nseg = desc.num_segments

@@ -26,6 +26,7 @@ import numpy as np
 
 from pallas_kernels.dispatch import check_attention
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.sizes import blocks_per_plane, kv_planes
 
 from .config import PRESETS, OuroConfig
 from .runner import ModelRunner
@@ -150,13 +151,11 @@ class LLM:
                 f"({c.max_position_embeddings})"
             )
         if fused_decode_max_rows is None:
-            # Fused decode steps for the smallest row bucket by default: on the H200, serve1k at
-            # c=1, one call each, +9% output tok/s in an 8-seq engine (run 5, results/fused_decode/)
-            # and +15% in the benchmark's 128-seq engine (run 10, results/fused_decode_main/), for
-            # one extra executable (~7 s cold). More tokens per step (fused_decode_tokens) gain
-            # more (+18% / +21% at 4) but hand tokens out in bursts, so that stays opt-in.
+            # Fused decode steps for the smallest row bucket by default: one extra executable for
+            # fewer host round trips at low concurrency; several tokens per step hand tokens out in
+            # bursts, so that stays opt-in (docs/decisions.md, "Fused decode steps").
             fused_decode_max_rows = min(8, max_num_seqs)
-        planes = c.num_loops if str(kv_layout).lower() == "last_exited" else 1
+        planes = kv_planes(c.num_loops, kv_layout)
         itemsize = np.dtype(jax.tree.leaves(self.params)[0].dtype).itemsize
         block_bytes = 2 * c.num_hidden_layers * c.kv_size * block_size * itemsize
         if num_blocks is None:
@@ -184,7 +183,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,  # None: scheduler.DEFAULT_ENABLE_PREFIX_CACHING
             watermark=watermark,
         )
-        need = planes * -(-max_model_len // block_size) + 1
+        need = planes * blocks_per_plane(max_model_len, block_size) + 1
         if num_blocks < need:
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks of {block_size} tokens) cannot hold one request of "
@@ -269,7 +268,7 @@ class LLM:
         if kv_cache_bytes is None:
             mem = _device_memory()
             if mem is None:  # CPU: enough for every sequence at full length, capped at 1 GiB
-                want = max_num_seqs * planes * -(-max_model_len // block_size) + 1
+                want = max_num_seqs * planes * blocks_per_plane(max_model_len, block_size) + 1
                 return int(min(want, max(2, (1 << 30) // block_bytes)))
             limit, in_use = mem
             # what is still free of our share (another engine in this process keeps its own pool),
@@ -335,8 +334,8 @@ class LLM:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler has unfinished requests but nothing it can run")
             return []
-        handle = self.runner.execute(plan.descriptor)
-        deltas = self.scheduler.update(plan, handle.gates, handle.tokens)
+        result = self.runner.step(plan.descriptor)
+        deltas = self.scheduler.update(plan, result.gates, result.tokens)
         outs = []
         for d in deltas:
             req = self._live.get(d.request_id)

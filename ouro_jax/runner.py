@@ -17,13 +17,13 @@ copied to the host asynchronously; the host reads them only when the scheduler n
 
 Fused decode steps (``scheduler`` decides when; ``fused_decode_max_rows``): one executable runs
 ``n = T * tokens`` loops of the same decode rows in a device-side ``fori_loop``, feeding each
-token's sampled id to the next token's prelude on the device. At small batches a loop is short
-(~2.1 ms of device time at 8 rows, Ouro-1.4B) and every launch, upload and token readback costs the
-host a fixed few hundred microseconds (docs/performance.md); a fused step pays them once per ``n``
-loops. It runs only tokens that certainly run all ``T`` loops, so no loop is wasted.
+token's sampled id to the next token's prelude on the device: at small batches a loop is short
+next to the host's fixed cost per launch, upload and readback, which a fused step pays once per
+``n`` loops (docs/decisions.md, "Fused decode steps"). It runs only tokens that certainly run all
+``T`` loops, so no loop is wasted.
 
 The descriptor travels as one packed int32 array (``scheduler/descriptor.py`` fixes its layout per
-bucket key) because every host-to-device transfer costs tens of microseconds on the H200.
+bucket key) because every host-to-device transfer has a fixed cost.
 """
 
 from __future__ import annotations
@@ -39,20 +39,20 @@ import numpy as np
 from pallas_kernels import copy_kv_slots
 from pallas_kernels.dispatch import choose_attention, resolve_attention
 from scheduler.buckets import BucketKey
-from scheduler.descriptor import descriptor_layout
+from scheduler.descriptor import HEADER, StepResult, descriptor_layout
 
 from .config import OuroConfig
 from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
 from .paged_attention import PagedAttention
 from .sampling import row_keys, sample
 
-__all__ = ["ModelRunner", "StepHandle", "packed_size", "packed_shape"]
+__all__ = ["ModelRunner", "packed_size", "packed_shape"]
 
 
 def _unpack(key: BucketKey, packed) -> dict:
     """Device-side views of the packed descriptor (static offsets per key; float32 and uint32
-    fields are bit-casts of their int32 words)."""
-    out = {}
+    fields are bit-casts of their int32 words), the header's words by name (``HEADER``)."""
+    out = {name: packed[i] for i, name in enumerate(HEADER)}
     for spec in descriptor_layout(key):
         w = packed[spec.offset : spec.offset + spec.size]
         if spec.dtype == np.float32:
@@ -75,28 +75,6 @@ def packed_shape(key) -> tuple[int, ...]:
         return (packed_size(key),)
     bucket, n = key
     return (n, packed_size(bucket))
-
-
-class StepHandle:
-    """Results of one invocation, still on the device; reading them blocks only then."""
-
-    def __init__(self, runner: "ModelRunner", gates: jax.Array, tokens: jax.Array):
-        self._runner = runner
-        self._device = {"gates": gates, "tokens": tokens}
-        self._host: dict[str, np.ndarray] = {}
-
-    def _read(self, name: str) -> np.ndarray:
-        if name not in self._host:
-            t = time.perf_counter()
-            self._host[name] = np.asarray(self._device.pop(name))
-            self._runner.wait_time += time.perf_counter() - t  # time the host waited on the device
-        return self._host[name]
-
-    def gates(self) -> np.ndarray:
-        return self._read("gates")
-
-    def tokens(self) -> np.ndarray:
-        return self._read("tokens")
 
 
 def _loop(
@@ -130,7 +108,7 @@ def _loop(
     pre_token = a["pre_token"]
     if previous_tokens is not None:
         prev = jnp.zeros((key.R,), jnp.int32).at[: key.C].set(previous_tokens[: key.R])
-        feed = (a["counts"][5] == 1) & (jnp.arange(key.R) < a["counts"][2])
+        feed = (a["feed_previous_tokens"] == 1) & (jnp.arange(key.R) < a["num_prelude"])
         pre_token = jnp.where(feed, prev, pre_token)
     emb = model.apply({"params": params["top"]}, pre_token, method=OuroModel.prelude)
     ring = ring.at[a["pre_ring"]].set(emb.astype(ring.dtype))
@@ -210,9 +188,8 @@ class ModelRunner:
     """Device state + one executable per bucket. See the module docstring.
 
     ``layer_loop``: ``"unrolled"`` (default) writes the ``L`` layers out in the step; ``"scan"``
-    runs one layer body over stacked weights. Measured on the H200 (Ouro-1.4B, batch 64, 1024-token
-    prompts; ``benchmarks/results/engine_probe.json``): unrolled decodes 11% and prefills 10%
-    faster, and compiled 2 buckets in 9.8 s against 7.2 s. Both read the stacked KV pool in place.
+    runs one layer body over stacked weights, faster to compile but slower to run (docs/decisions.md,
+    "Layer loop"). Both read the stacked KV pool in place.
     """
 
     def __init__(
@@ -311,22 +288,61 @@ class ModelRunner:
         return time.perf_counter() - t
 
     # ----------------------------------------------------------------------------- execute
-    def execute(self, desc) -> StepHandle:
-        """Launch ``desc`` (a ``BatchDescriptor``, or a ``StackedDescriptor``: one fused step)."""
-        key = desc.key if not hasattr(desc, "steps") else (desc.key, desc.n)
-        exe = self._exe.get(key)
-        if exe is None:
-            exe = self._compile(key)  # not warmed up: counted in `compilations`
+    def step(self, desc) -> StepResult:
+        """Launch ``desc`` (a ``BatchDescriptor``, or a ``StackedDescriptor``: one fused step); its
+        gates and tokens start copying back at once and are waited for only when read."""
+        key = self.executable_key(desc)
+        if key not in self._exe:
+            self._compile(key)  # not warmed up: counted in `compilations`, not in `dispatch_time`
         t = time.perf_counter()
-        # device_put, not jnp.asarray: the latter stages through a small jitted copy per shape
-        self.k_pool, self.v_pool, self.ring, gates, tokens = exe(
-            self.params, self.k_pool, self.v_pool, self.ring, jax.device_put(desc.pack(), self._device)
-        )
+        gates, tokens = self.launch(key, self.upload(desc))
         for arr in (gates, tokens):
             arr.copy_to_host_async()
         self.invocations += 1
         self.dispatch_time += time.perf_counter() - t
-        return StepHandle(self, gates, tokens)
+        return StepResult(gates, tokens, self._waited)
+
+    def _waited(self, seconds: float) -> None:
+        self.wait_time += seconds  # time the host waited on the device
+
+    def launch(self, key, packed) -> tuple[jax.Array, jax.Array]:
+        """Run ``key``'s executable on an uploaded descriptor (``upload``), the pools and the ring
+        updated in place; returns ``(gates, tokens)`` on the device. ``step`` without its
+        bookkeeping: benchmarks time the device with it. A key not warmed up compiles first."""
+        exe = self._exe.get(key)
+        if exe is None:
+            exe = self._compile(key)  # not warmed up: counted in `compilations`
+        self.k_pool, self.v_pool, self.ring, gates, tokens = exe(
+            self.params, self.k_pool, self.v_pool, self.ring, packed
+        )
+        return gates, tokens
+
+    def upload(self, desc) -> jax.Array:
+        """``desc``'s packed buffer on the runner's device (``device_put``: ``jnp.asarray`` would
+        stage it through a small jitted copy per shape)."""
+        return jax.device_put(desc.pack(), self._device)
+
+    @staticmethod
+    def executable_key(desc):
+        """The executable a descriptor runs on: its ``BucketKey``, or ``(key, n)`` for a fused step."""
+        return (desc.key, desc.n) if hasattr(desc, "steps") else desc.key
+
+    def executable(self, key):
+        """The compiled executable of ``key`` (``KeyError`` if it was never compiled): for its memory
+        analysis and HLO text."""
+        return self._exe[key]
+
+    def executables(self) -> dict:
+        """Every compiled executable by key (a copy): a runner of the same shapes can ``adopt`` them."""
+        return dict(self._exe)
+
+    def adopt(self, executables: dict) -> None:
+        """Use executables compiled by another runner of the same shapes (pools, ring, params, options)."""
+        self._exe.update(executables)
+
+    @property
+    def device(self):
+        return self._device
 
     def synchronize(self) -> None:
         self.ring.block_until_ready()

@@ -105,7 +105,3 @@ def copy_kv_slots_reference(k_pages, v_pages, src, dst):
 
 
 __all__ = ["write_kv", "write_kv_reference", "copy_kv_slots", "copy_kv_slots_reference"]
-
-# jitted conveniences (donating the pool) for callers outside a larger jit
-write_kv_donated = jax.jit(write_kv, donate_argnums=(0, 1))
-copy_kv_slots_donated = jax.jit(copy_kv_slots, donate_argnums=(0, 1))

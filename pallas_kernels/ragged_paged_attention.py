@@ -29,8 +29,8 @@ Design (everything shape-static in ``(R, S, MB)``, no host sync):
   context in ``block_k``-token tiles gathered through the block table (token -> page -> slot
   pointers, masked loads), online softmax in f32 (exp2 domain), and writes the normalised partial
   output and its log-sum-exp. Blocks that need no mask (fully below the first row's position)
-  run a loop without masking. Decode rows are tiles of one row padded to a 16-row MMA (measured
-  faster than CUDA-core dot products: Triton pipelines MMA loops); ``block_q=1`` with MHA selects
+  run a loop without masking. Decode rows are tiles of one row padded to a 16-row MMA (Triton
+  pipelines MMA loops, CUDA-core dot products it does not); ``block_q=1`` with MHA selects
   a one-row path (vector multiply + reduce, optional register prefetch of the next block).
 * **Kernel 2** (grid ``(R,)``): per output row, combine its tile's items by log-sum-exp
   (``fori_loop`` over a dynamic count) and write all H heads of the row; rows of no segment get
@@ -103,12 +103,10 @@ def default_tuning(
 ) -> Tuning:
     """Heuristic defaults for a bucket ``(R, S)``; any knob given overrides it.
 
-    Measured on the H200 (benchmarks/attention_sweep.py, tuning pass and ``variants_ms`` of the
-    sweep): decode buckets use 16-row MMA tiles (one decode row padded to 16; Triton pipelines the
-    loop with async copies) with 64-token blocks and ~512 programs: 9-20% faster than the one-row
-    CUDA-core path (``block_q=1``) from batch 8 up, within 3-9% of it at batch 1. For prompt
-    segments the tile height follows the rows per segment (16 / 64 / 128 rows); 128-row tiles run
-    8 warps with 32-token blocks (128x128 within 4%).
+    Decode buckets: 16-row MMA tiles (one decode row padded to 16), 64-token blocks, ~512 programs.
+    Prompt segments: the tile height follows the rows per segment (16 / 64 / 128 rows); 128-row
+    tiles run 8 warps with 32-token blocks. The sweep behind them: docs/decisions.md, "Triton
+    kernel tuning".
     """
     g = num_q_heads // num_kv_heads
     wide = jnp.dtype(dtype).itemsize >= 4  # f32: IEEE dots on CUDA cores, keep tiles small
@@ -287,9 +285,8 @@ def make_plan(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, num_q_per_k
 def _attn_kernel(items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, **kw):
     """An empty work item (``n_split == 0``: padding past the plan's last item, or a tile of no
     rows) returns at once. Its partial output is never read (the combine reads only a row's own
-    items) and its rows, if any, are covered by no segment. Measured on the H200 in a hybrid S = R
-    bucket of 1024 rows whose every segment went to the Mosaic kernel: the ~18K empty programs cost
-    88 us per layer when each one still loaded its Q tile and stored a zero partial."""
+    items) and its rows, if any, are covered by no segment. A hybrid bucket's Triton launch can be
+    almost all such items, so they must cost nothing (docs/decisions.md, "Triton kernel tuning")."""
     w, h = pl.program_id(0), pl.program_id(1)  # outside the branch: interpret mode needs it there
 
     @pl.when(items_ref[w, 6] > 0)

@@ -2,8 +2,8 @@
 
 Same contract as ``ragged_paged_attention`` (docs/contracts.md), written for the case the
 Triton-lowered kernel handles worst: prompt segments of hundreds or thousands of rows, where the
-work is tensor-core bound (0.45-0.50x cuDNN for 1024-row chunks, benchmarks/results/
-attention_sweep.json). Triton's lowering has no TMA and no wgmma on this path; this kernel is
+work is tensor-core bound (docs/decisions.md, "Two attention kernels, one contract"). Triton's
+lowering has no TMA and no wgmma on this path; this kernel is
 written the FlashAttention-3 way with Mosaic GPU primitives:
 
 * one CTA = one *query tile* of ``2 * block_q`` rows of one segment x one query head; two compute
@@ -29,7 +29,7 @@ step loads the segment's first page in their place). The Triton kernel masks its
 and has no such condition.
 
 Decode rows and short segments stay on the Triton kernel: ``dispatch.select_kernel`` chooses per
-bucket from the measured crossover, or splits one invocation per segment (``"hybrid"``: segments
+bucket from the crossover, or splits one invocation per segment (``"hybrid"``: segments
 of 128 rows or more here, the rest on Triton; pallas_kernels/dispatch.py). For the hybrid split
 the packing takes a small static tile bound (``max_tiles``, from ``mgpu_tiles(...,
 min_segment_rows=128)``), so most launches hold a few padding tiles (``nrows == 0``); such a tile
@@ -54,11 +54,8 @@ from pallas_kernels.ragged_paged_attention import _cdiv, _check_args, num_tiles,
 LOG2E = math.log2(math.e)
 NEG = -1e30  # finite "minus infinity": rows with no visible key never produce inf - inf
 COMPUTE_WGS = 2
-# K/V tokens per pipeline step (``block_kv / block_size`` page copies) and steps in flight. Tuned on
-# the H200 (benchmarks/results/mgpu_tune.json): 128 x 2 beat 64 x 2 by 10-13% on
-# 1x1024@8K, 4x2048@2K and 1x1024@32K in run 2, and by 7% on 1x1024@8K in run 4 (the others were
-# cut off there), with the same error against the reference; 3 or 4 steps were faster on one
-# shape and slower on another.
+# K/V tokens per pipeline step (``block_kv / block_size`` page copies) and steps in flight: the
+# fastest pair on the H200 (docs/decisions.md, "Mosaic kernel tuning").
 BLOCK_KV = 128
 MAX_CONCURRENT_STEPS = 2
 

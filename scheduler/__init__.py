@@ -7,7 +7,7 @@ key (docs/contracts.md).
 
 from .block_manager import DEFAULT_ENABLE_PREFIX_CACHING, KVBlockManager, prefix_block_hashes
 from .buckets import BucketKey, BucketSpec
-from .descriptor import BatchDescriptor, StackedDescriptor, build_descriptor, descriptor_layout
+from .descriptor import BatchDescriptor, StackedDescriptor, StepResult, build_descriptor, descriptor_layout
 from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
 from .policies import MixedPolicy, SplitPolicy, WaitingQueue, WavefrontPolicy
 from .request import Request, RequestStatus
@@ -22,6 +22,7 @@ __all__ = [
     "BucketSpec",
     "BatchDescriptor",
     "StackedDescriptor",
+    "StepResult",
     "build_descriptor",
     "descriptor_layout",
     "BatchPlan",

@@ -28,6 +28,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .sizes import blocks_per_plane
+
 __all__ = ["KVBlockManager", "prefix_block_hashes", "DEFAULT_ENABLE_PREFIX_CACHING"]
 
 # The engine's default for prefix caching (LLM and SchedulerConfig): off until the H200 run of
@@ -103,7 +105,7 @@ class KVBlockManager:
         return self.num_blocks - 1 - self.watermark_blocks
 
     def blocks_per_plane(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_per_plane(num_tokens, self.block_size)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks for ``num_tokens`` positions in every plane."""

@@ -22,6 +22,8 @@ import bisect
 import dataclasses
 from typing import NamedTuple, Optional, Sequence
 
+from .sizes import blocks_per_plane
+
 __all__ = ["BucketKey", "BucketSpec", "next_power_of_two"]
 
 
@@ -77,7 +79,7 @@ class BucketSpec:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return blocks_per_plane(self.max_model_len, self.block_size)
 
     def key_for_bucket(self, rows: int) -> BucketKey:
         c = min(rows, self.coda_cap)

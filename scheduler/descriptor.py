@@ -8,8 +8,8 @@ runner uploads ``pack()`` once and slices it with the offsets of :func:`descript
 
 Layout, in order (``R, S, C, F, MB`` from the key, ``P = R``)::
 
-    counts[8]              num_rows, num_segments, num_prelude, num_coda, num_finalize,
-                           feed_previous_tokens, 0, 0
+    header[8]              num_rows, num_segments, num_prelude, num_coda, num_finalize,
+                           feed_previous_tokens, 0, 0                  (HEADER names them)
     row_ring[R]  row_pos[R]  row_slot[R]                      (padding: 0, 0, -1)
     seg_q_start[S]  seg_q_len[S]  seg_ctx_len[S]  seg_block_table[S*MB]   (padding: q_len 0)
     pre_ring[R]  pre_token[R]                                 (padding: ring row 0, token 0)
@@ -28,15 +28,28 @@ then padding rows, which read and write the scratch ring row 0 and write no KV s
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+import time
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
 from .buckets import BucketKey, BucketSpec
+from .sizes import descriptor_rows
 
-__all__ = ["BatchDescriptor", "StackedDescriptor", "FieldSpec", "descriptor_layout", "build_descriptor"]
+__all__ = [
+    "BatchDescriptor",
+    "StackedDescriptor",
+    "StepResult",
+    "FieldSpec",
+    "HEADER",
+    "descriptor_layout",
+    "build_descriptor",
+]
 
-_COUNTS = ("num_rows", "num_segments", "num_prelude", "num_coda", "num_finalize")
+#: The header's words, in order: the descriptor's real sizes and its flag, so that the packed
+#: buffer is self-contained. The header field has ``HEADER_WORDS`` words; the rest are 0.
+HEADER = ("num_rows", "num_segments", "num_prelude", "num_coda", "num_finalize", "feed_previous_tokens")
+HEADER_WORDS = 8
 
 
 class FieldSpec(NamedTuple):
@@ -49,7 +62,7 @@ class FieldSpec(NamedTuple):
 
 _FIELDS = (
     # name, dtype, shape as a function of the key, padding value
-    ("counts", np.int32, lambda k: (8,), 0),
+    ("header", np.int32, lambda k: (HEADER_WORDS,), 0),
     ("row_ring", np.int32, lambda k: (k.R,), 0),
     ("row_pos", np.int32, lambda k: (k.R,), 0),
     ("row_slot", np.int32, lambda k: (k.R,), -1),
@@ -93,6 +106,11 @@ def _padding_template(key: BucketKey) -> np.ndarray:
     return buf
 
 
+def _header_word(name: str, cast=int) -> property:
+    i = HEADER.index(name)
+    return property(lambda self: cast(self.header[i]), doc=f"header word {i}")
+
+
 class BatchDescriptor:
     """Named views into one packed int32 buffer (see the module docstring)."""
 
@@ -113,13 +131,17 @@ class BatchDescriptor:
             view = packed[spec.offset : spec.offset + spec.size].view(spec.dtype).reshape(spec.shape)
             setattr(self, spec.name, view)
 
-    # real counts live in the header so that the packed buffer is self-contained
-    num_rows = property(lambda self: int(self.counts[0]))
-    num_segments = property(lambda self: int(self.counts[1]))
-    num_prelude = property(lambda self: int(self.counts[2]))
-    num_coda = property(lambda self: int(self.counts[3]))
-    num_finalize = property(lambda self: int(self.counts[4]))
-    feed_previous_tokens = property(lambda self: bool(self.counts[5]))
+    num_rows = _header_word("num_rows")
+    num_segments = _header_word("num_segments")
+    num_prelude = _header_word("num_prelude")
+    num_coda = _header_word("num_coda")
+    num_finalize = _header_word("num_finalize")
+    feed_previous_tokens = _header_word("feed_previous_tokens", bool)
+
+    def set_header(self, **words) -> None:
+        """Write header words by name (``HEADER``)."""
+        for name, value in words.items():
+            self.header[HEADER.index(name)] = int(value)
 
     def pack(self) -> np.ndarray:
         """The one int32 array to upload (no copy: the fields are views of it)."""
@@ -161,6 +183,37 @@ class StackedDescriptor:
         return f"StackedDescriptor(key={tuple(self.key)}, n={self.n})"
 
 
+class StepResult:
+    """What a runner's ``step(descriptor)`` returns (``ModelRunner`` and ``FakeRunner`` alike).
+
+    ``gates()``: ``[R]`` float32 gate logits (``[n, R]`` for a fused step); ``tokens()``: ``[C]``
+    int32 sampled tokens (``[n, C]``). Each is converted (and, on a device, waited for) only when
+    first called, so the scheduler reads only what a decision needs; ``on_wait(seconds)`` is told
+    how long each conversion took.
+    """
+
+    __slots__ = ("_src", "_host", "_on_wait")
+
+    def __init__(self, gates, tokens, on_wait: Optional[Callable[[float], None]] = None):
+        self._src = {"gates": gates, "tokens": tokens}
+        self._host: dict[str, np.ndarray] = {}
+        self._on_wait = on_wait
+
+    def _read(self, name: str) -> np.ndarray:
+        if name not in self._host:
+            t = time.perf_counter()
+            self._host[name] = np.asarray(self._src.pop(name))
+            if self._on_wait is not None:
+                self._on_wait(time.perf_counter() - t)
+        return self._host[name]
+
+    def gates(self) -> np.ndarray:
+        return self._read("gates")
+
+    def tokens(self) -> np.ndarray:
+        return self._read("tokens")
+
+
 def build_descriptor(
     spec: BucketSpec,
     tables: np.ndarray,
@@ -198,8 +251,7 @@ def build_descriptor(
     nseg = seg_len.shape[0]
     nrows = int(seg_len.sum())
     npre, ncoda, nfin = len(pre_ring), len(coda_row), len(fin_src)
-    per_token_pairs = max(1, spec.num_loops - 1)
-    need = max(nrows, npre, ncoda, -(-nfin // per_token_pairs))
+    need = descriptor_rows(nrows, npre, ncoda, nfin, spec.num_loops)
     if key is None:
         key = spec.key_for(need)
     elif need > key.R:
@@ -207,7 +259,14 @@ def build_descriptor(
     if ncoda > key.C or nfin > key.F:
         raise ValueError(f"build_descriptor: {ncoda} coda rows / {nfin} finalize pairs exceed key {tuple(key)}")
     d = BatchDescriptor(key)
-    d.counts[:6] = (nrows, nseg, npre, ncoda, nfin, int(bool(feed_previous_tokens)))
+    d.set_header(
+        num_rows=nrows,
+        num_segments=nseg,
+        num_prelude=npre,
+        num_coda=ncoda,
+        num_finalize=nfin,
+        feed_previous_tokens=bool(feed_previous_tokens),
+    )
     if nseg:
         q_start = np.zeros(nseg, np.int64)
         np.cumsum(seg_len[:-1], out=q_start[1:])

@@ -7,10 +7,11 @@ slot, "attends" by summing ``H(kv)`` over every position ``<= pos`` of the segme
 order-free reduction), outputs ``h = H(x, attn)``, a gate logit drawn from ``h`` and, for coda rows,
 a token drawn from ``h`` (and from the seed / step when the temperature is positive).
 
-``FakeRunner.step`` follows the contract step by step (finalize, prelude, recurrent, coda) and
-asserts what the contract promises about padding: padding rows write no KV slot and only touch ring
-row 0, real rows never touch the trash page or ring row 0, padded segments / prelude / coda /
-finalize entries are inert, and every KV slot that is read was written before.
+``FakeRunner.step`` (the same call as ``ModelRunner.step``) follows the contract step by step
+(finalize, prelude, recurrent, coda) and asserts what the contract promises about padding:
+padding rows write no KV slot and only touch ring row 0, real rows never touch the trash page or
+ring row 0, padded segments / prelude / coda / finalize entries are inert, and every KV slot that
+is read was written before.
 
 ``reference_generate`` computes the same model the slow, obvious way (one request at a time,
 position after position, KV planes as plain arrays), so that any scheduling bug (a wrong ring row,
@@ -23,8 +24,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .descriptor import StepResult
 from .exit_policy import decide_exit, fold_gate, gates_needed_at, synthetic_exit_loops
 from .sampling_params import SamplingParams
+from .sizes import blocks_per_plane, kv_planes
 
 __all__ = ["FakeRunner", "reference_generate", "embed", "gate_logit", "sample_token"]
 
@@ -73,7 +76,7 @@ def sample_token(h, temperature, seed, step, vocab_size: int) -> np.ndarray:
 
 
 class FakeRunner:
-    """Executes ``BatchDescriptor``s; ``step`` returns ``(gate_logits [R] f32, tokens [C] i32)``."""
+    """Executes descriptors; ``step`` returns a ``StepResult`` like ``ModelRunner.step``."""
 
     def __init__(self, num_blocks: int, block_size: int, num_ring_rows: int, vocab_size: int = 101, check: bool = True):
         self.block_size = block_size
@@ -84,11 +87,15 @@ class FakeRunner:
         self.ring = np.zeros(num_ring_rows, np.uint64)
         self.invocations = 0
 
-    def step(self, desc, previous_tokens: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, desc) -> StepResult:
+        """Run one ``BatchDescriptor`` (or a ``StackedDescriptor``: a fused decode step)."""
+        return StepResult(*self._run(desc))
+
+    def _run(self, desc, previous_tokens: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         if hasattr(desc, "steps"):  # a fused decode step: sub-steps in order, tokens fed forward
             gates, tokens, prev = [], [], None
             for sub in desc.steps:
-                g, t = self.step(sub, prev)
+                g, t = self._run(sub, prev)
                 gates.append(g)
                 tokens.append(t)
                 prev = t
@@ -123,7 +130,7 @@ class FakeRunner:
             ctx_slots = desc.seg_block_table[s, j // bs].astype(np.int64) * bs + j % bs
             if self.check:
                 assert self.kv_written[ctx_slots].all(), f"segment {s} reads KV slots never written"
-                assert (desc.seg_block_table[s, : (ctx + bs - 1) // bs] != 0).all(), "segment reads the trash page"
+                assert (desc.seg_block_table[s, : blocks_per_plane(ctx, bs)] != 0).all(), "segment reads the trash page"
             with np.errstate(over="ignore"):
                 prefix = np.cumsum(attn_term(self.kv[ctx_slots]), dtype=np.uint64)
             pos = desc.row_pos[q0 : q0 + ql]
@@ -182,7 +189,7 @@ def reference_generate(
     results = []
     for rid, prompt, sp in zip(request_ids, prompts, params):
         n = len(prompt)
-        planes = T if kv_layout == "last_exited" else 1
+        planes = kv_planes(T, kv_layout)
         kv = np.zeros((planes, n + sp.max_tokens), np.uint64)
 
         def loop(x, pos, d):

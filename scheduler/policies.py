@@ -138,9 +138,6 @@ class StagedPolicy:
 
     name = "staged"
 
-    def ring_slots(self, num_loops: int) -> int:
-        raise NotImplementedError
-
     def __init__(self):
         self._rr = 0
 
@@ -160,15 +157,9 @@ class StagedPolicy:
 class MixedPolicy(StagedPolicy):
     name = "mixed"
 
-    def ring_slots(self, num_loops: int) -> int:
-        return 1
-
 
 class WavefrontPolicy(StagedPolicy):
     name = "wavefront"
-
-    def ring_slots(self, num_loops: int) -> int:
-        return num_loops
 
 
 class SplitPolicy:
@@ -182,9 +173,6 @@ class SplitPolicy:
         self._group_depth = 0
         self._decode_left = 0
         self._last = None
-
-    def ring_slots(self, num_loops: int) -> int:
-        return 1
 
     def forget(self, req: Request) -> None:
         """``req`` was preempted: its ranges leave the prefill group (it restarts from scratch)."""

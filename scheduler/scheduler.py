@@ -3,8 +3,8 @@
 The loop an engine runs::
 
     plan = scheduler.schedule()            # BatchPlan with .descriptor (None: nothing to run)
-    gates, tokens = runner.step(plan.descriptor)           # device arrays, possibly not ready
-    deltas = scheduler.update(plan, lambda: np.asarray(gates), lambda: np.asarray(tokens))
+    result = runner.step(plan.descriptor)  # a StepResult: device arrays, possibly not ready
+    deltas = scheduler.update(plan, result.gates, result.tokens)
 
 ``update`` reads a result only when the plan needs it: gates only when an exit depends on them
 (``plan.needs_gates``), tokens only when a coda row's token is kept. A prefill-only plan therefore
@@ -48,6 +48,7 @@ from .exit_policy import coda_kind, decide_exit, fold_gate, gate_needed, gates_n
 from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
 from .policies import WaitingQueue, make_policy
 from .request import Request, RequestStatus
+from .sizes import blocks_per_plane, descriptor_rows, kv_planes, ring_rows
 
 __all__ = ["SchedulerConfig", "Scheduler", "RequestDelta"]
 
@@ -164,7 +165,7 @@ class SchedulerConfig:
     # ----------------------------------------------------------------- derived
     @property
     def num_planes(self) -> int:
-        return self.num_loops if self.kv_layout == "last_exited" else 1
+        return kv_planes(self.num_loops, self.kv_layout)
 
     @property
     def ring_slots(self) -> int:
@@ -183,11 +184,11 @@ class SchedulerConfig:
     @property
     def num_ring_rows(self) -> int:
         """Rows of the runner's hidden-state ring: scratch row 0 plus one region per sequence."""
-        return 1 + self.max_num_seqs * self.ring_rows_per_request
+        return ring_rows(self.max_num_seqs, self.ring_rows_per_request)
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return blocks_per_plane(self.max_model_len, self.block_size)
 
     def fused_steps(self) -> list[tuple[BucketKey, int]]:
         """Every ``(key, n)`` a fused decode step can use (the runner compiles them at start):
@@ -335,10 +336,6 @@ class Scheduler:
 
     def get_request(self, request_id) -> Optional[Request]:
         return self._requests.get(request_id)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
 
     def _admit(self) -> None:
         cfg = self.config
@@ -606,7 +603,7 @@ class Scheduler:
         if len(self.waiting) and len(self.running) < cfg.max_num_seqs:
             return 0
         pairs = len(finalize) // 2  # finalize is a flat (src, dst) list
-        need = max(len(rows), -(-pairs // max(1, self.num_loops - 1)))  # as build_descriptor sizes it
+        need = descriptor_rows(len(rows), len(rows), len(rows), pairs, self.num_loops)  # as build_descriptor
         if self.bucket_spec.key_for(need).R > self.bucket_spec.key_for(cfg.fused_decode_max_rows).R:
             return 0
         for want in sorted({cfg.fused_decode_tokens, 1}, reverse=True):

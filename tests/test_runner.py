@@ -55,7 +55,7 @@ def test_runner_reproduces_dense_forward(preset, layer_loop):
         rows = [(1 + i, i, _slot(tables[d], i)) for i in range(n)]
         prelude = [(1 + i, ids[i]) for i in range(n)] if d == 0 else ()
         coda = [(n - 1, 0.0, 0, 1.0, 0, 0)] if d == T - 1 else ()
-        h = runner.execute(_desc(key, rows, [(0, n, n, tables[d])], prelude, coda))
+        h = runner.step(_desc(key, rows, [(0, n, n, tables[d])], prelude, coda))
         np.testing.assert_allclose(h.gates()[:n], full.gate_logits[d, 0, :n], rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(runner.ring[1 : 1 + n], full.hidden_states[d, 0, :n], rtol=2e-5, atol=2e-5)
     assert runner.compilations == 1
@@ -64,7 +64,7 @@ def test_runner_reproduces_dense_forward(preset, layer_loop):
         for d in range(T):
             rows = [(0, 0, -1), (9, pos, _slot(tables[d], pos))]
             prelude = [(9, ids[pos])] if d == 0 else ()
-            h = runner.execute(_desc(key, rows, [(0, 0, 0, []), (1, 1, pos + 1, tables[d])], prelude))
+            h = runner.step(_desc(key, rows, [(0, 0, 0, []), (1, 1, pos + 1, tables[d])], prelude))
             np.testing.assert_allclose(h.gates()[1], full.gate_logits[d, 0, pos], rtol=2e-5, atol=2e-5)
             np.testing.assert_allclose(runner.ring[9], full.hidden_states[d, 0, pos], rtol=2e-5, atol=2e-5)
     assert runner.compilations == 1  # warmed up: nothing compiled during the run
@@ -81,7 +81,7 @@ def test_runner_coda_and_finalize():
     for d in range(T):
         rows = [(1 + i, i, _slot(tables[d], i)) for i in range(4)]
         coda = [(3, 0.0, 0, 1.0, 0, 0), (3, 1.0, 5, 0.9, 7, 0)] if d == T - 1 else ()
-        h = runner.execute(
+        h = runner.step(
             _desc(key, rows, [(0, 4, 4, tables[d])], [(1 + i, ids[i]) for i in range(4)] if d == 0 else (), coda)
         )
     full = forward(params, cfg, ids[None])
@@ -90,7 +90,7 @@ def test_runner_coda_and_finalize():
     # finalize: copy position 2 of plane 0 into planes 1..3, nothing else changes
     k_before = np.asarray(runner.k_pool)
     fin = [(_slot(tables[0], 2), _slot(tables[p], 2)) for p in range(1, T)]
-    runner.execute(_desc(key, [], [], (), (), fin))
+    runner.step(_desc(key, [], [], (), (), fin))
     k_after = np.asarray(runner.k_pool)
     kf = k_before.reshape(*k_before.shape[:2], -1, cfg.head_dim)
     expect = kf.copy()

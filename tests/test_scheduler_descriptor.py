@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from scheduler import BatchDescriptor, BucketSpec, descriptor_layout
 from scheduler.buckets import next_power_of_two
-from scheduler.descriptor import ARRAY_NAMES, build_descriptor
+from scheduler.descriptor import ARRAY_NAMES, HEADER, build_descriptor
 
 
 def spec(**kw):
@@ -138,11 +138,12 @@ def test_pack_unpack_round_trip(data):
             a[...] = rng.integers(0, 2**32, a.shape, dtype=np.uint64).astype(np.uint32)
         else:
             a[...] = rng.integers(-(2**31), 2**31, a.shape, dtype=np.int64).astype(np.int32)
-    d.counts[:5] = rng.integers(0, 9, 5)
+    d.set_header(**dict(zip(HEADER[:5], rng.integers(0, 9, 5))), feed_previous_tokens=True)
     packed = d.pack()
     assert packed.dtype == np.int32 and packed.ndim == 1
     e = BatchDescriptor.unpack(key, packed)
-    assert e.key == key and (e.num_rows, e.num_coda) == (d.num_rows, d.num_coda)
+    assert e.key == key and all(getattr(e, h) == getattr(d, h) for h in HEADER)
+    assert e.feed_previous_tokens is True and e.num_rows == int(packed[HEADER.index("num_rows")])
     for name in ARRAY_NAMES:
         np.testing.assert_array_equal(getattr(e, name), getattr(d, name))
         assert getattr(e, name).dtype == getattr(d, name).dtype
@@ -152,6 +153,6 @@ def test_pack_unpack_round_trip(data):
             packed[f.offset : f.offset + f.size].view(f.dtype).reshape(f.shape), getattr(d, f.name)
         )
     packed[0] += 1  # unpack copied: the original is not aliased
-    assert e.counts[0] != packed[0]
+    assert e.header[0] != packed[0]
     with pytest.raises(ValueError, match="words"):
         BatchDescriptor.unpack(key, packed[:-1])

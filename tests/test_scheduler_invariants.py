@@ -52,7 +52,8 @@ class Harness:
                 self.check_plan(sub, decode_at=(i // T, i % T))
             self.fused += 1
         before = {r.request_id: list(r.prefill_depth_frontiers) for r in s.running}
-        gates, toks = self.fr.step(plan.descriptor)
+        result = self.fr.step(plan.descriptor)
+        gates, toks = result.gates(), result.tokens()
         if self.lazy:
 
             def thunk(arr, which):
@@ -417,7 +418,8 @@ def test_wavefront_fills_more_rows_than_split_at_small_chunk():
             s.add_request(Request(i, np.arange(512) % VOCAB, SamplingParams(max_tokens=1)))
         while s.has_unfinished():
             plan = s.schedule()
-            s.update(plan, *fr.step(plan.descriptor))
+            res = fr.step(plan.descriptor)
+            s.update(plan, res.gates, res.tokens)
         st_ = s.stats()
         rows[mode] = st_["prefill_rows"] / st_["invocations"]
     assert rows["split"] == 64
@@ -449,7 +451,8 @@ def test_decode_refill_and_exit_at_loop_level():
         trace.append(
             [(r.phase, r.depth) for r in plan.ranges if r.phase is not Phase.PRELUDE] + [("fin", len(plan.finalize))]
         )
-        s.update(plan, *fr.step(plan.descriptor))
+        res = fr.step(plan.descriptor)
+        s.update(plan, res.gates, res.tokens)
     D, R = Phase.DECODE, Phase.RECURRENT
     assert trace == [
         [(R, 0), ("fin", 0)],
@@ -491,10 +494,12 @@ def test_abort_frees_everything_at_once_even_with_a_plan_in_flight():
     delta = s.abort("a")
     assert delta.finished and delta.finish_reason == "abort" and a.status is RequestStatus.FINISHED_ABORTED
     assert s.block_manager.num_used_blocks < used and a.batch_slot is None
-    s.update(plan, *fr.step(plan.descriptor))  # the in-flight plan skips "a"
+    res = fr.step(plan.descriptor)
+    s.update(plan, res.gates, res.tokens)  # the in-flight plan skips "a"
     assert s.abort("a") is None and s.abort("nope") is None
     while s.has_unfinished():
         plan = s.schedule()
-        s.update(plan, *fr.step(plan.descriptor))
+        res = fr.step(plan.descriptor)
+        s.update(plan, res.gates, res.tokens)
     assert b.finish_reason == "length" and len(b.output_token_ids) == 3
     assert s.block_manager.num_free_blocks == cfg.num_blocks - 1

@@ -1,0 +1,30 @@
+"""Derived sizes: each computed here once and asked for everywhere else (scheduler, engine, runner).
+
+Pure integer arithmetic, no state: ``SchedulerConfig``, ``BucketSpec``, the block manager, the
+descriptor builder and ``LLM`` (which sizes the KV pool before any config exists) all call these.
+"""
+
+from __future__ import annotations
+
+__all__ = ["kv_planes", "blocks_per_plane", "descriptor_rows", "ring_rows"]
+
+
+def kv_planes(num_loops: int, kv_layout: str) -> int:
+    """KV depth planes per request: one per loop for LAST_EXITED, one for SHARED."""
+    return num_loops if str(kv_layout).lower() == "last_exited" else 1
+
+
+def blocks_per_plane(num_tokens: int, block_size: int) -> int:
+    """KV blocks (pages) that hold ``num_tokens`` positions of one plane."""
+    return -(-int(num_tokens) // int(block_size))
+
+
+def descriptor_rows(num_rows: int, num_prelude: int, num_coda: int, num_finalize: int, num_loops: int) -> int:
+    """The row bucket a descriptor needs: one row per row, prelude and coda entry, and a bucket
+    of ``R`` rows holds ``R * (T - 1)`` finalize pairs (``BucketSpec``: ``F = C * (T - 1)``)."""
+    return max(num_rows, num_prelude, num_coda, -(-num_finalize // max(1, num_loops - 1)))
+
+
+def ring_rows(max_num_seqs: int, rows_per_request: int) -> int:
+    """Rows of the hidden-state ring: scratch row 0, then one region per sequence."""
+    return 1 + max_num_seqs * rows_per_request
