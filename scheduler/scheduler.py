@@ -337,6 +337,10 @@ class Scheduler:
     def get_request(self, request_id) -> Optional[Request]:
         return self._requests.get(request_id)
 
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
     def _admit(self) -> None:
         cfg = self.config
         while len(self.waiting) and len(self.running) < cfg.max_num_seqs:
