@@ -52,9 +52,11 @@ __all__ = ["ModelRunner", "packed_size", "packed_shape"]
 def _unpack(key: BucketKey, packed) -> dict:
     """Device-side views of the packed descriptor (static offsets per key; float32 and uint32
     fields are bit-casts of their int32 words), the header's words by name (``HEADER``)."""
-    out = {name: packed[i] for i, name in enumerate(HEADER)}
+    out = {}
     for spec in descriptor_layout(key):
         w = packed[spec.offset : spec.offset + spec.size]
+        if spec.name == "header":
+            out.update((name, w[i]) for i, name in enumerate(HEADER))
         if spec.dtype == np.float32:
             w = jax.lax.bitcast_convert_type(w, jnp.float32)
         elif spec.dtype == np.uint32:

@@ -185,6 +185,7 @@ def test_scheduler_loop_keeps_memory_flat():
             s.add_request(Request((wave, i), list(range(1 + i, 9 + i)), sp(1 + i % 3)))
         while s.has_unfinished():
             plan = s.schedule()
-            s.update(plan, *fr.step(plan.descriptor))
+            res = fr.step(plan.descriptor)
+            s.update(plan, res.gates, res.tokens)
     assert _live_requests() <= base
     assert s.block_manager.num_used_blocks == 0

@@ -9,7 +9,8 @@ import pytest
 from ouro_jax import forward, get_preset
 from ouro_jax.runner import ModelRunner
 from scheduler.buckets import BucketKey
-from scheduler.descriptor import BatchDescriptor
+from scheduler.descriptor import BatchDescriptor, StepResult
+from scheduler.fake_runner import FakeRunner
 from weights.random_init import random_params
 
 BS, NB = 4, 24
@@ -97,3 +98,26 @@ def test_runner_coda_and_finalize():
     for s, t in fin:
         expect[:, :, t] = kf[:, :, s]
     np.testing.assert_array_equal(k_after.reshape(expect.shape), expect)
+
+
+def test_model_and_fake_runner_share_step():
+    """``LLM``'s loop can drive either runner: ``step(descriptor) -> StepResult`` whose gates and
+    tokens are read (once) when asked for, with the same shapes and dtypes."""
+    cfg = get_preset("tiny")
+    params = jax.tree.map(jnp.asarray, random_params(cfg, 2))
+    key = BucketKey(R=8, S=8, C=8, F=24, MB=2)
+    table = [1, 2]
+    d = _desc(key, [(1, 0, _slot(table, 0))], [(0, 1, 1, table)], [(1, 5)], [(0, 0.0, 0, 1.0, 0, 0)])
+    d.set_header(num_rows=1, num_segments=1, num_prelude=1, num_coda=1)
+    runners = (
+        ModelRunner(cfg, params, num_blocks=NB, block_size=BS, num_ring_rows=8),
+        FakeRunner(NB, BS, 8, cfg.vocab_size),
+    )
+    for runner in runners:
+        res = runner.step(d)
+        assert isinstance(res, StepResult)
+        gates, tokens = res.gates(), res.tokens()
+        assert gates.shape == (key.R,) and gates.dtype == np.float32, type(runner)
+        assert tokens.shape == (key.C,) and tokens.dtype == np.int32, type(runner)
+        assert res.gates() is gates and res.tokens() is tokens  # converted once
+        assert 0 <= tokens[0] < cfg.vocab_size
