@@ -104,7 +104,8 @@ def test_reserve_never_preempts_and_on_demand_runs_more_requests_at_once():
 def drive(s, fr, until=None):
     while s.has_unfinished():
         plan = s.schedule()
-        s.update(plan, *fr.step(plan.descriptor))
+        res = fr.step(plan.descriptor)
+        s.update(plan, res.gates, res.tokens)
         if until is not None and until():
             return
 

@@ -82,7 +82,8 @@ def test_published_blocks_outlive_their_request_and_are_evicted_lru():
         s.add_request(req)
         while s.has_unfinished():
             plan = s.schedule()
-            s.update(plan, *fr.step(plan.descriptor))
+            res = fr.step(plan.descriptor)
+            s.update(plan, res.gates, res.tokens)
         return req
 
     a = list(range(1, 14))  # 13 tokens: 3 full blocks, all three may hit (one position stays)
