@@ -29,7 +29,9 @@ bucket key) because every host-to-device transfer has a fixed cost.
 from __future__ import annotations
 
 import functools
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
 import jax
@@ -129,24 +131,30 @@ def _loop(
     )
     seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
     attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg))
+    cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
+    layer = OuroDecoderLayer(c, dt)
+
+    def one_layer(p, x, pools, i):
+        return layer.apply({"params": p}, x, cos, sin, attn, pools, layer=i)
+
+    x = x.astype(jnp.float32)
     if layer_loop == "unrolled":
-        h, g, (kp, vp) = model.apply(
-            {"params": params["top"] | params["layers"]}, x, a["row_pos"], attn, (kp, vp), method=OuroModel.recurrent
-        )
+        # L calls of one nested jit: traced and lowered once, not L times (start-up time), and inlined
+        # by XLA into the same straight-line program as writing the layers out
+        one_layer = jax.jit(one_layer)
+        pools = (kp, vp)
+        for i in range(c.num_hidden_layers):
+            x, pools = one_layer(params["layers"][f"layers_{i}"], x, pools, jnp.int32(i))
+        kp, vp = pools
     else:
-        cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
-        layer = OuroDecoderLayer(c, dt)
 
         def body(carry, xs):
             x, pools = carry
             i, p = xs
-            x, pools = layer.apply({"params": p}, x, cos, sin, attn, pools, layer=i)
-            return (x, pools), None
+            return one_layer(p, x, pools, i), None
 
-        (x, (kp, vp)), _ = jax.lax.scan(
-            body, (x.astype(jnp.float32), (kp, vp)), (jnp.arange(c.num_hidden_layers), params["layers"])
-        )
-        h, g = model.apply({"params": params["top"]}, x, method=OuroModel.finish_loop)
+        (x, (kp, vp)), _ = jax.lax.scan(body, (x, (kp, vp)), (jnp.arange(c.num_hidden_layers), params["layers"]))
+    h, g = model.apply({"params": params["top"]}, x, method=OuroModel.finish_loop)
     ring = ring.at[a["row_ring"]].set(h.astype(ring.dtype))
     # 4. coda for the rows that may produce a token
     logits = model.apply({"params": params["top"]}, h[a["coda_row"]], method=OuroModel.coda)
@@ -184,6 +192,27 @@ def _fused_step(params, kp, vp, ring, packed, **kw):
     )
     kp, vp, ring, _, gates, tokens = jax.lax.fori_loop(0, n, body, init)
     return kp, vp, ring, gates, tokens
+
+
+# Persistent-cache hits seen in this process (JAX's own monitoring event): ``warmup`` compiles in
+# threads once it knows the cache is warm.
+_CACHE_HITS = [0]
+
+
+def _count_cache_hit(name: str, **_) -> None:
+    if name.endswith("/compilation_cache/cache_hits"):
+        _CACHE_HITS[0] += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hit)
+
+
+def _compiler_options() -> dict:
+    """XLA options of every step executable. On the GPU the rematerialization pass is off: it
+    models each in-place K/V update of the donated pool as a new pool-sized buffer, estimates more
+    than twice the device's memory, warns that it cannot get under it, and can only slow compiles
+    (buffer assignment aliases the whole pool in place: docs/decisions.md, "Start-up")."""
+    return {"xla_disable_hlo_passes": "rematerialization"} if jax.default_backend() == "gpu" else {}
 
 
 class ModelRunner:
@@ -231,6 +260,7 @@ class ModelRunner:
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
         self._exe: dict[Any, Any] = {}
         self._device = jax.devices()[0]
+        self._compile_lock = threading.Lock()
         self.compilations = 0
         self.compile_time = 0.0
         self.compile_times: dict[BucketKey, float] = {}
@@ -253,13 +283,12 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return 2 * self.k_pool.size * self.k_pool.dtype.itemsize
 
-    def _compile(self, key):
-        """``key``: a ``BucketKey`` (one loop) or ``(BucketKey, n)`` (a fused decode step)."""
-        t = time.perf_counter()
+    def _lower(self, key):
+        """Trace and lower ``key``: a ``BucketKey`` (one loop) or ``(BucketKey, n)`` (a fused decode step)."""
         sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
         fused = not isinstance(key, BucketKey)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
-        lowered = fn.lower(
+        return fn.lower(
             jax.tree.map(sds, self.params),
             sds(self.k_pool),
             sds(self.v_pool),
@@ -267,26 +296,55 @@ class ModelRunner:
             jax.ShapeDtypeStruct(packed_shape(key), jnp.int32),
             key=bucket,
         )
-        exe = lowered.compile()
+
+    def _compile(self, key, lowered=None):
+        t = time.perf_counter()
+        exe = (lowered or self._lower(key)).compile(_compiler_options())
         dt = time.perf_counter() - t
+        with self._compile_lock:  # warmup compiles in threads
+            self._record_compile(key, exe, dt)
+        return exe
+
+    def _record_compile(self, key, exe, dt: float) -> None:
         self._exe[key] = exe
         self.compilations += 1
         self.compile_time += dt
         self.compile_times[key] = dt
-        return exe
 
-    def warmup(self, keys: Iterable, progress: bool = True) -> float:
+    def warmup(self, keys: Iterable, progress: bool = True, threads: int | None = None) -> float:
         """Compile every bucket ahead of time (with a progress bar); returns the seconds spent.
-        ``keys``: ``BucketKey`` s and ``(BucketKey, n)`` fused decode steps."""
+        ``keys``: ``BucketKey`` s and ``(BucketKey, n)`` fused decode steps.
+
+        Tracing and lowering run one key at a time (Python). XLA compiles in ``threads`` threads
+        (default: one while the persistent cache misses, so that GPU autotuning measures kernels on
+        an idle device; up to 8 once the first key came from the cache, where a compile is a load)."""
         todo = [k for k in dict.fromkeys(keys) if k not in self._exe]
         t = time.perf_counter()
-        it = todo
+        bar = None
         if progress and todo:
             from tqdm.auto import tqdm
 
-            it = tqdm(todo, desc="compiling buckets", unit="exe")
-        for d in it:
-            self._compile(d)
+            bar = tqdm(total=len(todo), desc="compiling buckets", unit="exe")
+        done = bar.update if bar is not None else (lambda n: None)
+        if threads is None:
+            threads = 1
+            if todo:
+                hits = _CACHE_HITS[0]
+                self._compile(todo.pop(0))
+                done(1)
+                if _CACHE_HITS[0] > hits:
+                    threads = 8
+        if threads <= 1:
+            for k in todo:
+                self._compile(k)
+                done(1)
+        elif todo:
+            lowered = [(k, self._lower(k)) for k in todo]
+            with ThreadPoolExecutor(max_workers=min(threads, len(lowered))) as pool:
+                for _ in pool.map(lambda kl: self._compile(*kl), lowered):
+                    done(1)
+        if bar is not None:
+            bar.close()
         return time.perf_counter() - t
 
     # ----------------------------------------------------------------------------- execute
