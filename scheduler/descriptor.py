@@ -238,7 +238,8 @@ def build_descriptor(
 ) -> BatchDescriptor:
     """Lay out segments row after row and pad everything to the smallest fitting bucket.
 
-    ``tables[batch_slot, plane, :MB]`` holds every request's block tables. Segment ``s`` covers
+    ``tables[batch_slot, plane, :MB]`` holds every request's block tables (``KVBlockManager.tables``,
+    read in place). Segment ``s`` covers
     positions ``seg_pos[s] .. seg_pos[s] + seg_len[s] - 1`` of the request in ``seg_slot[s]`` at
     plane ``seg_plane[s]``; its rows read/write ring rows ``seg_ring[s] + i`` (contiguous).
     ``key`` forces a bucket (the sub-steps of a fused decode step share one); it must fit.

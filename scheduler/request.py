@@ -95,7 +95,7 @@ class Request:
         self.finish_time: Optional[float] = None
 
         # resources, set at admission
-        self.batch_slot: Optional[int] = None  # index into the scheduler's table/ring regions
+        self.batch_slot: Optional[int] = None  # its row of the block manager's tables and its ring region
         self.ring_base: Optional[int] = None  # first ring row of the request's region
         self.reserve_max_tokens: Optional[int] = None  # see max_kv_tokens
         self.arrival_seq = 0  # tie-break of equal arrival times (set by the scheduler)

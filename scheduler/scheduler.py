@@ -263,8 +263,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.num_loops = config.num_loops
+        # the one owner of every block table; its slots are the batch slots (ring regions)
         self.block_manager = KVBlockManager(
-            config.num_blocks, config.block_size, config.num_planes, config.watermark, config.enable_prefix_caching
+            config.num_blocks,
+            config.block_size,
+            config.num_planes,
+            max_seqs=config.max_num_seqs,
+            max_blocks_per_seq=config.max_blocks_per_seq,
+            watermark=config.watermark,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         # prefix hashes name the layout too: a block is only reusable by an engine that lays KV out alike
         self._hash_salt = f"{config.kv_layout}/{config.num_planes}/{config.block_size}".encode()
@@ -275,9 +282,6 @@ class Scheduler:
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []  # admission order
         self._requests: dict[object, Request] = {}  # every unfinished request, by id
-        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
-        # block tables of the running requests, by batch slot: [slot, plane, block]
-        self._tables = np.zeros((config.max_num_seqs, config.num_planes, config.max_blocks_per_seq), np.int32)
         self._inflight: Optional[BatchPlan] = None
         self._step = 0
         self._stats = Counter()
@@ -369,10 +373,8 @@ class Scheduler:
         got = bm.allocate(req.request_id, tokens, hashes, keep)
         if got is None:
             return False
-        table, hit_blocks = got
-        slot = self._free_slots.pop()
-        self._tables[slot, :, : table.shape[1]] = table
-        req.batch_slot = slot
+        _, hit_blocks = got
+        slot = req.batch_slot = bm.slot(req.request_id)
         req.ring_base = 1 + slot * cfg.ring_rows_per_request
         origin = hit_blocks * cfg.block_size
         req.start_prefill(cfg.num_loops, cfg.effective_chunk_size, cfg.ring_slots, origin)
@@ -395,8 +397,6 @@ class Scheduler:
         if req.batch_slot is None:
             return
         self.block_manager.free(req.request_id)
-        self._tables[req.batch_slot] = 0
-        self._free_slots.append(req.batch_slot)
         req.batch_slot = None
         self.running.remove(req)
 
@@ -415,15 +415,7 @@ class Scheduler:
     def _grow_to(self, req: Request, num_tokens: int) -> bool:
         """Blocks for positions ``0..num_tokens-1`` of ``req`` (no preemption); False if the pool is short."""
         bm = self.block_manager
-        have = bm.num_held_tokens(req.request_id)
-        if have >= num_tokens:
-            return True
-        new = bm.grow(req.request_id, num_tokens)
-        if new is None:
-            return False
-        c0 = have // self.config.block_size
-        self._tables[req.batch_slot, :, c0 : c0 + new.shape[1]] = new
-        return True
+        return bm.num_held_tokens(req.request_id) >= num_tokens or bm.grow(req.request_id, num_tokens) is not None
 
     def _grow(self) -> None:
         """Give every decoding request the block of its token in flight, preempting when the pool
@@ -520,7 +512,7 @@ class Scheduler:
         sg = np.fromiter(segs, np.int64, len(segs)).reshape(-1, 5)
         desc = build_descriptor(
             self.bucket_spec,
-            self._tables,
+            self.block_manager.tables,
             seg_slot=sg[:, 0],
             seg_plane=sg[:, 1],
             seg_pos=sg[:, 2],
@@ -659,7 +651,7 @@ class Scheduler:
                 first = j == 0 and d == 0
                 desc = build_descriptor(
                     self.bucket_spec,
-                    self._tables,
+                    self.block_manager.tables,
                     seg_slot=slots,
                     seg_plane=ones * plane(d),
                     seg_pos=pos0 + j,
@@ -790,7 +782,7 @@ class Scheduler:
         """Copy position ``pos``'s plane-``d`` K/V into planes ``d+1..T-1`` in the next invocation."""
         bs = self.config.block_size
         off = pos % bs
-        col = self._tables[req.batch_slot, :, pos // bs].tolist()  # the position's block, per plane
+        col = self.block_manager.tables[req.batch_slot, :, pos // bs].tolist()  # the position's block, per plane
         src = col[d] * bs + off
         for p in range(d + 1, self.num_loops):
             req.pending_finalize += (src, col[p] * bs + off)

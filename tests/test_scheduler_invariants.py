@@ -163,9 +163,9 @@ class Harness:
         assert s.block_manager.num_free_blocks == cfg.num_blocks - 1, "KV blocks leaked"
         assert s.block_manager.num_used_blocks == 0
         assert (s.block_manager.ref_counts()[1:] == 0).all(), "reference counts not back to zero"
-        assert not s.block_manager._tables
-        assert sorted(s._free_slots) == list(range(cfg.max_num_seqs)), "ring regions leaked"
-        assert (s._tables == 0).all()
+        assert not s.block_manager._slot_of, "block tables leaked"
+        assert sorted(s.block_manager._free_slots) == list(range(cfg.max_num_seqs)), "ring regions leaked"
+        assert (s.block_manager.tables == 0).all()
 
 
 # ----------------------------------------------------------------------------- workloads
