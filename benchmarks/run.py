@@ -8,8 +8,8 @@
 For every workload variant (``benchmarks/workloads.py``) and every (mode, chunk) of the sweep, an
 ``LLM`` is built over the same random weights (``init_params(cfg, 0, dtype)``, created once) with the
 same executable shapes: one ``EngineShape`` (max_num_seqs, max_num_batched_tokens, max_model_len,
-block size, buckets) and a fixed ``num_ring_rows = 1 + max_num_seqs * max_chunk * T``. The first
-engine of a process compiles every bucket (or loads it from the persistent compilation cache that
+block size, buckets) and a fixed ring (``EngineShape.num_ring_rows``: wavefront's at the largest
+chunk). The first engine of a process compiles every bucket (or loads it from the persistent compilation cache that
 ``--compile-cache`` names); later engines of the process take the same executables (identical
 shapes: the prefill mode and chunk size only change what the host schedules). Start-up is reported
 (compile time, executables, XLA compiles, persistent-cache hits), never timed with the run.
@@ -476,10 +476,8 @@ class Harness:
             rec_out["kv_blocks"], rec_out["kv_cache_bytes"] = s1["kv_blocks"], s1["kv_cache_bytes"]
             rec_out.update(_kv_fields(wl, res, s1, stats))
             # how many of this workload's largest requests the KV pool holds at once (all planes)
-            sc = llm.scheduler_config
-            per_req = sc.num_planes * max(
-                -(-(s.num_prompt_tokens + s.params.max_tokens - 1) // sc.block_size) for s in wl.requests
-            )
+            sc, bm = llm.scheduler_config, llm.scheduler.block_manager
+            per_req = max(bm.blocks_needed(s.num_prompt_tokens + s.params.max_tokens - 1) for s in wl.requests)
             rec_out["kv_fit_requests"] = (sc.num_blocks - 1) // per_req
             want = wl.concurrency or len(wl.requests)
             if rec_out["kv_fit_requests"] < min(want, sc.max_num_seqs):

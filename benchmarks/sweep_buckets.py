@@ -45,7 +45,7 @@ from scheduler import Request, Scheduler, SchedulerConfig
 from scheduler.buckets import BucketSpec, next_power_of_two
 from scheduler.descriptor import build_descriptor
 from scheduler.fake_runner import FakeRunner
-from scheduler.sizes import descriptor_rows
+from scheduler.sizes import blocks_per_plane, descriptor_rows, kv_planes, pool_blocks
 
 __all__ = [
     "SimEngine",
@@ -120,9 +120,9 @@ class SimEngine:
 def default_num_blocks(cfg, shape: EngineShape, kv_cache_bytes: Optional[float] = None) -> int:
     """The KV pool the H200 run gets (``LLM._size_pool`` with 0.95 of ~149 GB given to XLA and
     ``gpu_memory_utilization=0.9``), or every sequence at full length for small models."""
-    block_bytes = 2 * cfg.num_hidden_layers * cfg.kv_size * shape.block_size * 2
-    planes = cfg.num_loops
-    full = shape.max_num_seqs * planes * -(-shape.max_model_len // shape.block_size) + 1
+    block_bytes = cfg.kv_bytes_per_token_plane(2) * shape.block_size
+    planes = kv_planes(cfg.num_loops, "last_exited")
+    full = pool_blocks(shape.max_num_seqs, shape.max_model_len, planes, shape.block_size)
     if kv_cache_bytes is None:
         if cfg.num_params < 1e8:
             return full
@@ -387,7 +387,7 @@ def synthetic_descriptor(
             seg_len = np.append(seg_len, R % q)
     nseg = len(seg_len)
     bs, mb = spec.block_size, spec.max_blocks_per_seq
-    nb = -(-context // bs)
+    nb = blocks_per_plane(context, bs)
     tables = np.zeros((nseg, 1, mb), np.int32)
     blocks = 1 + (np.arange(nseg)[:, None] * nb + np.arange(nb)[None, :]) % max(1, num_blocks - 1)
     tables[:, 0, :nb] = blocks

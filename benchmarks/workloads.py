@@ -33,6 +33,7 @@ import numpy as np
 
 from scheduler import SamplingParams
 from scheduler.buckets import next_power_of_two
+from scheduler.sizes import ring_rows, ring_slots
 
 __all__ = [
     "RequestSpec",
@@ -83,8 +84,9 @@ class EngineShape:
     ring_chunk: int = 128  # the ring holds T chunks of this size per sequence
 
     def num_ring_rows(self, num_loops: int, chunks: Sequence[int] = ()) -> int:
-        """``1 + max_num_seqs * max_chunk * T``: enough for every mode and chunk of the sweep."""
-        return 1 + self.max_num_seqs * max((self.ring_chunk, *chunks)) * num_loops
+        """Rows for the largest chunk of the sweep in the mode that keeps most chunks resident
+        (wavefront): enough for every mode and chunk."""
+        return ring_rows(self.max_num_seqs, max((self.ring_chunk, *chunks)) * ring_slots(num_loops, "wavefront"))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

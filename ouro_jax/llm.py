@@ -26,7 +26,7 @@ import numpy as np
 
 from pallas_kernels.dispatch import check_attention
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.sizes import blocks_per_plane, kv_planes
+from scheduler.sizes import kv_planes, pool_blocks
 
 from .config import PRESETS, OuroConfig
 from .runner import ModelRunner
@@ -157,7 +157,7 @@ class LLM:
             fused_decode_max_rows = min(8, max_num_seqs)
         planes = kv_planes(c.num_loops, kv_layout)
         itemsize = np.dtype(jax.tree.leaves(self.params)[0].dtype).itemsize
-        block_bytes = 2 * c.num_hidden_layers * c.kv_size * block_size * itemsize
+        block_bytes = c.kv_bytes_per_token_plane(itemsize) * block_size
         if num_blocks is None:
             num_blocks = self._size_pool(
                 block_bytes, kv_cache_bytes, gpu_memory_utilization, max_num_seqs, max_model_len, planes, block_size
@@ -183,7 +183,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,  # None: scheduler.DEFAULT_ENABLE_PREFIX_CACHING
             watermark=watermark,
         )
-        need = planes * blocks_per_plane(max_model_len, block_size) + 1
+        need = pool_blocks(1, max_model_len, planes, block_size)
         if num_blocks < need:
             raise ValueError(
                 f"the KV pool ({num_blocks} blocks of {block_size} tokens) cannot hold one request of "
@@ -268,7 +268,7 @@ class LLM:
         if kv_cache_bytes is None:
             mem = _device_memory()
             if mem is None:  # CPU: enough for every sequence at full length, capped at 1 GiB
-                want = max_num_seqs * planes * blocks_per_plane(max_model_len, block_size) + 1
+                want = pool_blocks(max_num_seqs, max_model_len, planes, block_size)
                 return int(min(want, max(2, (1 << 30) // block_bytes)))
             limit, in_use = mem
             # what is still free of our share (another engine in this process keeps its own pool),

@@ -48,7 +48,7 @@ from .exit_policy import coda_kind, decide_exit, fold_gate, gate_needed, gates_n
 from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
 from .policies import WaitingQueue, make_policy
 from .request import Request, RequestStatus
-from .sizes import blocks_per_plane, descriptor_rows, kv_planes, ring_rows
+from .sizes import blocks_per_plane, descriptor_rows, kv_planes, ring_rows, ring_slots
 
 __all__ = ["SchedulerConfig", "Scheduler", "RequestDelta"]
 
@@ -170,7 +170,7 @@ class SchedulerConfig:
     @property
     def ring_slots(self) -> int:
         """Chunks of one request resident in its ring region at once."""
-        return self.num_loops if self.prefill_mode == "wavefront" else 1
+        return ring_slots(self.num_loops, self.prefill_mode)
 
     @property
     def effective_chunk_size(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -98,6 +100,20 @@ def test_config_derived_sizes():
     c = cfg(kv_layout="shared")
     assert c.num_planes == 1 and c.effective_chunk_size == 1 and c.ring_rows_per_request == 8
     assert cfg().max_blocks_per_seq == 16
+
+
+def test_sizes_asked_for_by_benchmarks_cover_every_engine_of_a_sweep():
+    from benchmarks.workloads import EngineShape
+    from scheduler.sizes import pool_blocks
+
+    shape = EngineShape(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, ring_chunk=8)
+    rows = shape.num_ring_rows(4, chunks=(16,))
+    for mode, chunk in itertools.product(("split", "mixed", "wavefront"), (8, 16)):
+        c = cfg(prefill_mode=mode, prefill_chunk_size=chunk, max_num_seqs=4, max_model_len=256)
+        assert c.num_ring_rows <= rows
+    assert rows == cfg(prefill_mode="wavefront", prefill_chunk_size=16, max_num_seqs=4).num_ring_rows
+    # every sequence at full length in every plane, plus the trash page
+    assert pool_blocks(3, 33, 4, 16) == 3 * 4 * 3 + 1 and pool_blocks(1, 32, 1, 16) == 3
 
 
 def test_add_request_rejects_impossible_requests_without_changing_anything():
