@@ -49,6 +49,7 @@ from benchmarks.floors import shape as model_shape
 from benchmarks.metrics import floor_of, interval_union, invocation_cost
 from benchmarks.sweep_buckets import synthetic_descriptor
 from benchmarks.workloads import suite_shape
+from pallas_kernels.choices import ATTENTION
 
 __all__ = [
     "parse_bucket",
@@ -648,7 +649,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--attention",
         default="auto",
-        choices=["auto", "pallas", "triton", "mgpu", "hybrid", "reference"],
+        choices=ATTENTION,
         help="the engine's attention (benchmarks.run --attention); a forced kernel compares kernels per bucket",
     )
     ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])

@@ -53,6 +53,7 @@ from benchmarks.workloads import CHUNKS, MODES, WORKLOADS, EngineShape, Workload
 from ouro_jax import LLM, get_preset
 from ouro_jax.model import init_params
 from ouro_jax.runner import packed_shape
+from pallas_kernels.choices import ATTENTION
 from scheduler import BucketKey, SamplingParams
 
 __all__ = ["Harness", "drive", "DriveResult", "main", "save_json", "CompileEvents"]
@@ -1039,7 +1040,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--attention",
         default="auto",
-        choices=["auto", "pallas", "triton", "mgpu", "hybrid", "reference"],
+        choices=ATTENTION,
         help="attention of the engine: auto (pallas on GPU), pallas (kernel chosen per "
         "bucket, pallas_kernels/dispatch.py), a forced Pallas kernel (triton, "
         "mgpu, or hybrid: segments of >= 128 rows on mgpu, the rest on triton), "

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+from pallas_kernels.choices import ATTENTION, KERNELS, check_attention
 from pallas_kernels.ragged_paged_attention import (
     Plan,
     default_tuning,
@@ -70,19 +71,7 @@ MGPU_MIN_ROWS_PER_SEGMENT = 128
 MGPU_MIN_CTAS = 64
 # Fewest rows of an S = R bucket served by the per-segment split (see the module docstring).
 HYBRID_MIN_ROWS = 256
-#: The Pallas kernels a bucket can run.
-KERNELS = ("triton", "mgpu", "hybrid")
-#: Values of the ``attention`` option.
-ATTENTION = ("auto", "pallas", *KERNELS, "reference")
 _NO_INTERPRET = "the Mosaic GPU kernel has no CPU interpret mode (wgmma); use attention='triton'"
-
-
-def check_attention(name, choices: tuple = ATTENTION, what: str = "attention") -> str:
-    """The one check of an ``attention`` value: ``name`` lower-cased, or a ``ValueError``."""
-    value = name.strip().lower() if isinstance(name, str) else None
-    if value not in choices:
-        raise ValueError(f"{what} must be one of {choices} (any case), got {name!r}")
-    return value
 
 
 def resolve_attention(name) -> str:

@@ -55,3 +55,24 @@ def test_rule_picks_the_faster_kernel_on_the_h200_sweep(monkeypatch):
             got = _serving_kernel(pick, s["n_seg"], s["q_len"])
             assert r[f"{got}_ms"] <= 1.05 * r[f"{best}_ms"], (s, num_segments, pick, r["triton_ms"], r["mgpu_ms"])
     assert picks == {"triton", "mgpu", "hybrid"}, picks  # every branch of the rule is exercised
+
+
+def test_every_cli_offers_the_attention_choices_of_dispatch():
+    import argparse
+    import subprocess
+    import sys
+
+    from benchmarks import profile_step, run
+    from ouro_jax.server.cli_commands import add_engine_args
+
+    engine = argparse.ArgumentParser()
+    add_engine_args(engine)
+    for p in (engine, run.parser(), profile_step.parser()):
+        (action,) = [a for a in p._actions if "--attention" in a.option_strings]
+        assert tuple(action.choices) == dispatch.ATTENTION
+    # the CLIs list them without importing jax (``ouro-jax --help`` stays fast)
+    code = (
+        "import sys, ouro_jax.cli, ouro_jax.server.cli_commands, benchmarks.profile_step; "
+        "bad = [m for m in ('jax', 'flax') if m in sys.modules]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

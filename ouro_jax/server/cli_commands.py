@@ -12,6 +12,8 @@ import os
 import sys
 import time
 
+from pallas_kernels.choices import ATTENTION
+
 __all__ = ["add_engine_args", "engine_kwargs", "add_serve", "add_generate"]
 
 _DTYPES = ("bfloat16", "float32", "float16")
@@ -30,7 +32,7 @@ _ENGINE_FLAGS = {
     "--num-blocks": ("num_blocks", int, None, "KV pool size in blocks (overrides the memory share)"),
     "--kv-cache-bytes": ("kv_cache_bytes", int, None, "KV pool size in bytes"),
     "--gpu-memory-utilization": ("gpu_memory_utilization", float, None, "share of device memory to use"),
-    "--attention": ("attention", str, ("auto", "pallas", "triton", "mgpu", "hybrid", "reference"), "attention"),
+    "--attention": ("attention", str, ATTENTION, "attention"),
     "--layer-loop": ("layer_loop", str, ("unrolled", "scan"), "how the layer stack is compiled"),
     "--policy": ("policy", str, ("fcfs", "priority"), "waiting-queue admission order"),
     "--compile-cache-dir": ("compile_cache_dir", str, None, "persistent XLA cache ('off' disables)"),
