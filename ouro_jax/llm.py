@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import time
 from typing import Iterator, Optional, Sequence, Union
 
 import jax
@@ -134,6 +135,7 @@ class LLM:
         kv_allocation: str = "on_demand",
         enable_prefix_caching: Optional[bool] = None,
         watermark: float = 0.01,
+        target_tpot_ms: Optional[float] = None,
         warmup: bool = True,
         progress: bool = True,
     ):
@@ -182,6 +184,9 @@ class LLM:
             kv_allocation=kv_allocation,
             enable_prefix_caching=enable_prefix_caching,  # None: scheduler.DEFAULT_ENABLE_PREFIX_CACHING
             watermark=watermark,
+            # decode TPOT target: prompt rows per invocation sized by a cost model fitted online
+            # from the times step() measures (scheduler/latency_target.py); None = off
+            target_tpot_ms=target_tpot_ms,
         )
         need = pool_blocks(1, max_model_len, planes, block_size)
         if num_blocks < need:
@@ -209,6 +214,8 @@ class LLM:
         self._live: dict[object, Request] = {}  # queued or running, by id
         # outputs produced but not yet handed out (the latest per request; see the class docstring)
         self._unreported: dict[object, RequestOutput] = {}
+        self._unsynced: list = []  # plans launched since the host last waited for a device result
+        self._sync_t = 0.0
         self.warmup_time = self.runner.warmup(self.executable_keys(), progress) if warmup else 0.0
 
     def executable_keys(self) -> list:
@@ -331,11 +338,15 @@ class LLM:
         """One invocation; the outputs of the requests it gave tokens or finished."""
         plan = self.scheduler.schedule()
         if plan is None:
+            self._unsynced = []  # nothing runs: a later window must not count the idle time
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler has unfinished requests but nothing it can run")
             return []
-        result = self.runner.step(plan.descriptor)
-        deltas = self.scheduler.update(plan, result.gates, result.tokens)
+        if self.scheduler.latency is None:
+            result = self.runner.step(plan.descriptor)
+            deltas = self.scheduler.update(plan, result.gates, result.tokens)
+        else:
+            deltas = self._timed_step(plan)
         outs = []
         for d in deltas:
             req = self._live.get(d.request_id)
@@ -345,6 +356,30 @@ class LLM:
                 del self._live[d.request_id]
             outs.append(self._output(req, with_text=d.finished))
         return outs
+
+    def _timed_step(self, plan) -> list:
+        """One invocation whose wall time feeds the latency target's cost model. Results are read
+        only now and then (prompt-only plans never block), so the time between two blocking reads
+        is charged to every plan launched in between, together."""
+        if not self._unsynced:  # the device is idle: the window starts now
+            self._sync_t = time.perf_counter()
+        result = self.runner.step(plan.descriptor)
+        self._unsynced.append(plan)
+        read = []
+
+        def reader(get):
+            def f():
+                read.append(True)
+                return get()
+
+            return f
+
+        deltas = self.scheduler.update(plan, reader(result.gates), reader(result.tokens))
+        if read:
+            now = time.perf_counter()
+            self.scheduler.observe(self._unsynced, now - self._sync_t)
+            self._unsynced, self._sync_t = [], now
+        return deltas
 
     def _collect(self, mine: Optional[set]) -> list[RequestOutput]:
         """Outputs for the caller that drives the loop: every request's (``mine=None``) or only

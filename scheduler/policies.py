@@ -144,10 +144,14 @@ class StagedPolicy:
     def forget(self, req: Request) -> None:
         """``req`` was preempted: nothing of it stays planned (staged selection keeps no plan)."""
 
-    def select(self, running: list[Request], budget: int, num_loops: int) -> Optional[Selection]:
+    def select(
+        self, running: list[Request], budget: int, num_loops: int, prompt_cap: Optional[int] = None
+    ) -> Optional[Selection]:
+        """``prompt_cap``: most prompt rows (a latency target's share; None = the whole budget)."""
         self._rr += 1
         decode = select_decode(running, budget, self._rr)
-        prompt = round_robin_prompt(running, budget - len(decode), self._rr, num_loops)
+        room = budget - len(decode) if prompt_cap is None else min(budget - len(decode), prompt_cap)
+        prompt = round_robin_prompt(running, room, self._rr, num_loops)
         if not decode and not prompt:
             return None
         kind = "mixed" if decode and prompt else ("decode" if decode else "prefill")
@@ -179,7 +183,10 @@ class SplitPolicy:
         if self._group is not None:
             self._group = [g for g in self._group if g[0] is not req] or None
 
-    def select(self, running: list[Request], budget: int, num_loops: int) -> Optional[Selection]:
+    def select(
+        self, running: list[Request], budget: int, num_loops: int, prompt_cap: Optional[int] = None
+    ) -> Optional[Selection]:
+        """``prompt_cap``: most rows of a new prefill group (a latency target's share; None = no cap)."""
         if self._group is not None:
             sel = self._continue_prefill(num_loops)
             if sel is not None:
@@ -193,7 +200,8 @@ class SplitPolicy:
         self._rr += 1
         has_decode = any(r.is_decoding for r in running)
         if not (self._last == "prefill" and has_decode):
-            prompt = round_robin_prompt(running, budget, self._rr, num_loops, depths=range(1))
+            room = budget if prompt_cap is None else min(budget, prompt_cap)
+            prompt = round_robin_prompt(running, room, self._rr, num_loops, depths=range(1))
             if prompt:
                 self._group = [(r, s, e) for r, _, s, e in prompt]
                 self._group_depth = 0
@@ -202,7 +210,7 @@ class SplitPolicy:
         if has_decode:
             self._last = "decode"
             self._decode_left = num_loops
-            return self.select(running, budget, num_loops)
+            return self.select(running, budget, num_loops, prompt_cap)
         return None
 
     def _continue_prefill(self, num_loops: int) -> Optional[Selection]:

@@ -45,6 +45,7 @@ from .block_manager import DEFAULT_ENABLE_PREFIX_CACHING, KVBlockManager, prefix
 from .buckets import BucketKey, BucketSpec
 from .descriptor import StackedDescriptor, build_descriptor
 from .exit_policy import coda_kind, decide_exit, fold_gate, gate_needed, gates_needed_at, synthetic_exit_loops
+from .latency_target import make_latency_target
 from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
 from .policies import WaitingQueue, make_policy
 from .request import Request, RequestStatus
@@ -82,6 +83,7 @@ class SchedulerConfig:
     enable_prefix_caching: Optional[bool] = None  # None: DEFAULT_ENABLE_PREFIX_CACHING under LAST_EXITED
     fused_decode_max_rows: int = 0  # fused decode steps for up to this many rows; 0 = off
     fused_decode_tokens: int = 1  # tokens per fused decode step (each T loops)
+    target_tpot_ms: Optional[float] = None  # decode TPOT the prompt share is sized for (latency_target.py); None = off
 
     def __post_init__(self):
         object.__setattr__(self, "kv_layout", str(self.kv_layout).lower())
@@ -156,6 +158,15 @@ class SchedulerConfig:
         need(
             _is_int(self.fused_decode_tokens) and self.fused_decode_tokens >= 1,
             f"fused_decode_tokens must be a positive integer, got {self.fused_decode_tokens!r}",
+        )
+        need(
+            self.target_tpot_ms is None
+            or (
+                isinstance(self.target_tpot_ms, (int, float))
+                and not isinstance(self.target_tpot_ms, bool)
+                and 0 < self.target_tpot_ms < float("inf")
+            ),
+            f"target_tpot_ms must be None or a positive finite number, got {self.target_tpot_ms!r}",
         )
         try:
             self.bucket_spec()
@@ -279,6 +290,7 @@ class Scheduler:
         self.bucket_spec = config.bucket_spec()
         self._max_finalize_pairs = self.bucket_spec.key_for_bucket(self.bucket_spec.row_buckets[-1]).F
         self.policy = make_policy(config.prefill_mode)
+        self.latency = make_latency_target(config, self.bucket_spec.row_buckets)  # None: no TPOT target
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []  # admission order
         self._requests: dict[object, Request] = {}  # every unfinished request, by id
@@ -450,7 +462,10 @@ class Scheduler:
                 self._grow()
             self._admit()
             self._stats["max_running"] = max(self._stats["max_running"], len(self.running))
-            sel = self.policy.select(self.running, cfg.max_num_batched_tokens, T)
+            cap = None
+            if self.latency is not None:
+                cap = self.latency.prompt_cap(self.running, cfg.max_num_batched_tokens, cfg.prefill_mode == "split")
+            sel = self.policy.select(self.running, cfg.max_num_batched_tokens, T, cap)
             for req in self.running:
                 if req.pending_finalize:
                     finalize.extend(req.pending_finalize)
@@ -774,6 +789,8 @@ class Scheduler:
         if not decide_exit(params, T, d + 1, req.exit_remaining, req.decode_target_loops):
             req.decode_depth += 1
             return
+        if self.latency is not None:
+            self.latency.observe_loops(d + 1)
         self._emit(req, int(toks.get()[coda_index[r.row_start]]), d, now, deltas)
         if req.status is RequestStatus.RUNNING and self.config.kv_layout == "last_exited" and d < T - 1:
             self._queue_finalize(req, r.token_start, d)
@@ -830,9 +847,17 @@ class Scheduler:
             return
         req.start_token(self._target(req, len(req.output_token_ids)))  # the token the next loops produce
 
+    def observe(self, plans, seconds: float) -> None:
+        """``plans`` (a plan or a list, launched in order) took ``seconds`` of wall time together:
+        the latency target's cost model learns from it (a no-op without ``target_tpot_ms``)."""
+        if self.latency is not None:
+            self.latency.observe(plans, seconds)
+
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict:
         st = dict(self._stats)
+        if self.latency is not None:
+            st.update(self.latency.stats())
         for k in (
             "invocations",
             "real_rows",

@@ -1,0 +1,234 @@
+"""A decode latency target (``SchedulerConfig.target_tpot_ms``): how many prompt rows an invocation may take.
+
+A decode token runs ``L`` invocations (one per loop it runs; ``L`` = mean loops per token, ``T`` at
+fixed depth), so a stream's TPOT is ``L`` times the time of the invocations it rides in. Staged modes
+(mixed, wavefront) share invocations: the cap keeps ``t(decode + prompt rows) <= target / L``. Split
+alternates prefill and decode invocations one for one per loop: ``t(prompt) + t(decode) <= target / L``.
+
+``CostModel`` predicts an invocation's seconds as ``a + b * R + c * ctx`` (``R`` the row bucket it
+runs, ``ctx`` the context tokens its rows attend to), by non-negative least squares over a sliding
+window of measured runs. The engine reads device results only now and then (prompt-only plans never
+block), so one measurement is the time between two blocking reads and covers every plan launched
+in between: the model is fitted on their summed features, which a linear model allows.
+
+Never starving: decode rows are never capped; with no decode stream running prompts are not capped
+either; and when the cap leaves prompts nothing for ``starve_after`` invocations in a row, one
+chunk runs anyway.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .plan import Phase
+
+__all__ = ["CostModel", "LatencyTarget", "plan_features", "make_latency_target"]
+
+
+def plan_features(plan) -> tuple[float, float, float]:
+    """``(invocations, bucket rows, context tokens attended)`` of one plan (a fused plan: of its sub-steps)."""
+    subs = plan.sub_plans if plan.sub_plans is not None else [plan]
+    n = rows = ctx = 0.0
+    for sub in subs:
+        n += 1.0
+        rows += sub.descriptor.key.R if sub.descriptor is not None else sub.num_rows
+        for r in sub.ranges:
+            if r.phase is not Phase.PRELUDE:
+                # rows s..e-1 attend to positions 0..p each: sum of (p + 1)
+                ctx += r.token_count * (2 * r.token_start + r.token_count + 1) / 2.0
+    return n, rows, ctx
+
+
+class CostModel:
+    """``seconds = a * invocations + b * rows + c * ctx``, all coefficients >= 0, over the last ``window`` runs."""
+
+    def __init__(self, window: int = 256, min_observations: int = 8):
+        if not (isinstance(window, int) and window >= 3):
+            raise ValueError(f"CostModel: window must be an integer >= 3, got {window!r}")
+        if not (isinstance(min_observations, int) and 1 <= min_observations <= window):
+            raise ValueError(f"CostModel: min_observations must lie in [1, window], got {min_observations!r}")
+        self.window, self.min_observations = window, min_observations
+        self._obs: collections.deque = collections.deque(maxlen=window)
+        self._coef: Optional[np.ndarray] = None
+        self._dirty = False
+        self.num_observations = 0
+
+    def observe(self, features: Sequence[float], seconds: float) -> None:
+        if len(features) != 3 or not all(math.isfinite(f) and f >= 0 for f in features):
+            raise ValueError(f"CostModel.observe: features must be 3 finite values >= 0, got {features!r}")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"CostModel.observe: seconds must be finite and >= 0, got {seconds!r}")
+        if features[0] <= 0:
+            return  # nothing ran
+        self._obs.append((*features, seconds))
+        self.num_observations += 1
+        self._dirty = True
+
+    @property
+    def fitted(self) -> bool:
+        return len(self._obs) >= self.min_observations
+
+    @property
+    def coefficients(self) -> Optional[tuple[float, float, float]]:
+        if not self.fitted:
+            return None
+        if self._dirty:
+            self._coef = self._fit()
+            self._dirty = False
+        return tuple(float(x) for x in self._coef)
+
+    def _fit(self) -> np.ndarray:
+        """Non-negative least squares by trying every subset of the 3 features (the best feasible one)."""
+        data = np.asarray(self._obs, np.float64)
+        x, y = data[:, :3], data[:, 3]
+        scale = np.maximum(x.max(axis=0), 1e-12)  # columns of very different sizes: solve on [0, 1] columns
+        xs = x / scale
+        best, best_err = np.zeros(3), float(np.sum(y * y))
+        for k in (1, 2, 3):
+            for cols in itertools.combinations(range(3), k):
+                sol, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+                if (sol < 0).any():
+                    continue
+                coef = np.zeros(3)
+                coef[list(cols)] = sol
+                err = float(np.sum((xs @ coef - y) ** 2))
+                if err < best_err - 1e-18:
+                    best, best_err = coef, err
+        return best / scale
+
+    def predict(self, rows: float, ctx: float, invocations: float = 1.0) -> float:
+        a, b, c = self.coefficients
+        return a * invocations + b * rows + c * ctx
+
+
+class LatencyTarget:
+    """The prompt-row cap of each invocation under a TPOT target (see the module docstring)."""
+
+    def __init__(
+        self,
+        target_s: float,
+        num_loops: int,
+        row_buckets: Sequence[int],
+        prompt_chunk: int,
+        *,
+        headroom: float = 0.95,
+        starve_after: Optional[int] = None,
+        window: int = 256,
+        min_observations: int = 8,
+        loops_window: int = 512,
+    ):
+        if not (isinstance(target_s, (int, float)) and math.isfinite(target_s) and target_s > 0):
+            raise ValueError(f"LatencyTarget: target_s must be a positive number, got {target_s!r}")
+        if not 0 < headroom <= 1:
+            raise ValueError(f"LatencyTarget: headroom must lie in (0, 1], got {headroom!r}")
+        self.target_s, self.num_loops, self.headroom = float(target_s), num_loops, headroom
+        self.row_buckets = sorted(row_buckets)
+        self.prompt_chunk = prompt_chunk
+        self.starve_after = 2 * num_loops if starve_after is None else starve_after
+        if not (isinstance(self.starve_after, int) and self.starve_after >= 1):
+            raise ValueError(f"LatencyTarget: starve_after must be a positive integer, got {starve_after!r}")
+        self.model = CostModel(window, min_observations)
+        self._loops: collections.deque = collections.deque(maxlen=loops_window)
+        self._loops_sum = 0
+        self._starved = 0  # invocations in a row in which ready prompt work got no row
+        self.forced = 0  # invocations given a chunk by the starvation rule
+        self.capped = 0  # invocations whose prompt rows the target limited
+
+    # ------------------------------------------------------------------ measure
+    def observe(self, plans, seconds: float) -> None:
+        """``plans`` (one plan or a list) ran in ``seconds`` together."""
+        plans = plans if isinstance(plans, (list, tuple)) else [plans]
+        feats = [plan_features(p) for p in plans]
+        self.model.observe(tuple(sum(f[i] for f in feats) for i in range(3)), seconds)
+
+    def observe_loops(self, loops: int) -> None:
+        """A decode token left after ``loops`` loops."""
+        if len(self._loops) == self._loops.maxlen:
+            self._loops_sum -= self._loops[0]
+        self._loops.append(loops)
+        self._loops_sum += loops
+
+    @property
+    def mean_loops(self) -> float:
+        """Loops per decode token; ``T`` (the most) until a token was seen."""
+        return self._loops_sum / len(self._loops) if self._loops else float(self.num_loops)
+
+    def _bucket(self, rows: int) -> int:
+        for r in self.row_buckets:
+            if r >= rows:
+                return r
+        return self.row_buckets[-1]
+
+    # ------------------------------------------------------------------ decide
+    def prompt_cap(self, running: list, budget: int, split: bool) -> Optional[int]:
+        """Prompt rows the next invocation may take (``None``: no cap: no decode stream runs)."""
+        decoding = [r for r in running if r.is_decoding]
+        prefilling = [r for r in running if r.is_prefilling]
+        if not decoding or not prefilling:
+            return None
+        n_d = min(len(decoding), budget)
+        ctx_d = float(sum(r.position_in_flight + 1 for r in decoding[:n_d]))
+        # a prompt row attends to at most its position + 1: bound by the furthest row that may run
+        pos = max(min(r.prefill_len, r.prefill_depth_frontiers[0] + r.prefill_chunk_size) for r in prefilling)
+        cap = self._cap(n_d, ctx_d, float(pos), budget, split)
+        if cap < budget - (0 if split else n_d):
+            self.capped += 1
+        if cap > 0:
+            self._starved = 0
+            return cap
+        self._starved += 1
+        if self._starved > self.starve_after:
+            self._starved = 0
+            self.forced += 1
+            return max(1, min(self.prompt_chunk, budget - (0 if split else n_d)))
+        return 0
+
+    def _cap(self, n_d: int, ctx_d: float, pos: float, budget: int, split: bool) -> int:
+        room = budget if split else budget - n_d
+        if room <= 0:
+            return 0
+        if not self.model.fitted:  # explore: one chunk until the model has data
+            return min(room, self.prompt_chunk)
+        a, b, c = self.model.coefficients
+        limit = self.headroom * self.target_s / self.mean_loops
+        if split:  # a prefill invocation per decode invocation, per loop
+            limit -= a + b * self._bucket(n_d) + c * ctx_d
+            base_rows, base_ctx = 0, 0.0
+        else:
+            base_rows, base_ctx = n_d, ctx_d
+        best, prev = 0, 0
+        for r_bucket in self.row_buckets:
+            lo, hi = max(prev, base_rows) - base_rows, min(r_bucket - base_rows, room)
+            prev = r_bucket
+            if hi <= 0 or hi <= lo:
+                continue
+            slack = limit - a - b * r_bucket - c * base_ctx
+            if slack < 0:
+                continue
+            p = hi if c * pos <= 0 else min(hi, int(slack // (c * pos)))
+            if p > lo:
+                best = max(best, p)
+        return best
+
+    def stats(self) -> dict:
+        coef = self.model.coefficients
+        return dict(
+            target_tpot_ms=self.target_s * 1e3,
+            latency_mean_loops=self.mean_loops,
+            latency_observations=self.model.num_observations,
+            latency_coefficients=None if coef is None else list(coef),
+            latency_capped=self.capped,
+            latency_forced=self.forced,
+        )
+
+
+def make_latency_target(config, row_buckets: Sequence[int]) -> Optional[LatencyTarget]:
+    """The config's target, or ``None`` when ``target_tpot_ms`` is off."""
+    if config.target_tpot_ms is None:
+        return None
+    return LatencyTarget(config.target_tpot_ms / 1e3, config.num_loops, row_buckets, config.effective_chunk_size)

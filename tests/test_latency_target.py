@@ -1,0 +1,324 @@
+"""The decode latency target (scheduler/latency_target.py), jax-free, on the fake runner and a synthetic clock.
+
+Invocation time is a known linear function of (row bucket, context tokens attended); the scheduler
+is told the time of each run of plans between two blocking reads, as ``LLM`` tells it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler import Phase, Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.latency_target import CostModel, LatencyTarget, plan_features
+from tests.test_scheduler_invariants import VOCAB, Harness, check_against_reference, workloads
+
+
+def linear_cost(a, b, c):
+    """Seconds of one plan under ``a + b * R + c * ctx`` per invocation."""
+
+    def cost(plan):
+        n, rows, ctx = plan_features(plan)
+        return a * n + b * rows + c * ctx
+
+    return cost
+
+
+class TimedHarness(Harness):
+    """A Harness whose plans take ``cost(plan)`` seconds of a synthetic clock; the scheduler is told
+    the time between blocking reads (lazy results: a read is a ``needs_*`` thunk being called)."""
+
+    def __init__(self, cfg, cost):
+        super().__init__(cfg, lazy=True)
+        self.cost, self.clock, self.unsynced = cost, 0.0, []
+        self.token_times: dict = {}  # rid -> synthetic times of its tokens
+        self.no_prompt_run = 0  # invocations in a row in which a prefilling request got no prompt row
+        self.max_no_prompt_run = 0
+        self.decode_gap: dict = {}  # rid -> invocations since its last decode row
+        self.max_decode_gap = 0
+        self.fitted_at = None  # synthetic time at which the cost model first had enough observations
+
+    def step(self):
+        s = self.s
+        prefilling = any(r.is_prefilling for r in s.running)
+        decoding = {r.request_id for r in s.running if r.is_decoding}
+        nreads = len(self.reads)
+        deltas = super().step()
+        if deltas is None:
+            self.unsynced = []
+            return None
+        plan = self.plans[-1]
+        self.clock += self.cost(plan)
+        self.unsynced.append(plan)
+        if len(self.reads) > nreads:
+            s.observe(self.unsynced, sum(self.cost(p) for p in self.unsynced))
+            self.unsynced = []
+            if self.fitted_at is None and s.latency is not None and s.latency.model.fitted:
+                self.fitted_at = self.clock
+        for d in deltas:
+            self.token_times.setdefault(d.request_id, []).extend([self.clock] * len(d.new_token_ids))
+        ran_prompt = any(r.phase is Phase.RECURRENT for r in plan.ranges)
+        self.no_prompt_run = 0 if (ran_prompt or not prefilling) else self.no_prompt_run + 1
+        self.max_no_prompt_run = max(self.max_no_prompt_run, self.no_prompt_run)
+        got = {r.request_id for r in plan.ranges if r.phase is Phase.DECODE}
+        for rid in decoding:
+            self.decode_gap[rid] = 0 if rid in got else self.decode_gap.get(rid, 0) + 1
+            self.max_decode_gap = max(self.max_decode_gap, self.decode_gap[rid])
+        return deltas
+
+
+def drive(cfg, reqs, cost):
+    h = TimedHarness(cfg, cost)
+    objs, pending, step, aborted = {}, sorted(reqs, key=lambda r: r["arrival"]), 0, set()
+    while pending or h.s.has_unfinished():
+        while pending and pending[0]["arrival"] <= step:
+            r = pending.pop(0)
+            req = Request(r["rid"], r["prompt"], r["sp"], arrival_time=float(step), priority=r["priority"])
+            objs[r["rid"]] = (req, r)
+            h.s.add_request(req)
+        for rid, (req, r) in objs.items():
+            if r["abort_at"] == step and not req.is_finished:
+                h.s.abort(rid)
+                aborted.add(rid)
+        out = h.step()
+        assert out is not None or not h.s.has_unfinished() or pending, "scheduler stalled"
+        step += 1
+        assert step < 5000
+    h.check_drained()
+    return h, objs, aborted
+
+
+# ------------------------------------------------------------------------------- unit
+def test_cost_model_recovers_a_linear_cost_from_summed_runs():
+    rng = np.random.default_rng(0)
+    m = CostModel(window=64, min_observations=4)
+    a, b, c = 1e-3, 5e-5, 2e-7
+    for _ in range(40):
+        n = int(rng.integers(1, 5))  # several invocations per measured run
+        rows, ctx = float(rng.integers(8, 512) * n), float(rng.integers(0, 100_000))
+        m.observe((n, rows, ctx), a * n + b * rows + c * ctx)
+    assert m.fitted
+    np.testing.assert_allclose(m.coefficients, (a, b, c), rtol=1e-6)
+    assert m.predict(256, 4096) == pytest.approx(a + b * 256 + c * 4096)
+
+
+def test_cost_model_keeps_coefficients_non_negative():
+    m = CostModel(window=16, min_observations=3)
+    for r in (8, 16, 32, 64):  # time falls with rows: no non-negative slope explains it
+        m.observe((1, r, 0), 1.0 / r)
+    assert all(x >= 0 for x in m.coefficients)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(target_s=0),
+        dict(target_s=float("nan")),
+        dict(target_s=1.0, headroom=0),
+        dict(target_s=1.0, starve_after=0),
+    ],
+)
+def test_latency_target_rejects_bad_arguments(kw):
+    target = kw.pop("target_s")
+    with pytest.raises(ValueError):
+        LatencyTarget(target, 4, [8, 16], 16, **kw)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), True, "5"])
+def test_config_rejects_bad_target(bad):
+    with pytest.raises(ValueError, match="target_tpot_ms"):
+        SchedulerConfig(num_loops=4, num_blocks=64, target_tpot_ms=bad)
+
+
+def test_cost_model_rejects_bad_observations():
+    m = CostModel()
+    with pytest.raises(ValueError):
+        m.observe((1, 8), 0.1)
+    with pytest.raises(ValueError):
+        m.observe((1, 8, 0), -1.0)
+
+
+# --------------------------------------------------------------- meets the target
+def streams_and_long_prompts(exit_mode="fixed", long_len=240, n_long=2):
+    rng = np.random.default_rng(3)
+    reqs = []
+    for i in range(4):
+        kw = dict(exit_mode="synthetic", synthetic_mean_loops=2.5) if exit_mode == "synthetic" else {}
+        sp = SamplingParams(max_tokens=48, ignore_eos=True, seed=i, **({"exit_mode": "fixed"} if not kw else kw))
+        reqs.append(dict(rid=f"d{i}", prompt=rng.integers(0, VOCAB, 8).tolist(), sp=sp, arrival=0))
+    for i in range(n_long):
+        sp = SamplingParams(max_tokens=1, ignore_eos=True)
+        reqs.append(dict(rid=f"L{i}", prompt=rng.integers(0, VOCAB, long_len).tolist(), sp=sp, arrival=12 + 4 * i))
+    for r in reqs:
+        r.update(abort_at=None, priority=0)
+    return reqs
+
+
+def config(mode, target_ms, chunk=16, **kw):
+    return SchedulerConfig(
+        num_loops=4,
+        num_blocks=600,
+        block_size=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        prefill_chunk_size=chunk,
+        max_model_len=320,
+        prefill_mode=mode,
+        target_tpot_ms=target_ms,
+        **kw,
+    )
+
+
+COST = linear_cost(1e-3, 5e-5, 1e-7)  # 1 ms + 50 us per bucket row + 0.1 us per context token
+
+
+def stream_intervals(h, since: float) -> list[float]:
+    out = []
+    for rid, times in h.token_times.items():
+        if str(rid).startswith("d"):
+            out += [b - a for a, b in zip(times, times[1:]) if a >= since]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["split", "mixed", "wavefront"])
+def test_fitted_model_keeps_decode_under_the_target(mode):
+    target = 12e-3  # 3 ms per loop: a decode-only invocation takes ~1.4 ms, a full 64-row one ~4.2 ms
+    reqs = streams_and_long_prompts()
+    h, objs, aborted = drive(config(mode, target * 1e3), reqs, COST)
+    lt = h.s.latency
+    assert lt.model.fitted and lt.forced == 0 and lt.capped > 0
+    np.testing.assert_allclose(lt.model.coefficients, (1e-3, 5e-5, 1e-7), rtol=1e-3, atol=1e-9)
+    # once the model has its observations, every token of every stream is on time
+    gaps = stream_intervals(h, h.fitted_at)
+    assert gaps and max(gaps) <= target * (1 + 1e-9), max(gaps)
+    # and the long prompts still got rows next to the streams (not just after them)
+    end, clock, rows = max(h.token_times["d0"]), 0.0, 0
+    for p in h.plans:
+        clock += COST(p)
+        if clock <= end:
+            rows += sum(r.token_count for r in p.ranges_of(Phase.RECURRENT) if str(r.request_id).startswith("L"))
+    assert rows >= 4 * 100, rows  # 100 prompt positions through T = 4 loops
+    check_against_reference(h.cfg, objs, aborted)
+    # without the target the same workload misses it: the test can fail
+    h_off, _, _ = drive(config(mode, None), reqs, COST)
+    assert max(stream_intervals(h_off, 0.0)) > target
+
+
+def test_early_exit_budget_uses_mean_loops():
+    """Streams of ~2.5 loops a token may spend more per invocation than fixed-depth ones."""
+    target = 12e-3
+    fixed, _, _ = drive(config("wavefront", target * 1e3), streams_and_long_prompts("fixed"), COST)
+    early, _, _ = drive(config("wavefront", target * 1e3), streams_and_long_prompts("synthetic"), COST)
+    assert early.s.latency.mean_loops < 3.5 and fixed.s.latency.mean_loops == 4
+    rows = lambda h: max(p.num_rows for p in h.plans if any(r.phase is Phase.DECODE for r in p.ranges))  # noqa: E731
+    assert rows(early) > rows(fixed)
+    gaps = stream_intervals(early, early.fitted_at)
+    assert np.median(gaps) <= target * (1 + 1e-9)
+
+
+def test_infeasible_target_still_runs_prompts():
+    """A target below the decode-only invocation: prompts still get a chunk every few invocations."""
+    cfg = config("wavefront", 1.0)  # 0.25 ms per loop < the 1 ms of any invocation
+    h, objs, aborted = drive(cfg, streams_and_long_prompts(long_len=80), COST)
+    assert h.s.latency.forced > 0
+    assert h.max_no_prompt_run <= h.s.latency.starve_after + 1
+    check_against_reference(cfg, objs, aborted)
+
+
+# ------------------------------------------------------------ never starves, same tokens
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    workloads(),
+    st.sampled_from([0.05, 0.5, 2.0, 20.0]),  # target, ms: infeasible to loose
+    st.tuples(st.floats(0, 1e-3), st.floats(0, 1e-4), st.floats(0, 1e-6)),
+)
+def test_target_never_starves_prompts_nor_decode_and_keeps_tokens(wl, target_ms, coef):
+    cfg, reqs = wl
+    cfg = dataclasses.replace(cfg, target_tpot_ms=target_ms)
+    h, objs, aborted = drive(cfg, reqs, linear_cost(*coef))
+    T = cfg.num_loops
+    lt = h.s.latency
+    # prompts: a chunk at least every starve_after invocations (a split group in flight, or a
+    # decode group of T, or finalize-only invocations may delay it a little more)
+    assert h.max_no_prompt_run <= lt.starve_after + 2 * T + 2, h.max_no_prompt_run
+    # decode: a decoding request gets a row every invocation (staged) or within a prefill group (split)
+    assert h.max_decode_gap <= (T + 2 if cfg.prefill_mode == "split" else 2), h.max_decode_gap
+    check_against_reference(cfg, objs, aborted)
+
+
+@pytest.mark.parametrize("mode", ["split", "mixed", "wavefront"])
+@pytest.mark.parametrize("exit_mode", ["fixed", "early"])
+def test_target_on_and_off_give_identical_tokens_and_exit_depths(mode, exit_mode):
+    rng = np.random.default_rng(7)
+    reqs = []
+    for i in range(6):
+        kw = (
+            dict(exit_mode="fixed")
+            if exit_mode == "fixed"
+            else dict(exit_mode=["ouro", "synthetic"][i % 2], exit_threshold=0.6)
+            | (dict(synthetic_mean_loops=2.0) if i % 2 else {})
+        )
+        sp = SamplingParams(max_tokens=10, temperature=0.7 * (i % 2), seed=i, **kw)
+        n = int(rng.integers(3, 60))
+        reqs.append(
+            dict(rid=i, prompt=rng.integers(0, VOCAB, n).tolist(), sp=sp, arrival=2 * i, abort_at=None, priority=0)
+        )
+    out = {}
+    for target in (None, 2.0):
+        cfg = config(mode, target, chunk=8)
+        h, objs, aborted = drive(cfg, reqs, COST)
+        check_against_reference(cfg, objs, aborted)
+        out[target] = {rid: (req.output_token_ids, req.exit_depths) for rid, (req, _) in objs.items()}
+        if target:
+            assert h.s.latency.capped > 0, "the target should have limited some invocation"
+    assert out[None] == out[2.0]
+    if exit_mode == "early":
+        assert len({d for toks, depths in out[None].values() for d in depths[1:]}) > 1
+
+
+def test_target_off_builds_no_latency_state():
+    s = Scheduler(config("wavefront", None))
+    assert s.latency is None and "target_tpot_ms" not in s.stats()
+    s.observe([], 1.0)  # a no-op
+
+
+# ------------------------------------------------------------------------------ LLM
+def test_llm_plumbs_target_and_measures_invocations():
+    from ouro_jax.config import get_preset
+    from ouro_jax.llm import LLM
+    from weights.random_init import random_params
+
+    cfg = get_preset("tiny")
+    params = random_params(cfg, 0)
+    kw = dict(
+        params=params,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        prefill_chunk_size=8,
+        block_size=4,
+        max_model_len=64,
+        buckets=[8, 32],
+        prefill_mode="wavefront",
+        progress=False,
+    )
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 30, 12)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = {}
+    for target in (None, 50.0):
+        llm = LLM(cfg, target_tpot_ms=target, **kw)
+        assert llm.scheduler_config.target_tpot_ms == target
+        outs[target] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
+        st_ = llm.stats()
+        if target is None:
+            assert "latency_observations" not in st_
+        else:
+            assert st_["target_tpot_ms"] == target and st_["latency_observations"] > 0
+            assert llm.scheduler.latency.model.num_observations <= st_["invocations"]
+    assert outs[None] == outs[50.0]
+    with pytest.raises(ValueError, match="target_tpot_ms"):
+        LLM(cfg, target_tpot_ms=-1, **kw)
