@@ -6,7 +6,8 @@ Reads ``<workload>.json`` (``benchmarks/run.py``), ``bucket_sweep.json`` / ``buc
 (``benchmarks/sweep_buckets.py``) and ``generate.json`` (an earlier static-batch run; ``benchmarks.run``
 now records ``generate()`` baselines in the workload JSONs), and
 writes ``REPORT.md`` with the targets of docs/performance.md, one table per workload, the bucket
-sweep, and plots (throughput vs chunk per mode, latency CDFs, bucket roofline, padding by bucket set).
+sweep, and plots (throughput vs chunk per mode, latency CDFs, prompt throughput vs decode TPOT of the
+workloads with decode streams, bucket roofline, padding by bucket set).
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ import re
 from collections import defaultdict
 from typing import Optional
 
-__all__ = ["load_results", "plot_workload", "plot_latency", "plot_bucket_sweep", "write_report", "main"]
+__all__ = [
+    "load_results",
+    "plot_workload",
+    "plot_latency",
+    "plot_tradeoff",
+    "plot_bucket_sweep",
+    "write_report",
+    "main",
+]
 
 GENERATE_MODE = "generate()"
 MODE_ORDER = ("split", "mixed", "wavefront", GENERATE_MODE)
@@ -167,6 +176,73 @@ def plot_latency(result: dict, path: str) -> Optional[str]:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=6, ncol=2)
     return _finish(plt, fig, path, f"{result.get('workload')}: latency CDFs")
+
+
+def tradeoff_points(result: dict, tag: str = "decode", prompt_tag: str = "long") -> list[dict]:
+    """One point per record of a workload with decode streams: ``tpot_ms`` (p50 of the ``tag``
+    streams), ``prompt_tok_s`` (of the ``prompt_tag`` prompts, else of every prompt), ``mode``,
+    ``chunk`` and ``target_tpot_ms`` (None: unconstrained)."""
+    out = []
+    for r in _ok(result.get("records", [])):
+        tpot = _lat(r, "tpot", "p50", tag)
+        if not tpot or tag not in (r.get("latency_by_tag") or {}):
+            continue
+        by = r.get("prompt_tok_s_by_tag") or {}
+        out.append(
+            dict(
+                mode=r["mode"],
+                chunk=r.get("chunk"),
+                tpot_ms=1e3 * tpot,
+                prompt_tok_s=by.get(prompt_tag, r.get("prompt_tok_s")),
+                target_tpot_ms=r.get("target_tpot_ms"),
+                floor_multiple=r.get("target_tpot_floor_multiple"),
+                tpot_floor_ms=1e3 * _tpot_floor_s(r) if _tpot_floor_s(r) else None,
+            )
+        )
+    return out
+
+
+def plot_tradeoff(result: dict, path: str) -> Optional[str]:
+    """Prompt throughput against decode TPOT p50: each mode's chunk sweep as a line, runs under a
+    ``target_tpot_ms`` as stars (with their target as a dotted vertical line)."""
+    pts = tradeoff_points(result)
+    if not pts:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    modes = [m for m in MODE_ORDER if any(p["mode"] == m for p in pts)]
+    for i, mode in enumerate(modes):
+        color = f"C{i}"
+        free = sorted(
+            (p for p in pts if p["mode"] == mode and p["target_tpot_ms"] is None), key=lambda p: p["chunk"] or 0
+        )
+        if free:
+            ax.plot([p["tpot_ms"] for p in free], [p["prompt_tok_s"] for p in free], "o-", color=color, label=mode)
+            for p in free:
+                ax.annotate(f"c{p['chunk']}", (p["tpot_ms"], p["prompt_tok_s"]), fontsize=7, color=color)
+        tgt = [p for p in pts if p["mode"] == mode and p["target_tpot_ms"] is not None]
+        if tgt:
+            ax.plot(
+                [p["tpot_ms"] for p in tgt],
+                [p["prompt_tok_s"] for p in tgt],
+                "*",
+                ms=12,
+                color=color,
+                label=f"{mode} under target_tpot_ms",
+            )
+            for p in tgt:
+                name = f"{p['floor_multiple']:g}x floor" if p["floor_multiple"] else f"{p['target_tpot_ms']:g} ms"
+                ax.annotate(f"c{p['chunk']} {name}", (p["tpot_ms"], p["prompt_tok_s"]), fontsize=7, color=color)
+                ax.axvline(p["target_tpot_ms"], color=color, ls=":", alpha=0.4)
+    floors = [p["tpot_floor_ms"] for p in pts if p["tpot_floor_ms"]]
+    if floors:
+        ax.axvline(min(floors), color="k", ls="--", alpha=0.5, label="decode step floor")
+    ax.set_xscale("log")
+    ax.set_xlabel("decode TPOT p50 of the streams (ms)")
+    ax.set_ylabel("prompt throughput of the long prompts (tok/s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _finish(plt, fig, path, f"{result.get('workload')}: prompt throughput vs decode TPOT")
 
 
 def plot_bucket_sweep(result: dict, path: str) -> Optional[str]:
@@ -647,7 +723,7 @@ def write_report(folder: str) -> str:
                 + "; ".join(f"{s['label']} {s['mode']} c{s.get('chunk')} ({s['reason']})" for s in res["skipped"])
             )
             lines.append("")
-        for fn, suffix in ((plot_workload, ""), (plot_latency, "_latency")):
+        for fn, suffix in ((plot_workload, ""), (plot_latency, "_latency"), (plot_tradeoff, "_tradeoff")):
             try:
                 p = fn(res, os.path.join(folder, f"{name}{suffix}.png"))
             except ImportError:

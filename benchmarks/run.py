@@ -49,7 +49,16 @@ from benchmarks import ceilings as ceilings_mod
 from benchmarks.floors import decode_step_floor, generate_floor, prefill_floor
 from benchmarks.merge_results import merge_lists
 from benchmarks.metrics import ScheduleRecorder, exit_histogram, floor_of, latency, mean_decoding_streams
-from benchmarks.workloads import CHUNKS, MODES, WORKLOADS, EngineShape, Workload, make, suite_shape
+from benchmarks.workloads import (
+    CHUNKS,
+    EARLY_EXIT_MEAN_LOOPS,
+    MODES,
+    WORKLOADS,
+    EngineShape,
+    Workload,
+    make,
+    suite_shape,
+)
 from ouro_jax import LLM, get_preset
 from ouro_jax.model import init_params
 from ouro_jax.runner import packed_shape
@@ -438,12 +447,29 @@ class Harness:
             llm.step()
 
     # -------------------------------------------------------------------------------- runs
+    def tpot_floor_s(self, wl: Workload) -> float:
+        """The decode-step floor of ``wl``'s background streams (all of them decoding, mid-output):
+        what ``--target-tpot-floor-multiple`` multiplies, known before the run."""
+        specs = [s for s in wl.requests if wl.background_tag is None or s.tag == wl.background_tag]
+        ctx = float(np.mean([s.num_prompt_tokens + s.params.max_tokens / 2 for s in specs]))
+        loops = EARLY_EXIT_MEAN_LOOPS if wl.exit == "early" else self.config.num_loops
+        return decode_step_floor(self.config, wl.concurrency or len(specs), ctx, loops, self.bw, self.peak)["floor_s"]
+
     def run(
-        self, wl: Workload, mode: str, chunk: int, chunks: Sequence[int] = (), timeout: Optional[float] = None
+        self,
+        wl: Workload,
+        mode: str,
+        chunk: int,
+        chunks: Sequence[int] = (),
+        timeout: Optional[float] = None,
+        target: Optional[tuple] = None,
     ) -> dict:
         """``timeout``: seconds the measured run may take; it starts after the engine's start-up
-        (compilation) and warm-up request, which a configuration must not be charged for."""
-        llm, st = self.engine(mode, chunk, chunks, **wl.engine_kw)
+        (compilation) and warm-up request, which a configuration must not be charged for.
+        ``target``: a decode TPOT target, ``("ms", x)`` or ``("floor", multiple)`` (``target_fields``)."""
+        tf = target_fields(self, wl, target)
+        kw = dict(wl.engine_kw, **({"target_tpot_ms": tf["target_tpot_ms"]} if target else {}))
+        llm, st = self.engine(mode, chunk, chunks, **kw)
         try:
             rec = ScheduleRecorder(self.config, np.dtype(llm.runner.dtype).itemsize).attach(llm.runner)
             rec.enabled = False
@@ -472,6 +498,7 @@ class Harness:
             s1, ev1 = llm.stats(), self.events.snapshot()
             stats = _delta(s0, s1)
             rec_out = self._record(wl, mode, chunk, res, rec, stats, ev1[0] - ev0[0], st)
+            rec_out.update(tf, label=rec_out["label"] + target_suffix(tf))
             rec_out.update(_memory())
             rec_out["bytes_in_use_before"] = mem0.get("bytes_in_use")
             rec_out["kv_blocks"], rec_out["kv_cache_bytes"] = s1["kv_blocks"], s1["kv_cache_bytes"]
@@ -540,6 +567,14 @@ class Harness:
         if len(tags) > 1 or wl.background_tag:
             r["latency_by_tag"] = {
                 t: latency([o for o in with_tokens if res.specs[o.request_id].tag == t]) for t in tags
+            }
+            # prompts that got their first token, per tag, over the run (the TPOT-target trade-off plot)
+            r["prompt_tok_s_by_tag"] = {
+                t: sum(
+                    res.specs[o.request_id].num_prompt_tokens for o in with_tokens if res.specs[o.request_id].tag == t
+                )
+                / wall
+                for t in tags
             }
         real, padded = stats.get("real_rows", 0), stats.get("padded_rows", 0)
         r.update(
@@ -836,6 +871,37 @@ def print_table(records: list, file=None) -> None:
         )
 
 
+# ------------------------------------------------------------------------------ TPOT targets
+def target_fields(h: Harness, wl: Workload, target: Optional[tuple]) -> dict:
+    """Record fields of a run under a decode TPOT target (``("ms", x)`` or ``("floor", multiple)``
+    of the streams' own decode-step floor); empty without one."""
+    if target is None:
+        return {}
+    kind, x = target
+    if kind == "ms":
+        return dict(target_tpot_ms=float(x))
+    floor_ms = h.tpot_floor_s(wl) * 1e3
+    return dict(target_tpot_ms=x * floor_ms, target_tpot_floor_multiple=float(x), target_tpot_floor_ms=floor_ms)
+
+
+def target_suffix(tf: dict) -> str:
+    """Records under a target sit next to the unconstrained one of the same mode and chunk."""
+    if not tf:
+        return ""
+    if "target_tpot_floor_multiple" in tf:
+        return f" target {tf['target_tpot_floor_multiple']:g}x floor"
+    return f" target {tf['target_tpot_ms']:g} ms"
+
+
+def targets_of(args, wl: Workload) -> list:
+    """``None`` (unconstrained) and, for workloads with decode streams, every requested target."""
+    out = [None]
+    if wl.background_tag is not None:
+        out += [("ms", x) for x in args.target_tpot_ms or ()]
+        out += [("floor", m) for m in args.target_tpot_floor_multiple or ()]
+    return out
+
+
 # ----------------------------------------------------------------------------------------- main
 def _result(
     h: Harness,
@@ -906,7 +972,8 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
         chunks = args.chunk or wl.chunks
         for chunk in chunks:
             for mode in modes:
-                plan.append(("engine", wl, mode, chunk, tuple(args.chunk or CHUNKS)))
+                for tgt in targets_of(args, wl):
+                    plan.append(("engine", wl, mode, chunk, tuple(args.chunk or CHUNKS), tgt))
     if args.generate_baseline is None or name in args.generate_baseline:
         gens = [wl for wl in variants if wl.generate_baseline]
         if name == "serve1k" and args.generate_concurrency is not None:  # in the order given
@@ -915,8 +982,9 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
                 for c0 in args.generate_concurrency
             }
             gens = [wl for c0 in args.generate_concurrency for wl in by_c.get(c0, [])]
-        plan += [("generate", wl, GENERATE_MODE, None, ()) for wl in gens]
-    for kind, wl, mode, chunk, all_chunks in plan:
+        plan += [("generate", wl, GENERATE_MODE, None, (), None) for wl in gens]
+    for kind, wl, mode, chunk, all_chunks, tgt in plan:
+        tf = target_fields(h, wl, tgt)
         est = estimates.get(kind) or ([0.0] if kind == "engine" else [args.generate_estimate])
         expect = float(np.mean(est))
         used = time.monotonic() - wl_start
@@ -926,7 +994,7 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
         elif wl_budget is not None and used + expect > wl_budget:
             reason = f"{name} budget: {used:.0f} s used + ~{expect:.0f} s expected > {wl_budget:.0f} s"
         if reason:
-            skipped.append(dict(label=wl.label, mode=mode, chunk=chunk, reason=reason))
+            skipped.append(dict(label=wl.label + target_suffix(tf), mode=mode, chunk=chunk, reason=reason, **tf))
             print(f"skip {wl.label} {mode} chunk {chunk}: {reason}", flush=True)
             save()
             continue
@@ -945,7 +1013,7 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
         t = time.monotonic()
         try:
             if kind == "engine":
-                rec = h.run(wl, mode, chunk, all_chunks, timeout)
+                rec = h.run(wl, mode, chunk, all_chunks, timeout, tgt)
             else:
                 rec = h.run_generate(wl, args.generate_reps)
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
@@ -953,9 +1021,10 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
             rec = dict(
                 workload=name,
                 variant=wl.variant,
-                label=wl.label,
+                label=wl.label + target_suffix(tf),
                 mode=mode,
                 chunk=chunk,
+                **tf,
                 error=f"{type(e).__name__}: {e}"[:2000],
             )
             gc.collect()
@@ -1055,6 +1124,21 @@ def parser() -> argparse.ArgumentParser:
         "decode rows; 0 = loop by loop. Records get a ' fusedRxK' label suffix",
     )
     ap.add_argument("--fused-decode-tokens", type=int, default=1, help="tokens per fused decode step")
+    ap.add_argument(
+        "--target-tpot-ms",
+        nargs="+",
+        type=float,
+        default=None,
+        help="workloads with decode streams (decode_under_prefill): also run every mode and chunk "
+        "under each of these decode TPOT targets (LLM(target_tpot_ms=...)); records carry target_tpot_ms",
+    )
+    ap.add_argument(
+        "--target-tpot-floor-multiple",
+        nargs="+",
+        type=float,
+        default=None,
+        help="as --target-tpot-ms, the target given as a multiple of the streams' decode-step floor",
+    )
     ap.add_argument("--quick-ceilings", action="store_true")
     ap.add_argument("--warmup-requests", type=int, default=1)
     ap.add_argument("--append", action="store_true", help="add records to an existing <workload>.json")
@@ -1104,6 +1188,10 @@ def main(argv=None, harness: Optional[Harness] = None) -> dict:
         a.workload_budget = {k: float(v) for k, v in (x.split("=", 1) for x in a.workload_budget)}
     except ValueError:
         raise SystemExit(f"--workload-budget takes NAME=SECONDS, got {a.workload_budget}") from None
+    for opt in ("target_tpot_ms", "target_tpot_floor_multiple"):
+        bad = [x for x in getattr(a, opt) or () if not (x > 0 and np.isfinite(x))]
+        if bad:
+            raise SystemExit(f"--{opt.replace('_', '-')} takes positive numbers, got {bad}")
     os.makedirs(a.out, exist_ok=True)
     h = harness or harness_from_args(a)
     print(

@@ -7,6 +7,7 @@ is told the time of each run of plans between two blocking reads, as ``LLM`` tel
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -328,3 +329,115 @@ def test_llm_plumbs_target_and_measures_invocations():
     assert outs[None] == outs[50.0]
     with pytest.raises(ValueError, match="target_tpot_ms"):
         LLM(cfg, target_tpot_ms=-1, **kw)
+
+
+# ------------------------------------------------------------------------ benchmarks
+def _record(mode, chunk, tpot_ms, prompt_tok_s, **kw):
+    return dict(
+        workload="decode_under_prefill",
+        label="decode_under_prefill" + (f" target {kw['target_tpot_ms']:g} ms" if "target_tpot_ms" in kw else ""),
+        mode=mode,
+        chunk=chunk,
+        headline=dict(metric="decode TPOT p50", value=tpot_ms, floor=5.5, fraction=0.5, bound="bandwidth", unit="ms"),
+        latency=dict(tpot=dict(p50=1.0)),
+        latency_by_tag=dict(decode=dict(tpot=dict(p50=tpot_ms / 1e3)), long=dict(tpot=None)),
+        prompt_tok_s=prompt_tok_s + 100.0,
+        prompt_tok_s_by_tag=dict(decode=100.0, long=prompt_tok_s),
+        tpot_floor=dict(floor_s=5.5e-3, bound="bandwidth", batch_from="tagged streams"),
+        **kw,
+    )
+
+
+def synthetic_result():
+    recs = [
+        _record(m, c, tpot, tput)
+        for m, base in (("split", 20.0), ("mixed", 12.0), ("wavefront", 9.0))
+        for c, tpot, tput in ((16, base, 4e3), (32, base * 1.3, 6e3), (64, base * 1.8, 9e3), (128, base * 2.5, 12e3))
+    ]
+    recs += [
+        _record("wavefront", 64, 1.05 * 5.5 * k, 3e3 * k, target_tpot_ms=5.5 * k, target_tpot_floor_multiple=float(k))
+        for k in (2, 3, 4)
+    ]
+    recs.append(dict(workload="decode_under_prefill", label="x", mode="mixed", chunk=16, error="boom"))
+    return dict(workload="decode_under_prefill", device="cpu", records=recs)
+
+
+def test_tradeoff_points_from_records():
+    from benchmarks.report import tradeoff_points
+
+    pts = tradeoff_points(synthetic_result())
+    assert len(pts) == 15  # the failed record is left out
+    free = [p for p in pts if p["target_tpot_ms"] is None]
+    assert {(p["mode"], p["chunk"]) for p in free} == {(m, c) for m in ("split", "mixed", "wavefront") for c in CH}
+    w64 = next(p for p in free if p["mode"] == "wavefront" and p["chunk"] == 64)
+    assert w64["tpot_ms"] == pytest.approx(9.0 * 1.8) and w64["prompt_tok_s"] == 9e3  # the long prompts' share
+    tgt = sorted((p for p in pts if p["target_tpot_ms"] is not None), key=lambda p: p["target_tpot_ms"])
+    assert [p["floor_multiple"] for p in tgt] == [2, 3, 4]
+    assert [p["tpot_ms"] for p in tgt] == pytest.approx([1.05 * 5.5 * k for k in (2, 3, 4)])
+    assert tgt[0]["tpot_floor_ms"] == pytest.approx(5.5)
+
+
+CH = (16, 32, 64, 128)
+
+
+def test_tradeoff_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.report import plot_tradeoff
+
+    path = plot_tradeoff(synthetic_result(), str(tmp_path / "t.png"))
+    assert path and os.path.getsize(path) > 1000
+    # a workload without decode streams has no such plot
+    res = synthetic_result()
+    for r in res["records"]:
+        r.pop("latency_by_tag", None)
+    assert plot_tradeoff(res, str(tmp_path / "none.png")) is None
+
+
+def test_run_targets_and_their_fields():
+    from types import SimpleNamespace
+
+    from benchmarks import run
+    from benchmarks.floors import decode_step_floor
+    from benchmarks.workloads import make
+    from ouro_jax.config import get_preset
+
+    a = run.parser().parse_args(
+        ["--workload", "decode_under_prefill", "--target-tpot-ms", "20", "--target-tpot-floor-multiple", "2", "3"]
+    )
+    cfg = get_preset("tiny")
+    (wl,) = make("decode_under_prefill", cfg.vocab_size, 0.02, 0.05, 0)
+    assert run.targets_of(a, wl) == [None, ("ms", 20.0), ("floor", 2.0), ("floor", 3.0)]
+    (long4,) = make("long4", cfg.vocab_size, 0.02, 0.05, 0)[:1]
+    assert run.targets_of(a, long4) == [None]  # no decode streams: no target runs
+    h = SimpleNamespace(config=cfg, bw=4.8e12, peak=9.9e14)
+    floor = run.Harness.tpot_floor_s(h, wl)
+    streams = [s for s in wl.requests if s.tag == "decode"]
+    ctx = float(np.mean([s.num_prompt_tokens + s.params.max_tokens / 2 for s in streams]))
+    assert floor == decode_step_floor(cfg, len(streams), ctx, cfg.num_loops, h.bw, h.peak)["floor_s"]
+    h.tpot_floor_s = lambda w: floor
+    tf = run.target_fields(h, wl, ("floor", 3.0))
+    assert tf == dict(target_tpot_ms=3 * floor * 1e3, target_tpot_floor_multiple=3.0, target_tpot_floor_ms=floor * 1e3)
+    assert run.target_suffix(tf) == " target 3x floor"
+    assert run.target_fields(h, wl, ("ms", 20.0)) == dict(target_tpot_ms=20.0)
+    assert run.target_fields(h, wl, None) == {} and run.target_suffix({}) == ""
+    with pytest.raises(SystemExit, match="positive"):
+        run.main(["--workload", "decode_under_prefill", "--target-tpot-ms", "-1"])
+
+
+@pytest.mark.slow
+def test_run_records_carry_the_target(tmp_path):
+    from benchmarks import run
+
+    out = str(tmp_path)
+    argv = ["--workload", "decode_under_prefill", "--preset", "tiny", "--scale", "0.02", "--count-scale", "0.05"]
+    argv += ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--buckets", "8", "64", "--no-progress"]
+    argv += ["--mode", "wavefront", "--chunk", "16", "--target-tpot-floor-multiple", "3", "--out", out, "--no-plot"]
+    argv += ["--quick-ceilings"]
+    res = run.main(argv)["decode_under_prefill"]
+    recs = {r["label"]: r for r in res["records"]}
+    assert set(recs) == {"decode_under_prefill", "decode_under_prefill target 3x floor"}, list(recs)
+    r = recs["decode_under_prefill target 3x floor"]
+    assert "error" not in r, r.get("error")
+    assert r["target_tpot_ms"] == pytest.approx(3 * r["target_tpot_floor_ms"])
+    assert "target_tpot_ms" not in recs["decode_under_prefill"]
+    assert set(r["prompt_tok_s_by_tag"]) == {"decode", "long"}
