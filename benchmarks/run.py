@@ -574,7 +574,7 @@ class Harness:
                     res.specs[o.request_id].num_prompt_tokens for o in with_tokens if res.specs[o.request_id].tag == t
                 )
                 / wall
-                for t in tags
+                for t in sorted({s.tag for s in res.specs.values()})  # a tag whose prompts got no token: 0
             }
         real, padded = stats.get("real_rows", 0), stats.get("padded_rows", 0)
         r.update(
