@@ -66,6 +66,7 @@ class TimedHarness(Harness):
         self.no_prompt_run = 0 if (ran_prompt or not prefilling) else self.no_prompt_run + 1
         self.max_no_prompt_run = max(self.max_no_prompt_run, self.no_prompt_run)
         got = {r.request_id for r in plan.ranges if r.phase is Phase.DECODE}
+        self.decode_gap = {rid: g for rid, g in self.decode_gap.items() if rid in decoding}  # preempted: anew
         for rid in decoding:
             self.decode_gap[rid] = 0 if rid in got else self.decode_gap.get(rid, 0) + 1
             self.max_decode_gap = max(self.max_decode_gap, self.decode_gap[rid])
