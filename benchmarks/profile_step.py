@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import os
 import re
@@ -45,10 +46,11 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from benchmarks import fmt
 from benchmarks.floors import shape as model_shape
 from benchmarks.metrics import floor_of, interval_union, invocation_cost
 from benchmarks.sweep_buckets import synthetic_descriptor
-from benchmarks.workloads import suite_shape
+from benchmarks.workloads import shape_from_args
 from pallas_kernels.choices import ATTENTION
 
 __all__ = [
@@ -570,10 +572,7 @@ def profile_bucket(
 
 
 # ---------------------------------------------------------------------------------- output
-def _ms(x) -> str:
-    if x is None or x != x:
-        return "?"
-    return f"{x:.3f}" if abs(x) >= 0.01 or x == 0 else f"{x:.2e}"
+_ms = functools.partial(fmt.num, missing="?")  # of figures already in milliseconds
 
 
 def _trunc(s: str, n: int, tail: bool = False) -> str:
@@ -674,28 +673,9 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
     row_buckets = tuple(sorted(set(rows) | ({mnbt} if mnbt > rows[-1] else set())))
     import jax
 
-    from benchmarks.run import Harness, save_json
+    from benchmarks.run import harness_from_args, save_json
 
-    shape = suite_shape(
-        a.scale,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=mnbt,
-        max_model_len=a.max_model_len,
-        block_size=a.block_size,
-        buckets=row_buckets,
-    )
-    h = harness or Harness(
-        a.preset,
-        a.dtype,
-        shape,
-        a.compile_cache,
-        a.attention,
-        a.layer_loop,
-        a.gpu_memory_utilization,
-        None if a.kv_cache_gb is None else int(a.kv_cache_gb * 1e9),
-        a.quick_ceilings,
-        not a.no_progress,
-    )
+    h = harness or harness_from_args(a, shape_from_args(a, max_num_batched_tokens=mnbt, buckets=row_buckets))
     reps = a.reps or a.steps
     out_dir = os.path.dirname(a.out)
     if out_dir:

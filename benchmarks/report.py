@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import glob
 import json
 import math
@@ -21,6 +22,8 @@ import os
 import re
 from collections import defaultdict
 from typing import Optional
+
+from benchmarks import fmt
 
 __all__ = [
     "load_results",
@@ -312,8 +315,7 @@ def _f(x, nd=1, scale=1.0, unit=""):
     return f"{v:.{nd}f}{unit}"
 
 
-def _pct(x):
-    return "–" if x is None else f"{100 * x:.1f}%" if x >= 0.001 or x == 0 else f"{100 * x:.2g}%"
+_pct = functools.partial(fmt.pct, missing="–")
 
 
 def _tpot_floor_s(r: dict) -> Optional[float]:

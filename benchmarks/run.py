@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -46,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import ceilings as ceilings_mod
+from benchmarks import fmt
 from benchmarks.floors import decode_step_floor, generate_floor, prefill_floor
 from benchmarks.merge_results import merge_lists
 from benchmarks.metrics import ScheduleRecorder, exit_histogram, floor_of, latency, mean_decoding_streams
@@ -57,6 +59,7 @@ from benchmarks.workloads import (
     EngineShape,
     Workload,
     make,
+    shape_from_args,
     suite_shape,
 )
 from ouro_jax import LLM, get_preset
@@ -622,16 +625,7 @@ class Harness:
             t_last = max(o.metrics.first_token_time for o in with_tokens)
             k = max(res.first_token_step.values())
             sfl = floor_of(rec.total(upto=k), self.bw, self.peak)
-            s = max(t_last - res.t0, 1e-9)
-            span = dict(
-                seconds=s,
-                invocations=k,
-                prompt_tok_s=n_prompt / s,
-                floor=sfl,
-                floor_prompt_tok_s=n_prompt / sfl["floor_s"],
-                fraction_of_floor=sfl["floor_s"] / s,
-                floor_bound=sfl["bound"],
-            )
+            span = _span(max(t_last - res.t0, 1e-9), k, n_prompt, sfl)
             if len({sp.num_prompt_tokens for sp in res.specs.values()}) == 1:
                 # the closed form of floors.py at the rows per invocation this schedule achieved
                 p0 = next(iter(res.specs.values())).num_prompt_tokens
@@ -641,17 +635,7 @@ class Harness:
                     cf, rows_per_invocation=rpi, floor_prompt_tok_s=n_prompt / cf["floor_s"]
                 )
         elif wl.arrival == "batch":  # truncated: prompt-token loops run / T over the whole run
-            n_pf = stats.get("prefill_rows", 0) / T
-            span = dict(
-                seconds=wall,
-                invocations=inv,
-                prompt_tok_s=n_pf / wall,
-                floor=fl,
-                floor_prompt_tok_s=n_pf / fl["floor_s"],
-                fraction_of_floor=fl["floor_s"] / wall,
-                floor_bound=fl["bound"],
-                partial=True,
-            )
+            span = _span(wall, inv, stats.get("prefill_rows", 0) / T, fl, partial=True)
         r["prefill_span"] = span
         # decode: the floor of one step of the decoding batch at its mean context and loops
         tag = wl.background_tag
@@ -804,21 +788,22 @@ class Harness:
         return r
 
 
+def _span(seconds: float, invocations: int, prompt_tokens: float, floor: dict, **extra) -> dict:
+    """A prefill span's record: its prompt throughput, and the same against its floor."""
+    return dict(
+        seconds=seconds,
+        invocations=invocations,
+        prompt_tok_s=prompt_tokens / seconds,
+        floor=floor,
+        floor_prompt_tok_s=prompt_tokens / floor["floor_s"],
+        fraction_of_floor=floor["floor_s"] / seconds,
+        floor_bound=floor["bound"],
+        **extra,
+    )
+
+
 # ------------------------------------------------------------------------------------- printing
-def _ms(x) -> str:
-    return "-" if x is None else _num(x * 1e3)
-
-
-def _num(x) -> str:
-    """Readable at any magnitude: 12,345 / 12.35 / 0.0123."""
-    if x is None:
-        return "-"
-    a = abs(x)
-    return f"{x:,.0f}" if a >= 100 else f"{x:.2f}" if a >= 1 else f"{x:.3g}"
-
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:5.1f}%" if x >= 0.001 else f"{100 * x:.2g}%"
+_pct = functools.partial(fmt.pct, width=5)  # the printed tables' column width
 
 
 def format_record(r: dict) -> str:
@@ -829,16 +814,16 @@ def format_record(r: dict) -> str:
     g = lambda k, p: (lat.get(k) or {}).get(p)  # noqa: E731
     chunk = "-" if r.get("chunk") is None else r["chunk"]
     s = (
-        f"{r['label']:24s} {r['mode']:10s} chunk {chunk:>4}: {h['metric']} {_num(h['value'])} {h['unit']} "
-        f"(floor {_num(h['floor'])}, {_pct(h['fraction'])} of {h['bound']} floor) | run "
-        f"{_pct(r['fraction_of_floor'])} of {r['floor_bound']} floor | out {_num(r['output_tok_s'])} tok/s | "
-        f"TTFT p50/p99 {_ms(g('ttft', 'p50'))}/{_ms(g('ttft', 'p99'))} ms | TPOT p50/p99 "
-        f"{_ms(g('tpot', 'p50'))}/{_ms(g('tpot', 'p99'))} ms"
+        f"{r['label']:24s} {r['mode']:10s} chunk {chunk:>4}: {h['metric']} {fmt.num(h['value'])} {h['unit']} "
+        f"(floor {fmt.num(h['floor'])}, {_pct(h['fraction'])} of {h['bound']} floor) | run "
+        f"{_pct(r['fraction_of_floor'])} of {r['floor_bound']} floor | out {fmt.num(r['output_tok_s'])} tok/s | "
+        f"TTFT p50/p99 {fmt.ms(g('ttft', 'p50'))}/{fmt.ms(g('ttft', 'p99'))} ms | TPOT p50/p99 "
+        f"{fmt.ms(g('tpot', 'p50'))}/{fmt.ms(g('tpot', 'p99'))} ms"
     )
     if r["mode"] != GENERATE_MODE:
         s += (
-            f" | rows/inv {r['rows_per_invocation']:.1f} | inv/s {_num(r['invocations_per_s'])} | host/inv "
-            f"{_ms(r['host_time_per_invocation_s'])} ms | compiles {r['compilations']}"
+            f" | rows/inv {r['rows_per_invocation']:.1f} | inv/s {fmt.num(r['invocations_per_s'])} | host/inv "
+            f"{fmt.ms(r['host_time_per_invocation_s'])} ms | compiles {r['compilations']}"
         )
         if r.get("truncated"):
             s += " | TRUNCATED"
@@ -862,10 +847,10 @@ def print_table(records: list, file=None) -> None:
         h, lat = r["headline"], r.get("latency") or {}
         print(
             f"{r['label']:24s} {r['mode']:10s} {str(r.get('chunk') or '-'):>5s} "
-            f"{_num(h['value']) + ' ' + h['unit']:>22s} {_num(h['floor']):>12s} {_pct(h['fraction']):>9s} "
-            f"{h['bound']:9s} {_pct(r['fraction_of_floor']):>7s} {_num(r['output_tok_s']):>10s} "
-            f"{_ms((lat.get('ttft') or {}).get('p50')):>9s} {_ms((lat.get('tpot') or {}).get('p50')):>9s} "
-            f"{_num(r.get('rows_per_invocation')):>8s} {_ms(r.get('host_time_per_invocation_s')):>8s} "
+            f"{fmt.num(h['value']) + ' ' + h['unit']:>22s} {fmt.num(h['floor']):>12s} {_pct(h['fraction']):>9s} "
+            f"{h['bound']:9s} {_pct(r['fraction_of_floor']):>7s} {fmt.num(r['output_tok_s']):>10s} "
+            f"{fmt.ms((lat.get('ttft') or {}).get('p50')):>9s} {fmt.ms((lat.get('tpot') or {}).get('p50')):>9s} "
+            f"{fmt.num(r.get('rows_per_invocation')):>8s} {fmt.ms(r.get('host_time_per_invocation_s')):>8s} "
             f"{str(r.get('compilations', '-')):>8s}",
             file=file,
         )
@@ -1147,20 +1132,14 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def harness_from_args(a) -> Harness:
-    shape = suite_shape(
-        a.scale,
-        a.count_scale,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len,
-        block_size=a.block_size,
-        buckets=tuple(a.buckets) if a.buckets else None,
-    )
+def harness_from_args(a, shape: Optional[EngineShape] = None) -> Harness:
+    """The harness a CLI's flags ask for (``shape``: default ``shape_from_args(a)``); flags a CLI
+    does not have (``--seed``, fused decode, ...) keep ``Harness``'s defaults."""
+    optional = ("warmup_requests", "seed", "fused_decode_max_rows", "fused_decode_tokens")
     return Harness(
         a.preset,
         a.dtype,
-        shape,
+        shape or shape_from_args(a),
         a.compile_cache,
         a.attention,
         a.layer_loop,
@@ -1168,10 +1147,7 @@ def harness_from_args(a) -> Harness:
         None if a.kv_cache_gb is None else int(a.kv_cache_gb * 1e9),
         a.quick_ceilings,
         not a.no_progress,
-        a.warmup_requests,
-        a.seed,
-        a.fused_decode_max_rows,
-        a.fused_decode_tokens,
+        **{k: getattr(a, k) for k in optional if hasattr(a, k)},
     )
 
 

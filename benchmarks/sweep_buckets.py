@@ -39,7 +39,7 @@ import numpy as np
 
 from benchmarks.floors import shape as model_shape
 from benchmarks.metrics import ScheduleRecorder, floor_of, invocation_cost
-from benchmarks.workloads import WORKLOADS, EngineShape, make, suite_shape
+from benchmarks.workloads import WORKLOADS, EngineShape, make, shape_from_args
 from ouro_jax.config import get_preset
 from scheduler import Request, Scheduler, SchedulerConfig
 from scheduler.buckets import BucketSpec, next_power_of_two
@@ -581,15 +581,7 @@ def main(argv=None, harness=None) -> dict:
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     path = a.json or os.path.join(a.out, "bucket_sweep.json")
-    shape = suite_shape(
-        a.scale,
-        a.count_scale,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len,
-        block_size=a.block_size,
-        buckets=tuple(a.buckets) if a.buckets else None,
-    )
+    shape = shape_from_args(a)
     result = dict(benchmark="bucket_sweep", preset=a.preset, argv=sys.argv[1:] if argv is None else list(argv))
     if os.path.exists(path):
         with open(path) as f:

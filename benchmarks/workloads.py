@@ -42,6 +42,7 @@ __all__ = [
     "WORKLOADS",
     "make",
     "suite_shape",
+    "shape_from_args",
     "MODES",
     "CHUNKS",
     "SWEEP_MODES",
@@ -376,3 +377,17 @@ def suite_shape(scale: float = 1.0, count_scale: float = 1.0, **overrides) -> En
     )
     shape = EngineShape(max_model_len=next_power_of_two(longest))
     return dataclasses.replace(shape, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def shape_from_args(a, **overrides) -> EngineShape:
+    """``suite_shape`` at the CLI's ``--scale`` / ``--count-scale`` and shape flags (a flag left
+    out keeps the suite's value); ``overrides`` replace flags a CLI reads its own way."""
+    kw = dict(
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        block_size=a.block_size,
+        buckets=tuple(a.buckets) if a.buckets else None,
+    )
+    kw.update(overrides)
+    return suite_shape(a.scale, getattr(a, "count_scale", 1.0), **kw)
