@@ -30,6 +30,7 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.sizes import kv_planes, pool_blocks
 
 from .config import PRESETS, OuroConfig
+from .parallel import check_tensor_parallel
 from .runner import ModelRunner
 
 __all__ = ["LLM", "RequestOutput", "RequestMetrics"]
@@ -138,12 +139,17 @@ class LLM:
         target_tpot_ms: Optional[float] = None,
         warmup: bool = True,
         progress: bool = True,
+        tensor_parallel_size: int = 1,
     ):
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
         attention = check_attention(attention)  # before the weights are built
+        # tensor parallel: checked against the config before any weight is read, and the weights
+        # then read to the host, so that the runner places each leaf straight into its shards
+        tp = check_tensor_parallel(self._peek_config(model), tensor_parallel_size)
+        self.tensor_parallel_size = tp
         self._enable_compile_cache(compile_cache_dir)
-        self.config, self.params, self.tokenizer = self._load(model, params, dtype, seed)
+        self.config, self.params, self.tokenizer = self._load(model, params, dtype, seed, host=tp > 1)
         c = self.config
         self.progress = progress
         max_model_len = int(max_model_len or min(c.max_position_embeddings, 4096))
@@ -162,7 +168,14 @@ class LLM:
         block_bytes = c.kv_bytes_per_token_plane(itemsize) * block_size
         if num_blocks is None:
             num_blocks = self._size_pool(
-                block_bytes, kv_cache_bytes, gpu_memory_utilization, max_num_seqs, max_model_len, planes, block_size
+                    block_bytes,
+                kv_cache_bytes,
+                gpu_memory_utilization,
+                max_num_seqs,
+                max_model_len,
+                planes,
+                block_size,
+                tp,
             )
         self.scheduler_config = SchedulerConfig(
             num_loops=c.num_loops,
@@ -209,6 +222,7 @@ class LLM:
             num_ring_rows=num_ring_rows or need_rows,
             attention=attention,
             layer_loop=layer_loop,
+            tensor_parallel_size=tp,
         )
         self._ids = itertools.count()
         self._live: dict[object, Request] = {}  # queued or running, by id
@@ -235,7 +249,21 @@ class LLM:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
     @staticmethod
-    def _load(model, params, dtype, seed):
+    def _peek_config(model) -> Optional[OuroConfig]:
+        """The model's config without its weights (None if ``model`` is not recognised: ``_load``
+        raises the error)."""
+        if isinstance(model, OuroConfig):
+            return model
+        if isinstance(model, str) and model in PRESETS:
+            return PRESETS[model]
+        if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+            return OuroConfig.from_json(model)
+        return None
+
+    @staticmethod
+    def _load(model, params, dtype, seed, host: bool = False):
+        """``(config, params, tokenizer)``; ``host=True`` (tensor parallel) keeps the leaves on the
+        host (numpy, or the CPU device) instead of the first accelerator."""
         tokenizer = None
         if isinstance(model, OuroConfig):
             config = model
@@ -244,8 +272,11 @@ class LLM:
         elif isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
             from weights import load_checkpoint
 
+            device = jax.devices("cpu")[0] if host else None
             config, params = (
-                load_checkpoint(model, dtype=dtype) if params is None else (OuroConfig.from_json(model), params)
+                load_checkpoint(model, dtype=dtype, device=device)
+                if params is None
+                else (OuroConfig.from_json(model), params)
             )
             tok = os.path.join(model, "tokenizer.json")
             if os.path.exists(tok):
@@ -262,7 +293,12 @@ class LLM:
 
             from .model import dtype_of
 
-            params = random_params(config, seed, dtype_of(dtype or config.torch_dtype), on_device=True)
+            params = random_params(config, seed, dtype_of(dtype or config.torch_dtype), on_device=not host)
+        elif host:
+            from .model import dtype_of
+
+            cast = (lambda x: np.asarray(x)) if dtype is None else (lambda x: np.asarray(x, dtype_of(dtype)))
+            params = jax.tree.map(cast, params)
         elif dtype is not None:
             from .model import dtype_of
 
@@ -271,7 +307,7 @@ class LLM:
             params = jax.tree.map(jax.numpy.asarray, params)
         return config, params, tokenizer
 
-    def _size_pool(self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size):
+    def _size_pool(self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size, tp=1):
         if kv_cache_bytes is None:
             mem = _device_memory()
             if mem is None:  # CPU: enough for every sequence at full length, capped at 1 GiB
@@ -281,7 +317,8 @@ class LLM:
             # what is still free of our share (another engine in this process keeps its own pool),
             # less the runner's stacked copy of the layer weights and room for activations
             param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
-            kv_cache_bytes = int(limit * util) - in_use - param_bytes - (2 << 30)
+            # tensor parallel: every device holds 1/tp of the weights and of each block
+            kv_cache_bytes = tp * (int(limit * util) - in_use - param_bytes // tp - (2 << 30))
         if kv_cache_bytes < 2 * block_bytes:
             raise ValueError(
                 f"the KV cache budget ({kv_cache_bytes} bytes) holds fewer than 2 blocks of {block_bytes} bytes"

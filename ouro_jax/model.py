@@ -23,7 +23,7 @@ called inside ``jax.jit``, so Flax's module traversal happens once, at trace tim
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import flax.linen as nn
 import jax
@@ -139,6 +139,9 @@ class OuroDecoderLayer(nn.Module):
     config: OuroConfig
     dtype: Any
     layer_index: int = 0
+    # Tensor parallel (ouro_jax/parallel.py): the mesh axis whose shards hold the row-parallel
+    # partial sums of o_proj / down_proj; None (one device) adds no collective.
+    tp_axis: Optional[str] = None
 
     def setup(self):
         c = self.config
@@ -155,8 +158,12 @@ class OuroDecoderLayer(nn.Module):
         layer = self.layer_index if layer is None else layer
         f32 = jnp.float32
         a, cache = self.self_attn(self.input_layernorm(x), cos, sin, layer, attention, cache)
+        if self.tp_axis is not None:
+            a = jax.lax.psum(a, self.tp_axis)
         x = x + self.input_layernorm_2(a, f32)
         m = self.mlp(self.post_attention_layernorm(x))
+        if self.tp_axis is not None:
+            m = jax.lax.psum(m, self.tp_axis)
         x = x + self.post_attention_layernorm_2(m, f32)
         return x, cache
 
@@ -182,6 +189,7 @@ class LMHead(nn.Module):
 class OuroModel(nn.Module):
     config: OuroConfig
     dtype: Any = jnp.float32
+    tp_axis: Optional[str] = None  # see OuroDecoderLayer; the runner does embed/lm_head by vocabulary
 
     def setup(self):
         c = self.config
@@ -192,7 +200,9 @@ class OuroModel(nn.Module):
             param_dtype=self.dtype,
             embedding_init=nn.initializers.normal(1.0),
         )
-        self.layers = [OuroDecoderLayer(c, self.dtype, layer_index=i) for i in range(c.num_hidden_layers)]
+        self.layers = [
+            OuroDecoderLayer(c, self.dtype, layer_index=i, tp_axis=self.tp_axis) for i in range(c.num_hidden_layers)
+        ]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.early_exit_gate = nn.Dense(1, use_bias=True, dtype=jnp.float32, param_dtype=self.dtype)
         self.lm_head = LMHead(c.vocab_size, self.dtype)

@@ -37,6 +37,8 @@ from typing import Any, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import copy_kv_slots
 from pallas_kernels.dispatch import choose_attention, resolve_attention
@@ -46,6 +48,17 @@ from scheduler.descriptor import HEADER, StepResult, descriptor_layout
 from .config import OuroConfig
 from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
 from .paged_attention import PagedAttention
+from .parallel import (
+    TP_AXIS,
+    check_tensor_parallel,
+    kv_spec,
+    local_config,
+    make_mesh,
+    param_specs,
+    place_params,
+    vocab_parallel_embed,
+    vocab_parallel_logits,
+)
 from .sampling import row_keys, sample
 
 __all__ = ["ModelRunner", "packed_size", "packed_shape"]
@@ -95,15 +108,19 @@ def _loop(
     attention: str,
     interpret: bool,
     layer_loop: str,
+    tp_size: int = 1,
 ):
     """One invocation's work (the module docstring's four steps) on one descriptor.
 
     ``previous_tokens [C]``: the tokens sampled by the sub-step before this one in a fused decode
     step; embedded instead of ``pre_token`` when the descriptor's ``feed_previous_tokens`` is set.
+    ``tp_size > 1``: the body of a ``shard_map`` over ``"tp"``; ``config`` and the KV pools are one
+    shard's (``parallel.local_config``), embed and lm_head are split by vocabulary.
     """
-    c = config
+    tp = tp_size > 1
+    c = local_config(config, tp_size)
     dt = dtype_of(dtype_name)
-    model = OuroModel(c, dt)
+    model = OuroModel(c, dt, tp_axis=TP_AXIS if tp else None)
     a = _unpack(key, packed)
 
     # 1. LAST_EXITED finalize: deeper planes of exited tokens take the exit plane's K/V
@@ -114,7 +131,10 @@ def _loop(
         prev = jnp.zeros((key.R,), jnp.int32).at[: key.C].set(previous_tokens[: key.R])
         feed = (a["feed_previous_tokens"] == 1) & (jnp.arange(key.R) < a["num_prelude"])
         pre_token = jnp.where(feed, prev, pre_token)
-    emb = model.apply({"params": params["top"]}, pre_token, method=OuroModel.prelude)
+    if tp:
+        emb = vocab_parallel_embed(params["top"]["embed_tokens"]["embedding"], pre_token)
+    else:
+        emb = model.apply({"params": params["top"]}, pre_token, method=OuroModel.prelude)
     ring = ring.at[a["pre_ring"]].set(emb.astype(ring.dtype))
     # 3. one loop for every row
     x = ring[a["row_ring"]]
@@ -132,7 +152,7 @@ def _loop(
     seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
     attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg))
     cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
-    layer = OuroDecoderLayer(c, dt)
+    layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None)
 
     def one_layer(p, x, pools, i):
         return layer.apply({"params": p}, x, cos, sin, attn, pools, layer=i)
@@ -157,7 +177,10 @@ def _loop(
     h, g = model.apply({"params": params["top"]}, x, method=OuroModel.finish_loop)
     ring = ring.at[a["row_ring"]].set(h.astype(ring.dtype))
     # 4. coda for the rows that may produce a token
-    logits = model.apply({"params": params["top"]}, h[a["coda_row"]], method=OuroModel.coda)
+    if tp:
+        logits = vocab_parallel_logits(h[a["coda_row"]], params["top"]["lm_head"]["kernel"], dt)
+    else:
+        logits = model.apply({"params": params["top"]}, h[a["coda_row"]], method=OuroModel.coda)
     keys = row_keys(a["coda_seed"], a["coda_step"])
     tokens = sample(logits, a["coda_temperature"], a["coda_top_k"], a["coda_top_p"], keys)
     return kp, vp, ring, g.astype(jnp.float32), tokens.astype(jnp.int32)
@@ -221,6 +244,10 @@ class ModelRunner:
     ``layer_loop``: ``"unrolled"`` (default) writes the ``L`` layers out in the step; ``"scan"``
     runs one layer body over stacked weights, faster to compile but slower to run (docs/decisions.md,
     "Layer loop"). Both read the stacked KV pool in place.
+
+    ``tensor_parallel_size=N > 1``: the step runs under ``jax.shard_map`` on a 1-D ``"tp"`` mesh of
+    the first ``N`` devices (``ouro_jax/parallel.py``): params and the KV pools' head axis split,
+    the ring, descriptor, gates and tokens replicated. ``N = 1`` builds no mesh and no shard_map.
     """
 
     def __init__(
@@ -234,10 +261,14 @@ class ModelRunner:
         attention: str = "auto",
         layer_loop: str = "unrolled",
         interpret: bool = False,
+        tensor_parallel_size: int = 1,
     ):
         attention = resolve_attention(attention)
         if layer_loop not in ("scan", "unrolled"):
             raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
+        tp = check_tensor_parallel(config, tensor_parallel_size)
+        self.tensor_parallel_size = tp
+        self.mesh = make_mesh(tp) if tp > 1 else None
         self.config = config
         self.attention, self.layer_loop, self.interpret = attention, layer_loop, interpret
         leaves = jax.tree.leaves(params)
@@ -246,17 +277,29 @@ class ModelRunner:
         self.params = self._arrange(params)
         c = config
         pool_shape = (c.num_hidden_layers, c.num_key_value_heads, num_blocks, block_size, c.head_dim)
-        self.k_pool = jnp.zeros(pool_shape, self.dtype)
-        self.v_pool = jnp.zeros(pool_shape, self.dtype)
-        self.ring = jnp.zeros((num_ring_rows, c.hidden_size), self.dtype)
+        ring_shape = (num_ring_rows, c.hidden_size)
+        jit_kw: dict = {}
+        step = functools.partial(
+            _step, config=c, dtype_name=self.dtype_name, attention=attention, interpret=interpret, layer_loop=layer_loop
+        )
+        fused = functools.partial(_fused_step, **step.keywords)
+        if self.mesh is None:
+            self.k_pool = jnp.zeros(pool_shape, self.dtype)
+            self.v_pool = jnp.zeros(pool_shape, self.dtype)
+            self.ring = jnp.zeros(ring_shape, self.dtype)
+            self._upload_to = jax.devices()[0]
+        else:
+            kv, rep = NamedSharding(self.mesh, kv_spec()), NamedSharding(self.mesh, P())
+            # allocated in place on every shard: each device holds KVH/N heads of the pools
+            zeros = lambda shape, s: jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=s)()  # noqa: E731
+            self.k_pool, self.v_pool, self.ring = zeros(pool_shape, kv), zeros(pool_shape, kv), zeros(ring_shape, rep)
+            self._upload_to = rep
+            step, fused = self._sharded(step, tp), self._sharded(fused, tp)
+            # input shardings come from the arguments (_compile; jit takes no in_shardings with a static kwarg)
+            jit_kw = dict(out_shardings=(kv, kv, rep, rep, rep))
         self.num_blocks, self.block_size, self.num_ring_rows = num_blocks, block_size, num_ring_rows
-        static = dict(
-            config=c, dtype_name=self.dtype_name, attention=attention, interpret=interpret, layer_loop=layer_loop
-        )
-        self._jitted = jax.jit(functools.partial(_step, **static), static_argnames=("key",), donate_argnums=(1, 2, 3))
-        self._jitted_fused = jax.jit(
-            functools.partial(_fused_step, **static), static_argnames=("key",), donate_argnums=(1, 2, 3)
-        )
+        self._jitted = jax.jit(step, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
+        self._jitted_fused = jax.jit(fused, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
         self._exe: dict[Any, Any] = {}
         self._device = jax.devices()[0]
@@ -271,13 +314,34 @@ class ModelRunner:
     # ------------------------------------------------------------------------------- setup
     def _arrange(self, params: dict) -> dict:
         """Split the tree into ``top`` (embed, norm, gate, lm_head) and ``layers``: a dict of
-        ``layers_i`` (unrolled) or one stacked ``[L, ...]`` tree (scan)."""
+        ``layers_i`` (unrolled) or one stacked ``[L, ...]`` tree (scan). With a mesh every leaf goes
+        straight into its shards (host leaves are stacked on the host, never on one device)."""
         L = self.config.num_hidden_layers
         top = {k: v for k, v in params.items() if not k.startswith("layers_")}
         layers = {f"layers_{i}": params[f"layers_{i}"] for i in range(L)}
         if self.layer_loop == "scan":
-            layers = jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[f"layers_{i}"] for i in range(L)])
+            host = self.mesh is not None and all(isinstance(x, np.ndarray) for x in jax.tree.leaves(layers))
+            stack = np.stack if host else jnp.stack
+            layers = jax.tree.map(lambda *xs: stack(xs), *[layers[f"layers_{i}"] for i in range(L)])
+        if self.mesh is not None:
+            return place_params({"top": top, "layers": layers}, self.mesh)
         return {"top": jax.tree.map(jnp.asarray, top), "layers": jax.tree.map(jnp.asarray, layers)}
+
+    def _sharded(self, fn, tp: int):
+        """``fn`` (a step) as the body of a ``shard_map`` over ``"tp"``: each shard sees its slice
+        of the params and pools. ``check_vma=False``: Pallas kernels carry no replication types;
+        the body's psum/all_gather make the replicated outputs equal on every shard."""
+        kv = kv_spec()
+        in_specs = (param_specs(self.params), kv, kv, P(), P())
+        out_specs = (kv, kv, P(), P(), P())
+
+        def run(params, kp, vp, ring, packed, *, key):
+            body = functools.partial(fn, key=key, tp_size=tp)
+            return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+                params, kp, vp, ring, packed
+            )
+
+        return run
 
     @property
     def kv_bytes(self) -> int:
@@ -285,7 +349,9 @@ class ModelRunner:
 
     def _lower(self, key):
         """Trace and lower ``key``: a ``BucketKey`` (one loop) or ``(BucketKey, n)`` (a fused decode step)."""
-        sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+        # tensor parallel: the arguments' shardings (the pools' in place, donated); None on one device
+        mesh = self.mesh is not None
+        sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if mesh else None)  # noqa: E731
         fused = not isinstance(key, BucketKey)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
         return fn.lower(
@@ -293,7 +359,7 @@ class ModelRunner:
             sds(self.k_pool),
             sds(self.v_pool),
             sds(self.ring),
-            jax.ShapeDtypeStruct(packed_shape(key), jnp.int32),
+            jax.ShapeDtypeStruct(packed_shape(key), jnp.int32, sharding=self._upload_to if mesh else None),
             key=bucket,
         )
 
@@ -380,7 +446,7 @@ class ModelRunner:
     def upload(self, desc) -> jax.Array:
         """``desc``'s packed buffer on the runner's device (``device_put``: ``jnp.asarray`` would
         stage it through a small jitted copy per shape)."""
-        return jax.device_put(desc.pack(), self._device)
+        return jax.device_put(desc.pack(), self._upload_to)
 
     @staticmethod
     def executable_key(desc):
