@@ -168,7 +168,7 @@ class LLM:
         block_bytes = c.kv_bytes_per_token_plane(itemsize) * block_size
         if num_blocks is None:
             num_blocks = self._size_pool(
-                    block_bytes,
+                block_bytes,
                 kv_cache_bytes,
                 gpu_memory_utilization,
                 max_num_seqs,
