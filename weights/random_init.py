@@ -52,7 +52,9 @@ def _drawer(shape: tuple[int, ...], kind: str, transpose: bool, dtype):
 
 
 def _draw(name: str, shape: tuple[int, ...], seed: int, transpose: bool = False, dtype=np.float32):
-    return _drawer(tuple(shape), _kind(name), transpose, np.dtype(dtype))(np.uint32(seed), _tag(name))
+    # crc32 fits uint32; the fold-in tag is its int32 bit pattern
+    tag = np.uint32(zlib.crc32(name.encode())).view(np.int32)
+    return _drawer(tuple(shape), _kind(name), transpose, np.dtype(dtype))(np.uint32(seed), tag)
 
 
 def random_hf_tensors(config: OuroConfig, seed: int = 0, dtype=np.float32) -> Iterator[tuple[str, np.ndarray]]:
@@ -62,31 +64,13 @@ def random_hf_tensors(config: OuroConfig, seed: int = 0, dtype=np.float32) -> It
         yield name, np.asarray(_draw(name, shape, seed)).astype(dtype)
 
 
-@functools.cache
-def _tree_drawer(spec: tuple, dtype):
-    """One jitted program that draws every tensor of ``spec`` (``(name, shape, transpose)`` each):
-    one compile for the whole model, which the persistent cache keeps, instead of one per shape."""
-    import jax
-
-    def draw_all(seed):
-        return [_drawer(shape, _kind(name), transpose, dtype)(seed, _tag(name)) for name, shape, transpose in spec]
-
-    return jax.jit(draw_all)
-
-
-def _tag(name: str):
-    # crc32 fits uint32; the fold-in tag is its int32 bit pattern
-    return np.uint32(zlib.crc32(name.encode())).view(np.int32)
-
-
 def random_params(config: OuroConfig, seed: int = 0, dtype=np.float32, *, on_device: bool = False) -> dict:
     """The param tree of :func:`random_hf_tensors` (Flax layout) - the same values a random checkpoint
     written by ``weights.save_random`` holds, without touching the disk. ``on_device=True`` keeps the
     leaves as device arrays (what the engine wants); otherwise they are numpy arrays."""
-    names = list(hf_tensor_shapes(config).items())
-    spec = tuple((name, tuple(shape), hf_name_to_path(name)[1]) for name, shape in names)
-    arrays = _tree_drawer(spec, np.dtype(dtype))(np.uint32(seed))
     tree: dict = {}
-    for (name, _, _), arr in zip(spec, arrays):
-        set_path(tree, hf_name_to_path(name)[0], arr if on_device else np.asarray(arr))
+    for name, shape in hf_tensor_shapes(config).items():
+        path, transpose = hf_name_to_path(name)
+        arr = _draw(name, shape, seed, transpose, dtype)
+        set_path(tree, path, arr if on_device else np.asarray(arr))
     return tree
