@@ -1,5 +1,5 @@
-"""Engine construction for the server, timed: load / compile (per executable, persistent cache hit or
-not) / ready.
+"""Engine construction for the server, timed: load / compile (each executable's seconds, persistent-cache
+hits) / ready.
 
 The engine's own warm-up compiles every executable a run can launch, through the persistent
 compilation cache that ``LLM`` enables (``~/.cache/ouro_jax/xla`` or ``$OURO_JAX_COMPILE_CACHE``);
