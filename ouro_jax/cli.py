@@ -22,13 +22,42 @@ import sys
 DTYPE_CHOICES = ("bfloat16", "float32", "float16")
 
 
+def _int_at_least(lo: int):
+    """An argparse type: an integer >= ``lo`` (a bad value is a usage error before any work)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
+def _probability(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {v}")
+    return v
+
+
 # ----------------------------------------------------------------------------- convert
 def _add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert a Hugging Face checkpoint folder to the ouro-jax (orbax) layout")
     p.add_argument("src", help="Hugging Face folder: config.json + model.safetensors (or shards + index)")
     p.add_argument("dst", help="output folder (created; must be empty unless --overwrite)")
     p.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default=None, help="cast the weights (default: keep the checkpoint's dtype)"
+        "--dtype",
+        type=str.lower,
+        choices=DTYPE_CHOICES,
+        default=None,
+        help="cast the weights (default: keep the checkpoint's dtype)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -50,17 +79,18 @@ def _add_random_checkpoint(sub) -> None:
     p = sub.add_parser("random-checkpoint", help="write a seeded random checkpoint of a preset size")
     p.add_argument("dst", help="output folder (created; must be empty unless --overwrite)")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model size")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument(
         "--layout",
+        type=str.lower,
         choices=("hf", "orbax"),
         default="hf",
         help="hf: config.json + safetensors; orbax: the converted layout",
     )
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32")
+    p.add_argument("--dtype", type=str.lower, choices=DTYPE_CHOICES, default="float32")
     p.add_argument(
         "--max-shard-bytes",
-        type=int,
+        type=_int_at_least(1),
         default=None,
         help="hf layout: split into shards of at most this many bytes (+ index.json)",
     )
@@ -92,17 +122,17 @@ def _add_demo(sub) -> None:
         "demo", help="generate with a preset (random weights) or a checkpoint: the jitted generate(), then the engine"
     )
     p.add_argument("--model", default="ouro-small", help="preset name or checkpoint folder (default: ouro-small)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--batch", type=_int_at_least(1), default=4)
+    p.add_argument("--prompt-len", type=_int_at_least(1), default=32)
+    p.add_argument("--max-tokens", type=_int_at_least(1), default=24)
     p.add_argument(
         "--exit-threshold",
-        type=float,
+        type=_probability,
         default=0.5,
         help="early exit: stop a token's loops once this much exit probability has accumulated",
     )
-    p.add_argument("--prefill-mode", choices=("split", "mixed", "wavefront"), default="wavefront")
-    p.add_argument("--seed", type=int, default=0, help="random weights of a preset, and the prompts")
+    p.add_argument("--prefill-mode", type=str.lower, choices=("split", "mixed", "wavefront"), default="wavefront")
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="random weights of a preset, and the prompts")
     p.set_defaults(handler=_cmd_demo)
 
 

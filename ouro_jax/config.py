@@ -114,10 +114,19 @@ class OuroConfig:
             need(v is None or 0 <= v < self.vocab_size, f"{tok}={v} is outside the vocabulary")
 
     # ------------------------------------------------------------------- HF I/O
+    #: Fields a ``config.json`` must give: without them the dataclass defaults would silently make a
+    #: 1.4B-sized model. The rest default to the values every released Ouro model shares.
+    REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
     @classmethod
     def from_dict(cls, d: dict) -> "OuroConfig":
         """Build from a Hugging Face ``config.json`` dict; unknown keys are ignored, known
-        unsupported features raise."""
+        unsupported features raise, and so does a missing :attr:`REQUIRED_FIELDS` entry."""
+        if not isinstance(d, dict):
+            raise ValueError(f"OuroConfig: a config must be a JSON object, got {type(d).__name__}")
+        missing = [k for k in cls.REQUIRED_FIELDS if d.get(k) is None]
+        if missing:
+            raise ValueError(f"OuroConfig: config.json has no {', '.join(missing)} (required)")
         thr = d.get("early_exit_threshold")
         if thr is not None and thr != 1.0:
             warnings.warn(
@@ -132,6 +141,11 @@ class OuroConfig:
         if kw.get("head_dim") is None:
             heads = kw.get("num_attention_heads", cls.num_attention_heads)
             hidden = kw.get("hidden_size", cls.hidden_size)
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (heads, hidden)):
+                raise ValueError(
+                    f"OuroConfig: hidden_size and num_attention_heads must be positive integers, "
+                    f"got {hidden!r} and {heads!r}"
+                )
             if hidden % heads:
                 raise ValueError(
                     f"OuroConfig: hidden_size {hidden} is not divisible by "
@@ -145,7 +159,10 @@ class OuroConfig:
                 kw[k] = kw[k][0] if kw[k] else None
         if isinstance(kw.get("rope_theta"), int):
             kw["rope_theta"] = float(kw["rope_theta"])
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except TypeError as e:  # a field of the wrong type (say a string) fails a comparison
+            raise ValueError(f"OuroConfig: a field has the wrong type: {e}") from None
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "OuroConfig":

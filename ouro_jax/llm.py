@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import os
 import time
+import warnings
 from typing import Iterator, Optional, Sequence, Union
 
 import jax
@@ -27,9 +28,10 @@ import numpy as np
 
 from pallas_kernels.dispatch import check_attention
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.sizes import kv_planes, pool_blocks
+from scheduler.sizes import pool_blocks
 
 from .config import PRESETS, OuroConfig
+from .options import LAYER_LOOPS, choice, dtype_option
 from .parallel import check_tensor_parallel
 from .runner import ModelRunner
 
@@ -76,6 +78,46 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str]
     metrics: RequestMetrics
+
+
+def _plain(v):
+    """A numpy integer as a Python int; anything else unchanged (and checked where it is used)."""
+    return int(v) if isinstance(v, np.integer) else v
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_single_prompt(prompts) -> bool:
+    """One prompt (text, or one flat sequence/array of ids) rather than a batch of them."""
+    if isinstance(prompts, str):
+        return True
+    if getattr(prompts, "ndim", None) is not None:  # numpy / jax arrays: 1-D is one prompt, 2-D a batch
+        return prompts.ndim == 1
+    return len(prompts) > 0 and not isinstance(prompts[0], str) and np.ndim(prompts[0]) == 0
+
+
+def _load_tokenizer(folder: str, config: OuroConfig):
+    """The folder's ``tokenizer.json`` (None without one); warns when it can produce ids the model has
+    no embedding for."""
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.exists(path):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+        raise ValueError(f"cannot read the tokenizer {path}: {e}") from None
+    n = tok.get_vocab_size(with_added_tokens=True)
+    if n > config.vocab_size:
+        warnings.warn(
+            f"the tokenizer {path} has {n} tokens but the model's vocab_size is {config.vocab_size}: "
+            f"prompts holding ids >= {config.vocab_size} will be refused",
+            stacklevel=3,
+        )
+    return tok
 
 
 def _device_memory() -> Optional[tuple[int, int]]:
@@ -141,45 +183,43 @@ class LLM:
         progress: bool = True,
         tensor_parallel_size: int = 1,
     ):
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
-        attention = check_attention(attention)  # before the weights are built
+        # Every option is checked before any weight is read or built: a typo fails in milliseconds.
+        # numpy integers count as integers (sizes often come out of numpy arithmetic)
+        block_size, max_num_seqs, max_num_batched_tokens, prefill_chunk_size, max_model_len, num_blocks = map(
+            _plain, (block_size, max_num_seqs, max_num_batched_tokens, prefill_chunk_size, max_model_len, num_blocks)
+        )
+        kv_cache_bytes, num_ring_rows, fused_decode_max_rows, fused_decode_tokens, seed = map(
+            _plain, (kv_cache_bytes, num_ring_rows, fused_decode_max_rows, fused_decode_tokens, seed)
+        )
+        if not (isinstance(gpu_memory_utilization, (int, float)) and 0.0 < gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
+        for name, v in (("kv_cache_bytes", kv_cache_bytes), ("num_ring_rows", num_ring_rows)):
+            if v is not None and not (_is_int(v) and v >= 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        if not _is_int(seed):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        dtype = dtype_option(dtype)
+        attention = check_attention(attention)
+        layer_loop = choice("layer_loop", layer_loop, LAYER_LOOPS)
+        c, folder = self._resolve_model(model)
         # tensor parallel: checked against the config before any weight is read, and the weights
         # then read to the host, so that the runner places each leaf straight into its shards
-        tp = check_tensor_parallel(self._peek_config(model), tensor_parallel_size)
+        tp = check_tensor_parallel(c, tensor_parallel_size)
         self.tensor_parallel_size = tp
-        self._enable_compile_cache(compile_cache_dir)
-        self.config, self.params, self.tokenizer = self._load(model, params, dtype, seed, host=tp > 1)
-        c = self.config
-        self.progress = progress
-        max_model_len = int(max_model_len or min(c.max_position_embeddings, 4096))
-        if max_model_len > c.max_position_embeddings:
+        if max_model_len is None:
+            max_model_len = min(c.max_position_embeddings, 4096)
+        elif _is_int(max_model_len) and max_model_len > c.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                 f"({c.max_position_embeddings})"
             )
-        if fused_decode_max_rows is None:
+        if fused_decode_max_rows is None and _is_int(max_num_seqs):
             # Fused decode steps for the smallest row bucket by default: one extra executable for
             # fewer host round trips at low concurrency; several tokens per step hand tokens out in
             # bursts, so that stays opt-in (docs/decisions.md, "Fused decode steps").
             fused_decode_max_rows = min(8, max_num_seqs)
-        planes = kv_planes(c.num_loops, kv_layout)
-        itemsize = np.dtype(jax.tree.leaves(self.params)[0].dtype).itemsize
-        block_bytes = c.kv_bytes_per_token_plane(itemsize) * block_size
-        if num_blocks is None:
-            num_blocks = self._size_pool(
-                block_bytes,
-                kv_cache_bytes,
-                gpu_memory_utilization,
-                max_num_seqs,
-                max_model_len,
-                planes,
-                block_size,
-                tp,
-            )
-        self.scheduler_config = SchedulerConfig(
+        sched = dict(
             num_loops=c.num_loops,
-            num_blocks=int(num_blocks),
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -201,24 +241,44 @@ class LLM:
             # from the times step() measures (scheduler/latency_target.py); None = off
             target_tpot_ms=target_tpot_ms,
         )
-        need = pool_blocks(1, max_model_len, planes, block_size)
-        if num_blocks < need:
-            raise ValueError(
-                f"the KV pool ({num_blocks} blocks of {block_size} tokens) cannot hold one request of "
-                f"max_model_len={max_model_len} at {planes} plane(s) (needs {need} blocks): lower "
-                f"max_model_len or give the cache more memory (kv_cache_bytes / num_blocks)"
-            )
-        self.scheduler = Scheduler(self.scheduler_config)
+        # validated with the pool's smallest legal size when the pool is sized from memory later
+        self.scheduler_config = SchedulerConfig(num_blocks=2 if num_blocks is None else num_blocks, **sched)
+        sc = self.scheduler_config
+        planes = sc.num_planes
+        need = pool_blocks(1, sc.max_model_len, planes, sc.block_size)
+        if num_blocks is not None:
+            self._check_pool(num_blocks, need)
         # A larger ring than the scheduler needs is allowed: engines of different chunk sizes and
         # modes then share executables (same shapes), which benchmark sweeps use to compile once.
-        need_rows = self.scheduler_config.num_ring_rows
+        need_rows = sc.num_ring_rows
         if num_ring_rows is not None and num_ring_rows < need_rows:
             raise ValueError(f"num_ring_rows={num_ring_rows} is too small: this configuration needs {need_rows}")
+
+        self._enable_compile_cache(compile_cache_dir)
+        self.config = c
+        self.params, self.tokenizer = self._load(c, folder, params, dtype, seed, host=tp > 1)
+        self.progress = progress
+        if num_blocks is None:
+            itemsize = np.dtype(jax.tree.leaves(self.params)[0].dtype).itemsize
+            block_bytes = c.kv_bytes_per_token_plane(itemsize) * sc.block_size
+            num_blocks = self._size_pool(
+                block_bytes,
+                kv_cache_bytes,
+                gpu_memory_utilization,
+                sc.max_num_seqs,
+                sc.max_model_len,
+                planes,
+                sc.block_size,
+                tp,
+            )
+            self._check_pool(num_blocks, need)
+            self.scheduler_config = SchedulerConfig(num_blocks=num_blocks, **sched)
+        self.scheduler = Scheduler(self.scheduler_config)
         self.runner = ModelRunner(
             c,
             self.params,
-            num_blocks=int(num_blocks),
-            block_size=block_size,
+            num_blocks=self.scheduler_config.num_blocks,
+            block_size=self.scheduler_config.block_size,
             num_ring_rows=num_ring_rows or need_rows,
             attention=attention,
             layer_loop=layer_loop,
@@ -249,63 +309,57 @@ class LLM:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
     @staticmethod
-    def _peek_config(model) -> Optional[OuroConfig]:
-        """The model's config without its weights (None if ``model`` is not recognised: ``_load``
-        raises the error)."""
+    def _resolve_model(model) -> tuple[OuroConfig, Optional[str]]:
+        """``(config, checkpoint folder or None)``, reading no weights: the folder's config.json only."""
         if isinstance(model, OuroConfig):
-            return model
+            return model, None
         if isinstance(model, str) and model in PRESETS:
-            return PRESETS[model]
-        if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
-            return OuroConfig.from_json(model)
-        return None
+            return PRESETS[model], None
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(
+                f"model must be a preset ({', '.join(sorted(PRESETS))}), an OuroConfig or a checkpoint folder; "
+                f"got {model!r}"
+            )
+        folder = os.path.expanduser(os.fspath(model))
+        if not os.path.exists(folder):
+            raise ValueError(
+                f"model {os.fspath(model)!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing "
+                f"path: no checkpoint folder {os.path.abspath(folder)}"
+            )
+        from weights import detect_format
+        from weights._common import read_config
+
+        detect_format(folder)  # a folder with config.json (Hugging Face) or an ouro-jax marker
+        return read_config(folder), folder
 
     @staticmethod
-    def _load(model, params, dtype, seed, host: bool = False):
-        """``(config, params, tokenizer)``; ``host=True`` (tensor parallel) keeps the leaves on the
-        host (numpy, or the CPU device) instead of the first accelerator."""
+    def _load(config: OuroConfig, folder: Optional[str], params, dtype, seed, host: bool = False):
+        """``(params, tokenizer)``: the folder's weights and tokenizer, or random weights for a config.
+        ``host=True`` (tensor parallel) keeps the leaves on the host (numpy, or the CPU device)
+        instead of the first accelerator."""
+        from .model import dtype_of
+
         tokenizer = None
-        if isinstance(model, OuroConfig):
-            config = model
-        elif isinstance(model, str) and model in PRESETS:
-            config = PRESETS[model]
-        elif isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
-            from weights import load_checkpoint
+        if folder is not None:
+            if params is None:
+                from weights import load_checkpoint
 
-            device = jax.devices("cpu")[0] if host else None
-            config, params = (
-                load_checkpoint(model, dtype=dtype, device=device)
-                if params is None
-                else (OuroConfig.from_json(model), params)
-            )
-            tok = os.path.join(model, "tokenizer.json")
-            if os.path.exists(tok):
-                from tokenizers import Tokenizer
-
-                tokenizer = Tokenizer.from_file(tok)
-        else:
-            raise ValueError(
-                f"model must be a preset ({', '.join(sorted(PRESETS))}), an OuroConfig or a "
-                f"checkpoint folder; got {model!r}"
-            )
+                device = jax.devices("cpu")[0] if host else None
+                _, params = load_checkpoint(folder, dtype=dtype, device=device)  # the config read_config gave
+                dtype = None
+            tokenizer = _load_tokenizer(folder, config)
         if params is None:  # the same weights as `ouro-jax random-checkpoint --seed` writes
             from weights.random_init import random_params
 
-            from .model import dtype_of
-
             params = random_params(config, seed, dtype_of(dtype or config.torch_dtype), on_device=not host)
         elif host:
-            from .model import dtype_of
-
             cast = (lambda x: np.asarray(x)) if dtype is None else (lambda x: np.asarray(x, dtype_of(dtype)))
             params = jax.tree.map(cast, params)
         elif dtype is not None:
-            from .model import dtype_of
-
             params = jax.tree.map(lambda x: jax.numpy.asarray(x, dtype_of(dtype)), params)
         else:
             params = jax.tree.map(jax.numpy.asarray, params)
-        return config, params, tokenizer
+        return params, tokenizer
 
     def _size_pool(self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size, tp=1):
         if kv_cache_bytes is None:
@@ -325,19 +379,43 @@ class LLM:
             )
         return int(kv_cache_bytes // block_bytes)
 
+    def _check_pool(self, num_blocks: int, need: int) -> None:
+        sc = self.scheduler_config
+        if num_blocks < need:
+            raise ValueError(
+                f"the KV pool ({num_blocks} blocks of {sc.block_size} tokens) cannot hold one request of "
+                f"max_model_len={sc.max_model_len} at {sc.num_planes} plane(s) (needs {need} blocks): lower "
+                f"max_model_len or give the cache more memory (kv_cache_bytes / num_blocks)"
+            )
+
     # ------------------------------------------------------------------- request API
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: Prompt) -> np.ndarray:
+        """Token ids of one prompt: text through the tokenizer, or a flat sequence/array of integer ids
+        (lists, numpy and jax arrays), each inside the vocabulary. Floats, strings and bools are
+        refused, not truncated or parsed."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
                     "text prompts need a tokenizer (tokenizer.json in the checkpoint folder); pass token ids instead"
                 )
-            return self.tokenizer.encode(prompt).ids
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
-        return ids
+            prompt = self.tokenizer.encode(prompt).ids
+        try:
+            ids = np.asarray(prompt)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"a prompt must be a string or a flat sequence of integer token ids: {e}") from None
+        if ids.ndim != 1:
+            raise ValueError(
+                f"a prompt must be a string or a flat sequence of integer token ids, got an array of shape {ids.shape}"
+            )
+        if ids.size == 0:
+            return ids.astype(np.int32)  # the scheduler refuses it with its own message
+        if not np.issubdtype(ids.dtype, np.integer):
+            sample = [x for x in ids.tolist() if not _is_int(x)][:3]
+            raise ValueError(f"token ids must be integers, got {ids.dtype} values such as {sample}")
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token ids {bad[:5].tolist()} are outside the vocabulary [0, {self.config.vocab_size})")
+        return ids.astype(np.int32)
 
     def add_request(
         self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None, request_id=None, priority: int = 0
@@ -504,7 +582,7 @@ class LLM:
         return [final[i] for i in ids]
 
     def _add_all(self, prompts, sampling_params) -> list:
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+        if _is_single_prompt(prompts):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import exit_rule
 from .attention import DenseCacheAttention
@@ -157,23 +158,35 @@ def generate(
 
     ``prompt_ids [B, P]`` int, ``prompt_lengths [B]`` (1..P). Greedy when ``temperature == 0``.
     Returns ``GenerateResult(tokens [B, N], exit_depths [B, N])``. Jitted: one compilation per
-    (config, dtype, shapes, max_new_tokens, min_loops, max_loops, top_k).
+    (config, dtype, shapes, max_new_tokens, min_loops, max_loops, top_k). Concrete inputs are checked
+    on the host (``ValueError``: integer ids inside the vocabulary, lengths in ``[1, P]``); inside an
+    outer ``jit`` only dtypes and shapes can be, and bad values give garbage tokens, not an error.
     """
     T = config.num_loops
     max_loops = T if max_loops is None else int(max_loops)
+    for name, v in (("prompt_ids", prompt_ids), ("prompt_lengths", prompt_lengths)):
+        dt = v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype
+        if not jnp.issubdtype(dt, jnp.integer):  # floats would be truncated, bools taken as 0/1
+            raise ValueError(f"{name} must be integers, got dtype {dt}")
+    if getattr(prompt_ids, "ndim", np.ndim(prompt_ids)) != 2 or np.shape(prompt_ids)[1] == 0:
+        raise ValueError(f"prompt_ids must be [batch, prompt_len>0], got shape {np.shape(prompt_ids)}")
+    b, p = np.shape(prompt_ids)
+    if np.shape(prompt_lengths) != (b,):
+        raise ValueError(f"prompt_lengths must have shape ({b},), got {np.shape(prompt_lengths)}")
+    if not isinstance(prompt_ids, jax.core.Tracer) and not isinstance(prompt_lengths, jax.core.Tracer):
+        # Concrete inputs are checked on the host. Under an outer jit the values cannot be: there a
+        # length outside [1, P] or an id outside the vocabulary gives garbage tokens, not an error
+        # (negative ids wrap around, ids >= vocab_size embed as NaN).
+        ids, lengths_np = np.asarray(prompt_ids), np.asarray(prompt_lengths)
+        lmin, lmax = int(lengths_np.min()), int(lengths_np.max())
+        if lmin < 1 or lmax > p:
+            raise ValueError(f"prompt_lengths must lie in [1, {p}], got [{lmin}, {lmax}]")
+        real = np.arange(p)[None, :] < lengths_np[:, None]  # right padding is never read
+        bad = ids[real & ((ids < 0) | (ids >= config.vocab_size))]
+        if bad.size:
+            raise ValueError(f"token ids {bad[:5].tolist()} are outside the vocabulary [0, {config.vocab_size})")
     prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
-    if prompt_ids.ndim != 2 or prompt_ids.shape[1] == 0:
-        raise ValueError(f"prompt_ids must be [batch, prompt_len>0], got shape {prompt_ids.shape}")
-    b, p = prompt_ids.shape
     lengths = jnp.asarray(prompt_lengths, jnp.int32)
-    if lengths.shape != (b,):
-        raise ValueError(f"prompt_lengths must have shape ({b},), got {lengths.shape}")
-    try:
-        lmin, lmax = int(jnp.min(lengths)), int(jnp.max(lengths))
-    except jax.errors.ConcretizationTypeError:
-        lmin, lmax = 1, p  # traced under an outer jit: the caller is responsible
-    if lmin < 1 or lmax > p:
-        raise ValueError(f"prompt_lengths must lie in [1, {p}], got [{lmin}, {lmax}]")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if p + max_new_tokens > config.max_position_embeddings:

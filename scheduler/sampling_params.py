@@ -1,7 +1,8 @@
 """SamplingParams: what a user asks of one request (length, sampling, stop rules, exit policy).
 
-It is a plain frozen dataclass so that it can be shared between requests and hashed. Nothing is
-checked at construction time because the number of loops ``T`` of the model is not known there:
+It is a plain frozen dataclass so that it can be shared between requests and hashed. Construction
+only normalises (numpy scalars to Python numbers, sequences to tuples, ``exit_mode`` to lower case);
+nothing is checked there because the number of loops ``T`` of the model is not known yet:
 ``validate(num_loops)`` checks everything once the engine knows ``T`` (the scheduler calls it in
 ``add_request``) and raises a ``ValueError`` that names the field.
 """
@@ -12,12 +13,21 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
+from .options import choice
+
 __all__ = ["SamplingParams", "EXIT_MODES"]
 
 #: ``ouro``: the model's own gate rule; ``delayed``: the same rule one loop later (lets the host
 #: schedule loop t+1 before it has read loop t's gate); ``fixed``: always ``max_loops`` loops;
 #: ``synthetic``: exit depths drawn or replayed deterministically (benchmarks with random weights).
 EXIT_MODES = ("ouro", "delayed", "fixed", "synthetic")
+
+
+def _plain(v):
+    """A zero-dimensional numpy/jax value as the Python number it holds; anything else unchanged."""
+    if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):
+        return v.item()
+    return v
 
 
 def _is_int(v) -> bool:
@@ -45,10 +55,18 @@ class SamplingParams:
     synthetic_depths: Optional[Sequence[int]] = None
 
     def __post_init__(self):
-        # a list given by the user becomes a tuple so that the object stays hashable
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.synthetic_depths is not None:
-            object.__setattr__(self, "synthetic_depths", tuple(self.synthetic_depths))
+        # numpy (or jax) scalars become Python numbers, arrays and lists tuples (hashable), the exit
+        # mode lower case: validate() then sees one canonical form
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("stop_token_ids", "synthetic_depths") and v is not None and not isinstance(v, str):
+                try:
+                    v = tuple(_plain(x) for x in v)
+                except TypeError:
+                    pass  # not a sequence: validate() says so
+            object.__setattr__(self, f.name, _plain(v))
+        if isinstance(self.exit_mode, str):
+            object.__setattr__(self, "exit_mode", self.exit_mode.lower())
 
     def resolved_max_loops(self, num_loops: int) -> int:
         return num_loops if self.max_loops is None else self.max_loops
@@ -75,6 +93,10 @@ class SamplingParams:
         )
         need(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         need(_is_int(self.seed) and 0 <= self.seed < 2**32, f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        need(
+            isinstance(self.stop_token_ids, tuple),
+            f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}",
+        )
         for t in self.stop_token_ids:
             need(_is_int(t) and t >= 0, f"stop_token_ids must be non-negative integers, got {t!r}")
         need(isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -90,7 +112,10 @@ class SamplingParams:
             _is_real(self.exit_threshold) and not math.isnan(self.exit_threshold) and 0.0 <= self.exit_threshold <= 1.0,
             f"exit_threshold must lie in [0, 1], got {self.exit_threshold!r}",
         )
-        need(self.exit_mode in EXIT_MODES, f"exit_mode must be one of {EXIT_MODES}, got {self.exit_mode!r}")
+        try:
+            choice("exit_mode", self.exit_mode, EXIT_MODES)
+        except ValueError as e:
+            need(False, str(e))
         if self.exit_mode == "synthetic":
             need(
                 (self.synthetic_mean_loops is None) != (self.synthetic_depths is None),
@@ -104,6 +129,10 @@ class SamplingParams:
                     f"[{self.min_loops}, {max_loops}], got {m!r}",
                 )
             else:
+                need(
+                    isinstance(self.synthetic_depths, tuple),
+                    f"synthetic_depths must be a sequence of loop indices, got {self.synthetic_depths!r}",
+                )
                 need(len(self.synthetic_depths) > 0, "synthetic_depths must not be empty")
                 for d in self.synthetic_depths:
                     need(

@@ -46,6 +46,7 @@ from .buckets import BucketKey, BucketSpec
 from .descriptor import StackedDescriptor, build_descriptor
 from .exit_policy import coda_kind, decide_exit, fold_gate, gate_needed, gates_needed_at, synthetic_exit_loops
 from .latency_target import make_latency_target
+from .options import choice
 from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
 from .policies import WaitingQueue, make_policy
 from .request import Request, RequestStatus
@@ -58,6 +59,7 @@ ArrayOrThunk = Union[np.ndarray, Callable[[], np.ndarray]]
 KV_LAYOUTS = ("last_exited", "shared")
 PREFILL_MODES = ("split", "mixed", "wavefront")
 KV_ALLOCATIONS = ("on_demand", "reserve")
+POLICIES = ("fcfs", "priority")
 
 
 def _is_int(v) -> bool:
@@ -86,7 +88,16 @@ class SchedulerConfig:
     target_tpot_ms: Optional[float] = None  # decode TPOT the prompt share is sized for (latency_target.py); None = off
 
     def __post_init__(self):
-        object.__setattr__(self, "kv_layout", str(self.kv_layout).lower())
+        for name, choices in (
+            ("kv_layout", KV_LAYOUTS),
+            ("prefill_mode", PREFILL_MODES),
+            ("policy", POLICIES),
+            ("kv_allocation", KV_ALLOCATIONS),
+        ):
+            try:
+                object.__setattr__(self, name, choice(name, getattr(self, name), choices))
+            except ValueError as e:
+                raise ValueError(f"SchedulerConfig: {e}") from None
         if self.buckets is not None:
             object.__setattr__(self, "buckets", tuple(self.buckets))
         if self.enable_prefix_caching is None:
@@ -118,19 +129,10 @@ class SchedulerConfig:
             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
             f"({self.max_num_seqs}): every running request may need a decode row in one invocation",
         )
-        need(self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
-        need(
-            self.prefill_mode in PREFILL_MODES,
-            f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}",
-        )
         need(
             not (self.prefill_mode == "wavefront" and self.kv_layout == "shared"),
             "prefill_mode='wavefront' needs kv_layout LAST_EXITED: with SHARED KV a position's "
             "depth 0 reads the final KV of every earlier position, so chunks cannot overlap in depth",
-        )
-        need(
-            self.kv_allocation in KV_ALLOCATIONS,
-            f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}",
         )
         need(
             isinstance(self.enable_prefix_caching, bool),
@@ -141,7 +143,6 @@ class SchedulerConfig:
             "enable_prefix_caching needs kv_layout LAST_EXITED: engine-semantics.md reserves prefix "
             "caching to LAST_EXITED (docs/decisions.md says why SHARED is rejected)",
         )
-        need(self.policy in ("fcfs", "priority"), f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         need(
             self.eos_token_id is None or (_is_int(self.eos_token_id) and self.eos_token_id >= 0),
             f"eos_token_id must be None or a non-negative integer, got {self.eos_token_id!r}",

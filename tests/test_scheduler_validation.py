@@ -212,3 +212,69 @@ def test_scheduler_package_never_imports_jax():
         "bad = [m for m in ('jax', 'flax') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_options_accept_any_case_and_name_the_choices():
+    from scheduler.options import choice
+
+    assert choice("kv_layout", "SHARED", ("last_exited", "shared")) == "shared"
+    for bad in ("paged", None, 3, b"shared"):
+        with pytest.raises(ValueError, match=r"kv_layout must be one of 'last_exited', 'shared' \(any case\)"):
+            choice("kv_layout", bad, ("last_exited", "shared"))
+    c = cfg(kv_layout="Last_Exited", prefill_mode="WaveFront", policy="PRIORITY")
+    assert (c.kv_layout, c.prefill_mode, c.policy) == ("last_exited", "wavefront", "priority")
+    assert SamplingParams(exit_mode="Delayed").exit_mode == "delayed"
+    SamplingParams(exit_mode="FIXED").validate(4)
+
+
+def test_sampling_params_accept_numpy_scalars_as_python_numbers():
+    p = SamplingParams(
+        max_tokens=np.int64(5),
+        temperature=np.float32(0.5),
+        top_p=np.float64(0.9),
+        top_k=np.int32(3),
+        seed=np.uint32(7),
+        stop_token_ids=np.array([2, 3]),
+        ignore_eos=np.bool_(True),
+        min_loops=np.int8(1),
+        max_loops=np.int16(3),
+        exit_threshold=np.float16(0.5),
+        exit_mode=np.str_("ouro"),
+    )
+    p.validate(4)
+    assert type(p.max_tokens) is int and type(p.temperature) is float and type(p.ignore_eos) is bool
+    assert p.stop_token_ids == (2, 3) and all(type(t) is int for t in p.stop_token_ids)
+    assert p == SamplingParams(5, 0.5, float(np.float64(0.9)), 3, 7, (2, 3), True, 1, 3, 0.5, "ouro")
+    hash(p)
+    SamplingParams(exit_mode="synthetic", synthetic_depths=np.array([0, 2]), synthetic_mean_loops=None).validate(4)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(max_tokens=np.float64(5.0)), "max_tokens must be an integer"),
+        (dict(max_tokens=np.array([5, 6])), "max_tokens must be an integer"),
+        (dict(stop_token_ids=5), "stop_token_ids must be a sequence"),
+        (dict(stop_token_ids="12"), "stop_token_ids must be a sequence"),
+        (dict(stop_token_ids=[1.0]), "stop_token_ids must be non-negative integers"),
+        (dict(exit_mode="synthetic", synthetic_depths=2), "synthetic_depths must be a sequence"),
+    ],
+)
+def test_sampling_params_refuse_non_integers(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw).validate(4)
+
+
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        ([1.0, 2.0], "flat sequence of ints"),
+        (["1", "2"], "flat sequence of ints"),
+        ([True, False], "flat sequence of ints"),
+        ([1, 2**31], "does not fit in int32"),
+        (np.array([1, 2**40]), "does not fit in int32"),
+    ],
+)
+def test_request_refuses_non_integer_or_oversized_ids(ids, match):
+    with pytest.raises(ValueError, match=match):
+        Request("r", ids)

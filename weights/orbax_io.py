@@ -3,8 +3,11 @@ an orbax checkpoint of the Flax param tree in ``params/`` (already transposed, a
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
 import threading
 
 import jax
@@ -124,7 +127,7 @@ def load_orbax(folder: str, dtype=None, device=None) -> tuple[OuroConfig, dict]:
         raise CheckpointError(f"converted checkpoint {folder} has no orbax folder {pdir}")
     device = device if device is not None else jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
-    with ocp.StandardCheckpointer() as ckptr:
+    with _quiet_orbax(), ocp.StandardCheckpointer() as ckptr:
         try:
             meta = ckptr.metadata(pdir).item_metadata
         except Exception as e:
@@ -161,8 +164,28 @@ def load_orbax(folder: str, dtype=None, device=None) -> tuple[OuroConfig, dict]:
     return config, _plain_dicts(params)
 
 
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Silence orbax's loggers (asyncio, absl) while reading: a broken checkpoint makes every failed
+    read task log its trace (thousands of lines); the one ``CheckpointError`` raised says it all."""
+    loggers = [logging.getLogger(name) for name in ("asyncio", "absl")]
+    before = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        yield
+    finally:
+        for lg, was in zip(loggers, before):
+            lg.disabled = was
+
+
 def _short(e: Exception, limit: int = 300) -> str:
-    text = f"{type(e).__name__}: {e}"
+    """One line: the error's first line without TensorStore's spec dump, naming the array if known."""
+    text = str(e)
+    array = re.search(r"'path': '([^'/][^']*?)/?',", text)  # the array's key inside the checkpoint
+    text = text.split("See full TensorStore details")[0].splitlines()[0].strip() if text else type(e).__name__
+    if array:
+        text = f"array {array.group(1)}: {text}"
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
