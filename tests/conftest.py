@@ -1,16 +1,46 @@
+"""Test session setup. The jax part runs only where jax is installed, so that the scheduler tests
+(``tests/test_scheduler_*.py``) also run in an environment with only numpy, pytest and hypothesis."""
+
+import importlib.util
 import os
+import shutil
+import subprocess
+import tempfile
 
-# CPU tests: keep XLA from grabbing every core's worth of threads on a 2-core machine and make
-# float32 matmuls exact-ish so that engine/generate equivalence tests compare like with like.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
 
-import jax  # noqa: E402
+def _cuda_visible() -> bool:
+    """A CUDA plugin for jax is installed and ``nvidia-smi`` lists a GPU: probed without starting a
+    jax backend, so the choice below is made before jax initialises any device."""
+    try:
+        plugin = any(
+            importlib.util.find_spec(m) is not None
+            for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+        )
+    except (ImportError, ValueError):
+        plugin = False
+    smi = shutil.which("nvidia-smi")
+    if not (plugin and smi):
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
 
-jax.config.update("jax_default_matmul_precision", "highest")
 
-import tempfile  # noqa: E402
+if importlib.util.find_spec("jax") is not None:
+    # An explicit JAX_PLATFORMS wins; otherwise the CPU is forced only where no CUDA GPU is usable,
+    # so that the same command runs the GPU tests on a GPU machine.
+    if "JAX_PLATFORMS" not in os.environ and not _cuda_visible():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    # CPU tests: keep XLA from grabbing every core's worth of threads on a 2-core machine and make
+    # float32 matmuls exact-ish so that engine/generate equivalence tests compare like with like.
+    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
 
-# One persistent compilation cache for the whole session: the many small engines of the tests
-# compile the same bucket shapes again and again.
-os.environ.setdefault("OURO_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="ouro_jax_xla_"))
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+    # One persistent compilation cache for the whole session: the many small engines of the tests
+    # compile the same bucket shapes again and again.
+    os.environ.setdefault("OURO_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="ouro_jax_xla_"))
