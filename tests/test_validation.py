@@ -96,6 +96,12 @@ def test_enum_options_accept_any_case():
     ]
 
 
+def test_numpy_integers_count_as_integer_options():
+    llm = small_llm(block_size=np.int64(4), num_blocks=np.int32(40), max_num_seqs=np.int16(2), seed=np.uint8(1))
+    sc = llm.scheduler_config
+    assert (sc.block_size, sc.num_blocks, sc.max_num_seqs) == (4, 40, 2) and type(sc.num_blocks) is int
+
+
 # ------------------------------------------------------------------------ model paths
 def test_missing_model_path_says_so(tmp_path):
     missing = tmp_path / "no-such-checkpoint"
