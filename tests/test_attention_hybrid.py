@@ -167,6 +167,7 @@ def reference_mgpu_half(q, k, v, qs, ql, cl, bt, *, layer=None, sm_scale, packin
 CPU_FIXED = (768, 40, 160)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mixed_batches(heads=[(4, 2, 64)], block_sizes=[8], layers=[2], max_long=180, max_extra=24))
 def test_triton_half_serves_short_segments_and_merge_gives_reference(case):

@@ -33,6 +33,7 @@ skip_no_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper (sm90+
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 3)), min_size=1, max_size=5), st.integers(0, 5))
 def test_tile_packing_round_trip(segs, extra):

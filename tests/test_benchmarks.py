@@ -96,6 +96,7 @@ def results(tmp_path_factory):
     return out, res, sweep, h
 
 
+@pytest.mark.slow  # the module's `results` fixture runs every workload once (~1 min)
 def test_every_workload_writes_its_records(results):
     out, res, _, _ = results
     assert set(res) == set(WORKLOADS)
@@ -130,6 +131,7 @@ def test_every_workload_writes_its_records(results):
         assert os.path.exists(os.path.join(out, f"{name}.png")) or not HAVE_MPL
 
 
+@pytest.mark.slow
 def test_serve_and_decode_under_prefill_specifics(results):
     out, res, _, _ = results
     serve = [r for r in res["serve1k"]["records"] if r["mode"] != run.GENERATE_MODE]
@@ -166,6 +168,7 @@ def test_report_gives_old_batch_records_no_tpot_floor():
     assert report._tpot_floor_s(dict(arrival="closed_loop", tpot_floor=old["tpot_floor"])) == 0.1
 
 
+@pytest.mark.slow
 def test_a_run_cut_short_is_recorded_as_truncated(results):
     _, _, _, h = results
     wl = make("mixed32", h.config.vocab_size, 0.02, 0.05)[0]
@@ -246,6 +249,7 @@ def test_optimal_buckets_match_brute_force():
         assert cost(got) == pytest.approx(cost(best), rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.slow
 def test_bucket_sweep(results):
     out, _, sweep, _ = results
     with open(os.path.join(out, "bucket_sweep.json")) as f:
@@ -272,6 +276,7 @@ def test_bucket_sweep(results):
         assert c["floor"]["floor_s"] > 0 and sum(c["need_hist"].values()) == c["invocations"]
 
 
+@pytest.mark.slow
 def test_report(results):
     out, _, _, _ = results
     path = report.main(["--results", out])

@@ -70,7 +70,14 @@ def assert_matches(got, want, ok):
             assert g == w
 
 
-@pytest.mark.parametrize("chunk,buckets", [(4, [8, 16, 64]), (16, [16, 64]), (32, [8, 16, 32, 64])])
+@pytest.mark.parametrize(
+    "chunk,buckets",
+    [
+        (4, [8, 16, 64]),
+        pytest.param(16, [16, 64], marks=pytest.mark.slow),
+        pytest.param(32, [8, 16, 32, 64], marks=pytest.mark.slow),
+    ],
+)
 def test_fixed_depth_equals_reference(chunk, buckets, fixed_oracle):
     # the scan-over-stacked-layers runner gets one configuration, the default (unrolled) the rest
     llm = make_llm(prefill_chunk_size=chunk, buckets=buckets, layer_loop="scan" if chunk == 16 else "unrolled")
@@ -83,7 +90,7 @@ def test_fixed_depth_equals_reference(chunk, buckets, fixed_oracle):
 
 
 @pytest.mark.parametrize("mode", ["split", "mixed", "wavefront"])
-@pytest.mark.parametrize("chunk", [4, 8, 16, 32])
+@pytest.mark.parametrize("chunk", [4, *(pytest.param(c, marks=pytest.mark.slow) for c in (8, 16, 32))])
 def test_modes_and_chunks_agree_with_early_exit(mode, chunk, early_oracle):
     llm = make_llm(prefill_mode=mode, prefill_chunk_size=chunk)
     got = run(llm, exit_threshold=0.6)
@@ -112,6 +119,7 @@ def test_arrival_order_and_decode_traffic(early_oracle):
     assert_matches(got, *early_oracle)
 
 
+@pytest.mark.slow
 def test_delayed_and_fixed_exit_modes_match_reference():
     for kw in (
         dict(exit_threshold=0.6, exit_mode="delayed"),
@@ -123,6 +131,7 @@ def test_delayed_and_fixed_exit_modes_match_reference():
             assert_matches(run(make_llm(prefill_mode=mode), PROMPTS[:4], **kw), want, ok)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_schedule_independent():
     sp = dict(temperature=0.9, top_k=30, top_p=0.9, seed=11)
     a = run(make_llm(prefill_mode="split", prefill_chunk_size=4), **sp)
@@ -132,6 +141,7 @@ def test_seeded_sampling_is_schedule_independent():
     assert a != c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, dict(exit_threshold=0.6)])
 def test_shared_layout_equals_shared_oracle(kw):
     """SHARED: one plane, prompts position by position; checked against an independent numpy oracle."""
@@ -154,6 +164,7 @@ def test_shared_layout_rejects_wavefront():
         make_llm(kv_layout="shared", prefill_mode="wavefront")
 
 
+@pytest.mark.slow
 def test_wavefront_fills_more_rows_than_split_at_small_chunk():
     long = [list(map(int, RNG.integers(1, CFG.vocab_size, 60))) for _ in range(2)]
     rows = {}
@@ -199,7 +210,7 @@ def test_streaming_abort_and_step_api():
     ],
 )
 def test_bad_requests_are_rejected_before_anything_runs(prompt, sp, msg):
-    llm = make_llm()
+    llm = make_llm(warmup=False)
     with pytest.raises(ValueError, match=msg):
         llm.generate([PROMPTS[0], prompt], SamplingParams(**sp), use_tqdm=False)
     assert not llm.has_unfinished()  # the good prompt was not queued either
@@ -219,6 +230,7 @@ def test_bad_engine_configs():
         LLM("no-such-model")
 
 
+@pytest.mark.slow
 def test_kv_exhaustion_waits_instead_of_failing():
     """A pool that holds one long request at a time: the others wait for blocks, none is dropped
     (reserve allocation; on-demand allocation preempts instead: tests/test_preemption.py)."""
@@ -231,6 +243,7 @@ def test_kv_exhaustion_waits_instead_of_failing():
     assert llm.stats()["free_blocks"] == 68
 
 
+@pytest.mark.slow
 def test_checkpoint_folder_with_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -283,6 +296,7 @@ def _staggered(llm, sp):
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [16, 32, 64, 128])
 @pytest.mark.parametrize("budget", [128, 256])
 def test_all_modes_identical_with_long_prompts_and_decode_traffic(chunk, budget, long_oracles):

@@ -194,7 +194,9 @@ def _engine(**kw):
     )
 
 
-@pytest.mark.parametrize("layout,tokens", [("last_exited", 1), ("last_exited", 3), ("shared", 2)])
+@pytest.mark.parametrize(
+    "layout,tokens", [("last_exited", 1), ("last_exited", 3), pytest.param("shared", 2, marks=pytest.mark.slow)]
+)
 def test_engine_fused_equals_loop_by_loop_and_reference(layout, tokens):
     sp = [
         SamplingParams(max_tokens=7, ignore_eos=True, exit_mode="fixed"),

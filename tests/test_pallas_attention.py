@@ -237,6 +237,7 @@ def build(case, dtype):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches(max_segments=6, max_q=24, max_pages=6))
 def test_reference_matches_numpy_oracle(case):
@@ -265,6 +266,7 @@ TUNINGS = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches(max_segments=4, max_q=18, max_pages=4), TUNINGS, st.sampled_from([np.float32, np.float32, jnp.bfloat16]))
 def test_kernel_interpret_matches_reference(case, tuning, dtype):

@@ -232,6 +232,7 @@ ARGS = [
 ]
 
 
+@pytest.mark.slow  # with the next test, the only users of the `harness` fixture (compiles an engine)
 def test_main_on_tiny(harness, tmp_path):
     out = str(tmp_path / "sub" / "profile_step.json")
     res = ps.main(ARGS + ["--buckets", "decode:8", "prefill:16", "decode:32", "--out", out], harness=harness)
@@ -261,6 +262,7 @@ def test_main_on_tiny(harness, tmp_path):
     assert "error" in d["buckets"][2] and "not one of the engine's row buckets" in d["buckets"][2]["error"]
 
 
+@pytest.mark.slow
 def test_profile_failure_keeps_the_wall_time(harness, tmp_path, monkeypatch):
     monkeypatch.setattr(jax.profiler, "ProfileData", None)
     out = str(tmp_path / "p.json")
