@@ -187,6 +187,7 @@ def test_prompts_as_jax_and_numpy_arrays_and_numpy_sampling_params(llm):
     assert len(ids) == 3
     for r in [rid, rid2, *ids]:
         assert llm.abort(r)
+    assert {o.finish_reason for o in llm.step()} == {"abort"}  # aborted outputs come with the next step
     assert not llm.has_unfinished()
 
 
