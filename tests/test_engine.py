@@ -99,6 +99,7 @@ def test_modes_and_chunks_agree_with_early_exit(mode, chunk, early_oracle):
     assert llm.stats()["free_blocks"] == llm.scheduler_config.num_blocks - 1
 
 
+@pytest.mark.slow
 def test_arrival_order_and_decode_traffic(early_oracle):
     """Requests arrive while others decode, in a shuffled order, with a small budget."""
     llm = make_llm(prefill_mode="wavefront", max_num_seqs=3, max_num_batched_tokens=16, buckets=[8, 16])

@@ -195,7 +195,12 @@ def _engine(**kw):
 
 
 @pytest.mark.parametrize(
-    "layout,tokens", [("last_exited", 1), ("last_exited", 3), pytest.param("shared", 2, marks=pytest.mark.slow)]
+    "layout,tokens",
+    [
+        ("last_exited", 1),
+        pytest.param("last_exited", 3, marks=pytest.mark.slow),
+        pytest.param("shared", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_engine_fused_equals_loop_by_loop_and_reference(layout, tokens):
     sp = [

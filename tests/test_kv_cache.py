@@ -104,6 +104,7 @@ def copy_cases(draw):
     return kvh, nb, bs, hd, layers, f, seed
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(copy_cases())
 def test_copy_kv_slots_changes_exactly_the_slots(case):

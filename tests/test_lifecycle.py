@@ -153,6 +153,7 @@ def _live_requests() -> int:
     return sum(isinstance(o, Request) for o in gc.get_objects())
 
 
+@pytest.mark.slow
 def test_long_step_loop_keeps_memory_flat(llm):
     """Hundreds of requests through add_request/step/abort: the engine holds no more requests or
     outputs at the end than at the start."""

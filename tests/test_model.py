@@ -12,6 +12,8 @@ from ouro_jax.reference import from_param_tree, reference_forward, reference_gre
 from weights.random_init import random_params
 
 PRESETS = ["tiny", "tiny-gqa"]
+# GQA (T=3) stays in the default run through the runner and early-exit tests; these sweeps run with -m slow
+PRESETS_GQA_SLOW = ["tiny", pytest.param("tiny-gqa", marks=pytest.mark.slow)]
 
 
 def _setup(preset, seed=0, dtype=np.float32):
@@ -26,7 +28,7 @@ def _rel(a, b):
     return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PRESETS_GQA_SLOW)
 def test_forward_matches_reference_every_loop(preset):
     cfg, params, ref = _setup(preset)
     rng = np.random.default_rng(1)
@@ -73,7 +75,7 @@ def test_forward_bfloat16_logits_close():
     assert np.mean(np.argmax(got, -1) == np.argmax(want, -1)) >= 0.8
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PRESETS_GQA_SLOW)
 def test_incremental_cache_equals_full_recompute(preset):
     """Prefill a prefix into the dense per-loop cache, then feed the rest one token at a time
     (all loops each): every loop's hidden state equals the full forward's."""
@@ -109,7 +111,7 @@ def test_incremental_cache_equals_full_recompute(preset):
             np.testing.assert_allclose(g[:, 0], full.gate_logits[d][:, pos], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PRESETS_GQA_SLOW)
 def test_generate_greedy_fixed_depth_equals_reference(preset):
     cfg, params, ref = _setup(preset)
     rng = np.random.default_rng(5)
@@ -127,7 +129,12 @@ def test_generate_greedy_fixed_depth_equals_reference(preset):
 
 @pytest.mark.parametrize(
     "preset,threshold,min_loops,max_loops",
-    [("tiny", 0.6, 1, None), ("tiny", 0.8, 2, 3), ("tiny-gqa", 0.3, 1, None), ("tiny-gqa", 0.45, 1, 2)],
+    [
+        ("tiny", 0.6, 1, None),
+        pytest.param("tiny", 0.8, 2, 3, marks=pytest.mark.slow),
+        pytest.param("tiny-gqa", 0.3, 1, None, marks=pytest.mark.slow),
+        ("tiny-gqa", 0.45, 1, 2),
+    ],
 )
 def test_generate_early_exit_equals_reference_last_exited(preset, threshold, min_loops, max_loops):
     cfg, params, ref = _setup(preset)

@@ -247,6 +247,7 @@ def test_reference_matches_numpy_oracle(case):
     assert_close(got, oracle(b, sm_scale), b, np.float32, "reference")
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches(max_segments=4, max_q=20, max_pages=4), st.sampled_from([1, 4, 16]))
 def test_reference_any_tile_height(case, block_q):

@@ -218,6 +218,7 @@ def tight_workloads(draw):
     return cfg, reqs
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tight_workloads())
 def test_random_preemption_orders_match_reference_and_leak_nothing(wl):

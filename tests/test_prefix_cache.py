@@ -134,6 +134,7 @@ def test_shared_layout_rejects_prefix_caching_and_the_default_is_one_constant():
 
 
 # ------------------------------------------------------------------------------- the JAX engine
+@pytest.mark.slow
 def test_engine_prefix_hits_keep_tokens():
     cfg, _, prompts = engine_parts()
     rng = np.random.default_rng(11)

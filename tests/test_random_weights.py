@@ -19,7 +19,7 @@ def _engine_params(preset, seed, dtype):
     return _leaves(llm.params)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_llm_seed_equals_random_checkpoint_seed(tmp_path, capsys, dtype):
     dst = str(tmp_path / "ckpt")
     assert main(["random-checkpoint", dst, "--preset", "tiny-gqa", "--seed", "7", "--dtype", dtype]) == 0
