@@ -173,6 +173,7 @@ def test_long_step_loop_keeps_memory_flat(llm):
     assert peak <= 13
 
 
+@pytest.mark.slow
 def test_scheduler_loop_keeps_memory_flat():
     """The same at the scheduler level (FakeRunner): no finished request is referenced."""
     cfg = SchedulerConfig(

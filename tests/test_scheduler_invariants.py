@@ -297,6 +297,7 @@ def check_against_reference(cfg, objs, aborted):
         assert objs[rid][0].finish_reason == "abort"
 
 
+@pytest.mark.slow  # 150 random workloads; the fixed cases below stay in the default run
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(), st.booleans())
 def test_random_workloads_keep_invariants_and_match_reference(wl, lazy):
