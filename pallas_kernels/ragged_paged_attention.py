@@ -105,7 +105,7 @@ def default_tuning(
 
     Decode buckets: 16-row MMA tiles (one decode row padded to 16), 64-token blocks, ~512 programs.
     Prompt segments: the tile height follows the rows per segment (16 / 64 / 128 rows); 128-row
-    tiles run 8 warps with 32-token blocks. The sweep behind them: docs/decisions.md, "Triton
+    tiles use 8 warps with 32-token blocks. The sweep behind them: docs/decisions.md, "Triton
     kernel tuning".
     """
     g = num_q_heads // num_kv_heads
