@@ -389,7 +389,7 @@ class LLM:
             )
 
     # ------------------------------------------------------------------- request API
-    def _encode(self, prompt: Prompt) -> np.ndarray:
+    def encode(self, prompt: Prompt) -> np.ndarray:
         """Token ids of one prompt: text through the tokenizer, or a flat sequence/array of integer ids
         (lists, numpy and jax arrays), each inside the vocabulary. Floats, strings and bools are
         refused, not truncated or parsed."""
@@ -421,7 +421,7 @@ class LLM:
         self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None, request_id=None, priority: int = 0
     ) -> object:
         """Validate and queue one request (``ValueError`` before anything changes); returns its id."""
-        ids = self._encode(prompt)
+        ids = self.encode(prompt)
         rid = next(self._ids) if request_id is None else request_id
         if rid in self._unreported:
             raise ValueError(f"request {rid!r}: a request with this id has an output not handed out yet (call step())")
@@ -589,7 +589,7 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         # validate everything before queueing anything: a bad request leaves the engine untouched
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [self.encode(p) for p in prompts]
         probe = Scheduler(self.scheduler_config)
         for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
             probe.add_request(Request(("probe", i), ids, sp))

@@ -250,8 +250,9 @@ def workloads(draw):
     return cfg, reqs
 
 
-def run_workload(cfg, reqs, lazy=False):
-    h = Harness(cfg, lazy=lazy)
+def run_workload(cfg, reqs, lazy=False, harness=None):
+    """Drive ``reqs`` (arrivals, aborts) through ``harness`` (default: a plain ``Harness``) to the end."""
+    h = harness or Harness(cfg, lazy=lazy)
     objs = {}
     pending = sorted(reqs, key=lambda r: r["arrival"])
     step = 0

@@ -77,7 +77,7 @@ class ServerState:
 
     def encode(self, prompt, param: str = "prompt") -> list[int]:
         try:
-            return self.llm._encode(prompt)
+            return self.llm.encode(prompt)
         except ValueError as e:
             raise P.APIError(str(e), param=param) from None
 
