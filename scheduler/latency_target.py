@@ -12,8 +12,10 @@ block), so one measurement is the time between two blocking reads and covers eve
 in between: the model is fitted on their summed features, which a linear model allows.
 
 Never starving: decode rows are never capped; with no decode stream running prompts are not capped
-either; and when the cap leaves prompts nothing for ``starve_after`` invocations in a row, one
-chunk runs anyway.
+either; waiting prompts always get at least ``min_prompt_share`` of the predicted invocation time
+(a target that decode alone already misses is relaxed to ``decode time / (1 - share)``, so an
+unreachable target degrades into a fixed prompt share instead of a trickle); and when the cap still
+leaves prompts nothing for ``starve_after`` invocations in a row, one chunk runs anyway.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ class LatencyTarget:
         prompt_chunk: int,
         *,
         headroom: float = 0.95,
+        min_prompt_share: float = 0.25,
         starve_after: Optional[int] = None,
         window: int = 256,
         min_observations: int = 8,
@@ -126,7 +129,10 @@ class LatencyTarget:
             raise ValueError(f"LatencyTarget: target_s must be a positive number, got {target_s!r}")
         if not 0 < headroom <= 1:
             raise ValueError(f"LatencyTarget: headroom must lie in (0, 1], got {headroom!r}")
+        if not (isinstance(min_prompt_share, (int, float)) and 0 <= min_prompt_share < 1):
+            raise ValueError(f"LatencyTarget: min_prompt_share must lie in [0, 1), got {min_prompt_share!r}")
         self.target_s, self.num_loops, self.headroom = float(target_s), num_loops, headroom
+        self.min_prompt_share = float(min_prompt_share)
         self.row_buckets = sorted(row_buckets)
         self.prompt_chunk = prompt_chunk
         self.starve_after = 2 * num_loops if starve_after is None else starve_after
@@ -138,6 +144,7 @@ class LatencyTarget:
         self._starved = 0  # invocations in a row in which ready prompt work got no row
         self.forced = 0  # invocations given a chunk by the starvation rule
         self.capped = 0  # invocations whose prompt rows the target limited
+        self.relaxed = 0  # invocations whose target decode alone would miss: prompts got the minimum share
 
     # ------------------------------------------------------------------ measure
     def observe(self, plans, seconds: float) -> None:
@@ -196,8 +203,14 @@ class LatencyTarget:
             return min(room, self.prompt_chunk)
         a, b, c = self.model.coefficients
         limit = self.headroom * self.target_s / self.mean_loops
+        decode_alone = a + b * self._bucket(n_d) + c * ctx_d
+        # the least time prompts get: share s of (decode + prompt) time, i.e. decode / (1 - s) in all
+        least = decode_alone / (1.0 - self.min_prompt_share)
+        if limit < least:
+            limit = least
+            self.relaxed += 1
         if split:  # a prefill invocation per decode invocation, per loop
-            limit -= a + b * self._bucket(n_d) + c * ctx_d
+            limit -= decode_alone
             base_rows, base_ctx = 0, 0.0
         else:
             base_rows, base_ctx = n_d, ctx_d
@@ -224,6 +237,7 @@ class LatencyTarget:
             latency_coefficients=None if coef is None else list(coef),
             latency_capped=self.capped,
             latency_forced=self.forced,
+            latency_relaxed=self.relaxed,
         )
 
 

@@ -205,13 +205,33 @@ def test_early_exit_budget_uses_mean_loops():
     assert np.median(gaps) <= target * (1 + 1e-9)
 
 
-def test_infeasible_target_still_runs_prompts():
-    """A target below the decode-only invocation: prompts still get a chunk every few invocations."""
+def test_infeasible_target_gives_prompts_their_minimum_share():
+    """A target below the decode-only invocation (1 ms): the policy falls back to giving waiting
+    prompts ``min_prompt_share`` of the time instead of a chunk now and then, so the long prompts
+    get rows in nearly every invocation and the streams slow by at most ``1 / (1 - share)``."""
     cfg = config("wavefront", 1.0)  # 0.25 ms per loop < the 1 ms of any invocation
-    h, objs, aborted = drive(cfg, streams_and_long_prompts(long_len=80), COST)
-    assert h.s.latency.forced > 0
-    assert h.max_no_prompt_run <= h.s.latency.starve_after + 1
+    reqs = streams_and_long_prompts(long_len=240)
+    h, objs, aborted = drive(cfg, reqs, COST)
+    lt = h.s.latency
+    assert lt.relaxed > 0 and lt.forced == 0
+    assert h.max_no_prompt_run <= 1, h.max_no_prompt_run
     check_against_reference(cfg, objs, aborted)
+    # decode alone: 4 streams in the 8-row bucket at < 64 context tokens each: < 1 + 0.4 + 0.03 ms a loop
+    bound = 4 * (1e-3 + 8 * 5e-5 + 4 * 64 * 1e-7) / (1 - lt.min_prompt_share)
+    gaps = stream_intervals(h, h.fitted_at)
+    assert gaps and max(gaps) <= bound * (1 + 1e-9), (max(gaps), bound)
+    # with no share at all the old trickle returns: prompts wait starve_after invocations at a time
+    cfg0 = dataclasses.replace(cfg)
+    h0 = TimedHarness(cfg0, COST)
+    h0.s.latency.min_prompt_share = 0.0
+    run_workload(cfg0, reqs, harness=h0)
+    assert h0.s.latency.forced > 0 and h0.max_no_prompt_run > 1
+
+
+def test_min_prompt_share_is_checked():
+    for bad in (-0.1, 1.0, 2, "x"):
+        with pytest.raises(ValueError, match="min_prompt_share"):
+            LatencyTarget(1.0, 4, [8, 16], 16, min_prompt_share=bad)
 
 
 # ------------------------------------------------------------ never starves, same tokens
