@@ -61,6 +61,7 @@ __all__ = [
     "aggregate",
     "kernel_events",
     "hlo_op_names",
+    "trace_kernels",
     "profile_bucket",
     "main",
 ]
@@ -444,6 +445,29 @@ def _newest_xplane(trace_dir: str) -> str:
     return max(files, key=os.path.getmtime)
 
 
+def trace_kernels(fn, trace_dir: Optional[str] = None, device_index: int = 0) -> tuple:
+    """Run ``fn()`` under ``jax.profiler.trace`` and parse the trace (``kernel_events``): returns
+    ``(fn's result, device plane or None, kernel events, info, trace file or None)``. The trace goes
+    to a temporary folder removed afterwards unless ``trace_dir`` names one to keep it in. ``fn``
+    should end by waiting for the device, so that every kernel it launched is in the trace."""
+    import jax
+
+    PD = getattr(jax.profiler, "ProfileData", None)
+    if PD is None:
+        raise RuntimeError(f"jax.profiler.ProfileData is not available in jax {jax.__version__}")
+    own = trace_dir is None
+    tdir = tempfile.mkdtemp(prefix="ouro_trace_") if own else trace_dir
+    try:
+        with jax.profiler.trace(tdir):
+            out = fn()
+        path = _newest_xplane(tdir)
+        plane, events, info = kernel_events(PD.from_file(path), device_index)
+    finally:
+        if own:
+            shutil.rmtree(tdir, ignore_errors=True)
+    return out, plane, events, info, None if own else path
+
+
 # ------------------------------------------------------------------------------ one bucket
 def _invoke(r, key, packed, n: int):
     import jax
@@ -520,24 +544,18 @@ def profile_bucket(
     )
     # the profiled loop
     try:
-        PD = getattr(jax.profiler, "ProfileData", None)
-        if PD is None:
-            raise RuntimeError(f"jax.profiler.ProfileData is not available in jax {jax.__version__}")
-        own = trace_dir is None
-        tdir = tempfile.mkdtemp(prefix="profile_step_") if own else trace_dir
-        try:
-            with jax.profiler.trace(tdir):
-                t = time.perf_counter()
-                _invoke(r, key, packed, steps)
-                rec["profiled_wall_ms_per_inv"] = (time.perf_counter() - t) / steps * 1e3  # under the profiler
-            path = _newest_xplane(tdir)
-            profile = PD.from_file(path)
-            plane, events, info = kernel_events(profile, getattr(r.device, "local_hardware_id", None) or 0)
-            if not own:
-                rec["trace_file"] = path
-        finally:
-            if own:
-                shutil.rmtree(tdir, ignore_errors=True)
+
+        def profiled():
+            t = time.perf_counter()
+            _invoke(r, key, packed, steps)
+            return time.perf_counter() - t
+
+        wall_s, plane, events, info, path = trace_kernels(
+            profiled, trace_dir, getattr(r.device, "local_hardware_id", None) or 0
+        )
+        rec["profiled_wall_ms_per_inv"] = wall_s / steps * 1e3  # under the profiler
+        if path:
+            rec["trace_file"] = path
         try:
             hlo = hlo_op_names(exe.as_text())
         except Exception:  # noqa: BLE001 - the mapping is a bonus

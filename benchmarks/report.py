@@ -2,12 +2,13 @@
 
     python -m benchmarks.report [--results benchmarks/results]
 
-Reads ``<workload>.json`` (``benchmarks/run.py``), ``bucket_sweep.json`` / ``bucket_padding.json``
-(``benchmarks/sweep_buckets.py``) and ``generate.json`` (an earlier static-batch run; ``benchmarks.run``
-now records ``generate()`` baselines in the workload JSONs), and
-writes ``REPORT.md`` with the targets of docs/performance.md, one table per workload, the bucket
+Reads ``<workload>.json`` (``benchmarks/run.py``), ``decode.json`` (``benchmarks/decode.py``),
+``bucket_sweep.json`` / ``bucket_padding.json`` (``benchmarks/sweep_buckets.py``) and
+``generate.json`` (an earlier static-batch run; ``benchmarks.run`` now records ``generate()``
+baselines in the workload JSONs), and writes ``REPORT.md`` with the targets of docs/performance.md
+(issue 13's decode targets from decode.json), one table per workload, the decode table, the bucket
 sweep, and plots (throughput vs chunk per mode, latency CDFs, prompt throughput vs decode TPOT of the
-workloads with decode streams, bucket roofline, padding by bucket set).
+workloads with decode streams, TPOT vs floor per concurrency, bucket roofline, padding by bucket set).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ __all__ = [
     "plot_latency",
     "plot_tradeoff",
     "plot_bucket_sweep",
+    "plot_decode",
+    "decode_section",
     "write_report",
     "main",
 ]
@@ -303,6 +306,100 @@ def plot_bucket_sweep(result: dict, path: str) -> Optional[str]:
     return _finish(plt, fig, path)
 
 
+def _decode_series(records) -> dict:
+    """(context, path, exit) -> records sorted by concurrency (those with a positive TPOT and a floor;
+    a generate() TPOT is a difference of two timings, which noise can make negative on a CPU)."""
+    s = defaultdict(list)
+    for r in records:
+        if "error" not in r and r.get("tpot_fraction_of_floor") and r.get("tpot_floor_ms"):
+            s[(r.get("context"), r.get("path", "engine"), r.get("exit"))].append(r)
+    for v in s.values():
+        v.sort(key=lambda r: r["concurrency"])
+    return dict(sorted(s.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] != "engine", str(kv[0][2]))))
+
+
+def plot_decode(result: dict, path: str) -> Optional[str]:
+    """decode.json: TPOT p50 per concurrency, one line per exit kind with its floor (dashed), and
+    the fraction of floor; one row of panels per context; generate() as open squares."""
+    series = _decode_series(result.get("records", []))
+    if not series:
+        return None
+    plt = _plt()
+    contexts = sorted({k[0] for k in series})
+    exits = list(dict.fromkeys(k[2] for k in series))
+    color = {e: f"C{i}" for i, e in enumerate(exits)}
+    fig, axes = plt.subplots(len(contexts), 2, figsize=(12, 4 * len(contexts)), squeeze=False)
+    for row, ctx in zip(axes, contexts):
+        ax, axf = row
+        for (c0, p, e), rs in series.items():
+            if c0 != ctx:
+                continue
+            x = [r["concurrency"] for r in rs]
+            if p == "engine":
+                ax.plot(x, [r["tpot_p50_ms"] for r in rs], "o-", color=color[e], label=f"{e}")
+                ax.plot(x, [r["tpot_floor_ms"] for r in rs], "--", color=color[e], alpha=0.6, label=f"{e} floor")
+                axf.plot(x, [100 * r["tpot_fraction_of_floor"] for r in rs], "o-", color=color[e], label=e)
+            else:
+                ax.plot(
+                    x, [r["tpot_p50_ms"] for r in rs], "s", mfc="none", ms=9, color=color[e], label=f"generate() {e}"
+                )
+                axf.plot(x, [100 * r["tpot_fraction_of_floor"] for r in rs], "s", mfc="none", ms=9, color=color[e])
+        cs = sorted({r["concurrency"] for (c0, _, _), rs in series.items() if c0 == ctx for r in rs})
+        for a in (ax, axf):
+            a.set_xscale("log", base=2)
+            a.set_xticks(cs, [str(c) for c in cs])
+            a.set_xlabel("concurrent streams c")
+        ax.set_yscale("log")
+        ax.set_ylabel("TPOT p50 (ms); dashed: floor")
+        ax.set_title(f"context {ctx}")
+        axf.set_ylabel("% of the TPOT floor")
+        axf.set_ylim(0, 100)
+        axf.set_title(f"context {ctx}: floor / TPOT")
+        ax.legend(fontsize=7)
+        axf.legend(fontsize=7)
+    return _finish(plt, fig, path, f"decode on {result.get('device')} (jax {result.get('jax_version')})")
+
+
+def decode_section(res: dict) -> str:
+    """The decode.json table: one row per record, grouped by context, path and exit kind."""
+    rows = []
+    for (ctx, p, e), rs in _decode_series(res.get("records", [])).items():
+        for r in rs:
+            rows.append(
+                [
+                    ctx,
+                    "engine" if p == "engine" else "generate()",
+                    e,
+                    r["concurrency"],
+                    _f(r["tpot_p50_ms"], 2),
+                    _f(r["tpot_floor_ms"], 2),
+                    _pct(r["tpot_fraction_of_floor"]),
+                    _f(r.get("mean_loops_per_token"), 2),
+                    _f(r.get("kernels_per_loop"), 0),
+                    _pct(r.get("device_busy_share")),
+                ]
+            )
+    head = [
+        "context",
+        "path",
+        "exit",
+        "c",
+        "TPOT p50 ms",
+        "floor ms",
+        "of floor",
+        "loops/token",
+        "kernels/loop",
+        "busy",
+    ]
+    out = _table(head, rows)
+    bad = [r for r in res.get("records", []) if "error" in r]
+    if bad:
+        out += "\n\nFailed: " + "; ".join(f"{r.get('label')} ({r['error'][:120]})" for r in bad)
+    if res.get("skipped"):
+        out += "\n\nSkipped: " + "; ".join(f"{s['label']} ({s['reason']})" for s in res["skipped"])
+    return out
+
+
 # ----------------------------------------------------------------------------------- markdown
 def _f(x, nd=1, scale=1.0, unit=""):
     if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))):
@@ -424,6 +521,47 @@ def _find(results, workload, pred):
     return [r for r in _ok(res.get("records", [])) if pred(r)]
 
 
+def _decode_targets(results: dict) -> list:
+    """Issue 13's decode targets, read from decode.json (1K context) where it exists."""
+    res = results.get("decode")
+    if not res or res.get("benchmark") != "decode":
+        return []
+    recs = [r for r in res.get("records", []) if "error" not in r and r.get("tpot_fraction_of_floor")]
+    ctx = min((r.get("context") for r in recs), default=None)
+    rows = []
+    for path, exit_ok, c, goal in (
+        ("engine", lambda e: e == "fixed", 1, 0.60),
+        ("engine", lambda e: e == "fixed", 8, 0.55),
+        ("engine", lambda e: e == "fixed", 128, 0.80),
+        ("engine", lambda e: e != "fixed", 1, 0.50),
+        ("generate", lambda e: e == "fixed", 1, 0.60),
+        ("generate", lambda e: e == "fixed", 8, 0.55),
+    ):
+        match = [
+            r
+            for r in recs
+            if r.get("path") == path and exit_ok(r.get("exit")) and r["concurrency"] == c and r["context"] == ctx
+        ]
+        kind = "fixed depth" if exit_ok("fixed") else "early exit"
+        what = f"decode.json {'generate()' if path == 'generate' else 'engine'} c={c}, {kind}, context {ctx}"
+        if not match:
+            rows.append([what, f">= {goal:.0%} of the TPOT floor (issue 13)", "not run", "", ""])
+            continue
+        for r in match:
+            f = r["tpot_fraction_of_floor"]
+            rows.append(
+                [
+                    what + ("" if kind == "fixed depth" else f" ({r['exit']})"),
+                    f">= {goal:.0%} of the TPOT floor (issue 13)",
+                    f"TPOT p50 {_f(r['tpot_p50_ms'], 2)} ms vs floor {_f(r['tpot_floor_ms'], 2)} ms at "
+                    f"{_f(r.get('mean_loops_per_token'), 2)} loops/token",
+                    _pct(f),
+                    "met" if f >= goal else "not met",
+                ]
+            )
+    return rows
+
+
 def _targets(results: dict) -> str:
     rows = []
 
@@ -466,6 +604,7 @@ def _targets(results: dict) -> str:
                 "met" if f and f >= goal else "not met",
             ]
         )
+    rows += _decode_targets(results)
     l4 = {(r["mode"], r.get("chunk")): r for r in _find(results, "long4", lambda r: r["mode"] != GENERATE_MODE)}
     w16, s16 = l4.get(("wavefront", 16)), l4.get(("split", 16))
     if w16:
@@ -732,6 +871,26 @@ def write_report(folder: str) -> str:
                 p = None
             if p:
                 lines += [f"![{name}{suffix}]({os.path.basename(p)})", ""]
+    dec = results.get("decode")
+    if dec and dec.get("benchmark") == "decode" and dec.get("records"):
+        cfg = dec.get("config", {})
+        lines += [
+            "## decode (benchmarks/decode.py)",
+            "",
+            f"c requests at t=0, {cfg.get('output_tokens')} out, prompts warmed into the prefix cache: "
+            f"{cfg.get('prefix_warm')}; preset {cfg.get('preset')} {cfg.get('dtype')}, scale {cfg.get('scale')}. "
+            "TPOT p50 against `floors.decode_step_floor` at c rows, the mean decode context and the mean "
+            "loops per token run; kernels per loop and device-busy share from a profiler trace.",
+            "",
+            decode_section(dec),
+            "",
+        ]
+        try:
+            p = plot_decode(dec, os.path.join(folder, "decode.png"))
+        except ImportError:
+            p = None
+        if p:
+            lines += ["![decode](decode.png)", ""]
     gen = results.get("generate")
     if gen and gen.get("records"):
         lines += ["## generate() static batch (generate.json)", ""]

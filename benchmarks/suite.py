@@ -116,6 +116,15 @@ SUITES: dict[str, tuple[Stage, ...]] = {
             shape_flags=True,
         ),
         Stage("profile", ("-m", "benchmarks.profile_step"), share=120, default=False),
+        # issue 13's decode sweep (~8 min on its own): `--stages decode report`
+        Stage(
+            "decode",
+            ("-m", "benchmarks.decode", "--no-plot"),
+            share=240,
+            takes_budget=True,
+            shape_flags=True,
+            default=False,
+        ),
         Stage("mixed128", _run("--workload", "mixed128"), share=200, takes_budget=True, shape_flags=True),
         Stage("report", ("-m", "benchmarks.report"), share=25),
     ),
@@ -159,7 +168,7 @@ class Suite:
             a += ["--out", os.path.join(self.out, "profile_step.json")]
         elif stage.name == "sweep":
             a += ["--out", self.out, "--merge", os.path.join(self.out, "bucket_padding.json")]
-        elif stage.argv[:2] == ("-m", "benchmarks.run"):
+        elif stage.argv[:2] in (("-m", "benchmarks.run"), ("-m", "benchmarks.decode")):
             a += ["--out", self.out]
         if budget is not None and stage.takes_budget:
             a += ["--time-budget", f"{budget:.0f}"]
@@ -235,7 +244,7 @@ class Suite:
         with tarfile.open(tmp, "w:gz") as tar:
             tar.add(self.out, arcname=os.path.basename(os.path.normpath(self.out)))
         os.replace(tmp, os.path.join(self.copy_to, "results.tar.gz"))
-        for f in ("REPORT.md", "serve1k.json", "long4.json", "bucket_sweep.json"):
+        for f in ("REPORT.md", "serve1k.json", "long4.json", "decode.json", "bucket_sweep.json"):
             if os.path.isfile(os.path.join(self.out, f)):
                 shutil.copy(os.path.join(self.out, f), self.copy_to)
         shutil.copy(self.log_path, self.copy_to)

@@ -13,6 +13,10 @@
                           variants: KV reserved at admission against allocated on demand
     shared_prefix         64 requests at t=0: a 2048-token common prefix + 64 unique tokens, 128 out;
                           variants: prefix cache off / on (the prefix warmed before the timed run)
+    decode                c requests at t=0 (c in 1..128), 1024- or 4096-token prompts, 128 out, fixed
+                          depth or early exit (``decode_workload``; run by ``benchmarks/decode.py``,
+                          which warms the prompts into the prefix cache so that the c streams decode
+                          together: not in ``WORKLOADS``, the generic harness cannot run it that way)
 
 Every generator returns a list of ``Workload`` variants (serve1k: one per concurrency and exit mode).
 ``scale`` multiplies token lengths (prompts, outputs) and ``count_scale`` request counts and
@@ -48,6 +52,12 @@ __all__ = [
     "SWEEP_MODES",
     "SWEEP_CHUNKS",
     "EARLY_EXIT_MEAN_LOOPS",
+    "DECODE_CONCURRENCY",
+    "DECODE_CONTEXTS",
+    "DECODE_EXITS",
+    "decode_prompts",
+    "decode_workload",
+    "exit_params",
 ]
 
 MODES = ("split", "mixed", "wavefront")
@@ -57,6 +67,9 @@ CHUNKS = (16, 32, 64, 128)
 SWEEP_MODES = ("wavefront", "split", "mixed")
 SWEEP_CHUNKS = (16, 128, 64, 32)
 EARLY_EXIT_MEAN_LOOPS = 2.5
+DECODE_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128)
+DECODE_CONTEXTS = (1024, 4096)  # prompt tokens: the context each decode row reads is prompt + tokens so far
+DECODE_EXITS = ("fixed", f"synthetic{EARLY_EXIT_MEAN_LOOPS:g}", "ouro0.5")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +357,71 @@ def shared_prefix(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0,
     ]
 
 
+def exit_params(kind: str, max_tokens: int, seed: int = 0) -> SamplingParams:
+    """The sampling parameters of an exit kind: ``fixed`` (full depth), ``synthetic<mean loops>``
+    (depths drawn with that mean, e.g. ``synthetic2.5``) or ``ouro<threshold>`` (the model's gate
+    rule, e.g. ``ouro0.5``)."""
+    base = dict(max_tokens=max_tokens, ignore_eos=True, seed=seed)
+    if kind == "fixed":
+        return SamplingParams(exit_mode="fixed", **base)
+    for prefix in ("synthetic", "ouro"):
+        if isinstance(kind, str) and kind.startswith(prefix):
+            try:
+                x = float(kind[len(prefix) :])
+            except ValueError:
+                break
+            if prefix == "synthetic" and x >= 1:
+                return SamplingParams(exit_mode="synthetic", synthetic_mean_loops=x, **base)
+            if prefix == "ouro" and 0 <= x <= 1:
+                return SamplingParams(exit_mode="ouro", exit_threshold=x, **base)
+    raise ValueError(
+        f"exit kind must be 'fixed', 'synthetic<mean loops >= 1>' or 'ouro<threshold in [0, 1]>' "
+        f"(e.g. synthetic2.5, ouro0.5), got {kind!r}"
+    )
+
+
+def decode_prompts(vocab_size: int, context: int, n: int, scale: float = 1.0, seed: int = 0) -> list[np.ndarray]:
+    """The first ``n`` prompts of one seeded list per context: every concurrency takes a prefix of
+    the same list, so that a prefix cache warmed for one run also serves the smaller ones."""
+    s = _Scaler(scale, 1.0)
+    rng = _rng(f"decode-{context}", seed)
+    return [_ids(rng, s.prompt(context), vocab_size) for _ in range(n)]
+
+
+def decode_workload(
+    vocab_size: int,
+    concurrency: int,
+    exit: str,
+    context: int,
+    scale: float = 1.0,
+    seed: int = 0,
+    output_tokens: int = 128,
+) -> Workload:
+    """``concurrency`` requests at t=0 of ``context``-token prompts (scaled), ``output_tokens`` out."""
+    if not (isinstance(concurrency, int) and concurrency >= 1):
+        raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
+    if not (isinstance(context, int) and context >= 1):
+        raise ValueError(f"context must be a positive integer, got {context!r}")
+    s = _Scaler(scale, 1.0)
+    out = s.out(output_tokens)
+    params = exit_params(exit, out, seed)
+    tag = f"decode-c{concurrency}-{exit}-{context}"
+    reqs = [RequestSpec(p, params, tag=tag) for p in decode_prompts(vocab_size, context, concurrency, scale, seed)]
+    return Workload(
+        "decode",
+        f"c={concurrency} {exit} ctx={context}",
+        reqs,
+        "batch",
+        concurrency=concurrency,
+        modes=("split",),
+        chunks=(128,),
+        exit=exit,
+        engine_kw=dict(enable_prefix_caching=True),
+        description=f"{concurrency} requests at t=0, {s.prompt(context)}-token prompts (context {context}), "
+        f"{out} out, exit {exit}",
+    )
+
+
 WORKLOADS: dict[str, Callable[..., list[Workload]]] = {
     "long4": long4,
     "mixed32": mixed32,
@@ -374,6 +452,7 @@ def suite_shape(scale: float = 1.0, count_scale: float = 1.0, **overrides) -> En
         s.prompt(128) + s.out(256),
         s.prompt(1024) + s.out(1024),  # eos512's reservation
         s.prompt(2048) + s.prompt(64) + s.out(128),  # shared_prefix
+        s.prompt(max(DECODE_CONTEXTS)) + s.out(128),  # decode at 4K
     )
     shape = EngineShape(max_model_len=next_power_of_two(longest))
     return dataclasses.replace(shape, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,616 @@
+"""The ``decode`` workload (issue 13): c streams decoding together, TPOT next to the bandwidth floor.
+
+    python -m benchmarks.decode [--concurrency 1 2 4 8 16 32 64 128] [--exit fixed synthetic2.5 ouro0.5]
+        [--context 1024 4096] [--output-tokens 128] [--generate-batch 1 8] [--generate-context 1024]
+        [--profile-steps 8] [--quick] [--time-budget SECONDS] [--preset ouro-1.4b] [--out benchmarks/results]
+
+Per context and concurrency ``c``: ``c`` requests at t=0 with ``context``-token prompts (4K context
+means 4096-token prompts: the K/V a decode row reads is its prompt plus the tokens so far, so a 1K
+prompt in a 4K engine would read 1K) and ``--output-tokens`` out, once per exit kind: ``fixed``
+(full depth), ``synthetic<mean>`` (depths drawn with that mean) and ``ouro<threshold>`` (the
+model's gate rule). Every ``c`` takes the first ``c`` prompts of one seeded list per context.
+
+Decode phase only: the prompts are warmed into the prefix cache before each ``c`` (one request of
+one token each, untimed), so the timed batch recomputes only each prompt's last block and its ``c``
+streams reach decode within a few invocations and decode together (``--cold`` turns this off;
+``first_token_spread_s`` and ``prefix_cache_hit_share`` say how together they were). TPOT is each
+request's (last token - first token) / (tokens - 1), p50 over the requests.
+
+Floor: ``floors.decode_step_floor`` of one step of ``c`` rows at the mean context of the decode
+steps (prompt + out / 2) and the mean loops per token actually run: the layer weights once per loop,
+each row's K/V at each loop's plane, the lm_head once; ``tpot_fraction_of_floor = floor / TPOT p50``.
+
+Kernels per loop and device-busy share: after each timed run the same ``c`` prompts run again
+(prefix cached), untimed until every request has its first token, then ``--profile-steps`` engine
+steps under ``jax.profiler`` (``profile_step.trace_kernels``). Kernels per loop = kernel events /
+invocations; device-busy share = union of the kernel intervals / wall time of the traced window.
+
+One engine serves everything (split, chunk 128, prefix caching on, row buckets: powers of two from 8
+to ``max_num_seqs`` and ``max_num_batched_tokens``), compiled once and warmed once. A ``c`` whose
+requests the KV pool cannot hold at once at a context is skipped with the reason (4K context past
+~36 streams on an H200).
+
+``generate()`` (the static jitted ``ouro_jax.generate``) at ``--generate-batch`` sizes on the same
+prompts: TPOT = (t(N tokens) - t(1 token)) / (N - 1), both executables compiled first (median of
+``--generate-reps`` calls); fixed depth, and ``ouro<threshold>`` kinds on the same executables (the
+threshold is a runtime argument); ``synthetic`` has no counterpart there. Records carry
+``path: "engine"`` or ``"generate"``.
+
+Writes ``<out>/decode.json`` (after every record) and ``<out>/decode.png`` (TPOT and its floor per c,
+one line per exit kind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Optional, Sequence
+
+import numpy as np
+
+from benchmarks import fmt
+from benchmarks.floors import decode_step_floor
+from benchmarks.merge_results import merge_lists
+from benchmarks.metrics import ScheduleRecorder, exit_histogram, percentiles
+from benchmarks.profile_step import aggregate, trace_kernels
+from benchmarks.workloads import (
+    DECODE_CONCURRENCY,
+    DECODE_CONTEXTS,
+    DECODE_EXITS,
+    EngineShape,
+    decode_workload,
+    exit_params,
+    shape_from_args,
+)
+from pallas_kernels.choices import ATTENTION
+
+__all__ = ["main", "parser", "decode_shape", "profile_decode", "QUICK"]
+
+GENERATE_MODE = "generate()"  # benchmarks.run's mode name of static-batch records
+MODE = "split"
+# --quick: what a first look needs (flags given explicitly win)
+QUICK = dict(concurrency=[1, 8, 128], context=[1024], output_tokens=32, generate_batch=[1], generate_reps=1)
+ESTIMATE_S = dict(engine=6.0, generate=45.0)  # before one of the kind has run (time budget)
+
+
+class Skip(Exception):
+    """A configuration that cannot run as asked (the reason goes to ``skipped``)."""
+
+
+def decode_shape(a) -> EngineShape:
+    """The standard engine shape with a small bucket set: decode rows in powers of two from 8 to
+    ``max_num_seqs`` (one per stream), and ``max_num_batched_tokens`` for the warm-up prefill."""
+    sh = shape_from_args(a)
+    if a.buckets:
+        return sh
+    top = sh.max_num_batched_tokens
+    b, x = set(), 8
+    while x < min(sh.max_num_seqs, top):
+        b.add(x)
+        x *= 2
+    b |= {min(x, top), top}
+    return dataclasses.replace(sh, buckets=tuple(sorted(b)))
+
+
+# ------------------------------------------------------------------------------- the profile
+def profile_decode(llm, specs: Sequence, steps: int, tag: str) -> dict:
+    """Kernels per loop and device-busy share of ``steps`` engine steps of ``specs`` decoding
+    together (see the module doc); every request is aborted afterwards."""
+    ids = [f"profile-{tag}-{i}" for i in range(len(specs))]
+    for rid, s in zip(ids, specs):
+        llm.add_request(s.prompt, s.params, request_id=rid)
+    started: set = set()
+    while len(started) < len(ids) and llm.has_unfinished():
+        for o in llm.step():
+            if len(o.token_ids):
+                started.add(o.request_id)
+    llm.runner.synchronize()
+    s0 = llm.stats()
+    done = [0]
+
+    def window() -> float:
+        t = time.perf_counter()
+        for _ in range(steps):
+            if not llm.scheduler.has_unfinished():
+                break
+            llm.step()
+            done[0] += 1
+        llm.runner.synchronize()
+        return time.perf_counter() - t
+
+    try:
+        wall, plane, events, info, _ = trace_kernels(
+            window, None, getattr(llm.runner.device, "local_hardware_id", None) or 0
+        )
+        s1 = llm.stats()
+    finally:
+        for rid in ids:
+            llm.abort(rid)
+        while llm.has_unfinished():
+            llm.step()
+    loops = s1["invocations"] - s0["invocations"]
+    tokens = s1["tokens"] - s0["tokens"]
+    agg = aggregate(events, max(1, loops), top=8)
+    busy_s = agg["busy_ms_per_inv"] * max(1, loops) / 1e3
+    out = dict(
+        steps=done[0],
+        loops=loops,
+        tokens=tokens,
+        wall_s=wall,
+        wall_ms_per_loop=wall / max(1, loops) * 1e3,
+        kernels=agg["kernels"],
+        kernels_per_loop=agg["kernels_per_inv"],
+        busy_ms_per_loop=agg["busy_ms_per_inv"],
+        kernel_ms_per_loop=agg["kernel_ms_per_inv"],
+        device_busy_share=busy_s / wall if wall > 0 else None,
+        inter_kernel_gap_us=agg["inter_kernel_gap_us"],
+        categories={
+            c: dict(ms_per_loop=v["ms_per_inv"], per_loop=v["count_per_inv"]) for c, v in agg["categories"].items()
+        },
+        top_kernels=[
+            dict(name=k["name"], category=k["category"], ms_per_loop=k["ms_per_inv"], per_loop=k["count_per_inv"])
+            for k in agg["top_kernels"]
+        ],
+        device_plane=plane,
+        source="device plane" if plane else "host plane (no device plane: CPU)",
+    )
+    if plane is None:
+        out["note"] = "no device plane in the trace: kernel figures are XLA thunk events on host threads"
+    return out
+
+
+# ---------------------------------------------------------------------------- engine configs
+def _floor_fields(h, c: int, context: float, loops: float, tpot: Optional[float]) -> dict:
+    fl = decode_step_floor(h.config, c, context, loops, h.bw, h.peak)
+    return dict(
+        tpot_floor_ms=fl["floor_s"] * 1e3,
+        tpot_floor=dict(
+            fl,
+            batch=c,
+            batch_from="concurrency",
+            context=context,
+            loops=loops,
+            bandwidth=h.bw,
+            peak_flops=h.peak,
+            basis="floors.decode_step_floor: weights once per loop, each row's K/V at its context per "
+            "loop, lm_head once; mean loops per token as run",
+        ),
+        tpot_fraction_of_floor=fl["floor_s"] / tpot if tpot else None,
+    )
+
+
+def _headline(r: dict) -> dict:
+    return dict(
+        metric="TPOT p50",
+        value=r["tpot_p50_ms"],
+        floor=r["tpot_floor_ms"],
+        fraction=r["tpot_fraction_of_floor"],
+        bound=r["tpot_floor"]["bound"],
+        unit="ms",
+        lower_is_better=True,
+    )
+
+
+class EngineRunner:
+    """The one engine of a sweep, its schedule recorder, and the prompts warmed into its cache."""
+
+    def __init__(self, h, a):
+        self.h, self.a = h, a
+        self.chunk = min(a.chunk, h.shape.max_num_batched_tokens)
+        self.llm, self.startup = h.engine(MODE, self.chunk, (), enable_prefix_caching=not a.cold)
+        self.rec = ScheduleRecorder(h.config, np.dtype(self.llm.runner.dtype).itemsize).attach(self.llm.runner)
+        self.rec.enabled = False
+        h._warm(self.llm, self.chunk)
+        self.warm_s: dict = {}
+
+    def fit(self, wl) -> int:
+        sc, bm = self.llm.scheduler_config, self.llm.scheduler.block_manager
+        per_req = max(bm.blocks_needed(s.num_prompt_tokens + s.params.max_tokens - 1) for s in wl.requests)
+        return min(sc.max_num_seqs, (sc.num_blocks - 1) // per_req)
+
+    def warm_prefix(self, wl) -> float:
+        """The prompts of ``wl`` into the prefix cache (a no-op beyond their last block when they are
+        there already); seconds taken."""
+        from scheduler import SamplingParams
+
+        if self.a.cold:
+            return 0.0
+        t = time.perf_counter()
+        self.llm.generate(
+            [s.prompt for s in wl.requests], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False
+        )
+        return time.perf_counter() - t
+
+    def run(self, wl, context: int) -> dict:
+        from benchmarks.run import _delta, _memory, drive
+
+        h, a, llm = self.h, self.a, self.llm
+        c = wl.concurrency
+        fit = self.fit(wl)
+        if c > fit:
+            raise Skip(
+                f"the engine holds {fit} such requests at once (KV pool {llm.stats()['kv_cache_bytes'] / 1e9:.1f} GB, "
+                f"max_num_seqs {llm.scheduler_config.max_num_seqs}), not {c}"
+            )
+        warm_s = self.warm_prefix(wl)
+        self.rec.reset()
+        self.rec.enabled = True
+        s0, ev0 = llm.stats(), h.events.snapshot()
+        try:
+            res = drive(llm, wl, sync=llm.runner.synchronize)
+        finally:
+            self.rec.enabled = False
+        s1, ev1 = llm.stats(), h.events.snapshot()
+        stats = _delta(s0, s1)
+        r = h._record(wl, MODE, self.chunk, res, self.rec, stats, ev1[0] - ev0[0], self.startup)
+        outs = [o for o in res.outputs.values() if len(o.token_ids)]
+        T = h.config.num_loops
+        tp = percentiles([o.metrics.tpot for o in outs]) or {}
+        loops = exit_histogram(outs, T)["mean_loops"]
+        p = wl.requests[0].num_prompt_tokens
+        out = wl.requests[0].params.max_tokens
+        firsts = [o.metrics.first_token_time for o in outs]
+        r.update(
+            workload="decode",
+            path="engine",
+            concurrency=c,
+            exit=wl.exit,
+            context=context,
+            prompt_len=p,
+            output_tokens_per_request=out,
+            tpot_p50_ms=tp["p50"] * 1e3 if tp else None,
+            tpot_p90_ms=tp["p90"] * 1e3 if tp else None,
+            mean_loops_per_token=loops,
+            first_token_spread_s=max(firsts) - min(firsts) if firsts else None,
+            prefix_cache_hit_share=stats.get("prefix_cache_hit_tokens", 0)
+            / max(1, stats.get("prefix_cache_queried_tokens", 0)),
+            prefix_warm_s=warm_s,
+            kv_fit_requests=fit,
+            **_floor_fields(h, c, p + out / 2, loops, tp.get("p50")),
+        )
+        r.update(_memory())
+        if r["tpot_p50_ms"] is not None:
+            r["headline"] = _headline(r)
+        if a.profile_steps:
+            try:
+                prof = profile_decode(llm, wl.requests, a.profile_steps, f"{c}-{wl.exit}-{context}")
+                # the profiler's own cost: wall per loop traced vs untraced (TPOT / loops per token)
+                if r["tpot_p50_ms"] and loops:
+                    prof["traced_over_untraced_wall"] = prof["wall_ms_per_loop"] / (r["tpot_p50_ms"] / loops)
+                r.update(
+                    kernels_per_loop=prof["kernels_per_loop"],
+                    device_busy_share=prof["device_busy_share"],
+                    profile=prof,
+                )
+            except Exception as e:  # noqa: BLE001 - the timed figures stand without the profile
+                traceback.print_exc()
+                r["profile"] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+        return r
+
+
+# ----------------------------------------------------------------------------- generate()
+class GenerateRunner:
+    """``ouro_jax.generate`` on the decode prompts: TPOT from the N-token and 1-token calls."""
+
+    def __init__(self, h, a):
+        self.h, self.a = h, a
+
+    def run(self, context: int, batch: int, exits: Sequence[str]) -> list[dict]:
+        import jax
+
+        from benchmarks.run import _memory
+        from ouro_jax import generate
+
+        h, a = self.h, self.a
+        cfg = h.config
+        wl = decode_workload(cfg.vocab_size, batch, "fixed", context, a.scale, a.seed, a.output_tokens)
+        n = wl.requests[0].params.max_tokens
+        ids = jax.device_put(np.stack([s.prompt for s in wl.requests]).astype(np.int32))
+        p = int(ids.shape[1])
+        lengths = jax.device_put(np.full((batch,), p, np.int32))
+
+        def call(new: int, thr: float):
+            out = generate(h.params, cfg, ids, lengths, new, exit_threshold=thr)
+            out.tokens.block_until_ready()
+            return out
+
+        def timed(new: int, thr: float) -> tuple[float, list, object]:
+            ts, out = [], None
+            for _ in range(max(1, a.generate_reps)):
+                t = time.perf_counter()
+                out = call(new, thr)
+                ts.append(time.perf_counter() - t)
+            return float(np.median(ts)), ts, out
+
+        first = {}
+        for new in (n, 1):  # compile (the first call of each length)
+            t = time.perf_counter()
+            call(new, 1.0)
+            first[new] = time.perf_counter() - t
+        t1, t1_all, _ = timed(1, 1.0)  # prefill and the first token: the same whatever the threshold
+        recs = []
+        for kind in exits:
+            params = exit_params(kind, n)
+            if params.exit_mode == "synthetic":
+                continue
+            thr = 1.0 if params.exit_mode == "fixed" else params.exit_threshold
+            tn, tn_all, out = timed(n, thr)
+            depths = np.asarray(out.exit_depths)[:, 1:]
+            loops = float(np.mean(depths + 1)) if depths.size else float(cfg.num_loops)
+            tpot = (tn - t1) / (n - 1)
+            r = dict(
+                workload="decode",
+                path="generate",
+                variant=f"b={batch} {kind} ctx={context}",
+                label=f"decode generate() b={batch} {kind} ctx={context}",
+                mode=GENERATE_MODE,
+                chunk=None,
+                exit=kind,
+                concurrency=batch,
+                context=context,
+                prompt_len=p,
+                output_tokens_per_request=n,
+                output_tokens=batch * n,
+                wall_s=tn,
+                seconds_all=tn_all,
+                one_token_s=t1,
+                one_token_seconds_all=t1_all,
+                compile_s=dict(n_tokens=first[n] - tn, one_token=first[1] - t1),
+                output_tok_s=batch * n / tn,
+                tpot_p50_ms=tpot * 1e3,
+                tpot_note="static batch: (t(N tokens) - t(1 token)) / (N - 1), medians of the calls",
+                mean_loops_per_token=loops,
+                exit_histogram=dict(
+                    counts=np.bincount(depths.reshape(-1), minlength=cfg.num_loops).tolist(),
+                    tokens=int(depths.size),
+                    mean_loops=loops,
+                ),
+                compilations=0,
+                **_floor_fields(h, batch, p + n / 2, loops, tpot if tpot > 0 else None),
+            )
+            r.update(_memory())
+            if r["tpot_fraction_of_floor"] is not None:
+                r["headline"] = _headline(r)
+            recs.append(r)
+        return recs
+
+
+# ----------------------------------------------------------------------------------- output
+def format_record(r: dict) -> str:
+    if "error" in r:
+        return f"{r.get('label', ''):40s} ERROR {r['error']}"
+    s = (
+        f"{r['label']:40s} TPOT p50 {fmt.ms((r.get('tpot_p50_ms') or 0) / 1e3)} ms, floor "
+        f"{fmt.ms(r['tpot_floor_ms'] / 1e3)} ms ({fmt.pct(r.get('tpot_fraction_of_floor'))} of floor), "
+        f"{r['mean_loops_per_token']:.2f} loops/token"
+    )
+    if r.get("path") == "engine":
+        s += (
+            f" | kernels/loop {fmt.num(r.get('kernels_per_loop'))}, device busy {fmt.pct(r.get('device_busy_share'))}"
+            f" | first-token spread {fmt.ms(r.get('first_token_spread_s'))} ms | compiles "
+            f"{r.get('compilations', 0) + r.get('xla_compilations', 0)}"
+        )
+    return s
+
+
+def plot(result: dict, path: str) -> Optional[str]:
+    try:
+        from benchmarks.report import plot_decode
+    except ImportError:
+        return None
+    try:
+        return plot_decode(result, path)
+    except ImportError:
+        print("matplotlib missing: no plot", flush=True)
+        return None
+
+
+# ------------------------------------------------------------------------------------- main
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", nargs="+", type=int, default=None, help=f"default {list(DECODE_CONCURRENCY)}")
+    ap.add_argument("--exit", nargs="+", default=None, help=f"default {list(DECODE_EXITS)}")
+    ap.add_argument(
+        "--context", nargs="+", type=int, default=None, help=f"prompt tokens; default {list(DECODE_CONTEXTS)}"
+    )
+    ap.add_argument("--output-tokens", type=int, default=None, help="tokens out per request (default 128)")
+    ap.add_argument("--generate-batch", nargs="*", type=int, default=None, help="default 1 8; none: no generate()")
+    ap.add_argument("--generate-context", nargs="*", type=int, default=[1024], help="contexts of the generate() runs")
+    ap.add_argument("--generate-reps", type=int, default=None, help="calls per timing (median; default 2)")
+    ap.add_argument("--profile-steps", type=int, default=8, help="engine steps under the profiler per config; 0: none")
+    ap.add_argument("--cold", action="store_true", help="no prefix-cache warm-up: prefill runs in the timed batch")
+    ap.add_argument("--chunk", type=int, default=128, help="prefill chunk of the engine (the warm-up prefill)")
+    ap.add_argument("--quick", action="store_true", help="c 1 8 128, 1K context, 32 out, generate() at batch 1")
+    ap.add_argument("--time-budget", type=float, default=None, help="no new configuration after this many seconds")
+    ap.add_argument("--append", action="store_true", help="add records to an existing decode.json")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--preset", default="ouro-1.4b")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies prompt and output lengths")
+    ap.add_argument("--count-scale", type=float, default=1.0, help="ignored (suite flag): use --concurrency")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--buckets", nargs="+", type=int, default=None, help="default: see decode_shape")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--kv-cache-gb", type=float, default=None)
+    ap.add_argument("--compile-cache", default=None)
+    ap.add_argument("--attention", default="auto", choices=ATTENTION)
+    ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
+    ap.add_argument("--fused-decode-max-rows", type=int, default=0, help="LLM(fused_decode_max_rows=...)")
+    ap.add_argument("--fused-decode-tokens", type=int, default=1)
+    ap.add_argument("--quick-ceilings", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-plot", action="store_true")
+    return ap
+
+
+def _resolve(a) -> None:
+    """Defaults (``--quick`` first), then every value checked before anything is built."""
+    quick = QUICK if a.quick else {}
+    full = dict(
+        concurrency=list(DECODE_CONCURRENCY),
+        exit=list(DECODE_EXITS),
+        context=list(DECODE_CONTEXTS),
+        output_tokens=128,
+        generate_batch=[1, 8],
+        generate_reps=2,
+    )
+    for k, v in full.items():
+        if getattr(a, k) is None:
+            setattr(a, k, quick.get(k, v))
+    for name in ("concurrency", "context", "generate_batch", "generate_context"):
+        bad = [x for x in getattr(a, name) if x < 1]
+        if bad:
+            raise ValueError(f"--{name.replace('_', '-')} takes positive integers, got {bad}")
+    for kind in a.exit:
+        exit_params(kind, 2)  # ValueError naming the kind
+    if a.output_tokens < 2:
+        raise ValueError(f"--output-tokens must be >= 2 (TPOT needs two tokens), got {a.output_tokens}")
+    if a.profile_steps < 0 or a.generate_reps < 1 or a.chunk < 1:
+        raise ValueError("--profile-steps must be >= 0, --generate-reps and --chunk >= 1")
+    if a.time_budget is not None and a.time_budget <= 0:
+        raise ValueError(f"--time-budget must be positive, got {a.time_budget}")
+    a.concurrency = sorted(dict.fromkeys(a.concurrency))
+    a.exit = list(dict.fromkeys(a.exit))
+    a.context = list(dict.fromkeys(a.context))
+
+
+def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
+    import jax
+
+    from benchmarks.run import harness_from_args, save_json
+
+    a = parser().parse_args(argv)
+    try:
+        _resolve(a)
+    except ValueError as e:
+        raise SystemExit(f"benchmarks.decode: {e}") from None
+    os.makedirs(a.out, exist_ok=True)
+    h = harness or harness_from_args(a, decode_shape(a))
+    out_json = os.path.join(a.out, "decode.json")
+    prev = None
+    if a.append and os.path.exists(out_json):
+        with open(out_json) as f:
+            prev = json.load(f)
+    print(
+        f"{h.device}: ceilings {h.peak / 1e12:.0f} TFLOP/s, {h.bw / 1e12:.2f} TB/s; shape {h.shape}; "
+        f"c {a.concurrency}, exits {a.exit}, contexts {a.context}, {a.output_tokens} out",
+        flush=True,
+    )
+    records, skipped, startups = [], [], []
+    gen_batches = a.generate_batch or []
+
+    def save() -> dict:
+        res = dict(
+            benchmark="decode",
+            workload="decode",
+            device=h.device,
+            jax_version=jax.__version__,
+            backend=jax.default_backend(),
+            config=dict(
+                h.describe(),
+                argv=sys.argv[1:] if argv is None else list(argv),
+                concurrency=a.concurrency,
+                exits=a.exit,
+                contexts=a.context,
+                output_tokens=a.output_tokens,
+                scale=a.scale,
+                seed=a.seed,
+                chunk=min(a.chunk, h.shape.max_num_batched_tokens),
+                prefix_warm=not a.cold,
+                profile_steps=a.profile_steps,
+                generate_batch=gen_batches,
+                generate_context=a.generate_context,
+                generate_reps=a.generate_reps,
+                time_budget_s=a.time_budget,
+                context_note="context = prompt tokens (4K: 4096-token prompts); the floor is priced at the "
+                "mean context of the decode steps, prompt + output / 2",
+            ),
+            ceilings=h.ceilings,
+            startup=(prev or {}).get("startup", []) + startups,
+            **merge_lists((prev or {}).get("records", []), (prev or {}).get("skipped", []), records, skipped),
+        )
+        save_json(res, out_json)
+        return res
+
+    plan = []
+    for ctx in a.context:
+        plan += [("engine", ctx, c, kind) for c in a.concurrency for kind in a.exit]
+        if ctx in a.generate_context:
+            plan += [("generate", ctx, b, None) for b in gen_batches]
+    estimates: dict = {}
+    engine: Optional[EngineRunner] = None
+    gen = GenerateRunner(h, a)
+    try:
+        for kind, ctx, c, exit_kind in plan:
+            label = f"decode c={c} {exit_kind} ctx={ctx}" if kind == "engine" else f"decode generate() b={c} ctx={ctx}"
+            mode = MODE if kind == "engine" else GENERATE_MODE
+            expect = float(np.mean(estimates.get(kind) or [ESTIMATE_S[kind]]))
+            if kind == "engine" and engine is None:
+                expect += 60.0  # start-up (compilation) of the engine
+            if a.time_budget is not None and h.elapsed() + expect > a.time_budget:
+                reason = f"time budget: {h.elapsed():.0f} s used + ~{expect:.0f} s expected > {a.time_budget:.0f} s"
+                skipped.append(dict(label=label, mode=mode, chunk=None, reason=reason))
+                print(f"skip {label}: {reason}", flush=True)
+                continue
+            t = time.monotonic()
+            try:
+                if kind == "engine":
+                    if engine is None:
+                        engine = EngineRunner(h, a)
+                        startups.append(engine.startup)
+                    wl = decode_workload(h.config.vocab_size, c, exit_kind, ctx, a.scale, a.seed, a.output_tokens)
+                    recs = [engine.run(wl, ctx)]
+                else:
+                    recs = gen.run(ctx, c, a.exit)
+            except Skip as e:
+                skipped.append(dict(label=label, mode=mode, chunk=engine.chunk if engine else None, reason=str(e)))
+                print(f"skip {label}: {e}", flush=True)
+                save()
+                continue
+            except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
+                traceback.print_exc()
+                recs = [
+                    dict(
+                        workload="decode",
+                        path=kind,
+                        label=label,
+                        mode=mode,
+                        chunk=None,
+                        concurrency=c,
+                        exit=exit_kind,
+                        context=ctx,
+                        error=f"{type(e).__name__}: {e}"[:2000],
+                    )
+                ]
+            dt = time.monotonic() - t
+            estimates.setdefault(kind, []).append(dt / max(1, len(recs)) if kind == "engine" else dt)
+            for r in recs:
+                r["config_s"] = dt / len(recs)
+                records.append(r)
+                print(format_record(r), flush=True)
+            save()
+    except KeyboardInterrupt:  # a suite's time limit: every finished record is already saved
+        print("interrupted: records so far are saved", flush=True)
+    finally:
+        if engine is not None:
+            engine.llm.runner.__dict__.pop("step", None)  # drop the recorder (it closes over the runner)
+    res = save()
+    if not a.no_plot:
+        p = plot(res, os.path.join(a.out, "decode.png"))
+        if p:
+            print(f"benchmarks.decode: wrote {p}", flush=True)
+    print(f"benchmarks.decode: wrote {out_json} ({len(res['records'])} records, {len(res['skipped'])} skipped)")
+    return res
+
+
+if __name__ == "__main__":
+    main()
