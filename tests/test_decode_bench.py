@@ -127,6 +127,7 @@ ENGINE_KEYS = {
 }
 
 
+@pytest.mark.slow  # one engine compile: ~10 s on an idle 2-core CPU, 20-30 s on a busy one
 def test_decode_sweep_end_to_end_on_tiny(tmp_path):
     out = str(tmp_path)
     argv = TINY + ["--concurrency", "1", "2", "4", "--context", "1024", "--generate-batch", "--out", out]
