@@ -211,6 +211,8 @@ def _engine_argv(args) -> list[str]:
             out += [flag, str(v)]
     if args.buckets:
         out += ["--buckets", args.buckets]
+    if getattr(args, "engine_enable_prefix_caching", None) is not None:
+        out += ["--enable-prefix-caching" if args.engine_enable_prefix_caching else "--no-enable-prefix-caching"]
     return out
 
 

@@ -32,7 +32,7 @@ from scheduler.sizes import pool_blocks
 
 from .config import PRESETS, OuroConfig
 from .options import LAYER_LOOPS, choice, dtype_option
-from .parallel import check_tensor_parallel
+from .parallel import check_devices, check_tensor_parallel
 from .runner import ModelRunner
 
 __all__ = ["LLM", "RequestOutput", "RequestMetrics"]
@@ -120,10 +120,11 @@ def _load_tokenizer(folder: str, config: OuroConfig):
     return tok
 
 
-def _device_memory() -> Optional[tuple[int, int]]:
-    """``(bytes_limit, bytes_in_use)`` of the first device, or None where the backend has no stats."""
+def _device_memory(device=None) -> Optional[tuple[int, int]]:
+    """``(bytes_limit, bytes_in_use)`` of ``device`` (default: the first one), or None where the
+    backend has no stats."""
     try:
-        stats = jax.devices()[0].memory_stats()
+        stats = (device or jax.devices()[0]).memory_stats()
     except Exception:  # noqa: BLE001 - backends without memory stats
         return None
     if not stats or "bytes_limit" not in stats:
@@ -182,6 +183,7 @@ class LLM:
         warmup: bool = True,
         progress: bool = True,
         tensor_parallel_size: int = 1,
+        devices: Optional[Sequence] = None,
     ):
         # Every option is checked before any weight is read or built: a typo fails in milliseconds.
         # numpy integers count as integers (sizes often come out of numpy arithmetic)
@@ -206,6 +208,10 @@ class LLM:
         # then read to the host, so that the runner places each leaf straight into its shards
         tp = check_tensor_parallel(c, tensor_parallel_size)
         self.tensor_parallel_size = tp
+        # the devices this engine owns (a data-parallel replica): weights are read to the host and
+        # placed there by the runner, never staged on the process's default device
+        devices = check_devices(devices, tp)
+        self.devices = devices
         if max_model_len is None:
             max_model_len = min(c.max_position_embeddings, 4096)
         elif _is_int(max_model_len) and max_model_len > c.max_position_embeddings:
@@ -256,7 +262,7 @@ class LLM:
 
         self._enable_compile_cache(compile_cache_dir)
         self.config = c
-        self.params, self.tokenizer = self._load(c, folder, params, dtype, seed, host=tp > 1)
+        self.params, self.tokenizer = self._load(c, folder, params, dtype, seed, host=tp > 1 or devices is not None)
         self.progress = progress
         if num_blocks is None:
             itemsize = np.dtype(jax.tree.leaves(self.params)[0].dtype).itemsize
@@ -283,6 +289,7 @@ class LLM:
             attention=attention,
             layer_loop=layer_loop,
             tensor_parallel_size=tp,
+            devices=devices,
         )
         self._ids = itertools.count()
         self._live: dict[object, Request] = {}  # queued or running, by id
@@ -363,7 +370,7 @@ class LLM:
 
     def _size_pool(self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size, tp=1):
         if kv_cache_bytes is None:
-            mem = _device_memory()
+            mem = _device_memory(self.devices[0] if self.devices else None)
             if mem is None:  # CPU: enough for every sequence at full length, capped at 1 GiB
                 want = pool_blocks(max_num_seqs, max_model_len, planes, block_size)
                 return int(min(want, max(2, (1 << 30) // block_bytes)))

@@ -22,6 +22,7 @@ from .config import OuroConfig
 
 __all__ = [
     "TP_AXIS",
+    "check_devices",
     "check_tensor_parallel",
     "local_config",
     "make_mesh",
@@ -54,6 +55,23 @@ def check_tensor_parallel(config: OuroConfig | None, n, num_devices: int | None 
     if have < n:
         raise ValueError(f"tensor_parallel_size={n} needs {n} devices, but jax sees {have}")
     return n
+
+
+def check_devices(devices, n: int):
+    """``devices`` as a list of ``n`` distinct jax devices (None stays None: the first ``n`` of
+    ``jax.devices()``), or a ``ValueError`` saying what is wrong."""
+    if devices is None:
+        return None
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise ValueError(f"devices must be a sequence of jax devices, got {devices!r}")
+    devices = list(devices)
+    if not all(isinstance(d, jax.Device) for d in devices):
+        raise ValueError(f"devices must be jax devices (from jax.devices()), got {devices!r}")
+    if len(devices) != n:
+        raise ValueError(f"devices must hold tensor_parallel_size={n} devices, got {len(devices)}")
+    if len(set(devices)) != n:
+        raise ValueError(f"devices must be distinct, got {devices!r}")
+    return devices
 
 
 def local_config(config: OuroConfig, n: int) -> OuroConfig:

@@ -37,7 +37,7 @@ from typing import Any, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import copy_kv_slots
@@ -50,6 +50,7 @@ from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
 from .paged_attention import PagedAttention
 from .parallel import (
     TP_AXIS,
+    check_devices,
     check_tensor_parallel,
     kv_spec,
     local_config,
@@ -248,6 +249,9 @@ class ModelRunner:
     ``tensor_parallel_size=N > 1``: the step runs under ``jax.shard_map`` on a 1-D ``"tp"`` mesh of
     the first ``N`` devices (``ouro_jax/parallel.py``): params and the KV pools' head axis split,
     the ring, descriptor, gates and tokens replicated. ``N = 1`` builds no mesh and no shard_map.
+
+    ``devices``: the ``N`` devices this runner owns (default: the first ``N`` of ``jax.devices()``);
+    data-parallel replicas each get a disjoint set (``ouro_jax/server/replicas.py``).
     """
 
     def __init__(
@@ -262,13 +266,19 @@ class ModelRunner:
         layer_loop: str = "unrolled",
         interpret: bool = False,
         tensor_parallel_size: int = 1,
+        devices=None,
     ):
         attention = resolve_attention(attention)
         if layer_loop not in ("scan", "unrolled"):
             raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
         tp = check_tensor_parallel(config, tensor_parallel_size)
         self.tensor_parallel_size = tp
-        self.mesh = make_mesh(tp) if tp > 1 else None
+        devices = check_devices(devices, tp)
+        # pinned: a device set was given (a data-parallel replica); every array and executable is
+        # placed on it explicitly, since jax's default device is the first of the process
+        self._pinned = devices is not None
+        self._device = devices[0] if devices is not None else jax.devices()[0]
+        self.mesh = make_mesh(tp, devices) if tp > 1 else None
         self.config = config
         self.attention, self.layer_loop, self.interpret = attention, layer_loop, interpret
         leaves = jax.tree.leaves(params)
@@ -284,10 +294,11 @@ class ModelRunner:
         )
         fused = functools.partial(_fused_step, **step.keywords)
         if self.mesh is None:
-            self.k_pool = jnp.zeros(pool_shape, self.dtype)
-            self.v_pool = jnp.zeros(pool_shape, self.dtype)
-            self.ring = jnp.zeros(ring_shape, self.dtype)
-            self._upload_to = jax.devices()[0]
+            dev = self._device if self._pinned else None
+            self.k_pool = jnp.zeros(pool_shape, self.dtype, device=dev)
+            self.v_pool = jnp.zeros(pool_shape, self.dtype, device=dev)
+            self.ring = jnp.zeros(ring_shape, self.dtype, device=dev)
+            self._upload_to = SingleDeviceSharding(self._device) if self._pinned else self._device
         else:
             kv, rep = NamedSharding(self.mesh, kv_spec()), NamedSharding(self.mesh, P())
             # allocated in place on every shard: each device holds KVH/N heads of the pools
@@ -302,7 +313,6 @@ class ModelRunner:
         self._jitted_fused = jax.jit(fused, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
         self._exe: dict[Any, Any] = {}
-        self._device = jax.devices()[0]
         self._compile_lock = threading.Lock()
         self.compilations = 0
         self.compile_time = 0.0
@@ -320,11 +330,15 @@ class ModelRunner:
         top = {k: v for k, v in params.items() if not k.startswith("layers_")}
         layers = {f"layers_{i}": params[f"layers_{i}"] for i in range(L)}
         if self.layer_loop == "scan":
-            host = self.mesh is not None and all(isinstance(x, np.ndarray) for x in jax.tree.leaves(layers))
+            host = (self.mesh is not None or self._pinned) and all(
+                isinstance(x, np.ndarray) for x in jax.tree.leaves(layers)
+            )
             stack = np.stack if host else jnp.stack
             layers = jax.tree.map(lambda *xs: stack(xs), *[layers[f"layers_{i}"] for i in range(L)])
         if self.mesh is not None:
             return place_params({"top": top, "layers": layers}, self.mesh)
+        if self._pinned:
+            return jax.device_put({"top": top, "layers": layers}, self._device)
         return {"top": jax.tree.map(jnp.asarray, top), "layers": jax.tree.map(jnp.asarray, layers)}
 
     def _sharded(self, fn, tp: int):
@@ -349,8 +363,9 @@ class ModelRunner:
 
     def _lower(self, key):
         """Trace and lower ``key``: a ``BucketKey`` (one loop) or ``(BucketKey, n)`` (a fused decode step)."""
-        # tensor parallel: the arguments' shardings (the pools' in place, donated); None on one device
-        mesh = self.mesh is not None
+        # tensor parallel or pinned: the arguments' shardings (the pools' in place, donated); None on
+        # the default device, so that its executables stay exactly the unpinned ones
+        mesh = self.mesh is not None or self._pinned
         sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if mesh else None)  # noqa: E731
         fused = not isinstance(key, BucketKey)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)

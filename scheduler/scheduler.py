@@ -358,6 +358,21 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self._requests)
 
+    def prefix_hashes(self, token_ids) -> list[bytes]:
+        """The hash chain of the prompt blocks the prefix cache could serve to ``token_ids`` (its full
+        blocks before the last prompt position), keyed as the block manager keys them: what a
+        data-parallel router compares between replicas. Empty when prefix caching is off."""
+        cfg = self.config
+        if not cfg.enable_prefix_caching:
+            return []
+        n = (len(token_ids) - 1) // cfg.block_size if len(token_ids) else 0
+        return prefix_block_hashes(np.asarray(token_ids), cfg.block_size, self._hash_salt, max(0, n))
+
+    def cached_prefix_blocks(self, hashes) -> int:
+        """How many leading blocks of ``hashes`` this engine's prefix cache holds now (a read only:
+        safe to call from another thread, the answer possibly a step old)."""
+        return self.block_manager.num_cached_prefix(hashes)
+
     def _admit(self) -> None:
         cfg = self.config
         while len(self.waiting) and len(self.running) < cfg.max_num_seqs:

@@ -49,6 +49,8 @@ class ServerState:
     def __post_init__(self):
         if self.metrics is None:
             self.metrics = ServerMetrics(self.model_name)
+        if hasattr(self.engine, "on_route"):  # data-parallel replicas: routing decisions are counted
+            self.engine.on_route = self.metrics.request_routed
         # admission checks without touching the engine: the same Scheduler rules on a private copy
         self._probe = Scheduler(self.llm.scheduler_config)
         self._probe_ids = 0
@@ -183,6 +185,7 @@ class _Choice:
         self.finished = False
         self.finish_reason: Optional[str] = None
         self.t0, self.t_first, self.t_last = t0, None, None
+        self.engine: Optional[EngineLoop] = None  # the loop holding it, once submitted
 
     def add(self, ev: TokenEvent) -> tuple[list[int], list[int], str]:
         """Apply one event; returns the new token ids, exit depths and text that may be sent now."""
@@ -241,11 +244,12 @@ class _Job:
         st.reserve(len(self.choices))
         for k, (c, ids, sp) in enumerate(zip(self.choices, self.prompts, self.sps)):
             try:
-                st.engine.submit(c.rid, ids, sp, self.queue, c.index)
+                # the loop that took it (with data-parallel replicas: the one the router chose)
+                c.engine = st.engine.submit(c.rid, ids, sp, self.queue, c.index)
             except EngineDead as e:
                 st.engine.release(len(self.choices) - k)
                 for c2 in self.choices[:k]:
-                    st.engine.abort(c2.rid)
+                    c2.engine.abort(c2.rid)
                 raise P.APIError(str(e), status=503, type="service_unavailable", code="engine_dead") from None
 
     @property
@@ -271,13 +275,13 @@ class _Job:
             return c, [], [], ""
         out = c.add(ev)
         if c.finished and not ev.finished:
-            self.state.engine.abort(c.rid)  # a stop string: the engine need not go on
+            c.engine.abort(c.rid)  # a stop string: the engine need not go on
         return (c, *out)
 
     def abort_unfinished(self) -> None:
         for c in self.choices:
             if not c.finished:
-                self.state.engine.abort(c.rid)
+                c.engine.abort(c.rid)
                 c.finished, c.finish_reason = True, "abort"
 
     def record(self, status: str) -> None:
@@ -391,8 +395,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        s = state.engine.state
-        state.metrics.engine_state(s["running"], s["waiting"], s["kv_usage"])
+        for i, loop in enumerate(getattr(state.engine, "replicas", [state.engine])):
+            s = loop.state
+            state.metrics.engine_state(s["running"], s["waiting"], s["kv_usage"], replica=i)
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -55,11 +55,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             help=help_,
         )
     g.add_argument("--buckets", type=str, default=None, help="row buckets, comma separated (e.g. 8,32,128)")
+    g.add_argument(
+        "--enable-prefix-caching",
+        dest="engine_enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV of shared prompt prefixes (with --data-parallel-size: prefix-aware routing too)",
+    )
 
 
 def engine_kwargs(args) -> dict:
     kw = {d: getattr(args, f"engine_{d}") for d, *_ in _ENGINE_FLAGS.values()}
     kw = {k: v for k, v in kw.items() if v is not None}
+    if getattr(args, "engine_enable_prefix_caching", None) is not None:
+        kw["enable_prefix_caching"] = args.engine_enable_prefix_caching
     if args.buckets:
         try:
             kw["buckets"] = [int(x) for x in args.buckets.split(",") if x.strip()]
@@ -78,6 +87,12 @@ def add_serve(sub) -> None:
     p.add_argument(
         "--max-queue", type=int, default=256, help="requests waiting beyond max-num-seqs before answering 429"
     )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engines on disjoint device sets behind this one server (each of --tensor-parallel-size devices)",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
     add_engine_args(p)
@@ -93,10 +108,15 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     ekw = engine_kwargs(args)
     _num_loops(args.model)  # an unknown model fails here, before anything loads
+    from .replicas import build_replicas, check_data_parallel
     from .run import make_state, serve
     from .startup import build_engine
 
-    llm, timings = build_engine(args.model, ekw)
+    dp = check_data_parallel(args.data_parallel_size, ekw.get("tensor_parallel_size", 1))  # before any weight
+    if dp == 1:
+        llm, timings = build_engine(args.model, ekw)
+    else:
+        llm, timings = build_replicas(args.model, ekw, dp)
     name = args.served_model_name or args.model
     state = make_state(llm, name, args.model, max_queue=args.max_queue, startup=timings)
     return serve(state, args.host, args.port, args.log_level, t_start=t_start, access_log=not args.no_access_log)

@@ -58,7 +58,7 @@ class _Sink:
 class EngineLoop:
     """Owns ``llm``; ``submit`` / ``abort`` are called from the event loop, everything else runs here."""
 
-    def __init__(self, llm, max_pending: int, state_interval_s: float = 0.1, idle_wait_s: float = 0.05):
+    def __init__(self, llm, max_pending: int, state_interval_s: float = 0.1, idle_wait_s: float = 0.05, name: str = ""):
         self.llm = llm
         self.max_pending = int(max_pending)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -70,7 +70,7 @@ class EngineLoop:
         self._state_interval, self._idle_wait = state_interval_s, idle_wait_s
         self.error: Optional[BaseException] = None
         self.state = dict(running=0, waiting=0, kv_usage=0.0, steps=0)  # replaced whole, read by /metrics
-        self._thread = threading.Thread(target=self._run, name="ouro-engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"ouro-engine-loop{name}", daemon=True)
 
     # ---------------------------------------------------------------- event-loop side
     def start(self) -> "EngineLoop":
@@ -98,13 +98,17 @@ class EngineLoop:
         with self._lock:
             self._pending -= n
 
-    def submit(self, request_id, prompt_ids: Sequence[int], sampling_params, out: asyncio.Queue, index: int) -> None:
+    def submit(
+        self, request_id, prompt_ids: Sequence[int], sampling_params, out: asyncio.Queue, index: int
+    ) -> "EngineLoop":
         """Queue an already validated request (its place taken with ``try_reserve``); its ``TokenEvent`` s
-        arrive in ``out``. Called from the event loop thread."""
+        arrive in ``out``. Called from the event loop thread. Returns the loop that holds the request
+        (this one; a ``ReplicaSet`` returns the replica it chose), which its aborts go to."""
         if not self.alive or self._stopping:
             raise EngineDead("the engine is not running")
         sink = _Sink(asyncio.get_running_loop(), out, index)
         self._cmds.put(("add", request_id, prompt_ids, sampling_params, sink))
+        return self
 
     def abort(self, request_id) -> None:
         """Cancel a request (its stream then ends with finish_reason ``abort``); unknown ids are ignored."""
@@ -112,10 +116,18 @@ class EngineLoop:
 
     def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
         """Stop the thread: after every unfinished request completes (``drain``) or aborting them."""
+        self.stop(drain)
+        self.join(timeout)
+
+    def stop(self, drain: bool = True) -> None:
+        """Ask the thread to stop (``shutdown`` without waiting)."""
         self._drain = drain
         self._stopping = True
         self._cmds.put(("wake",))
-        self._thread.join(timeout)
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     # ----------------------------------------------------------------------- engine thread
     def _finish(self, rid, sink: _Sink, ev: TokenEvent) -> None:

@@ -1,5 +1,11 @@
 """Prometheus metrics of one server, in its own ``CollectorRegistry`` (several servers, e.g. in tests,
-can live in one process without clashing in the global registry)."""
+can live in one process without clashing in the global registry).
+
+With data-parallel replicas there is still one ``/metrics``: request counters and latency histograms
+are the HTTP front's (what clients saw, over every replica, no replica label); the engine-state
+gauges (running, waiting, KV usage) carry a ``replica`` label, one series per replica (``"0"`` with
+one engine; ``sum without (replica)`` for the server's total); ``ouro_routed_requests_total``
+counts routing decisions per ``replica`` and ``reason`` (``prefix`` / ``least_loaded``)."""
 
 from __future__ import annotations
 
@@ -31,9 +37,16 @@ class ServerMetrics:
             **lbl,
         )
         self.e2e = Histogram("ouro_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, **lbl)
-        self.running = Gauge("ouro_num_requests_running", "Requests the engine is running", **lbl)
-        self.waiting = Gauge("ouro_num_requests_waiting", "Requests queued in the engine or the server", **lbl)
-        self.kv_usage = Gauge("ouro_kv_cache_usage_ratio", "Share of KV blocks in use (0..1)", **lbl)
+        rep = dict(labelnames=("model_name", "replica"), registry=r)
+        self.running = Gauge("ouro_num_requests_running", "Requests the engine is running", **rep)
+        self.waiting = Gauge("ouro_num_requests_waiting", "Requests queued in the engine or the server", **rep)
+        self.kv_usage = Gauge("ouro_kv_cache_usage_ratio", "Share of KV blocks in use (0..1)", **rep)
+        self.routed = Counter(
+            "ouro_routed_requests",
+            "Engine requests routed to a data-parallel replica, by reason (prefix / least_loaded)",
+            labelnames=("model_name", "replica", "reason"),
+            registry=r,
+        )
         self.mean_loops = Gauge("ouro_mean_loops_per_token", "Mean loops per generated token so far", **lbl)
         self.model_name = model_name
         self._loops = 0
@@ -60,11 +73,14 @@ class ServerMetrics:
     def request_rejected(self, status: int) -> None:
         self.requests.labels(self.model_name, str(status)).inc()
 
-    def engine_state(self, running: int, waiting: int, kv_usage: float) -> None:
-        m = self.model_name
-        self.running.labels(m).set(running)
-        self.waiting.labels(m).set(waiting)
-        self.kv_usage.labels(m).set(kv_usage)
+    def engine_state(self, running: int, waiting: int, kv_usage: float, replica: int = 0) -> None:
+        m, r = self.model_name, str(replica)
+        self.running.labels(m, r).set(running)
+        self.waiting.labels(m, r).set(waiting)
+        self.kv_usage.labels(m, r).set(kv_usage)
+
+    def request_routed(self, replica: int, reason: str) -> None:
+        self.routed.labels(self.model_name, str(replica), reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,6 +14,7 @@ import uvicorn
 from .app import ServerState, create_app
 from .chat_template import load_chat_template
 from .engine_loop import EngineLoop
+from .replicas import ReplicaSet
 
 log = logging.getLogger("ouro_jax.server")
 
@@ -26,16 +27,26 @@ def make_state(
     model_path=None,
     max_queue: int = 256,
     startup: Optional[dict] = None,
+    prefix_slack: Optional[int] = None,
 ) -> ServerState:
-    """The server around a built ``llm``: its engine thread (started) and the checkpoint's chat template.
+    """The server around a built ``llm`` (or a list of data-parallel replicas: ``replicas.py``): its
+    engine thread(s) (started) and the checkpoint's chat template.
 
-    At most ``max_num_seqs + max_queue`` requests are unfinished at once; more are answered 429."""
+    At most ``max_num_seqs + max_queue`` requests are unfinished at once per engine; more are
+    answered 429."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    llms = list(llm) if isinstance(llm, (list, tuple)) else [llm]
+    if not llms:
+        raise ValueError("make_state needs at least one engine")
     folder = os.fspath(model_path) if model_path is not None and os.path.isdir(os.fspath(model_path)) else None
     template = load_chat_template(folder)
-    engine = EngineLoop(llm, llm.scheduler_config.max_num_seqs + max_queue).start()
-    return ServerState(llm=llm, engine=engine, model_name=model_name, chat_template=template, startup=startup)
+    if len(llms) == 1:
+        engine = EngineLoop(llms[0], llms[0].scheduler_config.max_num_seqs + max_queue).start()
+    else:
+        loops = [EngineLoop(x, x.scheduler_config.max_num_seqs + max_queue, name=f"-{i}") for i, x in enumerate(llms)]
+        engine = ReplicaSet(loops, prefix_slack=prefix_slack).start()
+    return ServerState(llm=llms[0], engine=engine, model_name=model_name, chat_template=template, startup=startup)
 
 
 class _Server(uvicorn.Server):
