@@ -79,6 +79,35 @@ def test_router_prefix_holder_unless_overloaded():
         Router(0, 1)
 
 
+def test_replica_set_reserves_routes_and_releases():
+    """Places are reserved over all replicas, each request then takes one on the replica it is routed
+    to; a failed submit leaves its place reserved for the caller to release (no double count)."""
+    from types import SimpleNamespace
+
+    from ouro_jax.server.engine_loop import EngineDead, EngineLoop
+    from ouro_jax.server.replicas import ReplicaSet
+
+    llm = SimpleNamespace(scheduler_config=SimpleNamespace(enable_prefix_caching=False, max_num_seqs=2))
+    loops = [EngineLoop(llm, 2) for _ in range(2)]  # never started: submit raises EngineDead
+    rs = ReplicaSet(loops)
+    routed = []
+    rs.on_route = lambda i, reason: routed.append((i, reason))
+    assert rs.max_pending == 4 and not rs.alive
+    assert rs.try_reserve(3) and not rs.try_reserve(2) and rs.pending == 3
+    with pytest.raises(EngineDead):
+        rs.submit("a", [1], None, None, 0)
+    assert rs.pending == 3 and [x.pending for x in loops] == [0, 0] and routed == []
+    rs.release(3)
+    assert rs.pending == 0
+    for x in loops:  # an engine that accepts everything
+        x.submit = lambda *a, x=x: x
+    assert rs.try_reserve(4) and not rs.try_reserve(1)  # 429: no replica has room
+    took = [rs.submit(f"r{k}", [1], None, None, 0) for k in range(4)]
+    order = [loops.index(t) for t in took]
+    assert order in ([0, 1, 0, 1], [1, 0, 1, 0]) and [x.pending for x in loops] == [2, 2]  # least loaded
+    assert routed == [(i, "least_loaded") for i in order] and rs.pending == 4
+
+
 def test_data_parallel_size_is_validated():
     from ouro_jax.server.replicas import check_data_parallel, replica_devices
 

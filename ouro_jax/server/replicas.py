@@ -189,17 +189,19 @@ class ReplicaSet:
 
     def submit(self, request_id, prompt_ids, sampling_params, out, index: int) -> EngineLoop:
         """Route one reserved request and queue it there; returns the replica's loop (for aborts)."""
+        # on failure the place stays reserved here: the caller releases it with the rest of its job
         with self._lock:
-            self._unsubmitted -= 1
             i, reason, hashes = self.route(prompt_ids)
             loop = self.replicas[i]
-            taken = loop.try_reserve(1)
-        if not taken:
-            raise EngineDead(f"replica {i} has no room")
+            if not loop.try_reserve(1):
+                raise EngineDead(f"replica {i} has no room")
+            self._unsubmitted -= 1
         try:
             loop.submit(request_id, prompt_ids, sampling_params, out, index)
         except EngineDead:
-            loop.release(1)
+            with self._lock:
+                loop.release(1)
+                self._unsubmitted += 1
             raise
         if hashes:
             self.router.remember(hashes, i)
