@@ -185,15 +185,17 @@ class LatencyTarget:
         cap = self._cap(n_d, ctx_d, float(pos), budget, split)
         if cap < budget - (0 if split else n_d):
             self.capped += 1
-        if cap > 0:
-            self._starved = 0
-            return cap
-        self._starved += 1
-        if self._starved > self.starve_after:
-            self._starved = 0
+        if cap == 0 and self._starved >= self.starve_after:
+            # lifted until prompt rows actually run (the policy may not be able to start them at once:
+            # a split decode group in flight)
             self.forced += 1
             return max(1, min(self.prompt_chunk, budget - (0 if split else n_d)))
-        return 0
+        return cap
+
+    def note_selection(self, prompt_waiting: bool, ran_prompt: bool) -> None:
+        """What the invocation just scheduled did: the starvation count is of invocations in which
+        prompt work waited and got no row, whatever the reason (cap, policy, a group in flight)."""
+        self._starved = 0 if (ran_prompt or not prompt_waiting) else self._starved + 1
 
     def _cap(self, n_d: int, ctx_d: float, pos: float, budget: int, split: bool) -> int:
         room = budget if split else budget - n_d

@@ -482,6 +482,9 @@ class Scheduler:
             if self.latency is not None:
                 cap = self.latency.prompt_cap(self.running, cfg.max_num_batched_tokens, cfg.prefill_mode == "split")
             sel = self.policy.select(self.running, cfg.max_num_batched_tokens, T, cap)
+            if self.latency is not None:
+                waiting = any(r.is_prefilling for r in self.running)
+                self.latency.note_selection(waiting, sel is not None and bool(sel.prompt))
             for req in self.running:
                 if req.pending_finalize:
                     finalize.extend(req.pending_finalize)
