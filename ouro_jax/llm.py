@@ -33,6 +33,7 @@ from scheduler.sizes import pool_blocks
 from .config import PRESETS, OuroConfig
 from .options import LAYER_LOOPS, choice, dtype_option
 from .parallel import check_devices, check_tensor_parallel
+from .executable_store import ExecutableStore
 from .runner import ModelRunner
 
 __all__ = ["LLM", "RequestOutput", "RequestMetrics"]
@@ -173,6 +174,8 @@ class LLM:
         attention: str = "auto",
         layer_loop: str = "unrolled",
         compile_cache_dir: Optional[str] = None,
+        executable_store: bool = True,
+        compile_threads: Optional[int] = None,
         num_ring_rows: Optional[int] = None,
         fused_decode_max_rows: Optional[int] = None,
         fused_decode_tokens: int = 1,
@@ -200,6 +203,11 @@ class LLM:
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         if not _is_int(seed):
             raise ValueError(f"seed must be an integer, got {seed!r}")
+        if not isinstance(executable_store, bool):
+            raise ValueError(f"executable_store must be True or False, got {executable_store!r}")
+        compile_threads = _plain(compile_threads)
+        if compile_threads is not None and not (_is_int(compile_threads) and compile_threads >= 1):
+            raise ValueError(f"compile_threads must be a positive integer or None, got {compile_threads!r}")
         dtype = dtype_option(dtype)
         attention = check_attention(attention)
         layer_loop = choice("layer_loop", layer_loop, LAYER_LOOPS)
@@ -260,9 +268,18 @@ class LLM:
         if num_ring_rows is not None and num_ring_rows < need_rows:
             raise ValueError(f"num_ring_rows={num_ring_rows} is too small: this configuration needs {need_rows}")
 
-        self._enable_compile_cache(compile_cache_dir)
+        t_start = time.perf_counter()
+        cache = self._enable_compile_cache(compile_cache_dir)
+        # our own store of compiled executables, inside JAX's cache folder (docs/decisions.md, "Start-up")
+        self.executable_store = (
+            ExecutableStore(os.path.join(cache, "ouro_executables")) if executable_store and cache else None
+        )
         self.config = c
-        self.params, self.tokenizer = self._load(c, folder, params, dtype, seed, host=tp > 1 or devices is not None)
+        self.params, self.tokenizer = self._load(
+            c, folder, params, dtype, seed, host=tp > 1 or devices is not None, store=self.executable_store
+        )
+        # seconds of each start-up phase (benchmarks/startup.py reports them)
+        self.startup_times = {"weights": time.perf_counter() - t_start}
         self.progress = progress
         if num_blocks is None:
             itemsize = np.dtype(jax.tree.leaves(self.params)[0].dtype).itemsize
@@ -290,14 +307,18 @@ class LLM:
             layer_loop=layer_loop,
             tensor_parallel_size=tp,
             devices=devices,
+            executable_store=self.executable_store,
         )
+        self.startup_times["runner"] = time.perf_counter() - t_start - self.startup_times["weights"]
         self._ids = itertools.count()
         self._live: dict[object, Request] = {}  # queued or running, by id
         # outputs produced but not yet handed out (the latest per request; see the class docstring)
         self._unreported: dict[object, RequestOutput] = {}
         self._unsynced: list = []  # plans launched since the host last waited for a device result
         self._sync_t = 0.0
-        self.warmup_time = self.runner.warmup(self.executable_keys(), progress) if warmup else 0.0
+        self.compile_threads = compile_threads
+        self.warmup_time = self.runner.warmup(self.executable_keys(), progress, compile_threads) if warmup else 0.0
+        self.startup_times["compile"] = self.warmup_time
 
     def executable_keys(self) -> list:
         """Every executable a run can launch: one per row bucket, and one per fused decode step
@@ -306,14 +327,16 @@ class LLM:
 
     # ------------------------------------------------------------------------------ setup
     @staticmethod
-    def _enable_compile_cache(path: Optional[str]) -> None:
-        """Persistent XLA compilation cache (and autotune results with it): a restart compiles nothing."""
+    def _enable_compile_cache(path: Optional[str]) -> Optional[str]:
+        """Persistent XLA compilation cache (and autotune results with it): a restart compiles nothing.
+        Returns its folder, None when it is off."""
         path = path or os.environ.get("OURO_JAX_COMPILE_CACHE") or os.path.expanduser("~/.cache/ouro_jax/xla")
         if path.lower() in ("", "off", "none"):
-            return
+            return None
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        return path
 
     @staticmethod
     def _resolve_model(model) -> tuple[OuroConfig, Optional[str]]:
@@ -340,7 +363,7 @@ class LLM:
         return read_config(folder), folder
 
     @staticmethod
-    def _load(config: OuroConfig, folder: Optional[str], params, dtype, seed, host: bool = False):
+    def _load(config: OuroConfig, folder: Optional[str], params, dtype, seed, host: bool = False, store=None):
         """``(params, tokenizer)``: the folder's weights and tokenizer, or random weights for a config.
         ``host=True`` (tensor parallel) keeps the leaves on the host (numpy, or the CPU device)
         instead of the first accelerator."""
@@ -358,7 +381,9 @@ class LLM:
         if params is None:  # the same weights as `ouro-jax random-checkpoint --seed` writes
             from weights.random_init import random_params
 
-            params = random_params(config, seed, dtype_of(dtype or config.torch_dtype), on_device=not host)
+            params = random_params(
+                config, seed, dtype_of(dtype or config.torch_dtype), on_device=not host, store=None if host else store
+            )
         elif host:
             cast = (lambda x: np.asarray(x)) if dtype is None else (lambda x: np.asarray(x, dtype_of(dtype)))
             params = jax.tree.map(cast, params)
@@ -622,6 +647,7 @@ class LLM:
             recurrent_rows=s["real_rows"],
             host_time_per_launch_s=host / max(1, s["launches"]),
             compilations=r.compilations,
+            store_loads=r.store_loads,
             compile_time_s=r.compile_time,
             warmup_time_s=self.warmup_time,
             host_time_s=host,

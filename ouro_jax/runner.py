@@ -32,7 +32,7 @@ import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from scheduler.buckets import BucketKey
 from scheduler.descriptor import HEADER, StepResult, descriptor_layout
 
 from .config import OuroConfig
+from .executable_store import ExecutableStore, jax_cache_hits_in_thread
 from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
 from .paged_attention import PagedAttention
 from .parallel import (
@@ -267,6 +268,7 @@ class ModelRunner:
         interpret: bool = False,
         tensor_parallel_size: int = 1,
         devices=None,
+        executable_store: Optional[ExecutableStore] = None,
     ):
         attention = resolve_attention(attention)
         if layer_loop not in ("scan", "unrolled"):
@@ -314,8 +316,13 @@ class ModelRunner:
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
         self._exe: dict[Any, Any] = {}
         self._compile_lock = threading.Lock()
-        self.compilations = 0
+        self.compilations = 0  # executables obtained: compiled, from XLA's cache, or from the store
+        self.store_loads = 0  # of which loaded from `executable_store` (no tracing, no compile)
+        self.store_save_time = 0.0
         self.compile_time = 0.0
+        self.store = executable_store
+        self._store_devices = list(self.mesh.devices.flat) if self.mesh is not None else [self._device]
+        self._store_program = self._program_description() if executable_store is not None else None
         self.compile_times: dict[BucketKey, float] = {}
         self.dispatch_time = 0.0
         self.wait_time = 0.0
@@ -378,10 +385,62 @@ class ModelRunner:
             key=bucket,
         )
 
-    def _compile(self, key, lowered=None):
+    def _program_description(self) -> tuple:
+        """Everything of this runner that decides a step's program, bar the bucket key: the store
+        key's part from the runner (``executable_store.environment`` adds versions and source)."""
+        mesh = self.mesh is not None or self._pinned  # as `_lower`: shardings are part of the program
+        leaves, _ = jax.tree_util.tree_flatten_with_path(self.params)
+        params = tuple(
+            (jax.tree_util.keystr(p), x.shape, str(x.dtype), repr(x.sharding) if mesh else None) for p, x in leaves
+        )
+        arrays = tuple(
+            (x.shape, str(x.dtype), repr(x.sharding) if mesh else None) for x in (self.k_pool, self.v_pool, self.ring)
+        )
+        return (
+            "ouro_jax.runner step",
+            repr(self.config),
+            self.dtype_name,
+            self.attention,
+            self.interpret,
+            self.layer_loop,
+            self.tensor_parallel_size,
+            tuple(d.id for d in self._store_devices),
+            tuple(sorted(_compiler_options().items())),
+            arrays,
+            params,
+        )
+
+    def store_key(self, key) -> str:
+        """The executable store's entry name of ``key`` (a ``BucketKey`` or ``(BucketKey, n)``)."""
+        if self.store is None:
+            raise ValueError("this runner has no executable store")
+        return self.store.key(self._store_program, repr(key), packed_shape(key))
+
+    def _load_stored(self, key) -> bool:
+        """Take ``key``'s executable from the store: True if it was there and loaded."""
         t = time.perf_counter()
+        exe = self.store.load(self.store_key(key), self._store_devices)
+        if exe is None:
+            return False
+        with self._compile_lock:
+            self._record_compile(key, exe, time.perf_counter() - t)
+            self.store_loads += 1
+        return True
+
+    def _compile(self, key, lowered=None, try_store: bool = True):
+        """``key``'s executable: from the store when it has it, else traced, lowered and compiled
+        (XLA's persistent cache may still answer the compile), then saved to the store."""
+        if try_store and lowered is None and self.store is not None and self._load_stored(key):
+            return self._exe[key]
+        t = time.perf_counter()
+        hits = jax_cache_hits_in_thread()
         exe = (lowered or self._lower(key)).compile(_compiler_options())
         dt = time.perf_counter() - t
+        if self.store is not None:
+            t = time.perf_counter()
+            self.store.save(self.store_key(key), exe, from_jax_cache=jax_cache_hits_in_thread() > hits)
+            with self._compile_lock:
+                self.store_save_time += time.perf_counter() - t
         with self._compile_lock:  # warmup compiles in threads
             self._record_compile(key, exe, dt)
         return exe
@@ -396,10 +455,13 @@ class ModelRunner:
         """Compile every bucket ahead of time (with a progress bar); returns the seconds spent.
         ``keys``: ``BucketKey`` s and ``(BucketKey, n)`` fused decode steps.
 
-        Tracing and lowering run one key at a time (Python). XLA compiles in ``threads`` threads
-        (default: one while the persistent cache misses, so that GPU autotuning measures kernels on
-        an idle device; up to 8 once the first key came from the cache, where a compile is a load)."""
+        Executables in the store load first, in threads (no tracing). The rest are traced and
+        lowered one key at a time (Python); XLA compiles them in ``threads`` threads (default: one
+        while the persistent cache misses, so that GPU autotuning measures kernels on an idle
+        device; up to 8 once the first key came from the cache, where a compile is a load)."""
         todo = [k for k in dict.fromkeys(keys) if k not in self._exe]
+        if threads is not None and not (isinstance(threads, int) and threads >= 1):
+            raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
         t = time.perf_counter()
         bar = None
         if progress and todo:
@@ -407,22 +469,26 @@ class ModelRunner:
 
             bar = tqdm(total=len(todo), desc="compiling buckets", unit="exe")
         done = bar.update if bar is not None else (lambda n: None)
+        if self.store is not None and todo:
+            with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
+                done(sum(pool.map(self._load_stored, todo)))
+            todo = [k for k in todo if k not in self._exe]
         if threads is None:
             threads = 1
             if todo:
                 hits = _CACHE_HITS[0]
-                self._compile(todo.pop(0))
+                self._compile(todo.pop(0), try_store=False)
                 done(1)
                 if _CACHE_HITS[0] > hits:
                     threads = 8
         if threads <= 1:
             for k in todo:
-                self._compile(k)
+                self._compile(k, try_store=False)
                 done(1)
         elif todo:
             lowered = [(k, self._lower(k)) for k in todo]
             with ThreadPoolExecutor(max_workers=min(threads, len(lowered))) as pool:
-                for _ in pool.map(lambda kl: self._compile(*kl), lowered):
+                for _ in pool.map(lambda kl: self._compile(*kl, try_store=False), lowered):
                     done(1)
         if bar is not None:
             bar.close()

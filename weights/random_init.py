@@ -51,10 +51,29 @@ def _drawer(shape: tuple[int, ...], kind: str, transpose: bool, dtype):
     return jax.jit(draw)
 
 
-def _draw(name: str, shape: tuple[int, ...], seed: int, transpose: bool = False, dtype=np.float32):
+@functools.cache
+def _stored_drawer(store, shape: tuple[int, ...], kind: str, transpose: bool, dtype):
+    """:func:`_drawer` compiled once and kept in ``store`` (an ``ExecutableStore``): each draw
+    compiles in well under JAX's persistent-cache threshold, so without the store every start
+    compiled them again (docs/decisions.md, "Start-up")."""
+    import jax
+
+    device = jax.devices()[0]
+    key = store.key("weights.random_init drawer", shape, kind, transpose, str(dtype), device.id)
+
+    def compile_():
+        scalar = lambda t: jax.ShapeDtypeStruct((), t)  # noqa: E731
+        return _drawer(shape, kind, transpose, dtype).lower(scalar(np.uint32), scalar(np.int32)).compile()
+
+    return store.load_or_compile(key, [device], compile_)[0]
+
+
+def _draw(name: str, shape: tuple[int, ...], seed: int, transpose: bool = False, dtype=np.float32, store=None):
     # crc32 fits uint32; the fold-in tag is its int32 bit pattern
     tag = np.uint32(zlib.crc32(name.encode())).view(np.int32)
-    return _drawer(tuple(shape), _kind(name), transpose, np.dtype(dtype))(np.uint32(seed), tag)
+    args = (tuple(shape), _kind(name), transpose, np.dtype(dtype))
+    fn = _drawer(*args) if store is None else _stored_drawer(store, *args)
+    return fn(np.uint32(seed), tag)
 
 
 def random_hf_tensors(config: OuroConfig, seed: int = 0, dtype=np.float32) -> Iterator[tuple[str, np.ndarray]]:
@@ -64,13 +83,14 @@ def random_hf_tensors(config: OuroConfig, seed: int = 0, dtype=np.float32) -> It
         yield name, np.asarray(_draw(name, shape, seed)).astype(dtype)
 
 
-def random_params(config: OuroConfig, seed: int = 0, dtype=np.float32, *, on_device: bool = False) -> dict:
+def random_params(config: OuroConfig, seed: int = 0, dtype=np.float32, *, on_device: bool = False, store=None) -> dict:
     """The param tree of :func:`random_hf_tensors` (Flax layout) - the same values a random checkpoint
     written by ``weights.save_random`` holds, without touching the disk. ``on_device=True`` keeps the
-    leaves as device arrays (what the engine wants); otherwise they are numpy arrays."""
+    leaves as device arrays (what the engine wants); otherwise they are numpy arrays. ``store``: an
+    ``ouro_jax.executable_store.ExecutableStore`` that keeps the compiled drawers across starts."""
     tree: dict = {}
     for name, shape in hf_tensor_shapes(config).items():
         path, transpose = hf_name_to_path(name)
-        arr = _draw(name, shape, seed, transpose, dtype)
+        arr = _draw(name, shape, seed, transpose, dtype, store)
         set_path(tree, path, arr if on_device else np.asarray(arr))
     return tree
