@@ -20,6 +20,9 @@ Only executables XLA compiled in this process are saved, not ones JAX's persiste
 (seen by its ``cache_hits`` event in the compiling thread): on the CPU an executable deserialized
 once serializes into an entry that fails at run time ("Function ... not found"), so a second
 round trip is not trusted on backends not listed in ``RESERIALIZABLE_PLATFORMS``.
+
+A stored executable runs only once the custom-call targets it calls are registered: the Pallas
+Triton and Mosaic GPU modules, which ``ouro_jax.runner`` imports at import time (keep them eager).
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.sizes import pool_blocks
 
 from .config import PRESETS, OuroConfig
+from .executable_store import ExecutableStore
 from .options import LAYER_LOOPS, choice, dtype_option
 from .parallel import check_devices, check_tensor_parallel
-from .executable_store import ExecutableStore
 from .runner import ModelRunner
 
 __all__ = ["LLM", "RequestOutput", "RequestMetrics"]
