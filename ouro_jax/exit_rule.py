@@ -3,8 +3,8 @@
 The host rule (``scheduler.exit_policy``) is the definition; this module states the same rule on
 arrays so that every device path that decides exits (``static_generate``, ``full_forward``) uses
 one formula. ``tests/test_exit_rule.py`` checks the two against each other on random gates.
-``synthetic`` exits are drawn on the host only; fused decode steps run only tokens that certainly
-run every loop, so they decide no exit on the device.
+``synthetic`` exits are drawn on the host only; a fused decode step gets each row's draw as the
+forced-exit count of :func:`decide_exit_rows` (``scheduler.exit_policy.device_exit_params``).
 
 ``remaining`` after ``k`` gates is ``prod_{i<k} (1 - sigmoid(g_i))`` (float32 here, float64 on the
 host); the decision after ``loops_done`` loops reads ``loops_done`` gates in ``ouro`` mode and
@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DEVICE_EXIT_MODES", "fold_gate", "decide_exit", "exit_loops"]
+__all__ = ["DEVICE_EXIT_MODES", "fold_gate", "decide_exit", "decide_exit_rows", "exit_loops"]
 
 #: Exit modes a device path can decide (``synthetic`` draws its depths on the host).
 DEVICE_EXIT_MODES = ("ouro", "delayed", "fixed")
@@ -46,6 +46,15 @@ def decide_exit(loops_done, remaining, threshold, min_loops, max_loops, exit_mod
     if exit_mode == "delayed":
         return forced | _threshold_reached(loops_done - 1, remaining, threshold, min_loops)
     return forced | _threshold_reached(loops_done, remaining, threshold, min_loops)
+
+
+def decide_exit_rows(loops_done, remaining_now, remaining_before, limit, min_loops, delay, threshold):
+    """Per-row rule of a fused decode step, every mode at once (``[R]`` arrays from
+    ``scheduler.exit_policy.device_exit_params``): forced after ``limit`` loops, else the gate
+    rule of ``ouro`` (``delay`` 0: ``remaining_now``, ``loops_done`` gates) or ``delayed``
+    (``delay`` 1: ``remaining_before``, one gate fewer); ``threshold >= 1`` turns the gate off."""
+    rem = jnp.where(delay == 1, remaining_before, remaining_now)
+    return (loops_done >= limit) | _threshold_reached(loops_done - delay, rem, threshold, min_loops)
 
 
 def exit_loops(gate_logits, threshold, min_loops, max_loops, exit_mode: str = "ouro"):

@@ -16,11 +16,12 @@ sampling) of the coda rows. Only the gate logits ``[R]`` and sampled tokens ``[C
 copied to the host asynchronously; the host reads them only when the scheduler needs them.
 
 Fused decode steps (``scheduler`` decides when; ``fused_decode_max_rows``): one executable runs
-``n = T * tokens`` loops of the same decode rows in a device-side ``fori_loop``, feeding each
-token's sampled id to the next token's prelude on the device: at small batches a loop is short
-next to the host's fixed cost per launch, upload and readback, which a fused step pays once per
-``n`` loops (docs/decisions.md, "Fused decode steps"). It runs only tokens that certainly run all
-``T`` loops, so no loop is wasted.
+``tokens`` tokens of the same decode rows, each token's loops in a device-side ``while_loop`` that
+decides every row's exit after each loop with the host's rule and stops once all rows exited,
+then finalizes, samples and feeds the sampled ids to the next token's prelude on the device: at
+small batches a loop is short next to the host's fixed cost per launch, upload and readback, and
+with early exit the host would otherwise wait for every loop's gate (docs/decisions.md, "Fused
+decode steps").
 
 The descriptor travels as one packed int32 array (``scheduler/descriptor.py`` fixes its layout per
 bucket key) because every host-to-device transfer has a fixed cost.
@@ -43,10 +44,11 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels import copy_kv_slots
 from pallas_kernels.dispatch import choose_attention, resolve_attention
 from scheduler.buckets import BucketKey
-from scheduler.descriptor import HEADER, StepResult, descriptor_layout
+from scheduler.descriptor import EXIT_FIELDS, HEADER, StepResult, descriptor_layout, exit_words
 
 from .config import OuroConfig
 from .executable_store import ExecutableStore, jax_cache_hits_in_thread
+from .exit_rule import decide_exit_rows, fold_gate
 from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
 from .paged_attention import PagedAttention
 from .parallel import (
@@ -88,20 +90,20 @@ def packed_size(key: BucketKey) -> int:
 
 
 def packed_shape(key) -> tuple[int, ...]:
-    """The uploaded int32 array of an executable: ``[words]`` for a bucket key, ``[n, words]``
-    for a fused decode step ``(BucketKey, n)``."""
+    """The uploaded int32 array of an executable: ``[words]`` for a bucket key, ``[n, words +
+    exit words]`` for a fused decode step ``(BucketKey, n)``."""
     if isinstance(key, BucketKey):
         return (packed_size(key),)
     bucket, n = key
-    return (n, packed_size(bucket))
+    return (n, packed_size(bucket) + exit_words(bucket))
 
 
-def _loop(
+def _recurrent(
     params,
     kp,
     vp,
     ring,
-    packed,
+    a: dict,
     previous_tokens,
     *,
     key: BucketKey,
@@ -112,9 +114,9 @@ def _loop(
     layer_loop: str,
     tp_size: int = 1,
 ):
-    """One invocation's work (the module docstring's four steps) on one descriptor.
+    """Steps 1-3 of one descriptor (``a``: its unpacked fields): returns ``(kp, vp, ring, h, g)``.
 
-    ``previous_tokens [C]``: the tokens sampled by the sub-step before this one in a fused decode
+    ``previous_tokens [C]``: the tokens sampled by the token before this one in a fused decode
     step; embedded instead of ``pre_token`` when the descriptor's ``feed_previous_tokens`` is set.
     ``tp_size > 1``: the body of a ``shard_map`` over ``"tp"``; ``config`` and the KV pools are one
     shard's (``parallel.local_config``), embed and lm_head are split by vocabulary.
@@ -123,7 +125,6 @@ def _loop(
     c = local_config(config, tp_size)
     dt = dtype_of(dtype_name)
     model = OuroModel(c, dt, tp_axis=TP_AXIS if tp else None)
-    a = _unpack(key, packed)
 
     # 1. LAST_EXITED finalize: deeper planes of exited tokens take the exit plane's K/V
     kp, vp = copy_kv_slots(kp, vp, a["fin_src"], a["fin_dst"])
@@ -178,45 +179,104 @@ def _loop(
         (x, (kp, vp)), _ = jax.lax.scan(body, (x, (kp, vp)), (jnp.arange(c.num_hidden_layers), params["layers"]))
     h, g = model.apply({"params": params["top"]}, x, method=OuroModel.finish_loop)
     ring = ring.at[a["row_ring"]].set(h.astype(ring.dtype))
-    # 4. coda for the rows that may produce a token
-    if tp:
-        logits = vocab_parallel_logits(h[a["coda_row"]], params["top"]["lm_head"]["kernel"], dt)
+    return kp, vp, ring, h, g.astype(jnp.float32)
+
+
+def _coda(params, h, a: dict, *, config: OuroConfig, dtype_name: str, tp_size: int = 1, **_):
+    """Step 4: lm_head + sampling of the coda rows' hidden states ``h [C, D]`` -> tokens ``[C]``."""
+    dt = dtype_of(dtype_name)
+    if tp_size > 1:
+        logits = vocab_parallel_logits(h, params["top"]["lm_head"]["kernel"], dt)
     else:
-        logits = model.apply({"params": params["top"]}, h[a["coda_row"]], method=OuroModel.coda)
+        model = OuroModel(local_config(config, tp_size), dt)
+        logits = model.apply({"params": params["top"]}, h, method=OuroModel.coda)
     keys = row_keys(a["coda_seed"], a["coda_step"])
-    tokens = sample(logits, a["coda_temperature"], a["coda_top_k"], a["coda_top_p"], keys)
-    return kp, vp, ring, g.astype(jnp.float32), tokens.astype(jnp.int32)
+    return sample(logits, a["coda_temperature"], a["coda_top_k"], a["coda_top_p"], keys).astype(jnp.int32)
 
 
 def _step(params, kp, vp, ring, packed, **kw):
-    """One loop: the executable of a bucket."""
-    return _loop(params, kp, vp, ring, packed, None, **kw)
+    """One loop: the executable of a bucket (the module docstring's four steps)."""
+    a = _unpack(kw["key"], packed)
+    kp, vp, ring, h, g = _recurrent(params, kp, vp, ring, a, None, **kw)
+    return kp, vp, ring, g, _coda(params, h[a["coda_row"]], a, **kw)
 
 
 def _fused_step(params, kp, vp, ring, packed, **kw):
-    """A fused decode step: ``packed [n, words]`` holds ``n`` descriptors of one key, run in order
-    in a ``fori_loop`` (the body is one loop, so it compiles like one bucket, not ``n``), each
-    sub-step's sampled tokens carried to the next one's prelude. The KV pools and the ring are
-    loop carries updated in place, as the ``scan`` layer loop does. Returns ``gates [n, R]`` and
-    ``tokens [n, C]``."""
-    key = kw["key"]
-    n = packed.shape[0]
+    """A fused decode step (``scheduler.descriptor.StackedDescriptor``): ``packed [n, words + exit
+    words]`` holds ``tokens * T`` sub-descriptors of one key and each token's exit words.
 
-    def body(i, carry):
-        kp, vp, ring, prev, gates, tokens = carry
-        kp, vp, ring, g, tok = _loop(params, kp, vp, ring, packed[i], prev, **kw)
-        return kp, vp, ring, tok, gates.at[i].set(g), tokens.at[i].set(tok)
+    Per token (a ``fori_loop``): a ``while_loop`` over depths runs the loop of every row in lock
+    step while a row is left (the body is one loop, so it compiles like one bucket); after each
+    loop the rows decide their exits (``exit_rule.decide_exit_rows``), an exited row keeps its exit
+    hidden state and writes no more K/V (slot -1, as padding rows). Then LAST_EXITED rows copy
+    their exit plane into the planes above (the slots are the later sub-steps'), one coda samples
+    the exit states, and the tokens feed the next token's prelude. The KV pools and the ring are
+    loop carries updated in place. Returns ``gates [n, R]`` (0 where a loop did not run) and
+    ``[tokens, C + R]`` int32: sampled tokens, then exit depths."""
+    key, T = kw["key"], kw["config"].num_loops
+    n = packed.shape[0]
+    R, C = key.R, key.C
+    words = packed_size(key)
+    layout = {f.name: f for f in descriptor_layout(key)}
+    slot_at = layout["row_slot"].offset
+    finalize = key.F > 0 and T > 1  # LAST_EXITED (SHARED buckets hold no finalize pairs)
+
+    def token(j, carry):
+        kp, vp, ring, prev, gates, out = carry
+        first = j * T
+        ex = packed[first, words:].reshape(len(EXIT_FIELDS), R)
+        limit, min_loops, delay = ex[0], ex[1], ex[2]
+        thr = jax.lax.bitcast_convert_type(ex[3], jnp.float32)
+        real = jnp.arange(R) < packed[first, layout["header"].offset + HEADER.index("num_rows")]
+        h_dtype = dtype_of(kw["dtype_name"])
+
+        def more(c):
+            return (c[0] < T) & jnp.any(c[5])
+
+        def loop(c):
+            d, kp, vp, ring, rem, active, exit_h, depth, gates = c
+            a = _unpack(key, packed[first + d, :words])
+            a["row_slot"] = jnp.where(active, a["row_slot"], -1)  # an exited row writes no K/V
+            kp, vp, ring, h, g = _recurrent(params, kp, vp, ring, a, prev, **kw)
+            nxt = fold_gate(rem, g)
+            out = active & decide_exit_rows(d + 1, nxt, rem, limit, min_loops, delay, thr)
+            exit_h = jnp.where(out[:, None], h.astype(h_dtype), exit_h)
+            depth = jnp.where(out, d, depth)
+            return d + 1, kp, vp, ring, nxt, active & ~out, exit_h, depth, gates.at[first + d].set(g)
+
+        init = (
+            jnp.int32(0),
+            kp,
+            vp,
+            ring,
+            jnp.ones((R,), jnp.float32),
+            real,
+            jnp.zeros((R, ring.shape[-1]), h_dtype),
+            jnp.zeros((R,), jnp.int32),
+            gates,
+        )
+        _, kp, vp, ring, _, _, exit_h, depth, gates = jax.lax.while_loop(more, loop, init)
+        if finalize:  # plane depth[r] -> planes depth[r]+1..T-1 of every real row
+            slots = jax.lax.dynamic_slice(packed, (first, slot_at), (T, R))  # [T, R]: row r's slot per plane
+            src = jnp.take_along_axis(slots, depth[None, :], axis=0)[0]
+            above = (jnp.arange(1, T)[:, None] > depth[None, :]) & real[None, :]
+            dst = jnp.where(above, slots[1:], -1)
+            kp, vp = copy_kv_slots(kp, vp, jnp.broadcast_to(src, dst.shape).reshape(-1), dst.reshape(-1))
+        a = _unpack(key, packed[first + T - 1, :words])  # the coda fields ride on the token's last loop
+        tok = _coda(params, exit_h[a["coda_row"]], a, **kw)
+        out = out.at[j].set(jnp.concatenate([tok, depth]))
+        return kp, vp, ring, tok, gates, out
 
     init = (
         kp,
         vp,
         ring,
-        jnp.zeros((key.C,), jnp.int32),
-        jnp.zeros((n, key.R), jnp.float32),
-        jnp.zeros((n, key.C), jnp.int32),
+        jnp.zeros((C,), jnp.int32),
+        jnp.zeros((n, R), jnp.float32),
+        jnp.zeros((n // T, C + R), jnp.int32),
     )
-    kp, vp, ring, _, gates, tokens = jax.lax.fori_loop(0, n, body, init)
-    return kp, vp, ring, gates, tokens
+    kp, vp, ring, _, gates, out = jax.lax.fori_loop(0, n // T, token, init)
+    return kp, vp, ring, gates, out
 
 
 # Persistent-cache hits seen in this process (JAX's own monitoring event): ``warmup`` compiles in

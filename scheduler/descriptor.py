@@ -18,7 +18,7 @@ Layout, in order (``R, S, C, F, MB`` from the key, ``P = R``)::
     fin_src[F]  fin_dst[F]                                    (padding: -1)
 
 ``feed_previous_tokens`` (0 or 1) is set only inside a fused decode step (``StackedDescriptor``):
-prelude entry ``i`` then embeds the token that the previous sub-step's coda row ``i`` sampled on
+prelude entry ``i`` then embeds the token that the previous token's coda row ``i`` sampled on
 the device, instead of ``pre_token[i]``, so several tokens run without a host round trip.
 
 Rows are laid out segment after segment (``seg_q_start`` ascending, no gaps); real rows come first,
@@ -39,6 +39,9 @@ from .sizes import descriptor_rows
 __all__ = [
     "BatchDescriptor",
     "StackedDescriptor",
+    "EXIT_FIELDS",
+    "exit_words",
+    "split_fused_output",
     "StepResult",
     "FieldSpec",
     "HEADER",
@@ -161,33 +164,86 @@ class BatchDescriptor:
         )
 
 
-class StackedDescriptor:
-    """A fused decode step: ``n`` descriptors of one key, run in order by one executable.
+#: Per-row exit words of every token of a fused decode step (``[R]`` each, after the sub-step's
+#: descriptor words): ``scheduler.exit_policy.device_exit_params``; the threshold is float32 bits.
+EXIT_FIELDS = ("exit_limit", "exit_min_loops", "exit_delay", "exit_threshold")
 
-    Sub-step ``i`` is loop ``i % T`` of token ``i // T`` for the same decode rows (see
-    ``Scheduler`` on fused decode). One upload (``pack()``: ``[n, words]`` int32) and one launch
-    replace ``n`` of each; the results come back as ``gates [n, R]`` and ``tokens [n, C]``.
+
+def exit_words(key: BucketKey) -> int:
+    """Int32 words a fused step's sub-step row carries after its descriptor: the exit words."""
+    return len(EXIT_FIELDS) * key.R
+
+
+def split_fused_output(out: np.ndarray, key: BucketKey) -> tuple[np.ndarray, np.ndarray]:
+    """A fused step's int32 result ``[tokens, C + R]`` -> ``(tokens [t, C], exit depths [t, R])``."""
+    out = np.asarray(out)
+    return out[..., : key.C], out[..., key.C : key.C + key.R]
+
+
+class StackedDescriptor:
+    """A fused decode step: ``tokens`` tokens of the same decode rows, every row's exit decided on
+    the device (``docs/decisions.md``, "Fused decode steps").
+
+    ``steps``: ``tokens * num_loops`` descriptors of one key; sub-step ``j * T + d`` is loop ``d`` of
+    token ``j``, exactly the descriptor the loop-by-loop path builds for every row at that loop
+    (slots of plane ``d``; coda fields only at ``d = T - 1``; finalize copies pending from before
+    only in sub-step 0; ``feed_previous_tokens`` at ``d = 0, j > 0``). ``exits``: the exit words of
+    each token, 4 arrays ``[tokens, rows]`` in ``EXIT_FIELDS`` order (padded to ``R`` here).
+
+    ``pack()`` is ``[n, words + exit_words]`` int32: each sub-step's descriptor, then its token's
+    exit words. The device runs, per token, loops ``0, 1, ...`` of every row in lock step until
+    every row has exited (``exit_rule.decide_exit_rows``), a row that exited writing no K/V and
+    keeping its exit hidden state; then LAST_EXITED finalize copies (exit plane -> planes above)
+    and one coda of the exit states. It returns ``gates [n, R]`` (0 for loops not run) and one
+    int32 ``[tokens, C + R]``: sampled tokens and exit depths (``split_fused_output``).
     """
 
-    def __init__(self, steps: list[BatchDescriptor]):
+    def __init__(self, steps: list[BatchDescriptor], num_loops: int, exits: tuple):
         if not steps or any(d.key != steps[0].key for d in steps):
             raise ValueError("StackedDescriptor: needs one or more descriptors of one key")
+        if num_loops < 1 or len(steps) % num_loops:
+            raise ValueError(f"StackedDescriptor: {len(steps)} sub-steps are not whole tokens of {num_loops} loops")
         self.key = steps[0].key
         self.steps = steps
         self.n = len(steps)
+        self.num_loops = num_loops
+        self.num_tokens = self.n // num_loops
+        if len(exits) != len(EXIT_FIELDS):
+            raise ValueError(f"StackedDescriptor: exits must hold {len(EXIT_FIELDS)} arrays ({EXIT_FIELDS})")
+        R = self.key.R
+        buf = np.zeros((self.num_tokens, len(EXIT_FIELDS), R), np.int32)
+        buf[:, 0] = num_loops  # padding rows: forced out after every loop (they start exited anyway)
+        buf[:, 3].view(np.float32)[:] = 1.0
+        for i, (name, arr) in enumerate(zip(EXIT_FIELDS, exits)):
+            arr = np.asarray(arr, np.float32 if name == "exit_threshold" else np.int64)
+            if arr.ndim != 2 or arr.shape[0] != self.num_tokens or arr.shape[1] > R:
+                raise ValueError(
+                    f"StackedDescriptor: {name} must be [tokens={self.num_tokens}, rows <= {R}], got {arr.shape}"
+                )
+            if name == "exit_threshold":
+                buf[:, i, : arr.shape[1]].view(np.float32)[:] = arr
+            else:
+                buf[:, i, : arr.shape[1]] = arr
+        self._exits = buf
+        for i, name in enumerate(EXIT_FIELDS):
+            view = buf[:, i]
+            setattr(self, name, view.view(np.float32) if name == "exit_threshold" else view)
 
     def pack(self) -> np.ndarray:
-        return np.stack([d.pack() for d in self.steps])
+        body = np.stack([d.pack() for d in self.steps])
+        tail = np.repeat(self._exits.reshape(self.num_tokens, -1), self.num_loops, axis=0)
+        return np.concatenate([body, tail], axis=1)
 
     def __repr__(self) -> str:
-        return f"StackedDescriptor(key={tuple(self.key)}, n={self.n})"
+        return f"StackedDescriptor(key={tuple(self.key)}, n={self.n}, tokens={self.num_tokens})"
 
 
 class StepResult:
     """What a runner's ``step(descriptor)`` returns (``ModelRunner`` and ``FakeRunner`` alike).
 
     ``gates()``: ``[R]`` float32 gate logits (``[n, R]`` for a fused step); ``tokens()``: ``[C]``
-    int32 sampled tokens (``[n, C]``). Each is converted (and, on a device, waited for) only when
+    int32 sampled tokens (a fused step: ``[tokens, C + R]``, tokens and exit depths,
+    ``split_fused_output``). Each is converted (and, on a device, waited for) only when
     first called, so the scheduler reads only what a decision needs; ``on_wait(seconds)`` is told
     how long each conversion took.
     """

@@ -18,6 +18,11 @@ The scheduler folds gates lazily: :func:`gates_needed_at` says how many gates a 
 :func:`gate_needed` whether a loop's gate can influence any decision at all (if not, the runner need
 not copy it back), and :func:`coda_kind` whether a loop must sample a token (``certain``), may
 have to (``speculative``: the exit is decided after the gate is read) or cannot (``none``).
+
+Fused decode steps decide exits on the device: :func:`device_exit_params` turns a token's rule into
+four per-row numbers (forced-exit loop count, ``min_loops``, delay, float32 threshold) and
+:func:`decide_exit_rows` is the rule on them in float32, the numpy twin of
+``ouro_jax.exit_rule.decide_exit_rows`` (the fake runner uses it).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from __future__ import annotations
 import hashlib
 import math
 from typing import Optional, Sequence
+
+import numpy as np
 
 from .sampling_params import SamplingParams
 
@@ -38,6 +45,9 @@ __all__ = [
     "coda_kind",
     "synthetic_exit_loops",
     "reference_exit_loops",
+    "device_exit_params",
+    "fold_gate_rows",
+    "decide_exit_rows",
 ]
 
 
@@ -178,3 +188,47 @@ def reference_exit_loops(
         if decide_exit(params, num_loops, loops_done, remaining, target_loops):
             return loops_done
     raise AssertionError("unreachable: max_loops <= T forces an exit")
+
+
+_BELOW_ONE = np.nextafter(np.float32(1.0), np.float32(0.0))
+
+
+def device_exit_params(
+    params: SamplingParams, num_loops: int, target_loops: Optional[int] = None
+) -> tuple[int, int, int, float]:
+    """The rule of one token as a device decides it: ``(limit, min_loops, delay, threshold)``.
+
+    ``limit``: loops after which the exit is forced (``max_loops``, or the synthetic draw, which
+    lies in ``[min_loops, max_loops]``); ``delay`` 1 for ``delayed`` (the gate part reads
+    ``loops_done - 1``); ``threshold`` as float32, 1.0 (off) for ``fixed`` and ``synthetic``. A
+    threshold below 1 that float32 rounds to 1 is kept just below it, so it stays on.
+    """
+    mode, max_loops = params.exit_mode, params.resolved_max_loops(num_loops)
+    if mode == "synthetic":
+        return int(target_loops), params.min_loops, 0, 1.0
+    thr = params.exit_threshold if mode in ("ouro", "delayed") else 1.0
+    thr32 = np.float32(thr)
+    if thr < 1.0 and thr32 >= 1.0:
+        thr32 = _BELOW_ONE
+    return max_loops, params.min_loops, int(mode == "delayed"), float(thr32)
+
+
+def fold_gate_rows(remaining: np.ndarray, gate_logits: np.ndarray) -> np.ndarray:
+    """``remaining * (1 - sigmoid(g))`` per row, in float32 as on the device."""
+    g = np.asarray(gate_logits, np.float32)
+    with np.errstate(over="ignore"):
+        sig = np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
+    return (np.asarray(remaining, np.float32) * (np.float32(1.0) - sig)).astype(np.float32)
+
+
+def decide_exit_rows(
+    loops_done: int, remaining_now, remaining_before, limit, min_loops, delay, threshold
+) -> np.ndarray:
+    """Exit after ``loops_done`` loops, per row (float32): forced at ``limit``, else the gate rule
+    of ``ouro`` (``delay`` 0, ``remaining_now`` with ``loops_done`` gates folded) or ``delayed``
+    (``delay`` 1, ``remaining_before`` with one gate fewer). Arguments as ``device_exit_params``."""
+    delay = np.asarray(delay)
+    rem = np.where(delay == 1, remaining_before, remaining_now).astype(np.float32)
+    thr = np.asarray(threshold, np.float32)
+    gate = (thr < 1.0) & (loops_done - delay >= np.asarray(min_loops)) & (np.float32(1.0) - rem >= thr)
+    return (loops_done >= np.asarray(limit)) | gate

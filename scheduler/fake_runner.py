@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .descriptor import StepResult
-from .exit_policy import decide_exit, fold_gate, gates_needed_at, synthetic_exit_loops
+from .exit_policy import decide_exit, decide_exit_rows, fold_gate, fold_gate_rows, gates_needed_at, synthetic_exit_loops
 from .sampling_params import SamplingParams
 from .sizes import blocks_per_plane, kv_planes
 
@@ -89,18 +89,23 @@ class FakeRunner:
 
     def step(self, desc) -> StepResult:
         """Run one ``BatchDescriptor`` (or a ``StackedDescriptor``: a fused decode step)."""
+        if hasattr(desc, "steps"):
+            return StepResult(*self._run_fused(desc))
         return StepResult(*self._run(desc))
 
-    def _run(self, desc, previous_tokens: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
-        if hasattr(desc, "steps"):  # a fused decode step: sub-steps in order, tokens fed forward
-            gates, tokens, prev = [], [], None
-            for sub in desc.steps:
-                g, t = self._run(sub, prev)
-                gates.append(g)
-                tokens.append(t)
-                prev = t
-            return np.stack(gates), np.stack(tokens)
-        k, bs = desc.key, self.block_size
+    def _run(self, desc) -> tuple[np.ndarray, np.ndarray]:
+        out, gates = self._loop(desc)
+        # 4. coda
+        tokens = self._coda(desc, out[desc.coda_row])
+        return gates, tokens
+
+    def _coda(self, desc, h) -> np.ndarray:
+        return sample_token(h, desc.coda_temperature, desc.coda_seed, desc.coda_step, self.vocab_size)
+
+    def _loop(self, desc, previous_tokens=None, active=None) -> tuple[np.ndarray, np.ndarray]:
+        """Steps 1-3 of one descriptor: ``(h [R], gates [R])``. ``active [R]`` (fused steps): rows
+        that have not exited; the others write no K/V and read nothing (their output is unused)."""
+        bs = self.block_size
         nseg, npre, nfin = desc.num_segments, desc.num_prelude, desc.num_finalize
         if self.check:
             self._check_padding(desc)
@@ -110,7 +115,7 @@ class FakeRunner:
                 assert self.kv_written[src], "finalize copies a KV slot that was never written"
             self.kv[dst] = self.kv[src]
             self.kv_written[dst] = True
-        # 2. prelude (padding writes ring row 0); a fused sub-step embeds the previous one's tokens
+        # 2. prelude (padding writes ring row 0); a fused sub-step embeds the previous token's samples
         pre_token = desc.pre_token.copy()
         if desc.feed_previous_tokens:
             pre_token[:npre] = previous_tokens[:npre]
@@ -119,12 +124,14 @@ class FakeRunner:
         x = self.ring[desc.row_ring]
         slots = desc.row_slot
         real = slots >= 0
+        if active is not None:
+            real &= active
         self.kv[slots[real]] = kv_of(x[real], desc.row_pos[real])
         self.kv_written[slots[real]] = True
-        out = np.zeros(k.R, np.uint64)
+        out = x.copy()
         for s in range(nseg):
             q0, ql, ctx = int(desc.seg_q_start[s]), int(desc.seg_q_len[s]), int(desc.seg_ctx_len[s])
-            if ql == 0:
+            if ql == 0 or (active is not None and not active[q0 : q0 + ql].any()):
                 continue
             j = np.arange(ctx)
             ctx_slots = desc.seg_block_table[s, j // bs].astype(np.int64) * bs + j % bs
@@ -135,14 +142,49 @@ class FakeRunner:
                 prefix = np.cumsum(attn_term(self.kv[ctx_slots]), dtype=np.uint64)
             pos = desc.row_pos[q0 : q0 + ql]
             out[q0 : q0 + ql] = loop_out(x[q0 : q0 + ql], prefix[pos])
+        out[~(desc.row_slot >= 0)] = 0  # padding rows: what they compute does not matter
         self.ring[desc.row_ring] = out
-        gates = gate_logit(out)
-        # 4. coda
-        tokens = sample_token(
-            out[desc.coda_row], desc.coda_temperature, desc.coda_seed, desc.coda_step, self.vocab_size
-        )
         self.invocations += 1
-        return gates, tokens
+        return out, gate_logit(out)
+
+    def _run_fused(self, desc) -> tuple[np.ndarray, np.ndarray]:
+        """A fused decode step with its exits decided here, as the device does (``StackedDescriptor``):
+        per token, loops of every row in lock step until all exited (float32 rule), an exited row
+        writing no K/V; then the LAST_EXITED finalize of planes above each exit, the coda of the
+        exit states, and the sampled tokens fed to the next token's prelude."""
+        T, key = desc.num_loops, desc.key
+        R, C = key.R, key.C
+        gates = np.zeros((desc.n, R), np.float32)
+        result = np.zeros((desc.num_tokens, C + R), np.int32)
+        prev = None
+        for j in range(desc.num_tokens):
+            subs = desc.steps[j * T : (j + 1) * T]
+            args = (desc.exit_limit[j], desc.exit_min_loops[j], desc.exit_delay[j], desc.exit_threshold[j])
+            active = np.arange(R) < subs[0].num_rows
+            rem = np.ones(R, np.float32)
+            exit_h = np.zeros(R, np.uint64)
+            depth = np.zeros(R, np.int64)
+            for d in range(T):
+                if not active.any():
+                    break
+                h, g = self._loop(subs[d], prev, active)
+                gates[j * T + d] = g
+                nxt = fold_gate_rows(rem, g)
+                out = active & decide_exit_rows(d + 1, nxt, rem, *args)
+                exit_h[out], depth[out] = h[out], d
+                active &= ~out
+                rem = nxt
+            if key.F:  # LAST_EXITED: plane e -> planes e+1..T-1 of every real row
+                for r in range(subs[0].num_rows):
+                    src = subs[depth[r]].row_slot[r]
+                    for p in range(depth[r] + 1, T):
+                        self.kv[subs[p].row_slot[r]] = self.kv[src]
+                        self.kv_written[subs[p].row_slot[r]] = True
+            last = subs[T - 1]
+            prev = self._coda(last, exit_h[last.coda_row])
+            result[j, :C] = prev
+            result[j, C:] = depth
+        return gates, result
 
     def _check_padding(self, desc) -> None:
         k = desc.key

@@ -33,8 +33,12 @@ __all__ = ["CostModel", "LatencyTarget", "plan_features", "make_latency_target"]
 
 
 def plan_features(plan) -> tuple[float, float, float]:
-    """``(invocations, bucket rows, context tokens attended)`` of one plan (a fused plan: of its sub-steps)."""
+    """``(invocations, bucket rows, context tokens attended)`` of one plan (a fused plan: of the
+    sub-steps that ran, once ``update`` has seen them)."""
     subs = plan.sub_plans if plan.sub_plans is not None else [plan]
+    if plan.sub_plans is not None and plan.loops_run is not None:
+        T = len(subs) // len(plan.loops_run)
+        subs = [s for i, s in enumerate(subs) if i % T < plan.loops_run[i // T]]
     n = rows = ctx = 0.0
     for sub in subs:
         n += 1.0

@@ -33,7 +33,6 @@ full prompt blocks of earlier requests (``KVBlockManager``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import time
 from collections import Counter
@@ -43,12 +42,20 @@ import numpy as np
 
 from .block_manager import DEFAULT_ENABLE_PREFIX_CACHING, KVBlockManager, prefix_block_hashes
 from .buckets import BucketKey, BucketSpec
-from .descriptor import StackedDescriptor, build_descriptor
-from .exit_policy import coda_kind, decide_exit, fold_gate, gate_needed, gates_needed_at, synthetic_exit_loops
+from .descriptor import StackedDescriptor, build_descriptor, split_fused_output
+from .exit_policy import (
+    coda_kind,
+    decide_exit,
+    device_exit_params,
+    fold_gate,
+    gate_needed,
+    gates_needed_at,
+    synthetic_exit_loops,
+)
 from .latency_target import make_latency_target
 from .options import choice
 from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
-from .policies import WaitingQueue, make_policy
+from .policies import Selection, WaitingQueue, make_policy
 from .request import Request, RequestStatus
 from .sizes import blocks_per_plane, descriptor_rows, kv_planes, ring_rows, ring_slots
 
@@ -205,7 +212,8 @@ class SchedulerConfig:
     def fused_steps(self) -> list[tuple[BucketKey, int]]:
         """Every ``(key, n)`` a fused decode step can use (the runner compiles them at start):
         the row buckets up to the one holding ``fused_decode_max_rows``, ``n = T`` (one token) and
-        ``n = T * fused_decode_tokens``."""
+        ``n = T * fused_decode_tokens``. One executable serves every exit rule (exits are decided
+        on the device), so early exit adds none."""
         if not self.fused_decode_max_rows:
             return []
         spec = self.bucket_spec()
@@ -492,6 +500,7 @@ class Scheduler:
         if sel is None and not finalize:
             self._stats["schedule_time_s"] += time.perf_counter() - t0
             return None
+        sel = self._align_for_fusion(sel)
         fused = self._fused_tokens(sel, finalize)
         if fused:
             plan = self._schedule_fused(sel.decode, finalize, fused)
@@ -599,64 +608,65 @@ class Scheduler:
         self._keys_used[desc.key.R] += 1
 
     # ------------------------------------------------------------ fused decode
-    def _full_depth(self, req: Request, k: int) -> bool:
-        """Does generated token ``k`` of ``req`` certainly run all ``T`` loops (no gate or draw can
-        end it sooner)? Only such tokens run in fused decode steps, which run every loop."""
-        T, p = self.num_loops, req.sampling_params
-        target = None
-        if p.exit_mode == "synthetic":
-            target = (
-                req.decode_target_loops
-                if k == len(req.output_token_ids)
-                else synthetic_exit_loops(p, T, req.request_id, k)
-            )
-        # the exit rule's own answer: no loop before the T-th can sample (and so end) the token
-        return all(coda_kind(p, T, done, target) == "none" for done in range(1, T))
+    def _fusion_candidates(self, sel) -> bool:
+        """Could ``sel`` run fused but for the rows' depths: decode rows only, every running
+        request among them, within ``fused_decode_max_rows``, and nothing to admit (a fused step
+        would keep it waiting ``T`` loops or more)."""
+        cfg = self.config
+        if not cfg.fused_decode_max_rows or sel is None or sel.prompt or not sel.decode:
+            return False
+        rows = sel.decode
+        if len(rows) > cfg.fused_decode_max_rows or len(rows) != len(self.running):
+            return False
+        return not (len(self.waiting) and len(self.running) < cfg.max_num_seqs)
+
+    def _align_for_fusion(self, sel):
+        """Hold the rows at depth 0 while others finish their tokens, when that is all that keeps
+        the batch from fusing: rows whose exits differ never meet at depth 0 again by themselves.
+        The held rows lose at most ``T - 1`` loops once; from then on every step is fused."""
+        if not self._fusion_candidates(sel):
+            return sel
+        deeper = [r for r in sel.decode if r.decode_depth]
+        if not deeper or len(deeper) == len(sel.decode):
+            return sel
+        self._stats["fusion_align_invocations"] += 1
+        return Selection("decode", deeper, [], sel.loop_count)
 
     def _fused_tokens(self, sel, finalize: list) -> int:
         """How many tokens the next step may run fused (0: run one loop, the usual way).
 
-        A fused step runs ``T`` loops per token for every row in lock step and hands the device's
-        sampled token of one token to the next one's prelude, so it needs: only decode rows, all at
-        depth 0 and of tokens that certainly run all ``T`` loops (fixed depth, or a synthetic draw
-        of ``T``); no prompt work anywhere and nothing to admit (it would wait ``T`` loops or more);
-        and every row with that many tokens left. Tokens and exit depths are the same as loop by
-        loop (tests/test_fused_decode.py): the sub-steps are the very descriptors the loop-by-loop
-        path would have run for these rows.
+        A fused step runs the tokens of every row in lock step, each token from depth 0, deciding
+        exits on the device, and hands the device's sampled token of one token to the next one's
+        prelude, so it needs: ``_fusion_candidates``, every row at depth 0, every row with that
+        many tokens left, and the blocks of every token. Tokens and exit depths are the same as
+        loop by loop (tests/test_fused_decode.py, tests/test_fused_exit.py): the sub-steps are the
+        descriptors the loop-by-loop path would build, and the device applies the same rule.
         """
         cfg = self.config
-        if not cfg.fused_decode_max_rows or sel is None or sel.prompt or not sel.decode:
+        if not self._fusion_candidates(sel):
             return 0
         rows = sel.decode
-        if len(rows) > cfg.fused_decode_max_rows or len(rows) != len(self.running):
-            return 0
-        if len(self.waiting) and len(self.running) < cfg.max_num_seqs:
-            return 0
         pairs = len(finalize) // 2  # finalize is a flat (src, dst) list
         need = descriptor_rows(len(rows), len(rows), len(rows), pairs, self.num_loops)  # as build_descriptor
         if self.bucket_spec.key_for(need).R > self.bucket_spec.key_for(cfg.fused_decode_max_rows).R:
             return 0
+        if any(req.decode_depth for req in rows):
+            return 0
         for want in sorted({cfg.fused_decode_tokens, 1}, reverse=True):
-            ok = True
-            for req in rows:
-                k = len(req.output_token_ids)
-                if (
-                    req.decode_depth != 0
-                    or req.sampling_params.max_tokens - k < want
-                    or not all(self._full_depth(req, k + j) for j in range(want))
-                    or not self._grow_to(req, req.position_in_flight + want)  # blocks for every token
-                ):
-                    ok = False
-                    break
-            if ok:
+            if all(
+                req.sampling_params.max_tokens - len(req.output_token_ids) >= want
+                and self._grow_to(req, req.position_in_flight + want)  # blocks for every token
+                for req in rows
+            ):
                 return want
         return 0
 
     def _schedule_fused(self, rows: list[Request], finalize: list, tokens: int) -> BatchPlan:
         """``tokens * T`` sub-steps (loop ``d`` of token ``j`` is sub-step ``j * T + d``), each
-        the descriptor the loop-by-loop path builds for these rows, in one bucket; finalize copies
-        go with sub-step 0 and token ``j > 0`` embeds the token its row sampled at sub-step
-        ``j * T - 1`` on the device (``feed_previous_tokens``)."""
+        the descriptor the loop-by-loop path builds for these rows at that loop, in one bucket;
+        finalize copies go with sub-step 0, token ``j > 0`` embeds the token its row sampled on
+        the device, and each token carries every row's exit rule (``device_exit_params``). Which
+        sub-steps run is decided on the device; ``update`` counts them."""
         cfg, T = self.config, self.num_loops
         plane = (lambda d: d) if cfg.kv_layout == "last_exited" else (lambda d: 0)
         fin = np.fromiter(finalize, np.int64, len(finalize)).reshape(-1, 2)
@@ -672,6 +682,13 @@ class Scheduler:
         seed = np.array([x.seed for x in p], np.uint32)
         ones = np.ones(n, np.int64)
         empty = np.zeros(0, np.int64)
+        exits = np.zeros((4, tokens, n), np.float64)  # device_exit_params per token and row
+        for i, r in enumerate(rows):
+            for j in range(tokens):
+                target = None
+                if p[i].exit_mode == "synthetic":
+                    target = r.decode_target_loops if j == 0 else synthetic_exit_loops(p[i], T, r.request_id, k0[i] + j)
+                exits[:, j, i] = device_exit_params(p[i], T, target)
         subs, descs, key = [], [], None
         for j in range(tokens):
             for d in range(T):
@@ -732,18 +749,45 @@ class Scheduler:
             needs_tokens=True,
             loop_count=1,
             num_rows=n,
-            descriptor=StackedDescriptor(descs),
+            descriptor=StackedDescriptor(descs, T, tuple(exits)),
             sub_plans=subs,
         )
         self._step += 1
         self._inflight = plan
-        for sub in subs:
-            self._count_loop(sub, n)
         st = self._stats
         st["launches"] += 1
         st["fused_launches"] += 1
-        st["fused_loops"] += len(subs)
+        st["fused_tokens"] += tokens
         return plan
+
+    def _apply_fused(self, plan: BatchPlan, out: "_Whole", deltas: dict) -> None:
+        """Apply a fused step token after token, as the loop-by-loop path would have: each row's
+        token and exit depth as the device decided them (its finalize copies already made there),
+        stop tokens and ``max_tokens`` ending a row mid-step (its later tokens are dropped), and
+        the counters of the loops that ran (every row rides along until the last one exits)."""
+        T, n, key = self.num_loops, plan.num_rows, plan.descriptor.key
+        subs = plan.sub_plans
+        st = self._stats
+        plan.loops_run = []
+        now = time.monotonic()
+        for j in range(len(subs) // T):
+            toks, depths = split_fused_output(out.row(j), key)
+            toks, depths = toks.tolist(), depths.tolist()
+            ran = max(depths[:n]) + 1
+            plan.loops_run.append(ran)
+            for d in range(ran):
+                self._count_loop(subs[j * T + d], n)
+            if ran < T:  # the coda ran once, on the exit states
+                st["coda_rows"] += len(subs[j * T + T - 1].coda)
+            st["fused_loops"] += ran
+            for r in subs[j * T].ranges:
+                req = self._requests.get(r.request_id)
+                if req is None or req.status is not RequestStatus.RUNNING:
+                    continue  # aborted while in flight, or ended by an earlier token of this step
+                i = r.row_start
+                if self.latency is not None:
+                    self.latency.observe_loops(depths[i] + 1)
+                self._emit(req, int(toks[i]), depths[i], now, deltas)
 
     # ------------------------------------------------------------------ update
     def update(self, plan: BatchPlan, gate_logits: ArrayOrThunk, tokens: ArrayOrThunk) -> list[RequestDelta]:
@@ -757,15 +801,8 @@ class Scheduler:
             self._apply(
                 plan, _Lazy(gate_logits, "gate_logits", plan.num_rows), _Lazy(tokens, "tokens", len(plan.coda)), deltas
             )
-        else:  # a fused step: [n, R] gates and [n, C] tokens, applied sub-step after sub-step
-            all_gates, all_tokens = _Whole(gate_logits), _Whole(tokens)
-            for i, sub in enumerate(plan.sub_plans):
-                self._apply(
-                    sub,
-                    _Lazy(functools.partial(all_gates.row, i), "gate_logits", sub.num_rows),
-                    _Lazy(functools.partial(all_tokens.row, i), "tokens", len(sub.coda)),
-                    deltas,
-                )
+        else:  # a fused step: [tokens, C + R] sampled tokens and exit depths (its gates are not read)
+            self._apply_fused(plan, _Whole(tokens), deltas)
         self._inflight = None
         self._stats["update_time_s"] += time.perf_counter() - t0
         return list(deltas.values())
@@ -892,6 +929,8 @@ class Scheduler:
             "launches",
             "fused_launches",
             "fused_loops",
+            "fused_tokens",
+            "fusion_align_invocations",
             "preemptions",
             "admissions",
             "max_running",

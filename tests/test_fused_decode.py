@@ -159,10 +159,18 @@ def test_stacked_descriptor_contract():
     a = build_descriptor(spec, tables, **kw)
     b = build_descriptor(spec, tables, **kw, key=a.key, feed_previous_tokens=True)
     assert b.feed_previous_tokens and not a.feed_previous_tokens
-    s = StackedDescriptor([a, b])
-    assert s.pack().shape == (2, a.pack().shape[0]) and s.key == a.key
+    exits = ([[2]], [[1]], [[0]], [[0.5]])
+    s = StackedDescriptor([a, b], 2, exits)
+    assert s.pack().shape == (2, a.pack().shape[0] + 4 * a.key.R) and s.key == a.key and s.num_tokens == 1
+    tail = s.pack()[:, a.pack().shape[0] :].reshape(2, 4, a.key.R)
+    assert (tail[0] == tail[1]).all() and tail[0, 0, 0] == 2 and tail[0, 3, :1].view(np.float32)[0] == 0.5
+    assert tail[0, 0, 1] == 2 and tail[0, 3, 1:].view(np.float32)[0] == 1.0  # padding rows: forced out, gate off
     with pytest.raises(ValueError):
-        StackedDescriptor([])
+        StackedDescriptor([], 2, exits)
+    with pytest.raises(ValueError, match="whole tokens"):
+        StackedDescriptor([a, b, a], 2, exits)
+    with pytest.raises(ValueError, match="exit_limit"):
+        StackedDescriptor([a, b], 2, ([[2], [2]], [[1]], [[0]], [[0.5]]))
     with pytest.raises(ValueError, match="exceed"):
         build_descriptor(spec, tables, **{**kw, "seg_len": [9], "seg_slot": [0]}, key=a.key)
     assert cfg.fused_steps() == [(spec.key_for_bucket(8), 2), (spec.key_for_bucket(8), 6)]
