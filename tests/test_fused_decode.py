@@ -3,8 +3,9 @@
 They must change nothing a user can see: token ids, exit depths and finish reasons are the same as
 loop by loop, against the fake model's dense reference (scheduler alone, numpy) and against the
 reference's greedy generation and the loop-by-loop engine (the JAX runner on a tiny model). The
-fused path must also really run (stats), compile nothing after start-up, and step aside whenever a
-row could exit early, prompt work is pending or a request waits for admission.
+fused path must also really run (stats), compile nothing after start-up, and step aside whenever
+prompt work is pending or a request waits for admission. Rows that may exit early:
+tests/test_fused_exit.py.
 """
 
 import sys
@@ -67,40 +68,6 @@ def test_fused_steps_match_reference_with_stops_and_odd_lengths(layout, tokens):
     assert st["fused_loops"] % cfg.num_loops == 0
     if tokens > 1:  # steps of `tokens` tokens ran, not only single-token ones
         assert any(p.descriptor.n == tokens * cfg.num_loops for p in h.plans if p.sub_plans)
-
-
-def test_fused_steps_never_hold_a_row_that_may_exit_early():
-    """Early-exit rows (ouro, synthetic draws below T, max_loops < T) run loop by loop; a fused
-    step never contains one, and the results still match the reference."""
-    rng = np.random.default_rng(5)
-    reqs = (
-        _reqs(rng, 2, exit_mode="fixed", max_tokens=6)
-        + [dict(r, rid=10 + i) for i, r in enumerate(_reqs(rng, 2, exit_mode="ouro", exit_threshold=0.5, max_tokens=6))]
-        + [
-            dict(r, rid=20 + i)
-            for i, r in enumerate(_reqs(rng, 2, exit_mode="synthetic", synthetic_mean_loops=3.0, max_tokens=6))
-        ]
-        + [dict(r, rid=30) for r in _reqs(rng, 1, exit_mode="fixed", max_loops=2, max_tokens=6)]
-    )
-    cfg = SchedulerConfig(
-        num_loops=4,
-        num_blocks=400,
-        block_size=4,
-        max_num_seqs=2,
-        max_num_batched_tokens=12,
-        prefill_chunk_size=4,
-        max_model_len=40,
-        fused_decode_max_rows=2,
-        fused_decode_tokens=2,
-    )
-    h, objs, aborted = run_workload(cfg, reqs)
-    check_against_reference(cfg, objs, aborted)
-    fused_ids = {r.request_id for p in h.plans if p.sub_plans for r in p.ranges}
-    assert fused_ids, "the fixed-depth pair should have run fused"
-    assert not fused_ids & {10, 11, 30}, "rows that may exit early must not run fused"
-    for p in h.plans:  # synthetic rows run fused only for tokens drawn at full depth
-        if p.sub_plans:
-            assert all(r.request_id in (0, 1, 20, 21) for r in p.ranges)
 
 
 def test_no_fusion_while_prompts_wait_or_prefill():
