@@ -110,27 +110,41 @@ class ScheduleRecorder:
         self.reset()
 
     def reset(self) -> None:
-        self._raw: list[tuple] = []
+        self._raw: list = []  # per launch: a tuple of numbers, or a fused step's StackedDescriptor
         self._costs: list[InvocationCost] = []
+        self._priced = 0  # launches of _raw already in _costs
 
     def observe(self, desc) -> None:
         if not self.enabled:
             return
-        if hasattr(desc, "steps"):  # a fused decode step: each sub-step is one loop's invocation
-            for sub in desc.steps:
-                self.observe(sub)
+        if hasattr(desc, "steps"):  # a fused decode step: priced once its loops are known (``costs``)
+            self._raw.append(desc)
             return
+        self._raw.append(self._numbers(desc))
+
+    @staticmethod
+    def _numbers(desc, num_coda: Optional[int] = None) -> tuple:
         nseg = desc.num_segments
-        self._raw.append(
-            (
-                desc.num_rows,
-                desc.num_coda,
-                desc.num_finalize,
-                desc.seg_q_len[:nseg].copy(),
-                desc.seg_ctx_len[:nseg].copy(),
-                desc.key.R,
-            )
+        return (
+            desc.num_rows,
+            desc.num_coda if num_coda is None else num_coda,
+            desc.num_finalize,
+            desc.seg_q_len[:nseg].copy(),
+            desc.seg_ctx_len[:nseg].copy(),
+            desc.key.R,
         )
+
+    def _expand(self, raw) -> list[tuple]:
+        """A fused step's loops that ran (``StackedDescriptor.loops_run``, set by the scheduler's
+        ``update``; all of them before that), the coda priced with each token's last loop."""
+        if isinstance(raw, tuple):
+            return [raw]
+        T, out = raw.num_loops, []
+        runs = raw.loops_run or [T] * raw.num_tokens
+        for j, ran in enumerate(runs):
+            coda = raw.steps[j * T + T - 1].num_coda
+            out.extend(self._numbers(raw.steps[j * T + d], coda if d == ran - 1 else 0) for d in range(ran))
+        return out
 
     def attach(self, runner) -> "ScheduleRecorder":
         """Record every descriptor ``runner.step`` runs (an instance attribute shadows the method)."""
@@ -145,8 +159,12 @@ class ScheduleRecorder:
 
     @property
     def costs(self) -> list[InvocationCost]:
-        for nrows, ncoda, nfin, q, ctx, r in self._raw[len(self._costs) :]:
-            self._costs.append(invocation_cost(self.shape, nrows, ncoda, nfin, q, ctx, r))
+        """One cost per loop's invocation (a fused step gives one per loop it ran)."""
+        if self._priced < len(self._raw):
+            for raw in self._raw[self._priced :]:
+                for nrows, ncoda, nfin, q, ctx, r in self._expand(raw):
+                    self._costs.append(invocation_cost(self.shape, nrows, ncoda, nfin, q, ctx, r))
+            self._priced = len(self._raw)
         return self._costs
 
     def total(self, upto: Optional[int] = None) -> InvocationCost:
@@ -156,7 +174,7 @@ class ScheduleRecorder:
         return out
 
     def __len__(self) -> int:
-        return len(self._raw)
+        return len(self.costs)
 
 
 # ------------------------------------------------------------------------------------- latency

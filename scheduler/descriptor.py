@@ -195,7 +195,8 @@ class StackedDescriptor:
     every row has exited (``exit_rule.decide_exit_rows``), a row that exited writing no K/V and
     keeping its exit hidden state; then LAST_EXITED finalize copies (exit plane -> planes above)
     and one coda of the exit states. It returns ``gates [n, R]`` (0 for loops not run) and one
-    int32 ``[tokens, C + R]``: sampled tokens and exit depths (``split_fused_output``).
+    int32 ``[tokens, C + R]``: sampled tokens and exit depths (``split_fused_output``); the
+    scheduler's ``update`` records the loops each token ran in ``loops_run``.
     """
 
     def __init__(self, steps: list[BatchDescriptor], num_loops: int, exits: tuple):
@@ -225,6 +226,7 @@ class StackedDescriptor:
             else:
                 buf[:, i, : arr.shape[1]] = arr
         self._exits = buf
+        self.loops_run: Optional[list[int]] = None  # per token, set by the scheduler's update
         for i, name in enumerate(EXIT_FIELDS):
             view = buf[:, i]
             setattr(self, name, view.view(np.float32) if name == "exit_threshold" else view)

@@ -36,9 +36,10 @@ def plan_features(plan) -> tuple[float, float, float]:
     """``(invocations, bucket rows, context tokens attended)`` of one plan (a fused plan: of the
     sub-steps that ran, once ``update`` has seen them)."""
     subs = plan.sub_plans if plan.sub_plans is not None else [plan]
-    if plan.sub_plans is not None and plan.loops_run is not None:
-        T = len(subs) // len(plan.loops_run)
-        subs = [s for i, s in enumerate(subs) if i % T < plan.loops_run[i // T]]
+    runs = getattr(plan.descriptor, "loops_run", None)
+    if plan.sub_plans is not None and runs is not None:
+        T = len(subs) // len(runs)
+        subs = [s for i, s in enumerate(subs) if i % T < runs[i // T]]
     n = rows = ctx = 0.0
     for sub in subs:
         n += 1.0

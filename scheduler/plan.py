@@ -71,7 +71,6 @@ class BatchPlan:
     num_rows: int
     descriptor: Optional[object] = None  # BatchDescriptor (StackedDescriptor when fused)
     sub_plans: Optional[list] = None  # fused decode: one plan per sub-step, in order
-    loops_run: Optional[list] = None  # fused decode, set by update: loops the device ran per token
 
     def ranges_of(self, phase: Phase) -> list[ScheduledRange]:
         return [r for r in self.ranges if r.phase is phase]

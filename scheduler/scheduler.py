@@ -768,13 +768,13 @@ class Scheduler:
         T, n, key = self.num_loops, plan.num_rows, plan.descriptor.key
         subs = plan.sub_plans
         st = self._stats
-        plan.loops_run = []
+        runs = plan.descriptor.loops_run = []
         now = time.monotonic()
         for j in range(len(subs) // T):
             toks, depths = split_fused_output(out.row(j), key)
             toks, depths = toks.tolist(), depths.tolist()
             ran = max(depths[:n]) + 1
-            plan.loops_run.append(ran)
+            runs.append(ran)
             for d in range(ran):
                 self._count_loop(subs[j * T + d], n)
             if ran < T:  # the coda ran once, on the exit states
