@@ -1105,8 +1105,8 @@ def parser() -> argparse.ArgumentParser:
         "--fused-decode-max-rows",
         type=int,
         default=0,
-        help="fused decode steps (T loops per token in one executable) for up to this many "
-        "decode rows; 0 = loop by loop. Records get a ' fusedRxK' label suffix",
+        help="fused decode steps (tokens of up to this many decode rows in one executable, exits "
+        "decided on the device); 0 = loop by loop. Records get a ' fusedRxK' label suffix",
     )
     ap.add_argument("--fused-decode-tokens", type=int, default=1, help="tokens per fused decode step")
     ap.add_argument(

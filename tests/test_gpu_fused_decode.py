@@ -1,5 +1,6 @@
 """Fused decode steps compiled on a GPU (skipped without one): the same tokens and exit depths as
-the loop-by-loop engine, with the Pallas kernels and bfloat16 weights (ouro-small)."""
+the loop-by-loop engine, with the Pallas kernels and bfloat16 weights (ouro-small); with exits
+decided on the device (every exit rule in one batch), in float32."""
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +48,64 @@ def test_fused_engine_equals_loop_by_loop_engine(kv_layout, tokens):
         assert st["compilations"] == len(llm.executable_keys())
         assert (st["fused_launches"] > 0) == bool(fused)
     assert got[0] == got[4]
+
+
+def _run(llm, prompts, sp):
+    """Outputs under request ids 0.. (synthetic draws depend on the id)."""
+    for i, (p, s) in enumerate(zip(prompts, sp)):
+        llm.add_request(p, s, request_id=i)
+    final = {}
+    while len(final) < len(sp):
+        final.update((o.request_id, o) for o in llm.step() if o.finished)
+    return [(final[i].token_ids, final[i].exit_depths, final[i].finish_reason) for i in range(len(sp))]
+
+
+@pytest.mark.parametrize("kv_layout,tokens", [("last_exited", 1), ("last_exited", 4), ("shared", 2)])
+def test_fused_early_exit_equals_loop_by_loop_float32(kv_layout, tokens):
+    """Exits decided on the device (ouro at three thresholds, delayed, synthetic, fixed, min/max
+    loops), float32: tokens, exit depths and finish reasons of the loop-by-loop engine."""
+    cfg = get_preset("ouro-small")
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), random_params(cfg, 0))
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (5, 40, 77, 9, 23, 3, 60)]
+    modes = [
+        dict(exit_mode="ouro", exit_threshold=0.3),
+        dict(exit_mode="ouro", exit_threshold=0.5, temperature=0.8, top_p=0.9),
+        dict(exit_mode="ouro", exit_threshold=0.9),
+        dict(exit_mode="delayed", exit_threshold=0.5),
+        dict(exit_mode="synthetic", synthetic_mean_loops=2.5),
+        dict(exit_mode="fixed"),
+        dict(exit_mode="ouro", exit_threshold=0.5, min_loops=2, max_loops=3),
+    ]
+    sp = [SamplingParams(max_tokens=12, ignore_eos=True, seed=i, **m) for i, m in enumerate(modes)]
+    got = {}
+    for fused in (0, 8):
+        llm = LLM(
+            cfg,
+            params=params,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            prefill_chunk_size=32,
+            max_model_len=256,
+            buckets=[8, 64],
+            kv_layout=kv_layout,
+            kv_cache_bytes=1 << 30,
+            fused_decode_max_rows=fused,
+            fused_decode_tokens=tokens,
+            progress=False,
+        )
+        got[fused] = _run(llm, prompts, sp)
+        if fused:  # one stream: only the loops its tokens need
+            one = [SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=0.5)]
+            before = llm.stats()["fused_loops"]
+            got["one"] = _run(llm, prompts[:1], one)
+            assert llm.stats()["fused_loops"] - before == sum(d + 1 for d in got["one"][0][1][1:])
+        else:
+            got["one_plain"] = _run(
+                llm, prompts[:1], [SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=0.5)]
+            )
+        st = llm.stats()
+        assert st["compilations"] == len(llm.executable_keys())
+        assert (st["fused_launches"] > 0) == bool(fused)
+    assert got[0] == got[8]
+    assert got["one"] == got["one_plain"]
