@@ -264,21 +264,6 @@ class _Lazy:
         return self._val
 
 
-class _Whole:
-    """The ``[n, ...]`` result of a fused step, read once, handed out one sub-step at a time."""
-
-    __slots__ = ("_src", "_val")
-
-    def __init__(self, src: ArrayOrThunk):
-        self._src, self._val = src, None
-
-    def row(self, i: int) -> np.ndarray:
-        if self._val is None:
-            self._val = np.asarray(self._src() if callable(self._src) else self._src)
-            self._src = None
-        return self._val[i]
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
@@ -760,18 +745,27 @@ class Scheduler:
         st["fused_tokens"] += tokens
         return plan
 
-    def _apply_fused(self, plan: BatchPlan, out: "_Whole", deltas: dict) -> None:
+    def _apply_fused(self, plan: BatchPlan, out: np.ndarray, deltas: dict) -> None:
         """Apply a fused step token after token, as the loop-by-loop path would have: each row's
         token and exit depth as the device decided them (its finalize copies already made there),
         stop tokens and ``max_tokens`` ending a row mid-step (its later tokens are dropped), and
         the counters of the loops that ran (every row rides along until the last one exits)."""
         T, n, key = self.num_loops, plan.num_rows, plan.descriptor.key
         subs = plan.sub_plans
+        tokens = len(subs) // T
+        if out.ndim != 2 or out.shape[0] < tokens or out.shape[1] < key.C + key.R:
+            raise ValueError(
+                f"Scheduler.update: a fused step returns [tokens={tokens}, C + R={key.C + key.R}] tokens and "
+                f"exit depths, got shape {out.shape}"
+            )
+        depths_all = out[:tokens, key.C : key.C + n]
+        if depths_all.size and (depths_all.min() < 0 or depths_all.max() >= T):
+            raise ValueError(f"Scheduler.update: fused step exit depths outside [0, {T - 1}]")
         st = self._stats
         runs = plan.descriptor.loops_run = []
         now = time.monotonic()
-        for j in range(len(subs) // T):
-            toks, depths = split_fused_output(out.row(j), key)
+        for j in range(tokens):
+            toks, depths = split_fused_output(out[j], key)
             toks, depths = toks.tolist(), depths.tolist()
             ran = max(depths[:n]) + 1
             runs.append(ran)
@@ -802,7 +796,7 @@ class Scheduler:
                 plan, _Lazy(gate_logits, "gate_logits", plan.num_rows), _Lazy(tokens, "tokens", len(plan.coda)), deltas
             )
         else:  # a fused step: [tokens, C + R] sampled tokens and exit depths (its gates are not read)
-            self._apply_fused(plan, _Whole(tokens), deltas)
+            self._apply_fused(plan, np.asarray(tokens() if callable(tokens) else tokens), deltas)
         self._inflight = None
         self._stats["update_time_s"] += time.perf_counter() - t0
         return list(deltas.values())

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from benchmarks.metrics import ScheduleRecorder
 from ouro_jax import LLM, SamplingParams, exit_rule, get_preset
-from scheduler import Phase, SchedulerConfig
+from scheduler import Phase, Request, Scheduler, SchedulerConfig
 from scheduler.exit_policy import (
     decide_exit_rows,
     device_exit_params,
@@ -29,7 +29,7 @@ from scheduler.exit_policy import (
     reference_exit_loops,
     synthetic_exit_loops,
 )
-from scheduler.fake_runner import reference_generate
+from scheduler.fake_runner import FakeRunner, reference_generate
 from weights.random_init import random_params
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -234,6 +234,28 @@ def test_one_row_runs_only_its_loops(layout):
     for p in h.plans:
         rec.observe(p.descriptor)
     assert len(rec) == rec.total().invocations == st_["invocations"]
+
+
+def test_bad_fused_results_are_refused_before_anything_changes():
+    s = Scheduler(_cfg(tokens=2))
+    s.add_request(Request(0, [1, 2, 3], SamplingParams(max_tokens=5, exit_threshold=0.5)))
+    runner = FakeRunner(s.config.num_blocks, s.config.block_size, s.config.num_ring_rows, VOCAB)
+    plan = s.schedule()
+    while plan.sub_plans is None:
+        s.update(plan, *(lambda r: (r.gates, r.tokens))(runner.step(plan.descriptor)))
+        plan = s.schedule()
+    key, req = plan.descriptor.key, s.get_request(0)
+    before = list(req.output_token_ids)
+    with pytest.raises(ValueError, match="fused step returns"):
+        s.update(plan, np.zeros((2, key.R), np.float32), np.zeros((1, key.C + key.R), np.int32))
+    bad = np.zeros((2, key.C + key.R), np.int32)
+    bad[1, key.C] = T
+    with pytest.raises(ValueError, match="exit depths outside"):
+        s.update(plan, np.zeros((8, key.R), np.float32), bad)
+    assert req.output_token_ids == before
+    good = runner.step(plan.descriptor)
+    s.update(plan, good.gates, good.tokens)
+    assert len(req.output_token_ids) == len(before) + 2
 
 
 @st.composite
