@@ -614,6 +614,8 @@ class Scheduler:
         deeper = [r for r in sel.decode if r.decode_depth]
         if not deeper or len(deeper) == len(sel.decode):
             return sel
+        if self.block_manager.num_free_blocks < len(sel.decode) * self.config.num_planes:
+            return sel  # the fused step might not get its blocks: no point holding rows for it
         self._stats["fusion_align_invocations"] += 1
         return Selection("decode", deeper, [], sel.loop_count)
 
