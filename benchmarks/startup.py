@@ -134,13 +134,19 @@ def time_executables(llm, keys, reps: int, context: int) -> dict:
     import numpy as np
 
     from benchmarks.sweep_buckets import synthetic_descriptor
+    from scheduler.descriptor import StackedDescriptor
 
     r, spec = llm.runner, llm.scheduler.bucket_spec
     out = {}
     for key in keys:
         bucket, n = (key, None) if not isinstance(key, tuple) or hasattr(key, "R") else key
         desc = synthetic_descriptor(spec, bucket.R, "decode", context, 128, r.num_blocks)
-        packed = desc.pack() if n is None else np.stack([desc.pack()] * n)
+        if n is not None:  # a fused step: n sub-steps of whole tokens, every row at fixed full depth
+            T = llm.config.num_loops
+            full = np.zeros((n // T, bucket.R), np.int64)
+            exits = (full + T, full + 1, full, np.ones((n // T, bucket.R), np.float32))  # EXIT_FIELDS
+            desc = StackedDescriptor([desc] * n, T, exits)
+        packed = desc.pack()
         packed = jax.device_put(packed, r._upload_to)
         for _ in range(3):
             gates, _ = r.launch(key, packed)

@@ -185,3 +185,16 @@ def test_store_roundtrip_and_options(tmp_path):
     off = _llm(tmp_path / "off", executable_store=False, warmup=False)
     assert off.executable_store is None and off.runner.store is None
     assert not os.path.exists(tmp_path / "off" / "ouro_executables")
+
+
+def test_startup_bench_times_every_executable_including_fused_steps(tmp_path):
+    """``benchmarks.startup --compare-parallel`` times each executable on a synthetic input built for
+    its own packed layout (a fused step's includes the exit words): a layout change breaks it here,
+    not on the GPU."""
+    from benchmarks.startup import time_executables
+
+    llm = _llm(tmp_path, fused_decode_max_rows=2, executable_store=False)
+    keys = llm.executable_keys()
+    assert any(isinstance(k, tuple) and not hasattr(k, "R") for k in keys)  # a fused (key, n) step
+    out = time_executables(llm, keys, reps=1, context=12)
+    assert set(out) == {str(k) for k in keys} and all(0 < t < 60 for t in out.values())

@@ -203,7 +203,9 @@ class EngineLoop:
                 elif self._stopping and self._cmds.empty():
                     break
                 now = time.monotonic()
-                if now - last_state >= self._state_interval:
+                # at most every state interval while busy, and at once when the engine falls idle (an
+                # idle server's gauges must not keep the last busy reading: KV use, running)
+                if now - last_state >= self._state_interval or (steps and not llm.has_unfinished() and busy):
                     last_state = now
                     self.state["steps"] = steps
                     self._publish_state()
