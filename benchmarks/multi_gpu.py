@@ -486,19 +486,22 @@ def main(argv: Optional[list[str]] = None) -> dict:
             c1_output_len=a.c1_output_len, c1_requests=a.c1_requests, dp_requests=a.dp_requests, dp_load=a.dp_load,
         ),
     )  # fmt: skip
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"multi_gpu_{a.preset}")
+    from benchmarks.run import save_json
+
+    r["complete"] = False  # saved after every phase: a run cut short keeps what it measured
     for phase in ("allreduce", "tp1", "tp2"):
         print(f"[{time.perf_counter() - t0:.0f} s] phase {phase}", flush=True)
         r[phase] = _run_phase(argv, phase, timeout=600)
+        save_json(r, base + ".json")
     r["device"], r["backend"] = r["tp1"]["device"], r["tp1"]["backend"]
     capacity = r["tp1"]["batch"]["output_tok_per_s"] / a.output_len  # requests per second one engine finishes
     print(f"[{time.perf_counter() - t0:.0f} s] phase dp", flush=True)
     r["dp"] = phase_dp(a, capacity)
     r["summary"] = summary(r)
     r["wall_s"] = time.perf_counter() - t0
-    os.makedirs(a.out, exist_ok=True)
-    base = os.path.join(a.out, f"multi_gpu_{a.preset}")
-    from benchmarks.run import save_json
-
+    r["complete"] = True
     save_json(r, base + ".json")
     print_summary(r)
     png = plot(r, base + ".png")
