@@ -147,7 +147,9 @@ def phase_tp(a, tp: int) -> dict:
 
     vocab = get_preset(a.preset).vocab_size
     t = time.perf_counter()
-    llm = LLM(a.preset, tensor_parallel_size=tp, **engine_kwargs(a))
+    # fused decode steps off at both sizes: XLA (jax 0.11.2) segfaults compiling the fused step's
+    # while_loop under shard_map on the GPU (session 6), so TP=2 runs loop by loop and TP=1 does too
+    llm = LLM(a.preset, tensor_parallel_size=tp, fused_decode_max_rows=0, **engine_kwargs(a))
     startup = time.perf_counter() - t
     # c=1: one request at a time, the first one a warm-up
     c1 = _prompts(a.c1_requests + 1, a.c1_prompt_len, vocab, 1)
