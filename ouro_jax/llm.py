@@ -227,11 +227,19 @@ class LLM:
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                 f"({c.max_position_embeddings})"
             )
+        # XLA (jax 0.11.2) segfaults compiling the fused decode step's while_loop under shard_map on
+        # the GPU (H200 x2, session 6); on the CPU it compiles and matches one device
+        fused_tp_broken = tp > 1 and jax.default_backend() == "gpu"
+        if fused_tp_broken and fused_decode_max_rows:
+            raise ValueError(
+                "fused_decode_max_rows must be 0 with tensor_parallel_size > 1 on the GPU: XLA crashes "
+                "compiling the fused decode step under shard_map (docs/decisions.md, 'Fused decode steps')"
+            )
         if fused_decode_max_rows is None and _is_int(max_num_seqs):
             # Fused decode steps for the smallest row bucket by default: one extra executable for
             # fewer host round trips at low concurrency; several tokens per step hand tokens out in
             # bursts, so that stays opt-in (docs/decisions.md, "Fused decode steps").
-            fused_decode_max_rows = min(8, max_num_seqs)
+            fused_decode_max_rows = 0 if fused_tp_broken else min(8, max_num_seqs)
         sched = dict(
             num_loops=c.num_loops,
             block_size=block_size,

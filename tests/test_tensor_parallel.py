@@ -45,6 +45,17 @@ def run_script(body: str, devices: int = 4, timeout: int = 600, env: dict | None
 
 
 # ------------------------------------------------------------------------------ validation
+def test_fused_decode_with_tensor_parallel_is_refused_on_the_gpu(monkeypatch):
+    """XLA segfaults compiling the fused step under shard_map on the GPU: an explicit request is refused
+    before any weight is read (the GPU default turns fused steps off; the CPU keeps them)."""
+    import ouro_jax.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "check_tensor_parallel", lambda c, n: n)  # 2 "devices" in a 1-device test
+    monkeypatch.setattr(llm_mod.jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="fused_decode_max_rows must be 0 with tensor_parallel_size"):
+        LLM("tiny-gqa", tensor_parallel_size=2, fused_decode_max_rows=8)
+
+
 def test_tensor_parallel_size_is_validated():
     cfg = get_preset("tiny-gqa")  # H=4, KVH=2, F=80, V=96
     assert check_tensor_parallel(cfg, 1) == 1
