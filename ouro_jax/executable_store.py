@@ -45,8 +45,8 @@ MAGIC = b"OUROEXE1"
 _DIGEST = 32
 # the packages whose Python source builds the programs (model, kernels, descriptor layout, weight drawers)
 _PACKAGES = ("ouro_jax", "pallas_kernels", "scheduler", "weights")
-# backends on which an executable loaded from JAX's persistent cache may be serialized again: the GPU
-# (`benchmarks.startup --check-reserialize` on the H200, session 6: "works"); the CPU fails (module docstring)
+# backends on which an executable loaded from JAX's persistent cache may be serialized again
+# (`benchmarks.startup --check-reserialize`: the GPU passes, the CPU fails; module docstring)
 RESERIALIZABLE_PLATFORMS: frozenset = frozenset({"gpu"})
 
 _thread = threading.local()

@@ -228,7 +228,7 @@ class LLM:
                 f"({c.max_position_embeddings})"
             )
         # XLA (jax 0.11.2) segfaults compiling the fused decode step's while_loop under shard_map on
-        # the GPU (H200 x2, session 6); on the CPU it compiles and matches one device
+        # the GPU; on the CPU it compiles and matches one device (docs/decisions.md)
         fused_tp_broken = tp > 1 and jax.default_backend() == "gpu"
         if fused_tp_broken and fused_decode_max_rows:
             raise ValueError(

@@ -384,9 +384,8 @@ class ModelRunner:
             # input shardings come from the arguments (_compile; jit takes no in_shardings with a static kwarg)
             jit_kw = dict(out_shardings=(kv, kv, rep, rep, rep))
         self.num_blocks, self.block_size, self.num_ring_rows = num_blocks, block_size, num_ring_rows
-        # executables take the weights as one flat tuple: a call with the nested dict cost 264 us of
-        # host time against 118 us flat on the H200 host (269 leaves of Ouro-1.4B, session 6), paid
-        # on every launch
+        # executables take the weights as one flat tuple: flattening the nested dict on every launch
+        # cost more host time than the call itself (docs/decisions.md, "Host dispatch")
         self._param_leaves, treedef = jax.tree.flatten(self.params)
         self._param_leaves = tuple(self._param_leaves)
         step, fused = _flat_params(step, treedef), _flat_params(fused, treedef)
@@ -537,10 +536,8 @@ class ModelRunner:
         Executables in the store load first, in threads (no tracing). The rest are traced and
         lowered one key at a time (Python); XLA compiles them in ``threads`` threads (default: the
         first key alone, then ``COLD_COMPILE_THREADS`` while the persistent cache misses, up to 8 once
-        the first key came from the cache, where a compile is a load). On the H200 (Ouro-1.4B, 7
-        executables, session 6) 4 cold threads compiled in 24.0 s against 41.7 s serial with no XLA
-        warning; 8 threads took 22.2 s but printed the autotuner's "Delay kernel timed out" warning
-        twice; the executables ran at 1.002x the serial ones' time at worst (8 threads)."""
+        the first key came from the cache, where a compile is a load): more cold threads made XLA's
+        GPU autotuner warn about its timing (docs/decisions.md, "Start-up")."""
         todo = [k for k in dict.fromkeys(keys) if k not in self._exe]
         if threads is not None and not (isinstance(threads, int) and threads >= 1):
             raise ValueError(f"threads must be a positive integer or None, got {threads!r}")

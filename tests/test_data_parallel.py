@@ -13,13 +13,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+
+from tests.serve_process import ServeProcess, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = dict(
@@ -355,35 +356,16 @@ def test_dp2_server_over_http():
     assert r["threads_alive"] == [False, False]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # ~30 s: `ouro-jax serve --data-parallel-size 2` in a subprocess with 2 host devices
 def test_serve_cli_dp2_sigterm_drains_both_replicas():
     import httpx
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "ouro_jax.cli", "serve", "tiny", "--port", str(port), "--served-model-name", "m"]
     cmd += ["--data-parallel-size", "2", "--enable-prefix-caching"]
-    proc = subprocess.Popen(cmd + FLAGS, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)
-    reader.start()
-    url = f"http://127.0.0.1:{port}"
+    server = ServeProcess(cmd + FLAGS, _env(), port, timeout=300)
+    proc, url = server.proc, server.url
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, "".join(log)
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start:\n" + "".join(log)
-            time.sleep(0.2)
         body = dict(model="m", prompt=[5, 6], max_tokens=48, temperature=0, stream=True, ignore_eos=True)
         results: list = [None, None]
 
@@ -406,15 +388,12 @@ def test_serve_cli_dp2_sigterm_drains_both_replicas():
         proc.send_signal(signal.SIGTERM)  # both streams are open: each must still finish
         for t in threads:
             t.join(60)
-        assert results == [(48, "data: [DONE]")] * 2, (results, "".join(log))
+        assert results == [(48, "data: [DONE]")] * 2, (results, server.text)
         assert proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    reader.join(10)
+        server.close()
     assert sorted(rep for rep, v in routed if float(v) > 0) == ["0", "1"], routed  # one stream per replica
-    assert "2 replicas warmed up" in "".join(log)
+    assert "2 replicas warmed up" in server.text
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["server"]:

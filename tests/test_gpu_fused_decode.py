@@ -16,6 +16,24 @@ pytestmark = [
 ]
 
 
+def _engine(cfg, params, max_num_seqs, kv_layout, fused, tokens):
+    """The engine both tests compare with fused steps on (``fused`` rows) and off (0)."""
+    return LLM(
+        cfg,
+        params=params,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=64,
+        prefill_chunk_size=32,
+        max_model_len=256,
+        buckets=[8, 64],
+        kv_layout=kv_layout,
+        kv_cache_bytes=1 << 30,
+        fused_decode_max_rows=fused,
+        fused_decode_tokens=tokens,
+        progress=False,
+    )
+
+
 @pytest.mark.parametrize("kv_layout,tokens", [("last_exited", 1), ("last_exited", 4), ("shared", 2)])
 def test_fused_engine_equals_loop_by_loop_engine(kv_layout, tokens):
     cfg = get_preset("ouro-small")
@@ -29,20 +47,7 @@ def test_fused_engine_equals_loop_by_loop_engine(kv_layout, tokens):
     ]
     got = {}
     for fused in (0, 4):
-        llm = LLM(
-            cfg,
-            params=params,
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            prefill_chunk_size=32,
-            max_model_len=256,
-            buckets=[8, 64],
-            kv_layout=kv_layout,
-            kv_cache_bytes=1 << 30,
-            fused_decode_max_rows=fused,
-            fused_decode_tokens=tokens,
-            progress=False,
-        )
+        llm = _engine(cfg, params, 4, kv_layout, fused, tokens)
         got[fused] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
         st = llm.stats()
         assert st["compilations"] == len(llm.executable_keys())
@@ -80,20 +85,7 @@ def test_fused_early_exit_equals_loop_by_loop_float32(kv_layout, tokens):
     sp = [SamplingParams(max_tokens=12, ignore_eos=True, seed=i, **m) for i, m in enumerate(modes)]
     got = {}
     for fused in (0, 8):
-        llm = LLM(
-            cfg,
-            params=params,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            prefill_chunk_size=32,
-            max_model_len=256,
-            buckets=[8, 64],
-            kv_layout=kv_layout,
-            kv_cache_bytes=1 << 30,
-            fused_decode_max_rows=fused,
-            fused_decode_tokens=tokens,
-            progress=False,
-        )
+        llm = _engine(cfg, params, 8, kv_layout, fused, tokens)
         got[fused] = _run(llm, prompts, sp)
         if fused:  # one stream: only the loops its tokens need
             one = [SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=0.5)]

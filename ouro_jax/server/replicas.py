@@ -243,6 +243,7 @@ def build_replicas(model, engine_kwargs: Optional[dict], data_parallel_size: int
         timings.append(t)
     t0 = time.perf_counter()
     before = CacheEvents.snapshot()
+    loads_before = sum(llm.runner.store_loads for llm in llms)
     if warmup:
         with ThreadPoolExecutor(max_workers=len(llms)) as pool:
             list(pool.map(lambda llm: llm.runner.warmup(llm.executable_keys(), progress=False), llms))
@@ -254,7 +255,10 @@ def build_replicas(model, engine_kwargs: Optional[dict], data_parallel_size: int
         t["compile_s"] = compile_s
     log.info("start-up: %d replicas warmed up in %.2f s", len(llms), compile_s)
     n = sum(len(t["executables"]) for t in timings)
-    hits = min(n, CacheEvents.snapshot().get("cache_hits", 0) - before.get("cache_hits", 0))
+    stored = min(n, sum(llm.runner.store_loads for llm in llms) - loads_before)
+    hits = min(n - stored, CacheEvents.snapshot().get("cache_hits", 0) - before.get("cache_hits", 0))
     out = dict(timings[0], replicas=timings, load_s=sum(t["load_s"] for t in timings), cache_hits=hits)
-    out.update(compiled=n - hits, executables=[e for t in timings for e in t["executables"]])
+    out.update(
+        store_loads=stored, compiled=n - stored - hits, executables=[e for t in timings for e in t["executables"]]
+    )
     return llms, out

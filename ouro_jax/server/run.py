@@ -72,9 +72,10 @@ class _Server(uvicorn.Server):
         if self.t_start is not None and self.started:
             st = self.state.startup or {}
             log.info(
-                "start-up: ready in %.2f s (load %.2f s, compile %.2f s: %d executables from the cache, %d compiled)",
+                "start-up: ready in %.2f s (load %.2f s, compile %.2f s: %d executables from the store, "
+                "%d from the persistent cache, %d compiled)",
                 time.perf_counter() - self.t_start, st.get("load_s", 0.0), st.get("compile_s", 0.0),
-                st.get("cache_hits", 0), st.get("compiled", 0),
+                st.get("store_loads", 0), st.get("cache_hits", 0), st.get("compiled", 0),
             )  # fmt: skip
 
 
