@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 
-__all__ = ["ExecutableStore", "environment", "jax_cache_hits_in_thread", "source_hash"]
+__all__ = ["ExecutableStore", "environment", "fresh_compile", "jax_cache_hits_in_thread", "source_hash"]
 
 MAGIC = b"OUROEXE1"
 _DIGEST = 32
@@ -55,12 +55,25 @@ _thread = threading.local()
 def _count_jax_cache_hit(name: str, **_) -> None:
     if name.endswith("/compilation_cache/cache_hits"):
         _thread.hits = getattr(_thread, "hits", 0) + 1
+    elif name.endswith("/compilation_cache/compile_requests_use_cache"):
+        _thread.requests = getattr(_thread, "requests", 0) + 1
 
 
-def jax_cache_hits_in_thread() -> int:
-    """JAX persistent-cache hits seen so far by this thread: JAX records the event in the thread
-    that compiles, so a difference around a compile says whether the cache answered it."""
-    return getattr(_thread, "hits", 0)
+def jax_cache_hits_in_thread() -> tuple[int, int]:
+    """``(persistent-cache requests, hits)`` seen so far by this thread: JAX records both in the
+    thread that compiles; pass the value taken before a compile to :func:`fresh_compile`."""
+    return getattr(_thread, "requests", 0), getattr(_thread, "hits", 0)
+
+
+def fresh_compile(before: tuple[int, int]) -> bool:
+    """Did XLA compile the program since ``before``? Yes after a request to JAX's persistent cache
+    that missed, or with that cache off; no when the cache answered, and no when the cache is on
+    but was not asked: then JAX's in-memory cache handed back an executable that an earlier
+    compile may have deserialized from disk."""
+    requests, hits = jax_cache_hits_in_thread()
+    if requests == before[0]:
+        return not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
+    return hits == before[1]
 
 
 jax.monitoring.register_event_listener(_count_jax_cache_hit)
@@ -196,8 +209,8 @@ class ExecutableStore:
 
     def save(self, key: str, compiled, from_jax_cache: bool = False) -> bool:
         """Store ``compiled`` under ``key`` (atomically); False if it cannot be serialized or written,
-        or if it came from JAX's persistent cache (``from_jax_cache``) on a backend whose
-        executables do not survive a second serialization."""
+        or if it may have come from JAX's persistent cache (``from_jax_cache``: not known to be a
+        fresh XLA compile) on a backend whose executables do not survive a second serialization."""
         if from_jax_cache and jax.default_backend() not in RESERIALIZABLE_PLATFORMS:
             with self._lock:
                 self.not_saved += 1
@@ -231,7 +244,7 @@ class ExecutableStore:
         exe = self.load(key, devices)
         if exe is not None:
             return exe, True
-        hits = jax_cache_hits_in_thread()
+        before = jax_cache_hits_in_thread()
         exe = compile_fn()
-        self.save(key, exe, from_jax_cache=jax_cache_hits_in_thread() > hits)
+        self.save(key, exe, from_jax_cache=not fresh_compile(before))
         return exe, False

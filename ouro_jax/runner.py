@@ -47,7 +47,7 @@ from scheduler.buckets import BucketKey
 from scheduler.descriptor import EXIT_FIELDS, HEADER, StepResult, descriptor_layout, exit_words
 
 from .config import OuroConfig
-from .executable_store import ExecutableStore, jax_cache_hits_in_thread
+from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
 from .exit_rule import decide_exit_rows, fold_gate
 from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
 from .paged_attention import PagedAttention
@@ -511,12 +511,12 @@ class ModelRunner:
         if try_store and lowered is None and self.store is not None and self._load_stored(key):
             return self._exe[key]
         t = time.perf_counter()
-        hits = jax_cache_hits_in_thread()
+        before = jax_cache_hits_in_thread()
         exe = (lowered or self._lower(key)).compile(_compiler_options())
         dt = time.perf_counter() - t
         if self.store is not None:
             t = time.perf_counter()
-            self.store.save(self.store_key(key), exe, from_jax_cache=jax_cache_hits_in_thread() > hits)
+            self.store.save(self.store_key(key), exe, from_jax_cache=not fresh_compile(before))
             with self._compile_lock:
                 self.store_save_time += time.perf_counter() - t
         with self._compile_lock:  # warmup compiles in threads

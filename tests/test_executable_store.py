@@ -171,6 +171,19 @@ def test_store_roundtrip_and_options(tmp_path):
 
     got, loaded = store.load_or_compile("k3", jax.devices()[:1], answered_by_jax_cache)
     assert got is exe and not loaded and store.not_saved == 2 and not (tmp_path / "s" / "k3.exe").exists()
+
+    # no request to JAX's cache at all: JAX's in-memory cache may have handed back an executable an
+    # earlier compile deserialized from disk (a full test run saved one, which then failed at run
+    # time with "Function ... not found"), so the CPU does not save it either
+    got, loaded = store.load_or_compile("k4", jax.devices()[:1], lambda: exe)
+    assert not loaded and store.not_saved == 3 and not (tmp_path / "s" / "k4.exe").exists()
+
+    def missed_jax_cache():  # a request that missed: XLA really compiled it
+        jax.monitoring.record_event("/jax/compilation_cache/compile_requests_use_cache")
+        return exe
+
+    got, loaded = store.load_or_compile("k5", jax.devices()[:1], missed_jax_cache)
+    assert not loaded and (tmp_path / "s" / "k5.exe").exists()
     # a store that cannot be written warns and carries on
     (tmp_path / "file").write_text("")
     bad = ExecutableStore(tmp_path / "file" / "sub")
