@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -86,10 +87,13 @@ def test_serve_subprocess_cached_start_and_sigterm_drain(ckpt):
     text = server.text
     # start-up is logged in parts, and the executable compiled in-process above came from the cache
     assert "start-up: loaded" in text and "start-up: ready in" in text, text
-    # (the executable store answers first; JAX's persistent cache only when the store has no entry)
-    assert (
-        "1 executables" in text and "(1 from the executable store, 0 from the persistent cache, 0 compiled)" in text
-    ), text
+    # from the executable store, or from JAX's persistent cache where the store declined to save (on
+    # the CPU only provably fresh compiles are saved): either way nothing compiled
+    pattern = (
+        r"1 executables in [\d.]+ s \((\d) from the executable store, (\d) from the persistent cache, 0 compiled\)"
+    )
+    m = re.search(pattern, text)
+    assert m and int(m[1]) + int(m[2]) == 1, text
 
 
 @pytest.mark.parametrize(
