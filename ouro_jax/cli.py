@@ -202,7 +202,8 @@ def _cmd_demo(args) -> int:
     st = llm.stats()
     print(
         f"  {st['recurrent_invocations']} recurrent invocations, {st['rows_per_invocation']:.1f} rows each, "
-        f"{st['compilations']} executables compiled at start-up in {st['compile_time_s']:.1f} s, "
+        f"{st['compilations']} executables ready at start-up in {st['warmup_time_s']:.1f} s "
+        f"({st['compile_time_s']:.1f} s of compiles over threads), "
         f"host time {1e3 * st['host_time_per_invocation_s']:.2f} ms/invocation"
     )
     mean_loops = np.mean([d + 1 for o in outs for d in o.exit_depths[1:]])
