@@ -12,7 +12,6 @@ The rule's twins are checked against the host rule first.
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.metrics import ScheduleRecorder
-from ouro_jax import LLM, SamplingParams, exit_rule, get_preset
+from ouro_jax import SamplingParams, exit_rule, get_preset
 from scheduler import Phase, Request, Scheduler, SchedulerConfig
 from scheduler.exit_policy import (
     decide_exit_rows,
@@ -30,7 +29,6 @@ from scheduler.exit_policy import (
     synthetic_exit_loops,
 )
 from scheduler.fake_runner import FakeRunner, reference_generate
-from weights.random_init import random_params
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_exit_rule import _too_close  # noqa: E402
@@ -314,25 +312,10 @@ def test_random_exit_batches_match_reference(case):
 
 
 # ------------------------------------------------------------------------------ the JAX engine
-CFG = get_preset("tiny")
-PARAMS = jax.tree.map(jnp.asarray, random_params(CFG, 0))
+# the engines of test_fused_decode (same shapes: the session's compilation cache serves both)
+from test_fused_decode import CFG, _engine  # noqa: E402
+
 PROMPTS = [list(map(int, np.random.default_rng(2).integers(1, CFG.vocab_size, n))) for n in (3, 9, 17, 5, 12, 2, 7)]
-
-
-def _engine(**kw):
-    """The shapes of test_fused_decode's engines (the session's compilation cache serves both)."""
-    return LLM(
-        CFG,
-        params=PARAMS,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        prefill_chunk_size=8,
-        block_size=4,
-        max_model_len=48,
-        buckets=[8, 32],
-        progress=False,
-        **kw,
-    )
 
 
 def _run(llm, sp):
