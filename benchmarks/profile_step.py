@@ -110,6 +110,8 @@ _HLO_OPS = (
     "sqrt",
     "log",
 )
+# idle gaps longer than this between two kernels are attributed to their (before, after) pair
+GAP_SITE_MIN_NS = 2000.0
 _SUFFIX = re.compile(r"^(.*?[A-Za-z])((?:[._]\d+)+)$")
 
 # lines of a device plane that are derived views, not kernels
@@ -231,6 +233,17 @@ def aggregate(events: Iterable[dict], invocations: int, top: int = 25, hlo_ops: 
         max(0.0, float(b["start_ns"]) - (float(a["start_ns"]) + float(a["duration_ns"])))
         for a, b in zip(order, order[1:])
     ]
+    # where the device waits: idle time between consecutive kernels, by (kernel before, kernel after)
+    sites: dict = {}
+    for a, b, g in zip(order, order[1:], gaps):
+        if g > GAP_SITE_MIN_NS:
+            site = sites.setdefault((base_name(a["name"]), base_name(b["name"])), [0.0, 0])
+            site[0] += g
+            site[1] += 1
+    gap_sites = [
+        dict(before=k[0], after=k[1], ms_per_inv=t / n / 1e6, count_per_inv=c / n, mean_us=t / c / 1e3)
+        for k, (t, c) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    ]
     by_base: dict = collections.OrderedDict()
     by_raw: dict = {}
     by_op: dict = {}
@@ -348,6 +361,7 @@ def aggregate(events: Iterable[dict], invocations: int, top: int = 25, hlo_ops: 
         )
         if gaps
         else None,
+        gap_sites=gap_sites,
         categories=categories,
         top_kernels=top_kernels,
         top_raw_kernels=top_raw,
@@ -631,6 +645,11 @@ def print_bucket(rec: dict, top: int = 25) -> None:
             f"   {_trunc(k['name'], 60):60s} {k['category']:14s} {k['ms_per_inv']:9.4f} {k['count_per_inv']:7.1f} "
             f"{k['mean_us']:9.2f} {100 * k['share']:6.1f}%  {k.get('op') or ''}"
         )
+    if rec.get("gap_sites"):
+        print(f"   {'device idle between kernels: before -> after':90s} {'ms/inv':>9s} {'n/inv':>7s} {'mean us':>9s}")
+        for g in rec["gap_sites"][:8]:
+            pair = f"{_trunc(g['before'], 44)} -> {_trunc(g['after'], 44)}"
+            print(f"   {pair:90s} {g['ms_per_inv']:9.4f} {g['count_per_inv']:7.1f} {g['mean_us']:9.2f}")
     if rec.get("by_scope"):
         print(f"   {'scope (JAX op_name, layers together)':75s} {'ms/inv':>9s} {'n/inv':>7s} {'share':>7s}")
         for sc, v in list(rec["by_scope"].items())[:10]:

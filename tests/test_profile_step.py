@@ -130,6 +130,28 @@ def test_aggregate_synthetic_events():
     assert gaps["median"] == pytest.approx(0.0) and gaps["mean"] == pytest.approx(100 / 4 / 1e3)
 
 
+def test_aggregate_gap_sites():
+    # idle gaps above GAP_SITE_MIN_NS are charged to (kernel before, kernel after), numbering stripped
+    us = 1000
+    evs = [
+        _ev("gemm_fusion_dot_1", 0, 10 * us),
+        _ev("pallas_call_1", 15 * us, 5 * us),  # 5 us gap after the GEMM
+        _ev("gemm_fusion_dot_2", 21 * us, 10 * us),  # 1 us: below the threshold
+        _ev("pallas_call_2", 40 * us, 5 * us),  # 9 us
+        _ev("loop_add_fusion", 48 * us, 1 * us),  # 3 us
+    ]
+    a = ps.aggregate(evs, 2)
+    sites = a["gap_sites"]
+    assert [(g["before"], g["after"]) for g in sites] == [
+        ("gemm_fusion_dot", "pallas_call"),
+        ("pallas_call", "loop_add_fusion"),
+    ]
+    assert sites[0]["count_per_inv"] == 1.0 and sites[0]["mean_us"] == pytest.approx(7.0)
+    assert sites[0]["ms_per_inv"] == pytest.approx(14 * us / 2 / 1e6)
+    assert sites[1]["ms_per_inv"] == pytest.approx(3 * us / 2 / 1e6)
+    assert ps.aggregate(evs[:1], 1)["gap_sites"] == []
+
+
 def test_aggregate_empty():
     a = ps.aggregate([], 4)
     assert a["kernels"] == 0 and a["busy_ms_per_inv"] == 0 and a["categories"] == {} and a["by_op"] is None
