@@ -101,6 +101,9 @@ class KVBlockManager:
         self._cached: dict[bytes, np.ndarray] = {}  # hash -> column
         self._hash_of: dict[int, bytes] = {}  # plane-0 block of a cached column -> its hash
         self._idle: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # held by nobody, LRU first
+        # when a list: every change of the prefix cache, ``(hash, True)`` cached / ``(hash, False)``
+        # evicted, appended in order; a data-parallel worker drains it to mirror its cache to the router
+        self.cache_log: Optional[list] = None
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -179,6 +182,8 @@ class KVBlockManager:
             return False  # the column came from the cache
         self._cached[h] = col
         self._hash_of[int(col[0])] = h
+        if self.cache_log is not None:
+            self.cache_log.append((h, True))
         return True
 
     def _evict(self, n_blocks: int) -> None:
@@ -186,6 +191,8 @@ class KVBlockManager:
             h, _ = self._idle.popitem(last=False)
             col = self._cached.pop(h)
             del self._hash_of[int(col[0])]
+            if self.cache_log is not None:
+                self.cache_log.append((h, False))
             self._free.extend(int(b) for b in col[::-1])
 
     def _take(self, n: int) -> list[int]:

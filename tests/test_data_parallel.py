@@ -3,7 +3,9 @@
 Fast: the router's decisions on made-up loads, validation, ``LLM(devices=...)`` errors, the prefix
 hashes the router compares. Slow: this file run as a script in a fresh interpreter with two host
 devices (``--xla_force_host_platform_device_count`` must be set before JAX starts): a DP=2 server
-over real HTTP with the openai client, and ``ouro-jax serve --data-parallel-size 2`` drained by SIGTERM.
+(thread mode) over real HTTP with the openai client, and ``ouro-jax serve --data-parallel-size 2``
+(worker processes, the default) drained by SIGTERM. tests/test_replica_processes.py tests the
+worker processes in depth.
 """
 
 from __future__ import annotations
@@ -145,11 +147,33 @@ def test_cli_rejects_too_many_replicas_before_building(capsys):
     from ouro_jax.cli import main
 
     t = time.perf_counter()
-    assert main(["serve", "tiny", "--data-parallel-size", "2"]) == 1
+    assert main(["serve", "tiny", "--data-parallel-size", "2", "--replica-mode", "thread"]) == 1
     assert "needs 2 devices, but jax sees 1" in capsys.readouterr().err
     assert main(["serve", "tiny", "--data-parallel-size", "0"]) == 1
     assert "data_parallel_size must be a positive integer" in capsys.readouterr().err
     assert time.perf_counter() - t < 5  # no engine was built
+    # worker processes (the default): on the CPU each has its own host devices, so only a replica
+    # larger than them fails, after a device probe process and before any worker starts
+    t = time.perf_counter()
+    assert main(["serve", "tiny", "--data-parallel-size", "2", "--tensor-parallel-size", "2"]) == 1
+    assert "tensor_parallel_size=2 needs 2 devices in each replica's process, but jax sees 1" in capsys.readouterr().err
+    assert time.perf_counter() - t < 15
+
+
+def test_process_replica_sizes_and_device_slices():
+    """What each worker process is given: on the GPU its own slice of the visible devices (from the
+    front's CUDA_VISIBLE_DEVICES when set), on the CPU nothing (its own host devices)."""
+    from ouro_jax.server.replica_process import check_process_replicas, replica_env
+
+    assert check_process_replicas(2, 1, "gpu", 2) == 2 and check_process_replicas(4, 1, "cpu", 1) == 4
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=2 needs 4 devices"):
+        check_process_replicas(2, 2, "gpu", 3)
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive integer"):
+        check_process_replicas(0, 1, "cpu", 8)
+    assert [replica_env(i, 1, "gpu", 2, environ={})["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["0", "1"]
+    env = {"CUDA_VISIBLE_DEVICES": "4, 5,6,7"}
+    assert [replica_env(i, 2, "gpu", 4, environ=env)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["4,5", "6,7"]
+    assert replica_env(1, 1, "cpu", 2, environ=env) == {}
 
 
 def test_prefix_hashes_name_what_the_cache_holds():
@@ -393,7 +417,13 @@ def test_serve_cli_dp2_sigterm_drains_both_replicas():
     finally:
         server.close()
     assert sorted(rep for rep, v in routed if float(v) > 0) == ["0", "1"], routed  # one stream per replica
-    assert "2 replicas warmed up" in server.text
+    # worker processes (the default): both reported ready, and both are gone with the server
+    assert "start-up: 2 replica processes ready" in server.text
+    pids = [int(p) for p in re.findall(r"replica \d started \(pid (\d+)", server.text)]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["server"]:

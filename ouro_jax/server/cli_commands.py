@@ -93,6 +93,13 @@ def add_serve(sub) -> None:
         default=1,
         help="engines on disjoint device sets behind this one server (each of --tensor-parallel-size devices)",
     )
+    p.add_argument(
+        "--replica-mode",
+        choices=("process", "thread"),
+        default=None,
+        help="data-parallel replicas as one worker process each (default when --data-parallel-size > 1: one "
+        "GIL per engine's scheduler) or as threads of this process (default for one engine; debugging)",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
     add_engine_args(p)
@@ -112,12 +119,24 @@ def cmd_serve(args) -> int:
     from .run import make_state, serve
     from .startup import build_engine
 
-    dp = check_data_parallel(args.data_parallel_size, ekw.get("tensor_parallel_size", 1))  # before any weight
+    tp = ekw.get("tensor_parallel_size", 1)
+    check_data_parallel(args.data_parallel_size, tp, num_devices=1 << 30)  # the types, before anything starts
+    mode = args.replica_mode or ("process" if args.data_parallel_size > 1 else "thread")
+    name = args.served_model_name or args.model
+    if mode == "process":
+        from .replica_process import start_replica_processes
+
+        # the device count is checked by a probe process before any worker loads a weight
+        front, reps, timings = start_replica_processes(
+            args.model, ekw, args.data_parallel_size, max_queue=args.max_queue, log_level=args.log_level
+        )
+        state = make_state(front, name, args.model, max_queue=args.max_queue, startup=timings, replicas=reps)
+        return serve(state, args.host, args.port, args.log_level, t_start=t_start, access_log=not args.no_access_log)
+    dp = check_data_parallel(args.data_parallel_size, tp)  # before any weight
     if dp == 1:
         llm, timings = build_engine(args.model, ekw)
     else:
         llm, timings = build_replicas(args.model, ekw, dp)
-    name = args.served_model_name or args.model
     state = make_state(llm, name, args.model, max_queue=args.max_queue, startup=timings)
     return serve(state, args.host, args.port, args.log_level, t_start=t_start, access_log=not args.no_access_log)
 

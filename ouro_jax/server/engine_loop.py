@@ -8,6 +8,9 @@ hand it commands through a thread-safe queue, and it hands each request's new to
 Only the public engine API is used. After this thread aborts a request it sends that request's final
 event itself and forgets it; the engine's own final output of the abort (handed out by the next
 ``step``) then finds no listener and is dropped.
+
+A data-parallel worker process (``replica_process.py``) runs the same loop with sinks that batch
+events for its pipe (``submit_sink``) and flushes them once per iteration (``on_tick``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 log = logging.getLogger("ouro_jax.server")
 
@@ -70,6 +73,10 @@ class EngineLoop:
         self._state_interval, self._idle_wait = state_interval_s, idle_wait_s
         self.error: Optional[BaseException] = None
         self.state = dict(running=0, waiting=0, kv_usage=0.0, steps=0)  # replaced whole, read by /metrics
+        self.last_stats: dict = {}  # the engine's stats() at the last state publish
+        # called on the engine thread once per iteration (True when the state was just published) and
+        # once when the thread ends: a worker process flushes its batched events there
+        self.on_tick: Optional[Callable[[bool], None]] = None
         self._thread = threading.Thread(target=self._run, name=f"ouro-engine-loop{name}", daemon=True)
 
     # ---------------------------------------------------------------- event-loop side
@@ -82,8 +89,17 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     @property
+    def running(self) -> bool:
+        """The thread has not ended (it may have failed: see ``alive``)."""
+        return self._thread.is_alive()
+
+    @property
     def pending(self) -> int:
         return self._pending
+
+    def cached_prefix_blocks(self, hashes) -> int:
+        """How many leading blocks of ``hashes`` this engine's prefix cache holds (for routing)."""
+        return self.llm.scheduler.cached_prefix_blocks(hashes)
 
     def try_reserve(self, n: int) -> bool:
         """Take ``n`` places in the bounded queue; False (and nothing taken) if they do not fit."""
@@ -106,7 +122,13 @@ class EngineLoop:
         (this one; a ``ReplicaSet`` returns the replica it chose), which its aborts go to."""
         if not self.alive or self._stopping:
             raise EngineDead("the engine is not running")
-        sink = _Sink(asyncio.get_running_loop(), out, index)
+        return self.submit_sink(request_id, prompt_ids, sampling_params, _Sink(asyncio.get_running_loop(), out, index))
+
+    def submit_sink(self, request_id, prompt_ids: Sequence[int], sampling_params, sink) -> "EngineLoop":
+        """``submit`` with any sink: an object with ``index``, ``sent`` (0) and ``push(TokenEvent)``,
+        which is called on the engine thread."""
+        if not self.alive or self._stopping:
+            raise EngineDead("the engine is not running")
         self._cmds.put(("add", request_id, prompt_ids, sampling_params, sink))
         return self
 
@@ -170,7 +192,7 @@ class EngineLoop:
                 sink.push(ev)
 
     def _publish_state(self) -> None:
-        st = self.llm.stats()
+        st = self.last_stats = self.llm.stats()
         usable = max(1, st["kv_blocks"] - 1)
         self.state = dict(
             running=st["running"],
@@ -205,10 +227,13 @@ class EngineLoop:
                 now = time.monotonic()
                 # at most every state interval while busy, and at once when the engine falls idle (an
                 # idle server's gauges must not keep the last busy reading: KV use, running)
-                if now - last_state >= self._state_interval or (steps and not llm.has_unfinished() and busy):
+                published = now - last_state >= self._state_interval or (steps and not llm.has_unfinished() and busy)
+                if published:
                     last_state = now
                     self.state["steps"] = steps
                     self._publish_state()
+                if self.on_tick is not None:
+                    self.on_tick(bool(published))
         except BaseException as e:  # noqa: BLE001 - every waiting client must hear of it
             self.error = e
             log.exception("the engine loop stopped")
@@ -222,6 +247,11 @@ class EngineLoop:
                 self._publish_state()
             except Exception:  # noqa: BLE001
                 pass
+            if self.on_tick is not None:
+                try:
+                    self.on_tick(True)
+                except Exception:  # noqa: BLE001 - e.g. the pipe of a worker whose front is gone
+                    log.exception("the engine loop's last tick failed")
 
     def _fail_queued(self, e: BaseException) -> None:
         """Answer commands that arrived after the loop stopped, so that no handler waits forever."""

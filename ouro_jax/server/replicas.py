@@ -1,9 +1,17 @@
 """Data-parallel replicas behind one HTTP front (``ouro-jax serve --data-parallel-size M``).
 
-``M`` engines, each an ``LLM`` pinned to its own ``tensor_parallel_size`` devices (disjoint slices of
-``jax.devices()``) and driven by its own :class:`EngineLoop` thread. JAX dispatch is thread-safe and
-each replica's executables run on its own devices, so the replicas compute at the same time; the
-scheduler of each knows nothing of the others.
+``M`` engines, each an ``LLM`` on its own ``tensor_parallel_size`` devices (disjoint slices), in one
+of two modes (``--replica-mode``):
+
+- ``process`` (the default for ``M > 1``): one worker process per replica (``replica_process.py``).
+  Each engine's host scheduler is Python; in one process the ``M`` schedulers share one GIL and run
+  one at a time, which capped DP=2 at 1.39x one engine on two H200s. A process per replica gives
+  each scheduler its own GIL; the front keeps HTTP, routing and ``/metrics``.
+- ``thread``: ``M`` engines in this process, each driven by its own :class:`EngineLoop` thread
+  (JAX dispatch is thread-safe; each replica's executables run on its own devices). For tests and
+  single-host debugging; ``build_replicas`` builds them.
+
+Either way the scheduler of each replica knows nothing of the others.
 
 Routing (``Router``), per engine request, on the event-loop thread:
 
@@ -121,9 +129,10 @@ class Router:
 
 
 class ReplicaSet:
-    """``M`` engine loops with the interface of one (``submit`` returns the loop that took the request)."""
+    """``M`` engine loops with the interface of one (``submit`` returns the loop that took the request):
+    ``EngineLoop`` threads or ``RemoteReplica`` worker processes (``replica_process.py``)."""
 
-    def __init__(self, loops: Sequence[EngineLoop], prefix_slack: Optional[int] = None):
+    def __init__(self, loops: Sequence, prefix_slack: Optional[int] = None):
         if not loops:
             raise ValueError("a replica set needs at least one engine")
         self.replicas = list(loops)
@@ -180,7 +189,7 @@ class ReplicaSet:
             hashes = self.llm.scheduler.prefix_hashes(prompt_ids)
             if hashes:
                 mem = self.router.remembered(hashes)
-                held = [r.llm.scheduler.cached_prefix_blocks(hashes) for r in self.replicas]
+                held = [r.cached_prefix_blocks(hashes) for r in self.replicas]
                 matches = [max(a, b) for a, b in zip(mem, held)]
         i, reason = self.router.choose(loads, matches, room)
         if i is None:  # cannot happen while reservations are honoured; a clear error if it does

@@ -28,12 +28,14 @@ def make_state(
     max_queue: int = 256,
     startup: Optional[dict] = None,
     prefix_slack: Optional[int] = None,
+    replicas: Optional[list] = None,
 ) -> ServerState:
     """The server around a built ``llm`` (or a list of data-parallel replicas: ``replicas.py``): its
-    engine thread(s) (started) and the checkpoint's chat template.
+    engine thread(s) (started) and the checkpoint's chat template. With ``replicas`` (worker
+    processes from ``replica_process.start_replica_processes``), ``llm`` is their ``FrontModel``.
 
     At most ``max_num_seqs + max_queue`` requests are unfinished at once per engine; more are
-    answered 429."""
+    answered 429 (worker processes took their bound when they were started)."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     llms = list(llm) if isinstance(llm, (list, tuple)) else [llm]
@@ -41,7 +43,9 @@ def make_state(
         raise ValueError("make_state needs at least one engine")
     folder = os.fspath(model_path) if model_path is not None and os.path.isdir(os.fspath(model_path)) else None
     template = load_chat_template(folder)
-    if len(llms) == 1:
+    if replicas is not None:
+        engine = ReplicaSet(replicas, prefix_slack=prefix_slack).start()
+    elif len(llms) == 1:
         engine = EngineLoop(llms[0], llms[0].scheduler_config.max_num_seqs + max_queue).start()
     else:
         loops = [EngineLoop(x, x.scheduler_config.max_num_seqs + max_queue, name=f"-{i}") for i, x in enumerate(llms)]
