@@ -16,7 +16,8 @@ HTTP client:
    (``busbw = 2 (n-1)/n * bytes / time``, NCCL's definition).
 2. ``tp1`` / ``tp2``: one engine at ``tensor_parallel_size`` 1 and 2: c=1 TPOT (sequential requests)
    and c=``--batch`` output throughput (one ``generate`` of ``--batch`` requests), fixed depth.
-3. ``dp``: ``ouro-jax serve`` with one engine, then with ``--data-parallel-size 2``, Poisson
+3. ``dp``: ``ouro-jax serve`` with one engine, then with ``--data-parallel-size 2`` (replicas as
+   ``--dp-replica-mode``: worker processes by default), Poisson
    arrivals at ``--dp-load`` times one engine's capacity (the tp1 phase's c=batch throughput), as
    streaming ``/v1/completions`` requests; output throughput of each.
 
@@ -191,6 +192,8 @@ def _serve_cmd(a, dp: int, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "ouro_jax.cli", "serve", a.preset, "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--served-model-name", "bench", "--no-access-log", "--log-level", "warning"]
     cmd += ["--max-queue", str(a.dp_requests), "--data-parallel-size", str(dp)]
+    if dp > 1:  # one engine is the in-process server either way
+        cmd += ["--replica-mode", a.dp_replica_mode]
     for k in ("dtype", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "block_size", "max_model_len"):
         cmd += ["--" + k.replace("_", "-"), str(kw[k])]
     cmd += ["--kv-cache-bytes", str(kw["kv_cache_bytes"])]
@@ -217,6 +220,7 @@ def phase_dp(a, capacity_req_s: float) -> dict:
         load=a.dp_load,
         requests=a.dp_requests,
         stream=a.dp_stream,
+        replica_mode=a.dp_replica_mode,
         runs={},
     )
     for dp in (1, 2):
@@ -440,6 +444,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-requests", type=int, default=384)
     p.add_argument("--dp-load", type=float, default=3.0, help="arrival rate as a multiple of one engine's capacity")
     p.add_argument("--dp-stream", action="store_true", help="streaming requests (per-token events) for the serve runs")
+    p.add_argument(
+        "--dp-replica-mode",
+        default="process",
+        choices=("process", "thread"),
+        help="DP=2 replicas as worker processes (serve's default) or threads of one process",
+    )
     p.add_argument("--ar-rows", default="8,128,256,1024", help="all-reduce row counts")
     p.add_argument("--ar-iters", type=int, default=200, help="all-reduces chained per timed executable")
     p.add_argument("--busbw-mib", type=int, default=256, help="bytes per device of the bandwidth psum")

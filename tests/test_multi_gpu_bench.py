@@ -70,7 +70,7 @@ def test_end_to_end_on_two_host_devices(tmp_path):
     assert r["tp1"]["tp"] == 1 and r["tp2"]["tp"] == 2
     for tp in ("tp1", "tp2"):
         assert r[tp]["c1"]["tpot_s"] > 0 and r[tp]["batch"]["output_tokens"] == 4 * 6
-    assert set(r["dp"]["runs"]) == {"1", "2"}
+    assert set(r["dp"]["runs"]) == {"1", "2"} and r["dp"]["replica_mode"] == "process"  # serve's default
     for run in r["dp"]["runs"].values():
         assert run["requests"] == 8 and run["output_tok_per_s"] > 0
     assert r["allreduce"]["busbw"]["GBps"] > 0 and all(x["seconds"] >= 0 for x in r["allreduce"]["rows"])

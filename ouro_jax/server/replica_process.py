@@ -555,8 +555,9 @@ def start_replica_processes(
     devices: Optional[tuple[str, int]] = None,
 ) -> tuple[FrontModel, list[RemoteReplica], dict]:
     """``(front model, replicas, timings)``: ``M`` worker processes, each ready (engine built and
-    warmed up), started together; ``ReplicaSet(replicas).start()`` (``run.make_state``) serves them. Bad sizes fail before any worker starts; a worker that fails to
-    start stops the others and raises (``ValueError`` for a bad setting it found).
+    warmed up), started together; ``ReplicaSet(replicas).start()`` (``run.make_state``) serves them.
+    Bad sizes fail before any worker starts; a worker that fails to start stops the others and
+    raises (``ValueError`` for a bad setting it found).
 
     ``devices``: ``(backend, count)`` when known (else ``probe_devices``)."""
     kw = dict(engine_kwargs or {})
