@@ -134,11 +134,17 @@ def time_executables(llm, keys, reps: int, context: int) -> dict:
     import numpy as np
 
     from benchmarks.sweep_buckets import synthetic_descriptor
+    from ouro_jax.runner import SamplerKey, packed_shape
     from scheduler.descriptor import StackedDescriptor
 
     r, spec = llm.runner, llm.scheduler.bucket_spec
     out = {}
     for key in keys:
+        if isinstance(key, SamplerKey):  # the separate sampler, on zero hidden states and words
+            h = jax.device_put(np.zeros((key.C, llm.config.hidden_size), r.dtype), r._upload_to)
+            words = jax.device_put(np.zeros(packed_shape(key), np.int32), r._upload_to)
+            out[str(key)] = _best_of_3(lambda: r.executable(key)(r._top_leaves, h, words), reps)
+            continue
         bucket, n = (key, None) if not isinstance(key, tuple) or hasattr(key, "R") else key
         desc = synthetic_descriptor(spec, bucket.R, "decode", context, 128, r.num_blocks)
         if n is not None:  # a fused step: n sub-steps of whole tokens, every row at fixed full depth
@@ -148,18 +154,24 @@ def time_executables(llm, keys, reps: int, context: int) -> dict:
             desc = StackedDescriptor([desc] * n, T, exits)
         packed = desc.pack()
         packed = jax.device_put(packed, r._upload_to)
-        for _ in range(3):
-            gates, _ = r.launch(key, packed)
-        gates.block_until_ready()
-        best = float("inf")
-        for _ in range(3):  # the best of 3 rounds: another process's run is compared with it
-            t = time.perf_counter()
-            for _ in range(reps):
-                gates, _ = r.launch(key, packed)
-            gates.block_until_ready()
-            best = min(best, (time.perf_counter() - t) / reps)
-        out[str(key)] = best
+        out[str(key)] = _best_of_3(lambda: r.launch(key, packed)[0], reps)
     return out
+
+
+def _best_of_3(call, reps: int) -> float:
+    """Seconds per ``call()`` (which returns a device array), the best of 3 rounds of ``reps`` after
+    3 warm-up calls: another process's run is compared with it."""
+    for _ in range(3):
+        last = call()
+    last.block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            last = call()
+        last.block_until_ready()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
 
 
 _PARENT_ONLY = ("child", "starts", "out", "fresh", "compare_parallel", "threads", "check_reserialize")

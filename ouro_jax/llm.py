@@ -329,9 +329,11 @@ class LLM:
         self.startup_times["compile"] = self.warmup_time
 
     def executable_keys(self) -> list:
-        """Every executable a run can launch: one per row bucket, and one per fused decode step
-        shape (``(key, n)``) when ``fused_decode_max_rows`` is set."""
-        return list(self.scheduler.bucket_spec.keys()) + self.scheduler_config.fused_steps()
+        """Every executable a run can launch: one per row bucket, one per fused decode step shape
+        (``(key, n)``) when ``fused_decode_max_rows`` is set, and the separate samplers of the
+        buckets' coda sizes (``SamplerKey``: small, launched only when a coda row samples)."""
+        buckets = list(self.scheduler.bucket_spec.keys())
+        return buckets + self.scheduler_config.fused_steps() + self.runner.sampler_keys(buckets)
 
     # ------------------------------------------------------------------------------ setup
     @staticmethod
@@ -655,6 +657,7 @@ class LLM:
             recurrent_rows=s["real_rows"],
             host_time_per_launch_s=host / max(1, s["launches"]),
             compilations=r.compilations,
+            sampler_launches=r.sampler_launches,
             store_loads=r.store_loads,
             compile_time_s=r.compile_time,
             warmup_time_s=self.warmup_time,

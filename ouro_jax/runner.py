@@ -33,7 +33,7 @@ import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +63,7 @@ from .parallel import (
     vocab_parallel_embed,
     vocab_parallel_logits,
 )
-from .sampling import row_keys, sample
+from .sampling import greedy, row_keys, sample, sample_stochastic
 
 __all__ = ["ModelRunner", "packed_size", "packed_shape"]
 
@@ -89,9 +89,30 @@ def packed_size(key: BucketKey) -> int:
     return last.offset + last.size
 
 
+class SamplerKey(NamedTuple):
+    """The separate sampler of ``C`` coda rows (``ModelRunner``, "Sampling on the host's word")."""
+
+    C: int
+
+
+# the coda's sampling words, contiguous in every descriptor: [temperature, top_k, top_p, seed, step]
+CODA_FIELDS = ("coda_temperature", "coda_top_k", "coda_top_p", "coda_seed", "coda_step")
+
+
+def coda_words(key: BucketKey, packed) -> jax.Array:
+    """``[len(CODA_FIELDS), C]`` int32: the coda rows' sampling words of a packed descriptor."""
+    layout = {f.name: f for f in descriptor_layout(key)}
+    first = layout[CODA_FIELDS[0]].offset
+    assert all(layout[n].offset == first + i * key.C for i, n in enumerate(CODA_FIELDS)), "coda fields moved"
+    return packed[first : first + len(CODA_FIELDS) * key.C].reshape(len(CODA_FIELDS), key.C)
+
+
 def packed_shape(key) -> tuple[int, ...]:
     """The uploaded int32 array of an executable: ``[words]`` for a bucket key, ``[n, words +
-    exit words]`` for a fused decode step ``(BucketKey, n)``."""
+    exit words]`` for a fused decode step ``(BucketKey, n)``, the coda words ``[5, C]`` for a
+    ``SamplerKey``."""
+    if isinstance(key, SamplerKey):
+        return (len(CODA_FIELDS), key.C)
     if isinstance(key, BucketKey):
         return (packed_size(key),)
     bucket, n = key
@@ -182,23 +203,42 @@ def _recurrent(
     return kp, vp, ring, h, g.astype(jnp.float32)
 
 
-def _coda(params, h, a: dict, *, config: OuroConfig, dtype_name: str, tp_size: int = 1, **_):
-    """Step 4: lm_head + sampling of the coda rows' hidden states ``h [C, D]`` -> tokens ``[C]``."""
+def _coda(params, h, a: dict, *, config: OuroConfig, dtype_name: str, tp_size: int = 1, greedy_only: bool = False, **_):
+    """Step 4: lm_head + sampling of the coda rows' hidden states ``h [C, D]`` -> tokens ``[C]``
+    (``greedy_only``: the argmax, whatever the rows ask for; the separate sampler does the rest)."""
     dt = dtype_of(dtype_name)
     if tp_size > 1:
         logits = vocab_parallel_logits(h, params["top"]["lm_head"]["kernel"], dt)
     else:
         model = OuroModel(local_config(config, tp_size), dt)
         logits = model.apply({"params": params["top"]}, h, method=OuroModel.coda)
+    if greedy_only:
+        return greedy(logits)
     keys = row_keys(a["coda_seed"], a["coda_step"])
     return sample(logits, a["coda_temperature"], a["coda_top_k"], a["coda_top_p"], keys).astype(jnp.int32)
 
 
-def _step(params, kp, vp, ring, packed, **kw):
-    """One loop: the executable of a bucket (the module docstring's four steps)."""
+def _step(params, kp, vp, ring, packed, *, separate_sampler: bool = False, **kw):
+    """One loop: the executable of a bucket (the module docstring's four steps).
+
+    ``separate_sampler``: the coda takes the argmax only and the step also returns the coda rows'
+    hidden states and sampling words, for ``_sample_coda`` when the host sees a row that samples."""
     a = _unpack(kw["key"], packed)
     kp, vp, ring, h, g = _recurrent(params, kp, vp, ring, a, None, **kw)
-    return kp, vp, ring, g, _coda(params, h[a["coda_row"]], a, **kw)
+    hc = h[a["coda_row"]]
+    if not separate_sampler:
+        return kp, vp, ring, g, _coda(params, hc, a, **kw)
+    return kp, vp, ring, g, _coda(params, hc, a, greedy_only=True, **kw), hc, coda_words(kw["key"], packed)
+
+
+def _sample_coda(top, h, words, *, config: OuroConfig, dtype_name: str):
+    """The separate sampler: lm_head of the coda rows' hidden states ``h [C, D]`` and the sort-based
+    sampling of ``sample_stochastic`` with the rows' words (``coda_words``) -> tokens ``[C]``."""
+    logits = OuroModel(config, dtype_of(dtype_name)).apply({"params": top}, h, method=OuroModel.coda)
+    temperature, top_k, top_p, seed, step = (words[i] for i in range(len(CODA_FIELDS)))
+    f32 = lambda w: jax.lax.bitcast_convert_type(w, jnp.float32)  # noqa: E731
+    keys = row_keys(jax.lax.bitcast_convert_type(seed, jnp.uint32), step)
+    return sample_stochastic(logits, f32(temperature), top_k, f32(top_p), keys).astype(jnp.int32)
 
 
 def _fused_step(params, kp, vp, ring, packed, **kw):
@@ -313,6 +353,12 @@ def _compiler_options() -> dict:
     return {"xla_disable_hlo_passes": "rematerialization"} if jax.default_backend() == "gpu" else {}
 
 
+def samples(desc) -> bool:
+    """Whether a one-loop descriptor has a coda row that samples (temperature above 0)."""
+    n = getattr(desc, "num_coda", 0)
+    return n > 0 and bool(np.any(desc.coda_temperature[:n] > 0))
+
+
 class ModelRunner:
     """Device state + one executable per bucket. See the module docstring.
 
@@ -368,6 +414,12 @@ class ModelRunner:
             _step, config=c, dtype_name=self.dtype_name, attention=attention, interpret=interpret, layer_loop=layer_loop
         )
         fused = functools.partial(_fused_step, **step.keywords)
+        # one-loop steps leave sampling to a separate small executable, launched only when a coda
+        # row samples: a lax.cond in the step made the GPU host wait for its predicate at the end
+        # of every invocation (docs/decisions.md, "Sampling on the host's word"); under tensor
+        # parallelism the step still samples itself (its lm_head is split by vocabulary)
+        self.separate_sampler = self.mesh is None
+        step = functools.partial(step, separate_sampler=self.separate_sampler)
         if self.mesh is None:
             dev = self._device if self._pinned else None
             self.k_pool = jnp.zeros(pool_shape, self.dtype, device=dev)
@@ -389,6 +441,10 @@ class ModelRunner:
         self._param_leaves, treedef = jax.tree.flatten(self.params)
         self._param_leaves = tuple(self._param_leaves)
         step, fused = _flat_params(step, treedef), _flat_params(fused, treedef)
+        self._top_leaves, top_treedef = jax.tree.flatten(self.params["top"])
+        self._top_leaves = tuple(self._top_leaves)
+        sampler = functools.partial(_sample_coda, config=c, dtype_name=self.dtype_name)
+        self._jitted_sampler = jax.jit(lambda leaves, h, w: sampler(jax.tree.unflatten(top_treedef, leaves), h, w))
         self._jitted = jax.jit(step, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
         self._jitted_fused = jax.jit(fused, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
@@ -405,6 +461,7 @@ class ModelRunner:
         self.dispatch_time = 0.0
         self.wait_time = 0.0
         self.invocations = 0
+        self.sampler_launches = 0  # separate sampler runs (one-loop invocations where a row sampled)
 
     # ------------------------------------------------------------------------------- setup
     def _arrange(self, params: dict) -> dict:
@@ -452,6 +509,13 @@ class ModelRunner:
         # the default device, so that its executables stay exactly the unpinned ones
         mesh = self.mesh is not None or self._pinned
         sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if mesh else None)  # noqa: E731
+        if isinstance(key, SamplerKey):
+            on = self._upload_to if mesh else None
+            return self._jitted_sampler.lower(
+                tuple(sds(x) for x in self._top_leaves),
+                jax.ShapeDtypeStruct((key.C, self.config.hidden_size), self.dtype, sharding=on),
+                jax.ShapeDtypeStruct(packed_shape(key), jnp.int32, sharding=on),
+            )
         fused = not isinstance(key, BucketKey)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
         return fn.lower(
@@ -581,7 +645,7 @@ class ModelRunner:
         if key not in self._exe:
             self._compile(key)  # not warmed up: counted in `compilations`, not in `dispatch_time`
         t = time.perf_counter()
-        gates, tokens = self.launch(key, self.upload(desc))
+        gates, tokens = self.launch(key, self.upload(desc), sample=isinstance(key, BucketKey) and samples(desc))
         for arr in (gates, tokens):
             arr.copy_to_host_async()
         self.invocations += 1
@@ -591,22 +655,37 @@ class ModelRunner:
     def _waited(self, seconds: float) -> None:
         self.wait_time += seconds  # time the host waited on the device
 
-    def launch(self, key, packed) -> tuple[jax.Array, jax.Array]:
+    def launch(self, key, packed, sample: bool = False) -> tuple[jax.Array, jax.Array]:
         """Run ``key``'s executable on an uploaded descriptor (``upload``), the pools and the ring
         updated in place; returns ``(gates, tokens)`` on the device. ``step`` without its
-        bookkeeping: benchmarks time the device with it. A key not warmed up compiles first."""
+        bookkeeping: benchmarks time the device with it. A key not warmed up compiles first.
+
+        ``sample``: some coda row has a temperature above 0 (the host knows from the descriptor):
+        its one-loop step's greedy tokens are replaced by the separate sampler's. Without it a
+        one-loop step's tokens are the argmax of every coda row."""
         exe = self._exe.get(key)
         if exe is None:
             exe = self._compile(key)  # not warmed up: counted in `compilations`
-        self.k_pool, self.v_pool, self.ring, gates, tokens = exe(
-            self._param_leaves, self.k_pool, self.v_pool, self.ring, packed
-        )
+        out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed)
+        self.k_pool, self.v_pool, self.ring, gates, tokens = out[:5]
+        if sample and len(out) > 5:
+            skey = SamplerKey(key.C)
+            sampler = self._exe.get(skey) or self._compile(skey)
+            tokens = sampler(self._top_leaves, out[5], out[6])
+            self.sampler_launches += 1
         return gates, tokens
 
     def upload(self, desc) -> jax.Array:
         """``desc``'s packed buffer on the runner's device (``device_put``: ``jnp.asarray`` would
         stage it through a small jitted copy per shape)."""
         return jax.device_put(desc.pack(), self._upload_to)
+
+    def sampler_keys(self, keys: Iterable) -> list:
+        """The separate samplers the one-loop buckets among ``keys`` may launch (none under tensor
+        parallelism, where the step samples itself)."""
+        if not self.separate_sampler:
+            return []
+        return list(dict.fromkeys(SamplerKey(k.C) for k in keys if isinstance(k, BucketKey) and k.C > 0))
 
     @staticmethod
     def executable_key(desc):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["sample", "row_keys"]
+__all__ = ["greedy", "sample", "sample_stochastic", "row_keys"]
 
 
 def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
@@ -40,16 +40,30 @@ def _filtered_logits(logits, temperature, top_k, top_p):
     return jnp.where(x >= thresh, x, -jnp.inf)
 
 
+def greedy(logits) -> jax.Array:
+    """Token ids ``[R]`` int32 of the largest logits (what a temperature-0 row gets)."""
+    return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+
+
+def sample_stochastic(logits, temperature, top_k, top_p, keys):
+    """``sample`` with the sort over the vocabulary always paid: for programs that only run when
+    some row samples (the runner's separate sampler)."""
+    logits = logits.astype(jnp.float32)
+    masked = _filtered_logits(logits, temperature, top_k, top_p)
+    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy(logits))
+
+
 def sample(logits, temperature, top_k, top_p, keys):
     """``logits [R, V]`` (any float), per-row ``temperature [R]``, ``top_k [R]`` (0 = off),
-    ``top_p [R]``, ``keys [R, 2]`` -> token ids ``[R]`` int32. Rows with temperature 0 are greedy."""
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    ``top_p [R]``, ``keys [R, 2]`` -> token ids ``[R]`` int32. Rows with temperature 0 are greedy.
 
-    def stochastic(_):
-        masked = _filtered_logits(logits, temperature, top_k, top_p)
-        drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked).astype(jnp.int32)
-        return jnp.where(temperature > 0, drawn, greedy)
-
-    # the sort over the vocabulary is only paid for when some row really samples
-    return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda _: greedy, None)
+    The sort over the vocabulary is only paid for when some row really samples, through a
+    ``lax.cond``; on the GPU its predicate may be read by the host (a wait for the device), so
+    the engine's one-loop steps decide on the host instead (``ModelRunner``)."""
+    return jax.lax.cond(
+        jnp.any(temperature > 0),
+        lambda _: sample_stochastic(logits, temperature, top_k, top_p, keys),
+        lambda _: greedy(logits),
+        None,
+    )

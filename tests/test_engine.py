@@ -83,8 +83,10 @@ def test_fixed_depth_equals_reference(chunk, buckets, fixed_oracle):
     llm = make_llm(prefill_chunk_size=chunk, buckets=buckets, layer_loop="scan" if chunk == 16 else "unrolled")
     assert_matches(run(llm), *fixed_oracle)
     st = llm.stats()
-    # everything was compiled at start-up (buckets + the default fused decode step), nothing since
-    assert st["compilations"] == len(llm.executable_keys()) == len(buckets) + 1
+    # everything was compiled at start-up (buckets, the default fused decode step, one separate
+    # sampler per coda size), nothing since
+    codas = {k.C for k in llm.scheduler.bucket_spec.keys()}
+    assert st["compilations"] == len(llm.executable_keys()) == len(buckets) + 1 + len(codas)
     assert st["fused_launches"] > 0  # fixed depth: decode ran T loops per launch by default
     assert st["free_blocks"] == llm.scheduler_config.num_blocks - 1  # every block back (block 0 is trash)
 

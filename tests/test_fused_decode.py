@@ -183,7 +183,11 @@ def test_engine_fused_equals_loop_by_loop_and_reference(layout, tokens):
         SamplingParams(max_tokens=5, ignore_eos=True, exit_mode="fixed", temperature=0.8, top_k=20, seed=4),
         SamplingParams(max_tokens=6, ignore_eos=True, exit_mode="fixed"),
     ]
-    plain = _engine(kv_layout=layout, fused_decode_max_rows=0).generate(PROMPTS, sp, use_tqdm=False)
+    loop_by_loop = _engine(kv_layout=layout, fused_decode_max_rows=0)
+    plain = loop_by_loop.generate(PROMPTS, sp, use_tqdm=False)
+    # one-loop steps sample through the separate sampler (fused steps sample in their program), and
+    # only for the codas of the sampled request: one token each
+    assert loop_by_loop.stats()["sampler_launches"] == sp[1].max_tokens
     llm = _engine(kv_layout=layout, fused_decode_max_rows=4, fused_decode_tokens=tokens)
     fused = llm.generate(PROMPTS, sp, use_tqdm=False)
     for a, b in zip(plain, fused):
