@@ -64,7 +64,7 @@ from benchmarks.workloads import (
 )
 from ouro_jax import LLM, get_preset
 from ouro_jax.model import init_params
-from ouro_jax.runner import packed_shape
+from ouro_jax.runner import SamplerKey, packed_shape
 from pallas_kernels.choices import ATTENTION
 from scheduler import BucketKey, SamplingParams
 
@@ -268,6 +268,22 @@ def _kv_fields(wl: Workload, res: DriveResult, s1: dict, stats: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------- the harness
+
+
+def _is_fused(k) -> bool:
+    """A fused decode step's executable key ``(BucketKey, n)``."""
+    return isinstance(k, tuple) and len(k) == 2 and isinstance(k[0], BucketKey)
+
+
+def _key_label(k) -> str:
+    """An executable key as the start-up record names it: ``"128"``, ``"fused 8x4"``, ``"sampler 8"``."""
+    if isinstance(k, BucketKey):
+        return str(k.R)
+    if isinstance(k, SamplerKey):
+        return f"sampler {k.C}"
+    return f"fused {k[0].R}x{k[1]}" if _is_fused(k) else str(k)
+
+
 class Harness:
     """Random weights, ceilings and executables shared by every engine of one process."""
 
@@ -425,15 +441,13 @@ class Harness:
             xla_compile_requests_s=ev1[1] - ev0[1],
             persistent_cache_hits=ev1[2] - ev0[2],
             runner_compile_time_s=r.compile_time,
-            per_bucket_s={
-                (str(k.R) if isinstance(k, BucketKey) else f"fused {k[0].R}x{k[1]}"): v
-                for k, v in r.compile_times.items()
-            },
+            per_bucket_s={_key_label(k): v for k, v in r.compile_times.items()},
             kv_blocks=r.num_blocks,
             kv_cache_bytes=r.kv_bytes,
             ring_rows=r.num_ring_rows,
             buckets=[k.R for k in keys if isinstance(k, BucketKey)],
-            fused_steps=[[k[0].R, k[1]] for k in keys if not isinstance(k, BucketKey)],
+            fused_steps=[[k[0].R, k[1]] for k in keys if _is_fused(k)],
+            samplers=[k.C for k in keys if isinstance(k, SamplerKey)],
             elapsed_s=self.elapsed(),
         )
         self.startups.append(st)
