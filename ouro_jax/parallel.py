@@ -107,6 +107,10 @@ def _leaf_spec(path: tuple[str, ...], ndim: int) -> P:
         return P(*lead, TP_AXIS, None)  # [V, D] by vocabulary rows
     if "lm_head" in names:
         return P(*lead, None, TP_AXIS)  # [D, V] by vocabulary columns
+    if names[-1] == "kernel" and "qkv_proj" in names:  # [D, G, g + 2, hd]: by KV-head group
+        return P(*(None,) * (ndim - 4), None, TP_AXIS, None, None)
+    if names[-1] == "kernel" and "gate_up_proj" in names:  # [D, 2, I]: by intermediate column
+        return P(*(None,) * (ndim - 3), None, None, TP_AXIS)
     if names[-1] == "kernel" and any(n in names for n in _COLUMN):
         return P(*lead, None, TP_AXIS)
     if names[-1] == "kernel" and any(n in names for n in _ROW):

@@ -49,7 +49,7 @@ from scheduler.descriptor import EXIT_FIELDS, HEADER, StepResult, descriptor_lay
 from .config import OuroConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
 from .exit_rule import decide_exit_rows, fold_gate
-from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
+from .model import OuroDecoderLayer, OuroModel, dtype_of, fuse_layer_params, rope_cos_sin
 from .paged_attention import PagedAttention
 from .parallel import (
     TP_AXIS,
@@ -176,7 +176,7 @@ def _recurrent(
     seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
     attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg))
     cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
-    layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None)
+    layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True)
 
     def one_layer(p, x, pools, i):
         return layer.apply({"params": p}, x, cos, sin, attn, pools, layer=i)
@@ -471,6 +471,10 @@ class ModelRunner:
         L = self.config.num_hidden_layers
         top = {k: v for k, v in params.items() if not k.startswith("layers_")}
         layers = {f"layers_{i}": params[f"layers_{i}"] for i in range(L)}
+        # Q/K/V and gate/up as one kernel each, laid out once here (``fuse_layer_params``)
+        on_host = all(isinstance(x, np.ndarray) for x in jax.tree.leaves(layers))
+        cat = np.concatenate if on_host else None
+        layers = {k: fuse_layer_params(v, self.config, cat) for k, v in layers.items()}
         if self.layer_loop == "scan":
             host = (self.mesh is not None or self._pinned) and all(
                 isinstance(x, np.ndarray) for x in jax.tree.leaves(layers)

@@ -363,7 +363,7 @@ def test_dp2_server_over_http():
     assert p.returncode == 0, p.stderr[-6000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["devices"] == [[0], [1]] and r["param_devices"] == [[0], [1]]  # disjoint, params too
-    assert r["num_blocks"][0] == r["num_blocks"][1] and r["executables"] == 2  # one bucket per replica
+    assert r["num_blocks"][0] == r["num_blocks"][1] and r["executables"] == 4  # a bucket + its sampler each
     assert all(n > 0 for n in r["spread"]) and sum(r["spread"]) == 16, r["spread"]  # both replicas served
     assert all(n > 0 for n in r["routed"])
     h = r["holder"]

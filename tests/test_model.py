@@ -7,7 +7,7 @@ import pytest
 
 from ouro_jax import forward, generate, get_preset
 from ouro_jax.attention import DenseCacheAttention
-from ouro_jax.model import OuroModel
+from ouro_jax.model import OuroDecoderLayer, OuroModel, fuse_layer_params, rope_cos_sin
 from ouro_jax.reference import from_param_tree, reference_forward, reference_greedy_generate, select_logits
 from weights.random_init import random_params
 
@@ -226,3 +226,27 @@ def test_config_validation_and_hf_roundtrip(tmp_path):
     assert c2.head_dim == 16 and c2.num_key_value_heads == 4 and c2.eos_token_id == 0
     assert get_preset("ouro-1.4b").num_params == 1_434_652_673
     assert get_preset("ouro-2.6b").num_params == 2_667_974_657
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
+def test_fused_projections_equal_the_checkpoint_layout(preset):
+    """The runner's layer (Q/K/V and gate/up each one kernel, ``fuse_layer_params``) computes what the
+    checkpoint's layout does: query head ``h`` still meets KV head ``h // g`` (GQA grouping)."""
+    c = get_preset(preset)
+    H, KVH = c.num_attention_heads, c.num_key_value_heads
+    x = jax.random.normal(jax.random.PRNGKey(0), (5, c.hidden_size), jnp.float32)
+    cos, sin = rope_cos_sin(jnp.arange(5), c.head_dim, c.rope_theta)
+
+    def attention(layer, q, k, v, cache):  # every head of q, k and v reaches the output, by group
+        g = H // KVH
+        return q * jnp.repeat(k, g, axis=-2) + jnp.repeat(v, g, axis=-2), cache
+
+    plain = OuroDecoderLayer(c, jnp.float32)
+    p = plain.init(jax.random.PRNGKey(1), x, cos, sin, attention, None)["params"]
+    want, _ = plain.apply({"params": p}, x, cos, sin, attention, None)
+    fused = OuroDecoderLayer(c, jnp.float32, fused_projections=True)
+    got, _ = fused.apply({"params": fuse_layer_params(p, c)}, x, cos, sin, attention, None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    fp = fuse_layer_params(p, c)
+    assert fp["self_attn"]["qkv_proj"]["kernel"].shape == (c.hidden_size, KVH, H // KVH + 2, c.head_dim)
+    assert fp["mlp"]["gate_up_proj"]["kernel"].shape == (c.hidden_size, 2, c.intermediate_size)

@@ -6,6 +6,7 @@ JAX is imported (bounded in time). TP=2 must give the token ids and exit depths 
 (float32, highest matmul precision), every prefill mode, fixed depth and early exit.
 """
 
+import dataclasses
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ import pytest
 
 from ouro_jax import LLM, get_preset
 from ouro_jax.distributed import distributed_config
+from ouro_jax.model import fuse_layer_params
 from ouro_jax.parallel import check_tensor_parallel, param_specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,6 +121,17 @@ def test_param_specs_follow_megatron_layout():
     assert tuple(s["unrolled"]["mlp"]["gate_proj"]["kernel"]) == (None, *t)
     assert tuple(s["unrolled"]["mlp"]["down_proj"]["kernel"]) == (*t, None)
     assert tuple(s["unrolled"]["input_layernorm"]["scale"]) == ()
+    # the runner's fused kernels: Q/K/V [D, G, g + 2, hd] by KV-head group, gate/up [D, 2, F] by F
+    cfg = dataclasses.replace(
+        get_preset("tiny"), hidden_size=d, num_attention_heads=2, num_key_value_heads=2, head_dim=4
+    )
+    fused = fuse_layer_params(layer, cfg, np.concatenate)
+    fs = param_specs({"unrolled": fused, "stacked": jax.tree.map(lambda x: np.zeros((3, *x.shape)), fused)})
+    assert tuple(fs["unrolled"]["self_attn"]["qkv_proj"]["kernel"]) == (None, *t, None, None)
+    assert tuple(fs["stacked"]["self_attn"]["qkv_proj"]["kernel"]) == (None, None, *t, None, None)
+    assert tuple(fs["unrolled"]["mlp"]["gate_up_proj"]["kernel"]) == (None, None, *t)
+    assert tuple(fs["stacked"]["mlp"]["gate_up_proj"]["kernel"]) == (None, None, None, *t)
+    assert "q_proj" not in fs["unrolled"]["self_attn"] and "up_proj" not in fs["unrolled"]["mlp"]
 
 
 # ----------------------------------------------------------------------- shards (subprocess)
@@ -140,8 +153,9 @@ def test_shards_hold_their_slice():
             layer = r.params["layers"]["layers_0"] if loop == "unrolled" else r.params["layers"]
             res[loop] = dict(
                 kv=shapes(r.k_pool), kv_devices=devs(r.k_pool), v=shapes(r.v_pool), ring=shapes(r.ring),
-                q=shapes(layer["self_attn"]["q_proj"]["kernel"]), o=shapes(layer["self_attn"]["o_proj"]["kernel"]),
-                up=shapes(layer["mlp"]["up_proj"]["kernel"]), down=shapes(layer["mlp"]["down_proj"]["kernel"]),
+                qkv=shapes(layer["self_attn"]["qkv_proj"]["kernel"]), o=shapes(layer["self_attn"]["o_proj"]["kernel"]),
+                gate_up=shapes(layer["mlp"]["gate_up_proj"]["kernel"]),
+                down=shapes(layer["mlp"]["down_proj"]["kernel"]),
                 norm=shapes(layer["input_layernorm"]["scale"]),
                 embed=shapes(r.params["top"]["embed_tokens"]["embedding"]),
                 head=shapes(r.params["top"]["lm_head"]["kernel"]),
@@ -158,9 +172,11 @@ def test_shards_hold_their_slice():
         assert r["kv"] == r["v"] == [(L, c.num_key_value_heads // 2, 8, 4, hd)]  # half the KV heads each
         assert r["kv_devices"] == [0, 1]  # the first N devices of 4
         assert r["ring"] == [(16, D)]  # replicated
-        assert r["q"] == [(*lead, D, c.q_size // 2)]
+        # the runner's fused Q/K/V kernel [D, G, g + 2, hd] splits by KV-head group, gate/up [D, 2, F] by F
+        G, g = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads
+        assert r["qkv"] == [(*lead, D, G // 2, g + 2, hd)]
         assert r["o"] == [(*lead, c.q_size // 2, D)]
-        assert r["up"] == [(*lead, D, F // 2)]
+        assert r["gate_up"] == [(*lead, D, 2, F // 2)]
         assert r["down"] == [(*lead, F // 2, D)]
         assert r["norm"] == [(*lead, D)]
         assert r["embed"] == [(V // 2, D)]
@@ -191,8 +207,8 @@ for mode, loop in {cases}:
         if tp == 2:  # every shard's copy of the replicated results must agree (one decision, not N)
             launch = llm.runner.launch
 
-            def checked(key, packed, launch=launch):
-                gates, tokens = launch(key, packed)
+            def checked(key, packed, sample=False, launch=launch):
+                gates, tokens = launch(key, packed, sample)
                 for arr in (gates, tokens, llm.runner.ring):
                     shards = [np.asarray(s.data) for s in arr.addressable_shards]
                     if any(not np.array_equal(shards[0], s) for s in shards[1:]):
