@@ -83,9 +83,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """``x * cos + rotate_half(x) * sin`` (halves split, not interleaved); x is ``[..., heads, hd]``."""
     half = x.shape[-1] // 2
     x32 = x.astype(jnp.float32)
-    # rotate_half as a reverse of the two halves times (-1, 1), not a concatenate: the same values,
-    # but XLA fuses a reverse into one elementwise kernel, where a concatenate whose result feeds
-    # two consumers (the hybrid attention's two kernels) was split into several
+    # rotate_half, [-x2, x1]: the two halves reversed and multiplied by (-1, 1), an elementwise
+    # expression for XLA (the same values as concatenating the halves)
     halves = jnp.flip(x32.reshape(*x.shape[:-1], 2, half), axis=-2)
     rot = (halves * jnp.array([-1.0, 1.0], jnp.float32)[:, None]).reshape(x.shape)
     return (x32 * cos[..., None, :] + rot * sin[..., None, :]).astype(x.dtype)
