@@ -354,9 +354,9 @@ def _compiler_options() -> dict:
 
 
 def samples(desc) -> bool:
-    """Whether a one-loop descriptor has a coda row that samples (temperature above 0)."""
-    n = getattr(desc, "num_coda", 0)
-    return n > 0 and bool(np.any(desc.coda_temperature[:n] > 0))
+    """Whether a one-loop descriptor has a coda row that samples (temperature above 0; padding rows
+    hold 0), exactly where the in-program ``sample`` would have taken its sampling branch."""
+    return bool(np.any(desc.coda_temperature > 0))
 
 
 class ModelRunner:

@@ -8,6 +8,7 @@ import pytest
 
 from ouro_jax import forward, get_preset
 from ouro_jax.runner import ModelRunner
+from ouro_jax.sampling import row_keys, sample
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import BatchDescriptor, StepResult
 from scheduler.fake_runner import FakeRunner
@@ -87,7 +88,12 @@ def test_runner_coda_and_finalize():
         )
     full = forward(params, cfg, ids[None])
     assert int(h.tokens()[0]) == int(np.argmax(full.logits[0, 3]))
-    assert 0 <= int(h.tokens()[1]) < cfg.vocab_size
+    # the sampled row went through the separate sampler: what `sample` draws from the same logits
+    logits = jnp.stack([full.logits[0, 3]] * 2)
+    keys = row_keys(jnp.array([0, 7], jnp.uint32), jnp.array([0, 0], jnp.int32))
+    want = sample(logits, jnp.array([0.0, 1.0]), jnp.array([0, 5]), jnp.array([1.0, 0.9]), keys)
+    assert [int(t) for t in h.tokens()[:2]] == [int(t) for t in want]
+    assert runner.sampler_launches == 1
     # finalize: copy position 2 of plane 0 into planes 1..3, nothing else changes
     k_before = np.asarray(runner.k_pool)
     fin = [(_slot(tables[0], 2), _slot(tables[p], 2)) for p in range(1, T)]
