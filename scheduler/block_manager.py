@@ -54,6 +54,16 @@ def prefix_block_hashes(token_ids: np.ndarray, block_size: int, salt: bytes, num
     return out
 
 
+def leading_matches(hashes: Sequence[bytes], held) -> int:
+    """How many leading entries of ``hashes`` are in ``held`` (a prefix cache's keys, or a mirror of them)."""
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
 class KVBlockManager:
     def __init__(
         self,
@@ -162,12 +172,7 @@ class KVBlockManager:
     # ------------------------------------------------------------- prefix cache
     def num_cached_prefix(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of ``hashes`` the cache holds."""
-        n = 0
-        for h in hashes:
-            if h not in self._cached:
-                break
-            n += 1
-        return n
+        return leading_matches(hashes, self._cached)
 
     def publish(self, request_id, column: int, h: bytes) -> bool:
         """Cache column ``column`` of ``request_id`` (final in every plane) under hash ``h``; False

@@ -58,7 +58,29 @@ class _Sink:
             pass
 
 
-class EngineLoop:
+class BoundedQueue:
+    """Places in a bounded queue of requests: ``_pending`` of ``max_pending`` taken, under ``_lock``
+    (an engine loop, or the front's handle on a worker process)."""
+
+    _lock: threading.Lock
+    _pending: int
+    max_pending: int
+
+    def try_reserve(self, n: int) -> bool:
+        """Take ``n`` places in the bounded queue; False (and nothing taken) if they do not fit."""
+        with self._lock:
+            if self._pending + n > self.max_pending:
+                return False
+            self._pending += n
+            return True
+
+    def release(self, n: int) -> None:
+        """Give back places taken by ``try_reserve`` that were never submitted."""
+        with self._lock:
+            self._pending -= n
+
+
+class EngineLoop(BoundedQueue):
     """Owns ``llm``; ``submit`` / ``abort`` are called from the event loop, everything else runs here."""
 
     def __init__(self, llm, max_pending: int, state_interval_s: float = 0.1, idle_wait_s: float = 0.05, name: str = ""):
@@ -100,19 +122,6 @@ class EngineLoop:
     def cached_prefix_blocks(self, hashes) -> int:
         """How many leading blocks of ``hashes`` this engine's prefix cache holds (for routing)."""
         return self.llm.scheduler.cached_prefix_blocks(hashes)
-
-    def try_reserve(self, n: int) -> bool:
-        """Take ``n`` places in the bounded queue; False (and nothing taken) if they do not fit."""
-        with self._lock:
-            if self._pending + n > self.max_pending:
-                return False
-            self._pending += n
-            return True
-
-    def release(self, n: int) -> None:
-        """Give back places taken by ``try_reserve`` that were never submitted."""
-        with self._lock:
-            self._pending -= n
 
     def submit(
         self, request_id, prompt_ids: Sequence[int], sampling_params, out: asyncio.Queue, index: int

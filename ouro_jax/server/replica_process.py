@@ -44,7 +44,9 @@ import traceback
 import weakref
 from typing import Any, Optional, Sequence
 
-from .engine_loop import EngineDead, TokenEvent
+from scheduler.block_manager import leading_matches
+
+from .engine_loop import BoundedQueue, EngineDead, TokenEvent
 
 log = logging.getLogger("ouro_jax.server")
 
@@ -322,7 +324,7 @@ def _deliver(items) -> None:
         q.put_nowait(ev)
 
 
-class RemoteReplica:
+class RemoteReplica(BoundedQueue):
     """The front's handle on one worker process, with the interface of an ``EngineLoop``.
 
     ``submit`` / ``abort`` / ``stop`` are queued for a sender thread (the event loop never blocks on
@@ -409,25 +411,9 @@ class RemoteReplica:
     def pid(self) -> Optional[int]:
         return self.process.pid
 
-    def try_reserve(self, n: int) -> bool:
-        with self._lock:
-            if self._pending + n > self.max_pending:
-                return False
-            self._pending += n
-            return True
-
-    def release(self, n: int) -> None:
-        with self._lock:
-            self._pending -= n
-
     def cached_prefix_blocks(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``hashes`` in the worker's prefix cache, as of its last state report."""
-        n = 0
-        for h in hashes:
-            if h not in self._cached:
-                break
-            n += 1
-        return n
+        return leading_matches(hashes, self._cached)
 
     def submit(self, request_id, prompt_ids, sampling_params, out: asyncio.Queue, index: int) -> "RemoteReplica":
         with self._lock:
