@@ -12,8 +12,12 @@ The runner decides *how* a plan runs; the scheduler decided *what*. It owns the 
 One step does, in order (``docs/contracts.md``): LAST_EXITED finalize copies, prelude (embed into
 ring rows), one loop of the stack for the rows (K/V written at each row's slot, ragged paged
 attention per segment, output scattered back to the ring), the exit gate, and the coda (lm_head +
-sampling) of the coda rows. Only the gate logits ``[R]`` and sampled tokens ``[C]`` come back,
-copied to the host asynchronously; the host reads them only when the scheduler needs them.
+argmax) of the coda rows. Where a coda row samples (temperature above 0, known to the host), a
+small separate executable (``SamplerKey``) samples those rows from the step's coda hidden states,
+queued behind it: deciding that inside the step took a ``lax.cond`` whose predicate the GPU host
+waited for. Only the gate logits ``[R]`` and tokens ``[C]`` come back, copied to the host
+asynchronously; the host reads them only when the scheduler needs them. The layers' Q/K/V and
+gate/up weights are laid out as one kernel each (``model.fuse_layer_params``) at load time.
 
 Fused decode steps (``scheduler`` decides when; ``fused_decode_max_rows``): one executable runs
 ``tokens`` tokens of the same decode rows, each token's loops in a device-side ``while_loop`` that
@@ -65,7 +69,7 @@ from .parallel import (
 )
 from .sampling import greedy, row_keys, sample, sample_stochastic
 
-__all__ = ["ModelRunner", "packed_size", "packed_shape"]
+__all__ = ["ModelRunner", "SamplerKey", "packed_size", "packed_shape"]
 
 
 def _unpack(key: BucketKey, packed) -> dict:
@@ -674,7 +678,9 @@ class ModelRunner:
         self.k_pool, self.v_pool, self.ring, gates, tokens = out[:5]
         if sample and len(out) > 5:
             skey = SamplerKey(key.C)
-            sampler = self._exe.get(skey) or self._compile(skey)
+            sampler = self._exe.get(skey)
+            if sampler is None:
+                sampler = self._compile(skey)  # not warmed up: counted in `compilations`
             tokens = sampler(self._top_leaves, out[5], out[6])
             self.sampler_launches += 1
         return gates, tokens
