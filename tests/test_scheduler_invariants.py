@@ -84,6 +84,11 @@ class Harness:
         self.max_running = max(self.max_running, len(s.running))
         assert d.num_rows == plan.num_rows and d.num_coda == len(plan.coda)
         assert plan.needs_tokens == bool(plan.coda)
+        # the K/V scatters assume unique indices (docs/contracts.md): no slot is written twice
+        slots = d.row_slot[d.row_slot >= 0]
+        assert len(np.unique(slots)) == len(slots), "two rows write one K/V slot"
+        dst = d.fin_dst[d.fin_dst >= 0]
+        assert len(np.unique(dst)) == len(dst), "two finalize copies write one slot"
         seen = set()
         prelude = {(r.request_id, r.token_start, r.token_count) for r in plan.ranges_of(Phase.PRELUDE)}
         # prelude first (step 2), then the loop (step 3)
