@@ -129,6 +129,8 @@ class EngineLoop(BoundedQueue):
         """Queue an already validated request (its place taken with ``try_reserve``); its ``TokenEvent`` s
         arrive in ``out``. Called from the event loop thread. Returns the loop that holds the request
         (this one; a ``ReplicaSet`` returns the replica it chose), which its aborts go to."""
+        if not self.alive or self._stopping:  # before the sink: a dead engine answers EngineDead
+            raise EngineDead("the engine is not running")
         return self.submit_sink(request_id, prompt_ids, sampling_params, _Sink(asyncio.get_running_loop(), out, index))
 
     def submit_sink(self, request_id, prompt_ids: Sequence[int], sampling_params, sink) -> "EngineLoop":
