@@ -5,6 +5,8 @@
     serve1k               closed loop at concurrency c in {1, 32, 128}: 2c requests of 1024 / 128;
                           a new request is submitted whenever one finishes; fixed depth and
                           synthetic early exit (mean 2.5 loops)
+    burst128              128 requests at t=0, 1024-token prompts, 16 out: the time to the last first
+                          token (``prefill_span.seconds``) is what a burst of users waits
     decode_under_prefill  64 decoding streams (128 prompt, 256 out); 8064-token prompts arrive while
                           they decode (triggered by the streams' progress, so every configuration
                           sees the same interference); the run stops when the streams finish
@@ -234,6 +236,25 @@ def mixed128(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed
     return _mixed("mixed128", 128, vocab_size, scale, count_scale, seed)
 
 
+def burst128(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0) -> list[Workload]:
+    """A burst of short prompts: every request arrives at once and the last one waits for its
+    first token until the whole batch is prefilled (the records' ``prefill_span.seconds``)."""
+    s = _Scaler(scale, count_scale)
+    rng = _rng("burst128", seed)
+    n, prompt, out = s.count(128), s.prompt(1024), s.out(16)
+    reqs = [RequestSpec(_ids(rng, prompt, vocab_size), _params(out)) for _ in range(n)]
+    return [
+        Workload(
+            "burst128",
+            "",
+            reqs,
+            "batch",
+            chunks=(128, 64),
+            description=f"{n} x {prompt}-token prompts at t=0, {out} out: time to the last first token",
+        )
+    ]
+
+
 def serve1k(
     vocab_size: int,
     scale: float = 1.0,
@@ -427,6 +448,7 @@ WORKLOADS: dict[str, Callable[..., list[Workload]]] = {
     "mixed32": mixed32,
     "mixed128": mixed128,
     "serve1k": serve1k,
+    "burst128": burst128,
     "decode_under_prefill": decode_under_prefill,
     "eos512": eos512,
     "shared_prefix": shared_prefix,
