@@ -271,3 +271,16 @@ def test_tokenizers_is_a_main_dependency():
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
     assert any(d.startswith("tokenizers") for d in deps)
+
+
+def test_default_row_budget_follows_the_backend():
+    """No ``max_num_batched_tokens``: 2048 rows on a GPU (the measured pick), 256 on a CPU, and never
+    fewer than ``max_num_seqs`` (which the scheduler would refuse)."""
+    from ouro_jax.llm import default_max_num_batched_tokens
+
+    assert default_max_num_batched_tokens("gpu", 32) == 2048
+    assert default_max_num_batched_tokens("cpu", 32) == 256
+    assert default_max_num_batched_tokens("cpu", 512) == 512
+    assert default_max_num_batched_tokens("gpu", 4096) == 4096
+    llm = LLM("tiny", max_num_seqs=300, max_model_len=64, warmup=False, progress=False)
+    assert llm.scheduler.config.max_num_batched_tokens == 300
