@@ -519,6 +519,10 @@ class Harness:
             rec_out.update(_memory())
             rec_out["bytes_in_use_before"] = mem0.get("bytes_in_use")
             rec_out["kv_blocks"], rec_out["kv_cache_bytes"] = s1["kv_blocks"], s1["kv_cache_bytes"]
+            # the TPOT target's state at the end (cost model coefficients, capped / relaxed / forced counts)
+            policy = {k: v for k, v in s1.items() if k.startswith("latency_")}
+            if policy:
+                rec_out["latency_policy"] = policy
             rec_out.update(_kv_fields(wl, res, s1, stats))
             # how many of this workload's largest requests the KV pool holds at once (all planes)
             sc, bm = llm.scheduler_config, llm.scheduler.block_manager

@@ -5,8 +5,10 @@ fixed depth), so a stream's TPOT is ``L`` times the time of the invocations it r
 (mixed, wavefront) share invocations: the cap keeps ``t(decode + prompt rows) <= target / L``. Split
 alternates prefill and decode invocations one for one per loop: ``t(prompt) + t(decode) <= target / L``.
 
-``CostModel`` predicts an invocation's seconds as ``a + b * R + c * ctx`` (``R`` the row bucket it
-runs, ``ctx`` the context tokens its rows attend to), by non-negative least squares over a sliding
+``CostModel`` predicts an invocation's seconds as ``a + b * R + c * kv`` (``R`` the row bucket it
+runs, ``kv`` the context tokens its attention reads: a decode row reads its context, a prompt
+segment reads its context once per query tile of up to ``KV_TILE_ROWS`` rows, not once per row, as
+the attention kernels do), by non-negative least squares over a sliding
 window of measured runs. The engine reads device results only now and then (prompt-only plans never
 block), so one measurement is the time between two blocking reads and covers every plan launched
 in between: the model is fitted on their summed features, which a linear model allows.
@@ -29,12 +31,28 @@ import numpy as np
 
 from .plan import Phase
 
-__all__ = ["CostModel", "LatencyTarget", "plan_features", "make_latency_target"]
+__all__ = ["CostModel", "LatencyTarget", "plan_features", "make_latency_target", "KV_TILE_ROWS"]
+
+# Query rows that share one pass over their segment's K/V in the attention kernels (the Mosaic
+# kernel's 128-row tiles; the Triton kernel's tiles are 16-128 rows, one per short segment).
+KV_TILE_ROWS = 128
+
+
+def kv_tokens(token_start: int, token_count: int) -> float:
+    """Context tokens the attention reads for rows ``token_start .. token_start + token_count - 1``
+    of one segment: each query tile reads positions up to its last row's."""
+    total, s = 0.0, token_start
+    end = token_start + token_count
+    while s < end:
+        e = min(end, s + KV_TILE_ROWS)
+        total += e  # positions 0 .. e-1
+        s = e
+    return total
 
 
 def plan_features(plan) -> tuple[float, float, float]:
-    """``(invocations, bucket rows, context tokens attended)`` of one plan (a fused plan: of the
-    sub-steps that ran, once ``update`` has seen them)."""
+    """``(invocations, bucket rows, context tokens read by attention)`` of one plan (a fused plan:
+    of the sub-steps that ran, once ``update`` has seen them)."""
     subs = plan.sub_plans if plan.sub_plans is not None else [plan]
     runs = getattr(plan.descriptor, "loops_run", None)
     if plan.sub_plans is not None and runs is not None:
@@ -46,8 +64,7 @@ def plan_features(plan) -> tuple[float, float, float]:
         rows += sub.descriptor.key.R if sub.descriptor is not None else sub.num_rows
         for r in sub.ranges:
             if r.phase is not Phase.PRELUDE:
-                # rows s..e-1 attend to positions 0..p each: sum of (p + 1)
-                ctx += r.token_count * (2 * r.token_start + r.token_count + 1) / 2.0
+                ctx += kv_tokens(r.token_start, r.token_count)
     return n, rows, ctx
 
 
@@ -230,7 +247,9 @@ class LatencyTarget:
             slack = limit - a - b * r_bucket - c * base_ctx
             if slack < 0:
                 continue
-            p = hi if c * pos <= 0 else min(hi, int(slack // (c * pos)))
+            # a prompt row's share of its segment's K/V pass: one pass per tile of its chunk
+            per_row = c * pos / min(self.prompt_chunk, KV_TILE_ROWS)
+            p = hi if per_row <= 0 else min(hi, int(slack // per_row))
             if p > lo:
                 best = max(best, p)
         return best

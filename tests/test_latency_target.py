@@ -471,3 +471,18 @@ def test_run_records_carry_the_target(tmp_path):
     assert r["target_tpot_ms"] == pytest.approx(3 * r["target_tpot_floor_ms"])
     assert "target_tpot_ms" not in recs["decode_under_prefill"]
     assert set(r["prompt_tok_s_by_tag"]) == {"decode", "long"}
+    # the policy's end state travels with the record (only where a target ran)
+    assert r["latency_policy"]["latency_observations"] > 0
+    assert {"latency_capped", "latency_relaxed", "latency_coefficients"} <= set(r["latency_policy"])
+    assert "latency_policy" not in recs["decode_under_prefill"]
+
+
+def test_kv_tokens_counts_one_pass_per_query_tile():
+    """The cost model's context feature is what attention reads: a decode row its context, a
+    prompt segment its context once per tile of ``KV_TILE_ROWS`` rows (not once per row)."""
+    from scheduler.latency_target import KV_TILE_ROWS, kv_tokens
+
+    assert kv_tokens(999, 1) == 1000  # a decode row at position 999
+    assert kv_tokens(1000, 16) == 1016  # a 16-row chunk reads through its last row once
+    assert kv_tokens(0, KV_TILE_ROWS + 44) == KV_TILE_ROWS + (KV_TILE_ROWS + 44)
+    assert kv_tokens(5, 0) == 0
