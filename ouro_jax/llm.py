@@ -133,7 +133,6 @@ def _device_memory(device=None) -> Optional[tuple[int, int]]:
     return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
-
 # Rows per invocation when the caller names none. On a GPU the 2048-row bucket is the measured pick
 # (H200, Ouro-1.4B: one 2048-row prefill invocation at 73% of its FLOP floor against 67% at 1024
 # rows; 128 x 1K prompts first-tokened in 3.6-3.8 s against 4.1-4.8 s; docs/decisions.md). On a CPU
@@ -146,6 +145,7 @@ def default_max_num_batched_tokens(backend: str, max_num_seqs) -> int:
     """The default row budget of one invocation for ``backend``, never below ``max_num_seqs``."""
     base = GPU_MAX_NUM_BATCHED_TOKENS if backend == "gpu" else CPU_MAX_NUM_BATCHED_TOKENS
     return max(base, max_num_seqs) if _is_int(max_num_seqs) else base
+
 
 class LLM:
     """The Ouro engine: loop-level batching, paged depth-plane KV, bucketed compiled steps.
