@@ -23,7 +23,10 @@ Design (everything shape-static in ``(R, S, MB)``, no host sync):
   long sequences are present (batch-1 decode at 32K) the context is split flash-decoding style so
   the GPU is filled; when the work is large each tile is one item. The number of items is bounded
   by ``W = T + extra_items`` (static), since ``sum ceil(n_t/chunk) <= sum n_t/chunk + T``.
-* **Kernel 1** (grid ``(W, KVH)``): one program = one work item x one KV head. It loads the
+* **Kernel 1** (grid ``(P, KVH)``, ``P = min(W, max_programs // KVH)``): one program = one work
+  item x one KV head, or, when ``W`` exceeds the cap, a loop over items ``p, p + P, ...`` below
+  the plan's count of real items (the plan packs them first): an ``S = R`` bucket of 2048 rows
+  would otherwise launch ~33K programs per layer, nearly all empty. For each item it loads the
   ``block_q * G`` query rows of the G query heads sharing that KV head (GQA: each K/V tile is
   loaded once for all of them), loops (``lax.fori_loop``, dynamic trip count) over the item's
   context in ``block_k``-token tiles gathered through the block table (token -> page -> slot
@@ -70,6 +73,12 @@ def _next_pow2(x: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+# Default cap on kernel 1's programs (items x KV heads): above the decode buckets' grids (128 rows
+# + 32 extra items x 16 KV heads = 2560 programs, one item each as without a cap), and 4x fewer
+# programs than a 1024-row S = R bucket's grid, whose launch is mostly empty items.
+MAX_PROGRAMS = 4096
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Static knobs of one launch. ``make_plan`` depends on the first four."""
@@ -82,6 +91,12 @@ class Tuning:
     num_stages: int
     prefetch: bool = True  # one-row path: load block j+1 while reducing block j
     combine_warps: int = 4
+    max_programs: int = MAX_PROGRAMS  # kernel 1's grid cap (items x KV heads); beyond it programs loop
+
+
+def programs_per_kv_head(num_items: int, num_kv_heads: int, max_programs: int) -> int:
+    """Kernel 1's programs per KV head: one per work item up to the cap, at least one."""
+    return max(1, min(int(num_items), int(max_programs) // max(1, int(num_kv_heads))))
 
 
 def default_tuning(
@@ -100,6 +115,7 @@ def default_tuning(
     num_stages=None,
     target_programs=None,
     prefetch=None,
+    max_programs=None,
 ) -> Tuning:
     """Heuristic defaults for a bucket ``(R, S)``; any knob given overrides it.
 
@@ -139,6 +155,10 @@ def default_tuning(
         min_split_tokens = 128 if decode_like else (512 if m_pad <= 16 else 2048)
     if prefetch is None:
         prefetch = True
+    if max_programs is None:
+        max_programs = MAX_PROGRAMS
+    if int(max_programs) < 1:
+        raise ValueError(f"max_programs must be >= 1, got {max_programs}")
     return Tuning(
         block_q=int(block_q),
         block_k=int(block_k),
@@ -147,6 +167,7 @@ def default_tuning(
         num_warps=int(num_warps),
         num_stages=int(num_stages),
         prefetch=bool(prefetch),
+        max_programs=int(max_programs),
     )
 
 
@@ -216,14 +237,18 @@ def query_tiles(
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("items", "rows"), meta_fields=("block_q", "block_k"))
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    items: jax.Array  # [W, 8] int32: seg, row0, nrows, pos0, k0, k1, n_split of tile, 0
+    items: jax.Array  # [W, 8] int32: seg, row0, nrows, pos0, k0, k1, n_split of tile, real items (every row)
     rows: jax.Array  # [R, 4] int32: first item of the row's tile, item count, m-index, 0
     block_q: int  # static: the tiling the plan was built for (checked at launch)
     block_k: int
 
 
 def make_plan(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, num_q_per_kv: int, tuning: Tuning) -> Plan:
-    """Work list for ``ragged_paged_attention`` (depends only on the segment arrays)."""
+    """Work list for ``ragged_paged_attention`` (depends only on the segment arrays).
+
+    Items come tile by tile in segment order, every item of a tile holding context, so the real
+    items are ``items[:n]`` with ``n = items[0, 7]``; the rest are empty (``n_split == 0``).
+    """
     bq, bk = tuning.block_q, tuning.block_k
     tiles = query_tiles(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=bq)
     t_max = tiles.seg.shape[0]
@@ -242,7 +267,7 @@ def make_plan(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, num_q_per_k
     tile = jnp.minimum(tile, t_max - 1)
     k0 = (w - first[tile]) * chunk_blocks * bk
     k1 = jnp.minimum(kv_len[tile], k0 + chunk_blocks * bk)
-    zero = jnp.zeros_like(w)
+    n_items = jnp.broadcast_to(jnp.minimum(cum[-1], w_max), w.shape)  # <= w_max by the bound above
     items = jnp.stack(
         [
             tiles.seg[tile],
@@ -252,7 +277,7 @@ def make_plan(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, num_q_per_k
             jnp.where(valid, k0, 0),
             jnp.where(valid, k1, 0),
             jnp.where(valid, n_split[tile], 0),
-            zero,
+            n_items,
         ],
         axis=1,
     ).astype(jnp.int32)
@@ -282,16 +307,33 @@ def make_plan(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, num_q_per_k
 # ----------------------------------------------------------------------------------------------
 
 
-def _attn_kernel(items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, **kw):
+def _attn_kernel(
+    items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, *, num_programs: int | None, **kw
+):
     """An empty work item (``n_split == 0``: padding past the plan's last item, or a tile of no
     rows) returns at once. Its partial output is never read (the combine reads only a row's own
     items) and its rows, if any, are covered by no segment. A hybrid bucket's Triton launch can be
-    almost all such items, so they must cost nothing (docs/decisions.md, "Triton kernel tuning")."""
-    w, h = pl.program_id(0), pl.program_id(1)  # outside the branch: interpret mode needs it there
+    almost all such items, so they must cost nothing (docs/decisions.md, "Triton kernel tuning").
 
-    @pl.when(items_ref[w, 6] > 0)
-    def _():
-        _attn_item(w, h, items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, **kw)
+    ``num_programs`` None: one program per item, partials through per-program blocks. Otherwise
+    program ``p`` runs items ``p, p + num_programs, ...`` below the plan's real count (all real, in
+    the same order of accumulation as one program each) and writes partials at ``[w, h]``."""
+    p, h = pl.program_id(0), pl.program_id(1)  # outside the branch: interpret mode needs it there
+    args = (items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref)
+    if num_programs is None:
+
+        @pl.when(items_ref[p, 6] > 0)
+        def _():
+            _attn_item(p, h, *args, part=(), **kw)
+
+        return
+
+    def body(i, carry):
+        w = p + i * num_programs
+        _attn_item(w, h, *args, part=(w, h), **kw)
+        return carry
+
+    lax.fori_loop(0, _cdiv(jnp.maximum(items_ref[0, 7] - p, 0), num_programs), body, jnp.int32(0))
 
 
 def _attn_item(
@@ -307,6 +349,7 @@ def _attn_item(
     o_ref,
     lse_ref,
     *,
+    part: tuple,
     g: int,
     m_valid: int,
     m_pad: int,
@@ -395,8 +438,8 @@ def _attn_item(
 
         @pl.when(jnp.logical_not(direct))
         def _():
-            o_ref[0, :] = o
-            lse_ref[...] = jnp.full((1,), jnp.where(ok, m_i + jnp.log2(l_safe), NEG), jnp.float32)
+            o_ref[(*part, 0, slice(None))] = o
+            lse_ref[(*part, slice(None))] = jnp.full((1,), jnp.where(ok, m_i + jnp.log2(l_safe), NEG), jnp.float32)
 
         return
 
@@ -446,8 +489,8 @@ def _attn_item(
 
     @pl.when(jnp.logical_not(direct))
     def _():
-        o_ref[...] = o
-        lse_ref[...] = jnp.where(ok, m_i + jnp.log2(l_safe), NEG)
+        o_ref[(*part, slice(None), slice(None))] = o
+        lse_ref[(*part, slice(None))] = jnp.where(ok, m_i + jnp.log2(l_safe), NEG)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,6 +572,7 @@ def _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_bl
         "num_stages",
         "target_programs",
         "prefetch",
+        "max_programs",
     ),
 )
 def ragged_paged_attention(
@@ -551,6 +595,7 @@ def ragged_paged_attention(
     num_stages=None,
     target_programs=None,
     prefetch=None,
+    max_programs=None,
     plan: Plan | None = None,
 ):
     """Ragged paged attention (see module docstring). Tuning knobs default by bucket.
@@ -580,6 +625,7 @@ def ragged_paged_attention(
         num_stages=num_stages,
         target_programs=target_programs,
         prefetch=prefetch,
+        max_programs=max_programs,
     )
     if plan is None:
         plan = make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=g, tuning=tuning)
@@ -604,6 +650,8 @@ def _launch(
     m_valid = tuning.block_q * g
     m_pad = 1 if m_valid == 1 else _next_pow2(max(16, m_valid))
     w_max = plan.items.shape[0]
+    n_prog = programs_per_kv_head(w_max, kvh, tuning.max_programs)
+    looped = n_prog < w_max
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
     has_layer = layer is not None
 
@@ -617,6 +665,7 @@ def _launch(
         scale_log2=float(sm_scale) * LOG2E,
         precision=precision,
         prefetch=tuning.prefetch,
+        num_programs=n_prog if looped else None,
     )
     operands = [plan.items, seg_block_table.astype(jnp.int32)]
     if has_layer:
@@ -626,11 +675,12 @@ def _launch(
     operands += [q, k_pages, v_pages]
     out, o_part, lse_part = pl.pallas_call(
         kernel,
-        grid=(w_max, kvh),
+        grid=(n_prog, kvh),
         out_specs=[
             pl.BlockSpec(),  # whole array: rows are scattered by the kernel
-            pl.BlockSpec((None, None, m_pad, head_dim), lambda w, h: (w, h, 0, 0)),
-            pl.BlockSpec((None, None, m_pad), lambda w, h: (w, h, 0)),
+            # looped programs write each item's partials at [w, h] themselves
+            pl.BlockSpec() if looped else pl.BlockSpec((None, None, m_pad, head_dim), lambda w, h: (w, h, 0, 0)),
+            pl.BlockSpec() if looped else pl.BlockSpec((None, None, m_pad), lambda w, h: (w, h, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),

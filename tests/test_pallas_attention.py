@@ -9,6 +9,7 @@ no segment may read (the trash page 0, unused pages, block-table tails) are fill
 out-of-context read shows up as NaN in the output.
 """
 
+import functools
 import math
 
 import jax
@@ -19,8 +20,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention import (
+    MAX_PROGRAMS,
     default_tuning,
     make_plan,
+    num_tiles,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
@@ -263,6 +266,7 @@ TUNINGS = st.fixed_dictionaries(
         min_split_tokens=st.sampled_from([1, 16, 64, 4096]),
         extra_items=st.sampled_from([1, 3, 8]),
         prefetch=st.booleans(),
+        max_programs=st.sampled_from([1, 5, MAX_PROGRAMS]),  # small caps: programs loop over items
     )
 )
 
@@ -343,6 +347,110 @@ def test_plan_bounds_and_reuse():
     assert_close(got, oracle(b, 0.2), b, np.float32, "with plan")
 
 
+def _grids(fn, *args, **kw):
+    """Grids of the pallas_calls ``fn`` launches, in order (traced, nothing run)."""
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                found.append(tuple(e.params["grid_mapping"].grid))
+            for v in e.params.values():
+                sub = getattr(v, "jaxpr", v)
+                if hasattr(sub, "eqns"):  # a sub-jaxpr (jit, cond, loops)
+                    walk(sub)
+
+    walk(jax.make_jaxpr(functools.partial(fn, **kw))(*args).jaxpr)
+    return found
+
+
+def _bucket_args(r, h, kvh, hd, s=None, dt=jnp.bfloat16):
+    s = r if s is None else s
+    pages = jax.ShapeDtypeStruct((2, kvh, 64, 16, hd), dt)
+    i = jax.ShapeDtypeStruct((s,), jnp.int32)
+    return (jax.ShapeDtypeStruct((r, h, hd), dt), pages, pages, i, i, i, jax.ShapeDtypeStruct((s, 8), jnp.int32))
+
+
+@pytest.mark.parametrize("h,kvh,hd", [(16, 16, 128), (16, 8, 64), (8, 1, 64)])
+def test_default_grid_one_item_per_program_in_decode_buckets(h, kvh, hd):
+    """Engine decode buckets (S = R up to 128 rows) keep kernel 1's grid (W, KVH): one work item
+    per program, as without a cap; 1024/2048-row buckets launch at most MAX_PROGRAMS programs."""
+    for r in (8, 16, 32, 64, 128, 1024, 2048):
+        t = default_tuning(r, r, h, kvh, hd)
+        w = num_tiles(r, r, t.block_q) + t.extra_items
+        grids = _grids(ragged_paged_attention, *_bucket_args(r, h, kvh, hd), layer=1, sm_scale=0.1, interpret=True)
+        assert grids[1] == (r,), grids
+        p, heads = grids[0]
+        assert heads == kvh
+        if r <= 128:
+            assert p == w, (r, p, w)
+        assert p == min(w, MAX_PROGRAMS // kvh) and p * kvh <= MAX_PROGRAMS, (r, p, w)
+        if (h, kvh) == (16, 16) and r >= 1024:  # Ouro-1.4B: 256 programs per head loop over 1056 / 2080 items
+            assert (p, w) == (256, r + 32)
+
+
+@pytest.mark.parametrize(
+    "h,kvh,layers,bq,programs",
+    [
+        (4, 4, 2, 1, (2, "n+1")),  # MHA one-row path, stacked pool
+        (6, 2, None, 16, (3,)),  # GQA MMA path
+        pytest.param(8, 2, 2, 4, (1, 3, "n+1"), marks=pytest.mark.slow),
+        pytest.param(4, 4, None, 16, (1, 3, "n+1"), marks=pytest.mark.slow),
+    ],
+)
+def test_kernel_interpret_capped_programs_loop(h, kvh, layers, bq, programs):
+    """Programs capped to a few per KV head loop over several items (real, split along the context;
+    the plan's empty tail is never walked): bitwise the uncapped kernel, and close to the reference.
+    Decode rows, prompt chunks, padding segments and rows; ``n + 1`` programs leave one idle."""
+    specs = [(1, 16), (1, 17), (0, 0), (12, 40), (1, 1), (5, 5), (1, 33), (0, 0), (3, 50)]
+    rng = np.random.default_rng(100 + h + kvh + bq)
+    b = make_batch(
+        rng, num_heads=h, kv_heads=kvh, head_dim=64, block_size=8, seg_specs=specs, extra_rows=3, num_layers=layers
+    )
+    want = run(ragged_paged_attention_reference, b, 0.125)
+    kw = dict(block_q=bq, block_k=16, min_split_tokens=16, extra_items=8)
+    t = default_tuning(b["q"].shape[0], len(specs), h, kvh, 64, **kw)
+    plan = make_plan(
+        jnp.asarray(b["q_start"]),
+        jnp.asarray(b["q_len"]),
+        jnp.asarray(b["ctx_len"]),
+        num_rows=b["q"].shape[0],
+        num_q_per_kv=h // kvh,
+        tuning=t,
+    )
+    items = np.asarray(plan.items)
+    n, w = int(items[0, 7]), items.shape[0]
+    # the plan packs its real items first, and carries their count in every row
+    assert (items[:, 7] == n).all() and (items[:n, 6] > 0).all() and (items[n:, 6] == 0).all()
+    assert 4 < n < w - 1  # several items per looped program, and an empty tail
+    base = run(ragged_paged_attention, b, 0.125, interpret=True, **kw)
+    assert_close(base, want, b, np.float32, f"uncapped {h}/{kvh} bq={bq}")
+    args = _bucket_args(b["q"].shape[0], h, kvh, 64, s=len(specs), dt=jnp.float32)
+    for p in programs:
+        p = n + 1 if p == "n+1" else p
+        grid = _grids(ragged_paged_attention, *args, layer=1, sm_scale=0.1, max_programs=p * kvh, **kw)[0]
+        assert grid == (p, kvh)
+        got = run(ragged_paged_attention, b, 0.125, interpret=True, max_programs=p * kvh, **kw)
+        assert_close(got, want, b, np.float32, f"{h}/{kvh} bq={bq} programs={p}")
+        np.testing.assert_array_equal(got, base, err_msg=f"{h}/{kvh} bq={bq} programs={p}")
+        if len(programs) > 2:  # slow cases: the plan built once and passed in
+            got = run(ragged_paged_attention, b, 0.125, interpret=True, max_programs=p * kvh, plan=plan, **kw)
+            np.testing.assert_array_equal(got, base, err_msg=f"{h}/{kvh} bq={bq} programs={p}, shared plan")
+
+
+def test_all_padding_capped_gives_zeros():
+    """No real item at all: every looped program returns at once, the combine writes zeros."""
+    rng = np.random.default_rng(3)
+    b = make_batch(rng, num_heads=2, kv_heads=1, head_dim=64, block_size=4, seg_specs=[(0, 0)] * 3, extra_rows=4)
+    got = run(ragged_paged_attention, b, 0.1, interpret=True, max_programs=2)
+    np.testing.assert_array_equal(got, 0.0)
+
+
+def test_max_programs_must_be_positive():
+    with pytest.raises(ValueError, match="max_programs"):
+        default_tuning(8, 8, 4, 4, 64, max_programs=0)
+
+
 def test_triton_lowering_on_cpu():
     """The kernels lower to Triton IR (cross-lowering for CUDA from a CPU host, no GPU needed):
     catches unsupported ops in the kernel body before any device time is spent."""
@@ -353,10 +461,12 @@ def test_triton_lowering_on_cpu():
     old = pcr.gpu_info_lib.get_gpu_info
     pcr.gpu_info_lib.get_gpu_info = lambda: gi.get_gpu_info_from_version(gi.GpuVersion.H200)
     try:
-        for h, kvh, hd, layered, dt, bq in [
-            (16, 16, 128, False, jnp.bfloat16, 1),
-            (16, 16, 128, True, jnp.bfloat16, 64),
-            (8, 2, 64, True, jnp.float32, 16),
+        for h, kvh, hd, layered, dt, bq, cap in [
+            (16, 16, 128, False, jnp.bfloat16, 1, None),
+            (16, 16, 128, True, jnp.bfloat16, 64, None),
+            (8, 2, 64, True, jnp.float32, 16, None),
+            (16, 16, 128, True, jnp.bfloat16, 1, 64),  # capped: programs loop over items
+            (16, 16, 128, False, jnp.bfloat16, 16, 64),
         ]:
             r, s, mb, nb, bs = 64, 8, 32, 256, 16
             shape = (4, kvh, nb, bs, hd) if layered else (kvh, nb, bs, hd)
@@ -366,8 +476,10 @@ def test_triton_lowering_on_cpu():
             ta = jax.ShapeDtypeStruct((s, mb), jnp.int32)
             la = jax.ShapeDtypeStruct((), jnp.int32) if layered else None
 
-            def f(q, k, v, a, b_, c, d, lyr, bq=bq):
-                return ragged_paged_attention(q, k, v, a, b_, c, d, layer=lyr, sm_scale=0.1, block_q=bq)
+            def f(q, k, v, a, b_, c, d, lyr, bq=bq, cap=cap):
+                return ragged_paged_attention(
+                    q, k, v, a, b_, c, d, layer=lyr, sm_scale=0.1, block_q=bq, max_programs=cap
+                )
 
             text = jax.jit(f).trace(qa, ka, ka, ia, ia, ia, ta, la).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("xla.gpu.triton") == 2
