@@ -186,14 +186,15 @@ def plot_latency(result: dict, path: str) -> Optional[str]:
 
 def tradeoff_points(result: dict, tag: str = "decode", prompt_tag: str = "long") -> list[dict]:
     """One point per record of a workload with decode streams: ``tpot_ms`` (p50 of the ``tag``
-    streams), ``prompt_tok_s`` (of the ``prompt_tag`` prompts, else of every prompt), ``mode``,
-    ``chunk`` and ``target_tpot_ms`` (None: unconstrained)."""
+    streams), ``prompt_tok_s`` (the prompt work done on the ``prompt_tag`` prompts, finished or
+    not, where the record has it; else the ``prompt_tag`` prompts that got a token; else every
+    prompt), ``mode``, ``chunk`` and ``target_tpot_ms`` (None: unconstrained)."""
     out = []
     for r in _ok(result.get("records", [])):
         tpot = _lat(r, "tpot", "p50", tag)
         if not tpot or tag not in (r.get("latency_by_tag") or {}):
             continue
-        by = r.get("prompt_tok_s_by_tag") or {}
+        by = r.get("prompt_work_tok_s_by_tag") or r.get("prompt_tok_s_by_tag") or {}
         out.append(
             dict(
                 mode=r["mode"],

@@ -161,6 +161,22 @@ class DriveResult:
     truncated: bool = False
     aborted: list = dataclasses.field(default_factory=list)
     step_s: float = 0.0  # time inside engine.step() (scheduling, dispatch, result handling, outputs)
+    # request id -> prompt tokens' worth of loops it had run when it was aborted (see ``prompt_work``)
+    prompt_progress: dict = dataclasses.field(default_factory=dict)
+
+
+def prompt_work(engine, request_id) -> float:
+    """Prompt tokens' worth of loops an unfinished request has run: the mean over depths of its
+    prefill frontiers (a prompt half way through every loop counts half). Requests aborted before
+    their first token (``decode_under_prefill`` stops with long prompts unfinished) still did this
+    much prompt work, which counting only prompts that got a token would miss."""
+    req = engine.scheduler.get_request(request_id)
+    if req is None or req.prefill_len <= 0:
+        return 0.0
+    f = req.prefill_depth_frontiers
+    if not f:  # waiting (or preempted): nothing resident
+        return 0.0
+    return float(min(sum(f) / len(f), req.prefill_len))
 
 
 def drive(engine, wl: Workload, *, deadline: Optional[float] = None, bar=None, sync=None) -> DriveResult:
@@ -200,6 +216,7 @@ def drive(engine, wl: Workload, *, deadline: Optional[float] = None, bar=None, s
     for i in initial:
         submit(i)
     steps, truncated, aborted, step_s = 0, False, [], 0.0
+    progress_at_abort: dict = {}
     while True:
         if not engine.has_unfinished():
             if closed:
@@ -230,19 +247,23 @@ def drive(engine, wl: Workload, *, deadline: Optional[float] = None, bar=None, s
                 submit(triggered.popleft())
             if wl.stop_when_background_done and all(r in done for r in background):
                 aborted = [r for r in submitted if r not in done]
+                progress_at_abort = {r: prompt_work(engine, r) for r in aborted}
                 for r in aborted:
                     engine.abort(r)
                 triggered.clear()
                 break
         if deadline is not None and steps % 4 == 0 and time.monotonic() > deadline:
             aborted = [r for r in submitted if r not in done]
+            progress_at_abort = {r: prompt_work(engine, r) for r in aborted}
             for r in aborted:
                 engine.abort(r)
             truncated = True
             break
     if sync is not None:
         sync()
-    return DriveResult(outputs, specs, t0, time.monotonic(), steps, first, submitted, truncated, aborted, step_s)
+    return DriveResult(
+        outputs, specs, t0, time.monotonic(), steps, first, submitted, truncated, aborted, step_s, progress_at_abort
+    )
 
 
 def _kv_fields(wl: Workload, res: DriveResult, s1: dict, stats: dict) -> dict:
@@ -596,6 +617,18 @@ class Harness:
                 )
                 / wall
                 for t in sorted({s.tag for s in res.specs.values()})  # a tag whose prompts got no token: 0
+            }
+            # prompt work done per tag, whether or not the prompt got its token before the run ended:
+            # whole prompts for requests with a token, the loops run so far for aborted ones
+            got = {o.request_id for o in with_tokens}
+            r["prompt_work_tok_s_by_tag"] = {
+                t: sum(
+                    spec.num_prompt_tokens if rid in got else res.prompt_progress.get(rid, 0.0)
+                    for rid, spec in res.specs.items()
+                    if spec.tag == t and rid in res.submitted
+                )
+                / wall
+                for t in sorted({s.tag for s in res.specs.values()})
             }
         real, padded = stats.get("real_rows", 0), stats.get("padded_rows", 0)
         r.update(

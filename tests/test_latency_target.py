@@ -471,6 +471,8 @@ def test_run_records_carry_the_target(tmp_path):
     assert r["target_tpot_ms"] == pytest.approx(3 * r["target_tpot_floor_ms"])
     assert "target_tpot_ms" not in recs["decode_under_prefill"]
     assert set(r["prompt_tok_s_by_tag"]) == {"decode", "long"}
+    for t in ("decode", "long"):  # work done includes whatever prompts got their token
+        assert r["prompt_work_tok_s_by_tag"][t] >= r["prompt_tok_s_by_tag"][t] - 1e-9
     # the policy's end state travels with the record (only where a target ran)
     assert r["latency_policy"]["latency_observations"] > 0
     assert {"latency_capped", "latency_relaxed", "latency_coefficients"} <= set(r["latency_policy"])
@@ -486,3 +488,37 @@ def test_kv_tokens_counts_one_pass_per_query_tile():
     assert kv_tokens(1000, 16) == 1016  # a 16-row chunk reads through its last row once
     assert kv_tokens(0, KV_TILE_ROWS + 44) == KV_TILE_ROWS + (KV_TILE_ROWS + 44)
     assert kv_tokens(5, 0) == 0
+
+
+def test_tradeoff_prefers_prompt_work_over_finished_prompts():
+    """Long prompts aborted when the decode streams end did prompt work that no first token shows:
+    the trade-off counts that work where the record has it."""
+    from benchmarks.report import tradeoff_points
+
+    res = synthetic_result()
+    rec = next(r for r in res["records"] if "error" not in r)
+    rec["prompt_tok_s_by_tag"] = dict(rec["prompt_tok_s_by_tag"], long=0.0)
+    rec["prompt_work_tok_s_by_tag"] = {"decode": 10.0, "long": 1234.0}
+    pts = tradeoff_points(res)
+    assert any(p["prompt_tok_s"] == 1234.0 for p in pts)
+
+
+def test_prompt_work_counts_the_loops_an_unfinished_prompt_ran():
+    """``prompt_work``: the mean of the prefill frontiers over depths, 0 for a waiting request."""
+    from benchmarks.run import prompt_work
+    from benchmarks.sweep_buckets import SimEngine
+
+    cfg = SchedulerConfig(
+        num_loops=4, block_size=4, num_blocks=256, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8,
+        max_model_len=256, prefill_mode="wavefront",
+    )  # fmt: skip
+    eng = SimEngine(cfg)
+    eng.add_request(np.arange(1, 101, dtype=np.int32), SamplingParams(max_tokens=2, ignore_eos=True), request_id="a")
+    assert prompt_work(eng, "a") == 0.0  # not admitted yet
+    assert prompt_work(eng, "nobody") == 0.0
+    for _ in range(3):
+        eng.step()
+    req = eng.scheduler.get_request("a")
+    f = req.prefill_depth_frontiers
+    work = prompt_work(eng, "a")
+    assert work == pytest.approx(sum(f) / len(f)) and 0 < work < 100
