@@ -1148,7 +1148,8 @@ def parser() -> argparse.ArgumentParser:
         choices=ATTENTION,
         help="attention of the engine: auto (pallas on GPU), pallas (kernel chosen per "
         "bucket, pallas_kernels/dispatch.py), a forced Pallas kernel (triton, "
-        "mgpu, or hybrid: segments of >= 128 rows on mgpu, the rest on triton), "
+        "mgpu, or hybrid: segments of >= 128 rows on mgpu, the rest on triton; "
+        "mgpu_decode: the split-K Mosaic kernel on the buckets the rule gives to triton), "
         "or the jnp reference",
     )
     ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 __all__ = ["KERNELS", "ATTENTION", "check_attention"]
 
 #: The Pallas kernels a bucket can run.
-KERNELS = ("triton", "mgpu", "hybrid")
+KERNELS = ("triton", "mgpu", "hybrid", "mgpu_decode")
 #: Values of the ``attention`` option.
 ATTENTION = ("auto", "pallas", *KERNELS, "reference")
 

@@ -27,6 +27,13 @@ once. The split itself is not gated at run time: a CTA gate would keep small-hea
 Mosaic kernel altogether.
 
 ``OURO_JAX_ATTENTION_KERNEL=triton|mgpu|hybrid`` forces the rule's answer (benchmarks, debugging).
+
+``mgpu_decode`` (the ``attention`` option or the variable) asks for the split-K Mosaic GPU kernel
+(pallas_kernels/decode_attention_mgpu.py) on the buckets it serves: those the rule gives to
+``triton`` (decode rows and short segments), on Hopper, when :func:`decode_attention_mgpu.supported`
+accepts the bucket; every other bucket keeps the rule's answer. It is no bucket's default yet: the
+rule changes when the H200 sweep (``mgpu_decode_ms`` in benchmarks/results/attention_sweep.json)
+says where it wins.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import decode_attention_mgpu as mgd
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.choices import ATTENTION, KERNELS, check_attention
 from pallas_kernels.ragged_paged_attention import (
@@ -56,6 +64,7 @@ __all__ = [
     "HybridPlan",
     "check_attention",
     "choose_attention",
+    "decode_serves",
     "hybrid_attention",
     "hybrid_tiles",
     "resolve_attention",
@@ -107,12 +116,45 @@ def select_kernel(
     block_size: int,
     *,
     num_heads: int = 16,
+    num_kv_heads: int | None = None,
     hopper: bool | None = None,
 ) -> str:
-    """``"triton"``, ``"mgpu"`` or ``"hybrid"`` for a bucket (see the module docstring)."""
+    """``"triton"``, ``"mgpu"`` or ``"hybrid"`` for a bucket (see the module docstring); a forced
+    ``"mgpu_decode"`` where :func:`decode_serves` says so."""
     forced = os.environ.get("OURO_JAX_ATTENTION_KERNEL", "")
     if forced.strip():
-        return check_attention(forced, KERNELS, "OURO_JAX_ATTENTION_KERNEL")
+        value = check_attention(forced, KERNELS, "OURO_JAX_ATTENTION_KERNEL")
+        if value != "mgpu_decode":
+            return value
+        args = (num_rows, num_segments, dtype, head_dim, block_size)
+        kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, hopper=hopper)
+        return "mgpu_decode" if decode_serves(*args, **kw) else _rule(*args, num_heads=num_heads, hopper=hopper)
+    return _rule(num_rows, num_segments, dtype, head_dim, block_size, num_heads=num_heads, hopper=hopper)
+
+
+def decode_serves(
+    num_rows: int,
+    num_segments: int,
+    dtype,
+    head_dim: int,
+    block_size: int,
+    *,
+    num_heads: int = 16,
+    num_kv_heads: int | None = None,
+    hopper: bool | None = None,
+) -> bool:
+    """Whether a forced ``mgpu_decode`` serves the bucket: the rule gives it to Triton (decode
+    rows, short segments) and the split-K Mosaic kernel can run it (Hopper, dtype, shapes)."""
+    if hopper is None:
+        hopper = hopper_available()
+    g = num_heads // (num_kv_heads or num_heads)
+    if not hopper or mgd.supported(dtype, head_dim, block_size, g) is not None:
+        return False
+    rule = _rule(num_rows, num_segments, dtype, head_dim, block_size, num_heads=num_heads, hopper=hopper)
+    return rule == "triton"
+
+
+def _rule(num_rows, num_segments, dtype, head_dim, block_size, *, num_heads, hopper) -> str:
     if hopper is None:
         hopper = hopper_available()
     if not hopper or mgpu.supported(dtype, head_dim, block_size) is not None:
@@ -155,20 +197,30 @@ class AttentionKernel:
 
     ``plan(...)`` builds an invocation's work list once (``None`` for ``reference``; for
     ``hybrid`` both kernels' work lists and the row mask that merges their outputs); calling the
-    object runs the kernel on one layer with that plan.
+    object runs the kernel on one layer with that plan. ``block_size`` (the pool's page size) is
+    needed by ``mgpu_decode``'s plan only (its split lengths are whole K/V steps of pages).
     """
 
-    name: str  # "triton" | "mgpu" | "hybrid" | "reference"
+    name: str  # "triton" | "mgpu" | "hybrid" | "mgpu_decode" | "reference"
     num_rows: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     interpret: bool = False
+    block_size: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "name", check_attention(self.name, (*KERNELS, "reference")))
-        if self.interpret and self.name in ("mgpu", "hybrid"):
+        if self.interpret and self.name in ("mgpu", "hybrid", "mgpu_decode"):
             raise ValueError(_NO_INTERPRET)
+        if self.name == "mgpu_decode" and self.block_size is None:
+            raise ValueError("AttentionKernel('mgpu_decode') needs block_size (the pool's page size)")
+
+    def decode_tuning(self, num_segments: int, max_blocks: int) -> mgd.DecodeTuning:
+        """``mgpu_decode``'s static knobs for this bucket (segment slots, block-table width)."""
+        return mgd.decode_tuning(
+            self.num_rows, num_segments, self.num_heads, self.num_kv_heads, max_blocks, self.block_size
+        )
 
     def _triton_plan(self, seg_q_start, seg_q_len, seg_ctx_len) -> Plan:
         tuning = default_tuning(self.num_rows, seg_q_len.shape[0], self.num_heads, self.num_kv_heads, self.head_dim)
@@ -187,6 +239,11 @@ class AttentionKernel:
             return None
         if self.name == "mgpu":
             return mgpu.make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, num_rows=self.num_rows)
+        if self.name == "mgpu_decode":
+            tuning = self.decode_tuning(*seg_block_table.shape)
+            return mgd.make_decode_plan(
+                seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, num_rows=self.num_rows, tuning=tuning
+            )
         if self.name == "hybrid":
             triton_q_len, mgpu_q_len = split_segments(seg_q_len)
             packing = mgpu.make_packing(
@@ -223,6 +280,8 @@ class AttentionKernel:
             return ragged_paged_attention_reference(*args, layer=layer, sm_scale=sm_scale)
         if self.name == "mgpu":
             return mgpu.ragged_paged_attention_mgpu(*args, layer=layer, sm_scale=sm_scale, packing=plan)
+        if self.name == "mgpu_decode":
+            return mgd.decode_attention_mgpu(*args, layer=layer, sm_scale=sm_scale, plan=plan)
         if self.name == "hybrid":
             if plan is None:
                 plan = self.plan(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table)
@@ -243,11 +302,15 @@ def choose_attention(
     interpret: bool = False,
 ) -> AttentionKernel:
     """The kernel of one bucket: ``pallas`` (or ``auto`` on a GPU) asks :func:`select_kernel`,
-    any other ``attention`` value forces its kernel."""
+    ``mgpu_decode`` takes the buckets :func:`decode_serves` gives it and the rule's answer
+    elsewhere, any other ``attention`` value forces its kernel."""
     name = resolve_attention(attention)
+    bucket = (num_rows, num_segments, dtype, head_dim, block_size)
     if name == "pallas":
-        name = select_kernel(num_rows, num_segments, dtype, head_dim, block_size, num_heads=num_heads)
-    return AttentionKernel(name, num_rows, num_heads, num_kv_heads, head_dim, interpret)
+        name = select_kernel(*bucket, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    elif name == "mgpu_decode" and not decode_serves(*bucket, num_heads=num_heads, num_kv_heads=num_kv_heads):
+        name = _rule(*bucket, num_heads=num_heads, hopper=None)
+    return AttentionKernel(name, num_rows, num_heads, num_kv_heads, head_dim, interpret, block_size)
 
 
 def hybrid_attention(
