@@ -401,7 +401,8 @@ def _resolve(q, k_pages, seg_q_len, seg_block_table, layer, plan, knobs, *, kern
     if kernel and why is None:
         need = smem_bytes(head_dim, q.dtype.itemsize, tuning.block_kv, tuning.max_concurrent_steps)
         if need > SMEM_LIMIT:
-            why = f"block_kv={tuning.block_kv} x {tuning.max_concurrent_steps} steps ({need} B of shared memory > {SMEM_LIMIT})"
+            steps = f"block_kv={tuning.block_kv} x {tuning.max_concurrent_steps} steps"
+            why = f"{steps} ({need} B of shared memory > {SMEM_LIMIT})"
     if why is not None:
         raise ValueError(f"decode_attention_mgpu cannot serve {why}")
     return tuning
