@@ -1,8 +1,10 @@
 """Paged attention sweep on the GPU: our Pallas kernels vs cuDNN vs the jnp reference.
 
 ``ours_ms`` is the kernel the engine picks for the bucket (``pallas_kernels.dispatch``); prefill
-shapes also time both Pallas kernels (``triton_ms``, ``mgpu_ms``: Triton- and Mosaic-GPU-lowered)
-and record ``selected_kernel`` and ``fastest_kernel``.
+shapes also time both Pallas kernels (``triton_ms``, ``mgpu_ms``: Triton- and Mosaic-GPU-lowered),
+decode shapes the split-K Mosaic GPU decode kernel too (``mgpu_decode_ms``,
+``mgpu_decode_err_vs_reference``; Hopper only), and every shape records ``selected_kernel`` and
+``fastest_kernel``.
 
 Ouro-1.4B heads: H = KVH = 16, head_dim 128, bf16, KV block 16, a stacked ``[L, KVH, NB, BS, hd]``
 pool read through the layer index (as the engine does), block tables over a shuffled pool.
@@ -24,6 +26,7 @@ that the KV read each call is not L2-resident), 2 warm-ups, median of ``reps`` r
 engine builds it once per step for all layers); ``ours_unplanned_ms`` (decode) rebuilds it per call.
 
 Usage: PYTHONPATH=. python3 benchmarks/attention_sweep.py [--out DIR] [--quick] [--tune]
+       [--decode-rows 1,8,32,128 --decode-ctx 512,1024,2048,4096,8192 --no-prefill]
 Writes DIR/attention_sweep.json (and .png), also copied to benchmarks/results/.
 """
 
@@ -125,11 +128,11 @@ def dense_kv(c):
 
 def ours_fn(n_calls, layers, tune, planned=True, kernel="triton"):
     tune = dict(tune or {})
-    if kernel != "triton":  # "mgpu" or "hybrid": through the dispatcher, as the engine runs them
+    if kernel != "triton":  # "mgpu", "hybrid", "mgpu_decode": through the dispatcher, as the engine runs them
 
         @jax.jit
         def g(q, k, v, qs, ql, cl, bt):
-            attn = dispatch.AttentionKernel(kernel, q.shape[0], H, KVH, HD)
+            attn = dispatch.AttentionKernel(kernel, q.shape[0], H, KVH, HD, block_size=BS)
             plan = None
             if planned:
                 plan = attn.plan(qs, ql, cl, bt)
@@ -271,17 +274,13 @@ def run_shape(
         tuning=dict(tune or {}),
         default_tuning=vars(default_tuning(n_seg * q_len, n_seg, H, KVH, HD)),
     )
-    # Which Pallas kernel the engine would pick for this bucket; prefill shapes time both kernels
-    # (decode rows never go to the Mosaic kernel: one row per 128-row tile).
+    # Which Pallas kernel the engine would pick for this bucket; prefill shapes time both prefill
+    # kernels (decode rows never go to the prefill Mosaic kernel: one row per 128-row tile), decode
+    # shapes the split-K Mosaic decode kernel next to Triton.
     selected = "triton" if tune else dispatch.select_kernel(n_seg * q_len, n_seg, DT, HD, BS, num_heads=H)
     kernels = ["triton"]
-    if (
-        kind == "prefill"
-        and not tune
-        and dispatch.hopper_available()
-        and not os.environ.get("OURO_JAX_ATTENTION_KERNEL")
-    ):
-        kernels.append("mgpu")
+    if not tune and dispatch.hopper_available() and not os.environ.get("OURO_JAX_ATTENTION_KERNEL"):
+        kernels.append("mgpu" if kind == "prefill" else "mgpu_decode")
     if selected not in kernels:
         kernels.append(selected)
     rec["selected_kernel"] = selected
@@ -375,7 +374,11 @@ def run_shape(
 # ----------------------------------------------------------------------------------------------
 
 
-def decode_shapes(quick):
+def decode_shapes(quick, rows=None, ctxs=None):
+    if rows or ctxs:
+        rows = rows or (1, 8, 32, 128, 256)
+        ctxs = ctxs or (512, 2048, 8192, 32768)
+        return [(b, c) for b in rows for c in ctxs if b * c <= MAX_TOKENS]
     if SMOKE:
         return [(2, 64)]
     if quick:
@@ -504,7 +507,7 @@ def plot(records, path):
 def table(records):
     lines = [
         f"{'kind':8} {'shape':22} {'ours ms':>9} {'cudnn ms':>9} {'ref ms':>9} "
-        f"{'ours':>10} {'cudnn':>10} {'ratio':>6} {'err':>8}"
+        f"{'ours':>10} {'cudnn':>10} {'ratio':>6} {'err':>8} {'triton ms':>9} {'mgpu_dec':>9} {'dec err':>8}"
     ]
     for r in records:
         s = r["shape"]
@@ -517,7 +520,8 @@ def table(records):
         lines.append(
             f"{r['kind']:8} {shp:22} {f(r['ours_ms'])} {f(r['cudnn_ms'])} "
             f"{f(r['reference_ms'])} {f(ours, 6, 0)} {unit} {f(cud, 6, 0)} {unit} "
-            f"{f(r['ratio_to_cudnn'], 6, 2)} {f(err, 8, 5)}"
+            f"{f(r['ratio_to_cudnn'], 6, 2)} {f(err, 8, 5)} {f(r.get('triton_ms'))} "
+            f"{f(r.get('mgpu_decode_ms'))} {f(r.get('mgpu_decode_err_vs_reference'), 8, 5)}"
         )
     return "\n".join(lines)
 
@@ -531,6 +535,10 @@ def main():
     ap.add_argument("--variants", action="store_true", help="also time other tilings on a few shapes (variants_ms)")
     ap.add_argument("--no-copy", action="store_true", help="do not copy to benchmarks/results")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check (interpret mode)")
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
+    ap.add_argument("--decode-rows", type=ints, default=None, help="decode batch sizes, e.g. 1,8,32,128")
+    ap.add_argument("--decode-ctx", type=ints, default=None, help="decode contexts, e.g. 512,1024,4096")
+    ap.add_argument("--no-prefill", action="store_true", help="decode shapes only")
     args = ap.parse_args()
     global INTERPRET, SMOKE
     if args.smoke:
@@ -568,8 +576,9 @@ def main():
         with open(path, "w") as fh:
             json.dump(result, fh, indent=1)
 
-    todo = [("decode", b, 1, c) for b, c in decode_shapes(args.quick)]
-    todo += [("prefill", n, q, c) for n, q, c in prefill_shapes(args.quick)]
+    todo = [("decode", b, 1, c) for b, c in decode_shapes(args.quick, args.decode_rows, args.decode_ctx)]
+    if not args.no_prefill:
+        todo += [("prefill", n, q, c) for n, q, c in prefill_shapes(args.quick)]
     for kind, n, q, c in todo:
         t0 = time.time()
         try:
@@ -582,8 +591,11 @@ def main():
                 log(
                     "  variants: " + ", ".join(f"{k} {v:.4f}" if v else f"{k} -" for k, v in rec["variants_ms"].items())
                 )
+            others = ", ".join(
+                f"{k[:-3]} {rec[k]:.4f}" for k in ("triton_ms", "mgpu_ms", "mgpu_decode_ms") if rec.get(k)
+            )
             log(
-                f"{kind} {n}x{q}@{c}: ours {rec['ours_ms']:.4f} ms, cudnn {rec['cudnn_ms']}, "
+                f"{kind} {n}x{q}@{c}: ours {rec['ours_ms']:.4f} ms ({others}), cudnn {rec['cudnn_ms']}, "
                 f"ratio {rec['ratio_to_cudnn']}, err {rec.get('err_vs_reference')}/"
                 f"{rec.get('err_vs_cudnn')} ({time.time() - t0:.1f} s)"
             )
