@@ -31,9 +31,12 @@ Mosaic kernel altogether.
 ``mgpu_decode`` (the ``attention`` option or the variable) asks for the split-K Mosaic GPU kernel
 (pallas_kernels/decode_attention_mgpu.py) on the buckets it serves: those the rule gives to
 ``triton`` (decode rows and short segments), on Hopper, when :func:`decode_attention_mgpu.supported`
-accepts the bucket; every other bucket keeps the rule's answer. It is no bucket's default yet: the
-rule changes when the H200 sweep (``mgpu_decode_ms`` in benchmarks/results/attention_sweep.json)
-says where it wins.
+accepts the bucket; every other bucket keeps the rule's answer. It is no bucket's default: on the
+H200 (run 17, benchmarks/results/run17/attention_sweep_mgpu_decode.json, untuned knobs) it wins
+for one decode row (18 against Triton's 26 us at 1K context, 38 against 51 at 4K) and loses from
+8 rows on (46 / 123 against 44 / 86 us at 1K / 4K; 0.83-0.95x at 32-128 rows), and the engine's
+smallest bucket is 8 rows, so Triton keeps decode. Its correctness on the GPU is tested
+(tests/test_decode_attention_mgpu.py, ``-m gpu``).
 """
 
 from __future__ import annotations
