@@ -392,8 +392,8 @@ def test_default_grid_one_item_per_program_in_decode_buckets(h, kvh, hd):
 @pytest.mark.parametrize(
     "h,kvh,layers,bq,programs",
     [
-        (4, 4, 2, 1, (2, "n+1")),  # MHA one-row path, stacked pool
-        (6, 2, None, 16, (3,)),  # GQA MMA path
+        pytest.param(4, 4, 2, 1, (2, "n+1"), marks=pytest.mark.slow),  # MHA one-row path, stacked pool
+        (6, 2, None, 16, (3,)),  # GQA MMA path (the engine's decode tiles)
         pytest.param(8, 2, 2, 4, (1, 3, "n+1"), marks=pytest.mark.slow),
         pytest.param(4, 4, None, 16, (1, 3, "n+1"), marks=pytest.mark.slow),
     ],
