@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.ragged_paged_attention import _cdiv, _check_args, _next_pow2, num_tiles, query_tiles
+from pallas_kernels.ragged_paged_attention_mgpu import stream_kv
 
 LOG2E = math.log2(math.e)
 NEG = -1e30  # finite "minus infinity" (as in the other kernels: never inf - inf)
@@ -341,36 +342,13 @@ def _kernel(
     def _memory():
         layer = layer_ref[0]
         pages = block_kv // block_size
-        ctx_pages = _cdiv(kv_len, block_size)
-        first_blk = lax.div(k0, jnp.int32(block_size))
-        bt0 = META_FIELDS * num_tiles  # the block table follows the tiles
-
-        def issue(step, slot, which):
-            src_ref, dst_ref, bar = (k_ref, k_smem, k_ready) if which == "k" else (v_ref, v_smem, v_ready)
-            for jj in range(pages):
-                # Pages past the tile's context are masked, but P.V still multiplies them by zero:
-                # load the segment's first page in their place, so they hold real (finite) K/V.
-                blk = first_blk + step * pages + jj
-                blk = jnp.where(blk < ctx_pages, jnp.minimum(blk, max_blocks - 1), 0)
-                page = jnp.clip(meta_ref[bt0 + seg * max_blocks + blk], 0, num_pages - 1)
-                plgpu.copy_gmem_to_smem(
-                    src_ref.at[layer, kvh, page], dst_ref.at[slot, pl.ds(jj * block_size, block_size)], bar.at[slot]
-                )
-
-        for i in range(steps):
-
-            @pl.when(i < n_steps)
-            def _():
-                issue(jnp.int32(i), i, "k")
-                issue(jnp.int32(i), i, "v")
-
-        @pl.loop(0, jnp.maximum(n_steps - steps, 0))
-        def _(step):
-            slot = lax.rem(step, jnp.int32(steps))
-            plgpu.barrier_wait(k_free.at[slot])
-            issue(step + steps, slot, "k")
-            plgpu.barrier_wait(v_free.at[slot])
-            issue(step + steps, slot, "v")
+        # the block table follows the tiles in meta
+        stream_kv(
+            meta_ref, (k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free),
+            layer=layer, kvh=kvh, table=META_FIELDS * num_tiles, seg=seg, max_blocks=max_blocks,
+            num_pages=num_pages, ctx_pages=_cdiv(kv_len, block_size), first_blk=lax.div(k0, jnp.int32(block_size)),
+            n_steps=n_steps, pages=pages, block_size=block_size, steps=steps,
+        )  # fmt: skip
 
 
 _STATIC = ("sm_scale", "block_q", "splits", "block_kv", "max_concurrent_steps", "min_split_tokens")

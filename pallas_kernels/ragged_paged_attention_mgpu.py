@@ -265,36 +265,53 @@ def _kernel(
         layer = layer_ref[0]
         pages = block_kv // block_size
 
-        ctx_pages = _cdiv(pos0 + nrows, block_size)
+        stream_kv(
+            meta_ref, (k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free),
+            layer=layer, kvh=kvh, table=bt0, seg=seg, max_blocks=max_blocks, num_pages=num_pages,
+            ctx_pages=_cdiv(pos0 + nrows, block_size), first_blk=None, n_steps=tile_steps, pages=pages,
+            block_size=block_size, steps=steps,
+        )  # fmt: skip
 
-        def issue(step, slot, which):
-            src_ref, dst_ref, bar = (k_ref, k_smem, k_ready) if which == "k" else (v_ref, v_smem, v_ready)
-            for j in range(pages):
-                # Pages past the tile's context are masked out, but P.V still multiplies them
-                # by zero: load the segment's first page instead of whatever the table's tail
-                # names, so they hold real (finite) K/V.
-                blk = step * pages + j
-                blk = jnp.where(blk < ctx_pages, jnp.minimum(blk, max_blocks - 1), 0)
-                page = jnp.clip(meta_ref[bt0 + seg * max_blocks + blk], 0, num_pages - 1)
-                plgpu.copy_gmem_to_smem(
-                    src_ref.at[layer, kvh, page], dst_ref.at[slot, pl.ds(j * block_size, block_size)], bar.at[slot]
-                )
 
-        for i in range(steps):
+def stream_kv(
+    meta_ref, kv_refs, kv_smem, ready, free, *, layer, kvh, table, seg, max_blocks, num_pages, ctx_pages,
+    first_blk, n_steps, pages, block_size, steps,
+):  # fmt: skip
+    """The memory warpgroup of both Mosaic kernels: ``n_steps`` K/V steps of ``pages`` TMA page copies
+    each, through segment ``seg``'s row of the block table at ``meta_ref[table:]``, from block
+    ``first_blk`` (None: 0) into a
+    ring of ``steps`` slots; a slot is refilled once the compute warpgroup freed it.
 
-            @pl.when(i < tile_steps)
-            def _():
-                issue(jnp.int32(i), i, "k")
-                issue(jnp.int32(i), i, "v")
+    Pages past the context (``ctx_pages``) are masked by the consumer, but P.V still multiplies them
+    by zero: the segment's first page is loaded in their place, so they hold real (finite) K/V
+    instead of whatever the table's tail names."""
+    (k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free) = kv_refs, kv_smem, ready, free
 
-        @pl.loop(0, jnp.maximum(tile_steps - steps, 0))
-        def _(step):
-            nxt = step + steps
-            slot = lax.rem(step, jnp.int32(steps))
-            plgpu.barrier_wait(k_free.at[slot])
-            issue(nxt, slot, "k")
-            plgpu.barrier_wait(v_free.at[slot])
-            issue(nxt, slot, "v")
+    def issue(step, slot, which):
+        src_ref, dst_ref, bar = (k_ref, k_smem, k_ready) if which == "k" else (v_ref, v_smem, v_ready)
+        for j in range(pages):
+            blk = step * pages + j if first_blk is None else first_blk + step * pages + j
+            blk = jnp.where(blk < ctx_pages, jnp.minimum(blk, max_blocks - 1), 0)
+            page = jnp.clip(meta_ref[table + seg * max_blocks + blk], 0, num_pages - 1)
+            plgpu.copy_gmem_to_smem(
+                src_ref.at[layer, kvh, page], dst_ref.at[slot, pl.ds(j * block_size, block_size)], bar.at[slot]
+            )
+
+    for i in range(steps):
+
+        @pl.when(i < n_steps)
+        def _():
+            issue(jnp.int32(i), i, "k")
+            issue(jnp.int32(i), i, "v")
+
+    @pl.loop(0, jnp.maximum(n_steps - steps, 0))
+    def _(step):
+        nxt = step + steps
+        slot = lax.rem(step, jnp.int32(steps))
+        plgpu.barrier_wait(k_free.at[slot])
+        issue(nxt, slot, "k")
+        plgpu.barrier_wait(v_free.at[slot])
+        issue(nxt, slot, "v")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_kv", "max_concurrent_steps"))
