@@ -133,10 +133,10 @@ def _device_memory(device=None) -> Optional[tuple[int, int]]:
     return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
-# Rows per invocation when the caller names none. On a GPU the 2048-row bucket is the measured pick
-# (H200, Ouro-1.4B: one 2048-row prefill invocation at 73% of its FLOP floor against 67% at 1024
-# rows; 128 x 1K prompts first-tokened in 3.6-3.8 s against 4.1-4.8 s; docs/decisions.md). On a CPU
-# every bucket compiles slowly and runs slowly, so the default stays small.
+# Rows per invocation when the caller names none. On a GPU 2048 rows read the weights once for
+# twice the prompt rows of 1024 and were measured the better pick (docs/decisions.md, "2048 rows
+# per invocation by default on a GPU"). On a CPU every bucket compiles and runs slowly, so the
+# default stays small.
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_MAX_NUM_BATCHED_TOKENS = 256
 
@@ -236,13 +236,13 @@ class LLM:
         self.devices = devices
         if max_model_len is None:
             max_model_len = min(c.max_position_embeddings, 4096)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = default_max_num_batched_tokens(jax.default_backend(), max_num_seqs)
         elif _is_int(max_model_len) and max_model_len > c.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                 f"({c.max_position_embeddings})"
             )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = default_max_num_batched_tokens(jax.default_backend(), max_num_seqs)
         # XLA (jax 0.11.2) segfaults compiling the fused decode step's while_loop under shard_map on
         # the GPU; on the CPU it compiles and matches one device (docs/decisions.md)
         fused_tp_broken = tp > 1 and jax.default_backend() == "gpu"

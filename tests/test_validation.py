@@ -284,3 +284,6 @@ def test_default_row_budget_follows_the_backend():
     assert default_max_num_batched_tokens("gpu", 4096) == 4096
     llm = LLM("tiny", max_num_seqs=300, max_model_len=64, warmup=False, progress=False)
     assert llm.scheduler.config.max_num_batched_tokens == 300
+    # the default row budget does not skip the other checks (it once shadowed this one)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM("tiny", max_model_len=10**6, warmup=False, progress=False)
