@@ -31,12 +31,10 @@ Mosaic kernel altogether.
 ``mgpu_decode`` (the ``attention`` option or the variable) asks for the split-K Mosaic GPU kernel
 (pallas_kernels/decode_attention_mgpu.py) on the buckets it serves: those the rule gives to
 ``triton`` (decode rows and short segments), on Hopper, when :func:`decode_attention_mgpu.supported`
-accepts the bucket; every other bucket keeps the rule's answer. It is no bucket's default: on the
-H200 (run 17, benchmarks/results/run17/attention_sweep_mgpu_decode.json, untuned knobs) it wins
-for one decode row (18 against Triton's 26 us at 1K context, 38 against 51 at 4K) and loses from
-8 rows on (46 / 123 against 44 / 86 us at 1K / 4K; 0.83-0.95x at 32-128 rows), and the engine's
-smallest bucket is 8 rows, so Triton keeps decode. Its correctness on the GPU is tested
-(tests/test_decode_attention_mgpu.py, ``-m gpu``).
+accepts the bucket; every other bucket keeps the rule's answer. It is no bucket's default: it wins
+over Triton for a single decode row and loses from 8 rows on, and the engine's smallest bucket is 8
+rows, so Triton keeps decode (the measurements: docs/decisions.md, "A split-K Mosaic GPU decode
+kernel").
 """
 
 from __future__ import annotations
