@@ -285,12 +285,14 @@ def skinny_matmul_reference(
 ):
     """jnp twin of :func:`skinny_matmul_mgpu` (same arguments and outputs): f32 partials over the
     same K ranges (split ``s`` covers ``[s * steps_per_split * block_k, ...)``, the last clipped
-    at K), products of the inputs' dtype accumulated in f32. Also takes float32 (CPU checks)."""
+    at K), exact products accumulated in f32. Also takes float32 (CPU checks)."""
     m, k, n = _check(x, w, kernel=False)
     t = skinny_tuning(m, k, n, 2, block_n=block_n, block_k=block_k, splits=splits, stages=stages)
     chunk = t.steps_per_split * t.block_k
     kp = t.splits * chunk
     xs = jnp.pad(x, ((0, 0), (0, kp - k))).reshape(m, t.splits, chunk)
     ws = jnp.pad(w.reshape(k, n), ((0, kp - k), (0, 0))).reshape(t.splits, chunk, n)
-    part = jnp.einsum("msc,scn->snm", xs, ws, preferred_element_type=jnp.float32)  # [splits, N, M]: as the kernel
+    # products of 16-bit inputs are exact in f32: upcasting first is the kernel's arithmetic (and runs on CPU)
+    f32 = jnp.float32
+    part = jnp.einsum("msc,scn->snm", xs.astype(f32), ws.astype(f32), precision="highest")  # [splits, N, M]
     return _finish(part, m, tuple(w.shape[1:]), x.dtype, reduce)

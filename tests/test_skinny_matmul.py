@@ -257,3 +257,19 @@ def test_gpu_kernel_awkward_shapes(m, k, out, knobs):
 )
 def test_gpu_kernel_other_knobs(knobs):
     _check_gpu(16, 2048, (6144,), **knobs)
+
+
+def test_sweep_smoke_and_gpu_refusal(tmp_path):
+    """benchmarks/matmul_sweep.py: the CPU plumbing (twin in the kernel's place: check, timing,
+    JSON naming the device); without --smoke off a Hopper GPU it refuses with exit code 2."""
+    import json
+
+    from benchmarks import matmul_sweep
+
+    assert matmul_sweep.main(["--smoke", "--check", "--rows", "1,3", "--reps", "1", "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "matmul_sweep.json").read_text())
+    assert rec["complete"] and rec["smoke"] and rec["device"]
+    assert {(r["shape"], r["m"]) for r in rec["records"]} == {(s, m) for s in ("a", "b") for m in (1, 3)}
+    assert all(r["mgpu_us"] > 0 and r["best_knobs"] and r["bytes"] > 0 for r in rec["records"])
+    if not ON_HOPPER:
+        assert matmul_sweep.main(["--check", "--out", str(tmp_path)]) == 2
