@@ -34,7 +34,7 @@ from .config import PRESETS, OuroConfig
 from .executable_store import ExecutableStore
 from .options import LAYER_LOOPS, choice, dtype_option
 from .parallel import check_devices, check_tensor_parallel
-from .runner import ModelRunner
+from .runner import ModelRunner, check_decode_matmul
 
 __all__ = ["LLM", "RequestOutput", "RequestMetrics"]
 
@@ -187,6 +187,7 @@ class LLM:
         buckets: Optional[Sequence[int]] = None,
         attention: str = "auto",
         layer_loop: str = "unrolled",
+        decode_matmul: str = "xla",
         compile_cache_dir: Optional[str] = None,
         executable_store: bool = True,
         compile_threads: Optional[int] = None,
@@ -225,6 +226,7 @@ class LLM:
         dtype = dtype_option(dtype)
         attention = check_attention(attention)
         layer_loop = choice("layer_loop", layer_loop, LAYER_LOOPS)
+        decode_matmul = check_decode_matmul(decode_matmul, layer_loop)
         c, folder = self._resolve_model(model)
         # tensor parallel: checked against the config before any weight is read, and the weights
         # then read to the host, so that the runner places each leaf straight into its shards
@@ -329,6 +331,7 @@ class LLM:
             num_ring_rows=num_ring_rows or need_rows,
             attention=attention,
             layer_loop=layer_loop,
+            decode_matmul=decode_matmul,
             tensor_parallel_size=tp,
             devices=devices,
             executable_store=self.executable_store,

@@ -7,10 +7,13 @@ import numpy as np
 
 from scheduler.options import choice
 
-__all__ = ["choice", "dtype_option", "LAYER_LOOPS", "DTYPES"]
+__all__ = ["choice", "dtype_option", "LAYER_LOOPS", "DTYPES", "DECODE_MATMULS"]
 
 # ``attention`` is checked by ``pallas_kernels.dispatch.check_attention`` (its choices live there).
 LAYER_LOOPS = ("unrolled", "scan")
+# Who computes the layer projections of small buckets: XLA's dot, or the Mosaic GPU skinny kernel
+# (pallas_kernels/skinny_matmul_mgpu.py; Hopper only). The runner also takes "reference" (tests).
+DECODE_MATMULS = ("xla", "mgpu")
 DTYPES = ("bfloat16", "float32", "float16")
 
 

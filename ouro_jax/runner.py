@@ -34,6 +34,7 @@ bucket key) because every host-to-device transfer has a fixed cost.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +55,7 @@ from .config import OuroConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
 from .exit_rule import decide_exit_rows, fold_gate
 from .model import OuroDecoderLayer, OuroModel, dtype_of, fuse_layer_params, rope_cos_sin
+from .options import DECODE_MATMULS, choice
 from .paged_attention import PagedAttention
 from .parallel import (
     TP_AXIS,
@@ -123,6 +125,48 @@ def packed_shape(key) -> tuple[int, ...]:
     return (n, packed_size(bucket) + exit_words(bucket))
 
 
+# Buckets of at most this many rows compute the four layer projections with the ``decode_matmul``
+# kernel: where a GEMM only streams its weight (issue 13's 8- and 16-row decode buckets).
+DECODE_MATMUL_MAX_ROWS = 16
+
+
+def decode_matmul_fn(name: str):
+    """The ``matmul`` of the model's projections for ``decode_matmul=name`` (None: XLA's dot).
+
+    ``"mgpu"``: the skinny Mosaic GPU kernel, ``"reference"``: its jnp twin (CPU tests of the
+    plumbing). A projection the kernel cannot serve (``skinny_matmul_mgpu.supported``: dims not
+    multiples of 64) keeps XLA's dot."""
+    if name == "xla":
+        return None
+    from pallas_kernels import skinny_matmul_mgpu as sk
+
+    f = sk.skinny_matmul_mgpu if name == "mgpu" else sk.skinny_matmul_reference
+
+    def matmul(x, w):
+        m, k = x.shape
+        n = math.prod(w.shape[1:])
+        if sk.supported(x.dtype if name == "mgpu" else jnp.bfloat16, m, k, n) is None:
+            return f(x, w)
+        return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))
+
+    return matmul
+
+
+def check_decode_matmul(name, layer_loop: str = "unrolled", *, internal: bool = False) -> str:
+    """The ``decode_matmul`` option checked: a name of ``DECODE_MATMULS`` (any case; ``internal``
+    also "reference"), "mgpu" only on a Hopper GPU and with unrolled layers (a scan's per-layer
+    weight slice would be copied before every kernel call)."""
+    name = choice("decode_matmul", name, DECODE_MATMULS + (("reference",) if internal else ()))
+    if name == "mgpu":
+        from pallas_kernels.dispatch import hopper_available
+
+        if not hopper_available():
+            raise ValueError("decode_matmul='mgpu' needs a Hopper (sm90+) GPU (Mosaic GPU kernel)")
+        if layer_loop != "unrolled":
+            raise ValueError("decode_matmul='mgpu' needs layer_loop='unrolled'")
+    return name
+
+
 def _recurrent(
     params,
     kp,
@@ -138,6 +182,7 @@ def _recurrent(
     interpret: bool,
     layer_loop: str,
     tp_size: int = 1,
+    decode_matmul: str = "xla",
 ):
     """Steps 1-3 of one descriptor (``a``: its unpacked fields): returns ``(kp, vp, ring, h, g)``.
 
@@ -180,7 +225,8 @@ def _recurrent(
     seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
     attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg))
     cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
-    layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True)
+    matmul = decode_matmul_fn(decode_matmul) if key.R <= DECODE_MATMUL_MAX_ROWS else None
+    layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True, matmul=matmul)
 
     def one_layer(p, x, pools, i):
         return layer.apply({"params": p}, x, cos, sin, attn, pools, layer=i)
@@ -374,6 +420,10 @@ class ModelRunner:
     the first ``N`` devices (``ouro_jax/parallel.py``): params and the KV pools' head axis split,
     the ring, descriptor, gates and tokens replicated. ``N = 1`` builds no mesh and no shard_map.
 
+    ``decode_matmul``: ``"xla"`` (default) or ``"mgpu"``: buckets of at most
+    ``DECODE_MATMUL_MAX_ROWS`` rows compute the four layer projections with the skinny Mosaic GPU
+    kernel (Hopper, unrolled layers); ``"reference"`` runs its jnp twin there (CPU tests).
+
     ``devices``: the ``N`` devices this runner owns (default: the first ``N`` of ``jax.devices()``);
     data-parallel replicas each get a disjoint set (``ouro_jax/server/replicas.py``).
     """
@@ -392,10 +442,12 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         devices=None,
         executable_store: Optional[ExecutableStore] = None,
+        decode_matmul: str = "xla",
     ):
         attention = resolve_attention(attention)
         if layer_loop not in ("scan", "unrolled"):
             raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
+        decode_matmul = check_decode_matmul(decode_matmul, layer_loop, internal=True)
         tp = check_tensor_parallel(config, tensor_parallel_size)
         self.tensor_parallel_size = tp
         devices = check_devices(devices, tp)
@@ -406,6 +458,7 @@ class ModelRunner:
         self.mesh = make_mesh(tp, devices) if tp > 1 else None
         self.config = config
         self.attention, self.layer_loop, self.interpret = attention, layer_loop, interpret
+        self.decode_matmul = decode_matmul
         leaves = jax.tree.leaves(params)
         self.dtype = leaves[0].dtype
         self.dtype_name = str(self.dtype)
@@ -415,7 +468,13 @@ class ModelRunner:
         ring_shape = (num_ring_rows, c.hidden_size)
         jit_kw: dict = {}
         step = functools.partial(
-            _step, config=c, dtype_name=self.dtype_name, attention=attention, interpret=interpret, layer_loop=layer_loop
+            _step,
+            config=c,
+            dtype_name=self.dtype_name,
+            attention=attention,
+            interpret=interpret,
+            layer_loop=layer_loop,
+            decode_matmul=decode_matmul,
         )
         fused = functools.partial(_fused_step, **step.keywords)
         # one-loop steps leave sampling to a separate small executable, launched only when a coda
@@ -553,6 +612,7 @@ class ModelRunner:
             self.attention,
             self.interpret,
             self.layer_loop,
+            self.decode_matmul,
             self.tensor_parallel_size,
             tuple(d.id for d in self._store_devices),
             tuple(sorted(_compiler_options().items())),

@@ -273,3 +273,90 @@ def test_sweep_smoke_and_gpu_refusal(tmp_path):
     assert all(r["mgpu_us"] > 0 and r["best_knobs"] and r["bytes"] > 0 for r in rec["records"])
     if not ON_HOPPER:
         assert matmul_sweep.main(["--check", "--out", str(tmp_path)]) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Engine hook (CPU): decode_matmul
+# ----------------------------------------------------------------------------------------------
+
+
+def test_engine_decode_matmul_plumbing(monkeypatch):
+    """With the twin in the kernel's place (``decode_matmul="reference"``, let through the LLM's
+    check here) the small buckets' projections go through it and the tokens and depths are the
+    default path's (float32 tiny preset); bigger buckets keep XLA's dot."""
+    import functools
+
+    from ouro_jax import LLM, SamplingParams, get_preset
+    from ouro_jax import llm as llm_mod
+    from ouro_jax import runner as runner_mod
+    from weights.random_init import random_params
+
+    calls = []
+    real = runner_mod.decode_matmul_fn
+
+    def spy(name):
+        f = real(name)
+        if f is None:
+            return None
+
+        def g(x, w):
+            calls.append((x.shape, w.shape))
+            return f(x, w)
+
+        return g
+
+    monkeypatch.setattr(runner_mod, "decode_matmul_fn", spy)
+    monkeypatch.setattr(
+        llm_mod, "check_decode_matmul", functools.partial(runner_mod.check_decode_matmul, internal=True)
+    )
+    cfg = get_preset("tiny")
+    params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (3, 17, 9)]
+
+    def run(**kw):
+        llm = LLM(
+            cfg,
+            params=params,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            prefill_chunk_size=8,
+            block_size=4,
+            max_model_len=64,
+            buckets=[8, 16, 64],
+            progress=False,
+            executable_store=False,
+            **kw,
+        )
+        outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+        return [(o.token_ids, o.exit_depths) for o in outs], llm
+
+    base, llm0 = run()
+    assert not calls
+    got, llm1 = run(decode_matmul="reference")
+    assert got == base
+    rows = {x[0] for x, _ in calls}
+    assert calls and rows <= {8, 16}, rows
+    # qkv, o and gate_up (K = 64, N = 192 / 64 / 192) took the twin; down (K = 96) kept XLA's dot
+    assert {w for _, w in calls} >= {(64, 4, 3, 16), (64, 64), (64, 2, 96), (96, 64)}
+    assert llm1.runner.decode_matmul == "reference" and llm0.runner.decode_matmul == "xla"
+    assert llm0.runner._program_description() != llm1.runner._program_description()
+
+
+def test_decode_matmul_option_checked():
+    from ouro_jax import LLM, get_preset
+    from ouro_jax.runner import DECODE_MATMUL_MAX_ROWS, check_decode_matmul
+
+    assert DECODE_MATMUL_MAX_ROWS == 16
+    assert check_decode_matmul("XLA") == "xla"
+    assert check_decode_matmul("reference", internal=True) == "reference"
+    with pytest.raises(ValueError, match="decode_matmul"):
+        check_decode_matmul("reference")  # tests only
+    with pytest.raises(ValueError, match="decode_matmul"):
+        LLM(get_preset("tiny"), decode_matmul="cublas", progress=False)
+    if not ON_HOPPER:
+        with pytest.raises(ValueError, match="Hopper"):
+            LLM(get_preset("tiny"), decode_matmul="mgpu", progress=False)
+    else:
+        with pytest.raises(ValueError, match="unrolled"):
+            check_decode_matmul("mgpu", "scan")
