@@ -66,6 +66,7 @@ from benchmarks.workloads import (
     DECODE_CONTEXTS,
     DECODE_EXITS,
     EngineShape,
+    add_decode_matmul_arg,
     decode_workload,
     exit_params,
     shape_from_args,
@@ -453,6 +454,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile-cache", default=None)
     ap.add_argument("--attention", default="auto", choices=ATTENTION)
     ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
+    add_decode_matmul_arg(ap)
     ap.add_argument("--fused-decode-max-rows", type=int, default=0, help="LLM(fused_decode_max_rows=...)")
     ap.add_argument("--fused-decode-tokens", type=int, default=1)
     ap.add_argument("--quick-ceilings", action="store_true")

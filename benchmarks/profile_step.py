@@ -50,7 +50,7 @@ from benchmarks import fmt
 from benchmarks.floors import shape as model_shape
 from benchmarks.metrics import floor_of, interval_union, invocation_cost
 from benchmarks.sweep_buckets import synthetic_descriptor
-from benchmarks.workloads import shape_from_args
+from benchmarks.workloads import add_decode_matmul_arg, shape_from_args
 from pallas_kernels.choices import ATTENTION
 
 __all__ = [
@@ -689,6 +689,7 @@ def parser() -> argparse.ArgumentParser:
         help="the engine's attention (benchmarks.run --attention); a forced kernel compares kernels per bucket",
     )
     ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
+    add_decode_matmul_arg(ap)
     ap.add_argument("--scale", type=float, default=1.0, help="suite_shape's scale (sets max_model_len)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the largest R asked for")

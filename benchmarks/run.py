@@ -58,6 +58,7 @@ from benchmarks.workloads import (
     WORKLOADS,
     EngineShape,
     Workload,
+    add_decode_matmul_arg,
     make,
     shape_from_args,
     suite_shape,
@@ -324,8 +325,10 @@ class Harness:
         seed: int = 0,
         fused_decode_max_rows: int = 0,
         fused_decode_tokens: int = 1,
+        decode_matmul: str = "xla",
     ):
         self.t_start = time.monotonic()
+        self.decode_matmul = decode_matmul
         # fused decode steps (scheduler): records of such engines carry a label suffix, so that
         # they sit next to the loop-by-loop records of the same workload instead of replacing them
         self.fused_decode_max_rows, self.fused_decode_tokens = fused_decode_max_rows, fused_decode_tokens
@@ -376,6 +379,7 @@ class Harness:
             engine_shape=self.shape.to_dict(),
             attention=self.attention,
             layer_loop=self.layer_loop,
+            decode_matmul=self.decode_matmul,
             fused_decode_max_rows=self.fused_decode_max_rows,
             fused_decode_tokens=self.fused_decode_tokens,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -407,6 +411,7 @@ class Harness:
             kv_cache_bytes=self.kv_cache_bytes,
             attention=self.attention,
             layer_loop=self.layer_loop,
+            decode_matmul=self.decode_matmul,
             compile_cache_dir=self.compile_cache_dir,
             num_ring_rows=sh.num_ring_rows(c.num_loops, chunks),
             fused_decode_max_rows=self.fused_decode_max_rows,
@@ -1153,6 +1158,7 @@ def parser() -> argparse.ArgumentParser:
         "or the jnp reference",
     )
     ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
+    add_decode_matmul_arg(ap)
     ap.add_argument(
         "--fused-decode-max-rows",
         type=int,
@@ -1187,7 +1193,7 @@ def parser() -> argparse.ArgumentParser:
 def harness_from_args(a, shape: Optional[EngineShape] = None) -> Harness:
     """The harness a CLI's flags ask for (``shape``: default ``shape_from_args(a)``); flags a CLI
     does not have (``--seed``, fused decode, ...) keep ``Harness``'s defaults."""
-    optional = ("warmup_requests", "seed", "fused_decode_max_rows", "fused_decode_tokens")
+    optional = ("warmup_requests", "seed", "fused_decode_max_rows", "fused_decode_tokens", "decode_matmul")
     return Harness(
         a.preset,
         a.dtype,

@@ -480,6 +480,20 @@ def suite_shape(scale: float = 1.0, count_scale: float = 1.0, **overrides) -> En
     return dataclasses.replace(shape, **{k: v for k, v in overrides.items() if v is not None})
 
 
+# ``ouro_jax.options.DECODE_MATMULS`` (not imported: this module stays free of jax; a test checks they agree)
+DECODE_MATMUL_CHOICES = ("xla", "mgpu")
+
+
+def add_decode_matmul_arg(ap) -> None:
+    """``--decode-matmul`` of every CLI built on the harness (``LLM(decode_matmul=...)``)."""
+    ap.add_argument(
+        "--decode-matmul",
+        default="xla",
+        choices=DECODE_MATMUL_CHOICES,
+        help="layer projections of buckets of <= 16 rows: xla (default) or mgpu (the skinny Mosaic GPU kernel)",
+    )
+
+
 def shape_from_args(a, **overrides) -> EngineShape:
     """``suite_shape`` at the CLI's ``--scale`` / ``--count-scale`` and shape flags (a flag left
     out keeps the suite's value); ``overrides`` replace flags a CLI reads its own way."""
