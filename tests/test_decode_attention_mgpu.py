@@ -1,7 +1,7 @@
 """The split-K Mosaic GPU decode attention kernel (pallas_kernels/decode_attention_mgpu.py).
 
 On CPU: the plan (tiles, split ranges), the jnp twin of the split decomposition (same tiles,
-splits, page substitution, masks and merge as the kernel) against
+work items, page substitution, masks and merge as the kernel) against
 ``ragged_paged_attention_reference`` on drawn decode batches, the tuning and the limits, the
 ``mgpu_decode`` dispatch choice, and cross-lowering of the kernel for CUDA (Pallas -> Mosaic GPU
 without a device: the ops, layouts, barriers and TMA slices are accepted; whether it runs, does
@@ -72,7 +72,7 @@ def decode_batches(draw, max_ctx=300):
         knobs=dict(
             block_kv=block_kv,
             block_q=draw(st.sampled_from([8 * k for k in range(1, 64 // (8 * g) + 1)])),
-            splits=draw(st.integers(1, 6)),
+            target_ctas=draw(st.sampled_from([1, 8, 40, 264, 2000])),
             min_split_tokens=draw(st.sampled_from([1, 64, 128, 200])),
         ),
         seed=draw(st.integers(0, 2**31 - 1)),
@@ -111,7 +111,7 @@ def _check_twin(case):
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(decode_batches())
 def test_split_twin_matches_reference(case):
-    """The kernel's decomposition (tiles x splits x KV heads, merged by log-sum-exp) in f32 is the
+    """The kernel's decomposition (work items x KV heads, merged by log-sum-exp) in f32 is the
     reference to f32 rounding: every key is counted once, masked keys never."""
     _check_twin(case)
 
@@ -144,23 +144,98 @@ def test_split_twin_bf16_and_default_knobs():
     assert_close(got, want, b, jnp.bfloat16, "twin bf16")
 
 
-def _plan(q_len, ctx, q_start=None, num_rows=None, **knobs):
+AWKWARD = {
+    # (H, KVH, hd), specs, extra rows: engine-like S = R buckets with padding segments
+    "1 active row in an 8-row bucket": ((16, 16, 64), [(1, 4096)] + [(0, 0)] * 7, 7),
+    "mixed contexts: 1 token, page edges, 4K": ((8, 4, 64), [(1, 1), (1, 16), (1, 17), (1, 4096), (1, 128)], 3),
+    "empty segments between rows": ((4, 2, 128), [(0, 0), (1, 300), (0, 0), (0, 0), (1, 64), (0, 0)], 4),
+    "GQA g=4": ((8, 2, 64), [(1, 2000), (1, 33), (0, 0)], 5),
+    "GQA g=8": ((8, 1, 64), [(1, 1500), (1, 1), (1, 640)], 5),
+    "a short prompt among decode rows": ((4, 2, 64), [(1, 900), (7, 40), (1, 2), (0, 0)], 6),
+}
+
+
+@pytest.mark.parametrize("name", list(AWKWARD))
+def test_split_twin_awkward_batches(name):
+    """The twin with default (dynamic) splits on engine-like batches: padding segments, contexts
+    on and off page / step boundaries, one long row next to short ones, GQA, a prompt chunk."""
+    (h, kvh, hd), specs, extra = AWKWARD[name]
+    b = make_batch(
+        np.random.default_rng(len(name)),
+        num_heads=h,
+        kv_heads=kvh,
+        head_dim=hd,
+        block_size=16,
+        seg_specs=specs,
+        extra_rows=extra,
+        num_layers=2,
+        tail_poison=1e3,
+    )
+    scale = hd**-0.5
+    want = run(ragged_paged_attention_reference, b, scale)
+    got = run(decode_attention_splits_reference, b, scale)
+    assert_close(got, want, b, np.float32, name)
+
+
+_jit_plan = jax.jit(make_decode_plan, static_argnames=("num_rows", "tuning"))
+
+
+def _plan(q_len, ctx, q_start=None, num_rows=None, kvh=16, mb=None, **knobs):
     q_len = np.asarray(q_len, np.int32)
     ctx = np.asarray(ctx, np.int32)
     if q_start is None:
         q_start = np.concatenate([[0], np.cumsum(q_len)[:-1]]).astype(np.int32)
     num_rows = num_rows or max(1, int(q_len.sum()))
-    mb = max(1, -(-int(ctx.max()) // 16))
+    mb = mb or max(1, -(-int(ctx.max()) // 16))
     table = np.arange(len(q_len) * mb, dtype=np.int32).reshape(len(q_len), mb)
-    t = decode_tuning(num_rows, len(q_len), 16, 16, mb, 16, **knobs)
-    plan = make_decode_plan(
+    t = decode_tuning(num_rows, len(q_len), 16, kvh, mb, 16, **knobs)
+    plan = _jit_plan(
         jnp.asarray(q_start), jnp.asarray(q_len), jnp.asarray(ctx), jnp.asarray(table), num_rows=num_rows, tuning=t
     )
     return plan, t
 
 
-def _tiles(plan: DecodePlan):
-    return np.asarray(plan.meta[: plan.num_tiles * 8]).reshape(plan.num_tiles, 8)
+def _runs(plan: DecodePlan):
+    """``{(seg, row0): (nrows, pos0, [(k0, k1), ...])}`` per tile, from the plan's items, in order."""
+    items = np.asarray(plan.meta[: plan.num_items * 8]).reshape(plan.num_items, 8)
+    tiles = {}
+    for seg, row0, nrows, pos0, k0, k1, _, _ in items:
+        if nrows == 0:
+            assert k0 == k1 == 0, "padding items are empty"
+            continue
+        tiles.setdefault((int(seg), int(row0)), (int(nrows), int(pos0), []))[2].append((int(k0), int(k1)))
+    return tiles
+
+
+def _check_plan(plan: DecodePlan, t, q_len):
+    """Every tile's runs are contiguous items, whole K/V steps, non-empty, balanced to a step, no
+    shorter than ``min_split_tokens`` unless the context is, at most ``max_splits`` of them, and
+    cover ``[0, pos0 + nrows)`` exactly; every row finds its tile's items; the items fit the grid."""
+    tiles = _runs(plan)
+    min_steps = t.min_split_tokens // t.block_kv
+    for nrows, pos0, runs in tiles.values():
+        kv_len = pos0 + nrows
+        assert 1 <= len(runs) <= t.max_splits
+        assert runs[0][0] == 0 and runs[-1][1] == kv_len
+        assert all(r[1] == n[0] for r, n in zip(runs, runs[1:])), runs
+        assert all(k0 % t.block_kv == 0 and k1 > k0 for k0, k1 in runs)
+        steps = [-(-(k1 - k0) // t.block_kv) for k0, k1 in runs]
+        assert max(steps) - min(steps) <= 1, steps
+        if len(runs) > 1:
+            assert min(steps) >= min_steps, (steps, min_steps)
+    assert sum(len(r[2]) for r in tiles.values()) <= t.num_items
+    assert sum(r[0] for r in tiles.values()) == sum(q_len)
+    row_item, row_items, local = (np.asarray(a) for a in (plan.row_item, plan.row_items, plan.row_local))
+    items = np.asarray(plan.meta[: plan.num_items * 8]).reshape(plan.num_items, 8)
+    for r in range(len(row_item)):
+        if row_items[r] == 0:
+            continue
+        mine = items[row_item[r] : row_item[r] + row_items[r]]
+        assert (mine[:, 1] + local[r] == r).all() and (local[r] < mine[:, 2]).all()
+        nrows, pos0, runs = tiles[int(mine[0, 0]), int(mine[0, 1])]
+        assert len(runs) == row_items[r]
+    assert (row_items > 0).sum() == sum(q_len)
+    return tiles
 
 
 @pytest.mark.parametrize(
@@ -168,47 +243,92 @@ def _tiles(plan: DecodePlan):
     [
         ([1], [4096], {}),
         ([1], [100], {}),
-        ([1, 1, 0, 3], [1, 1000, 7, 64], dict(splits=4)),
-        ([8, 1], [2048, 129], dict(splits=5, min_split_tokens=64)),
-        ([20], [20], dict(block_q=8, splits=3, min_split_tokens=1)),
+        ([1, 1, 0, 3], [1, 1000, 7, 64], dict(target_ctas=64)),
+        ([8, 1], [2048, 129], dict(target_ctas=80, min_split_tokens=64)),
+        ([20], [20], dict(block_q=8, target_ctas=48, min_split_tokens=1)),
+        ([1] * 8, [1, 16, 17, 64, 65, 4096, 4000, 129], {}),
     ],
 )
-def test_plan_splits_cover_each_tile_context_once(q_len, ctx, knobs):
-    """Each tile's runs are whole K/V steps, non-empty, at most ``splits`` of them, and tile
-    ``[0, pos0 + nrows)`` exactly; rows map back to their tile and place in it."""
+def test_plan_items_cover_each_tile_context_once(q_len, ctx, knobs):
     plan, t = _plan(q_len, ctx, **knobs)
-    tiles = _tiles(plan)
-    covered_rows = 0
-    for seg, row0, nrows, pos0, n_split, chunk, _, _ in tiles:
-        if nrows == 0:
-            assert n_split == 0
-            continue
-        covered_rows += nrows
-        kv_len = pos0 + nrows
-        assert 1 <= n_split <= t.splits and chunk % t.block_kv == 0
-        runs = [(p * chunk, min(kv_len, (p + 1) * chunk)) for p in range(n_split)]
-        assert all(k1 > k0 for k0, k1 in runs) and runs[-1][1] == kv_len
-        if n_split > 1:
-            assert chunk >= t.min_split_tokens or chunk * (n_split - 1) < kv_len
-    assert covered_rows == sum(q_len)
-    row_tile, row_local = np.asarray(plan.row_tile), np.asarray(plan.row_local)
-    for r in range(sum(q_len)):
-        seg, row0, nrows = tiles[row_tile[r], :3]
-        assert row0 + row_local[r] == r and row_local[r] < nrows
+    _check_plan(plan, t, q_len)
+
+
+def test_plan_follows_the_active_work():
+    """An 8-row bucket (Ouro: 16 KV heads, 4K table): the item count follows the active rows, not
+    the bucket; long contexts get the splits; runs never drop below ``min_split_tokens``."""
+    pad = dict(q_start=None, num_rows=8)
+    one, t = _plan([1] + [0] * 7, [4096] + [0] * 7, **pad)  # 1 stream: 16 x 16 CTAs of 4 steps
+    assert (t.num_items, t.max_splits) == (17, 16)
+    assert [len(r[2]) for r in _runs(one).values()] == [16]
+    short, _ = _plan([1] + [0] * 7, [1024] + [0] * 7, **pad)  # 1K: 8 runs of the 128-token minimum
+    assert [len(r[2]) for r in _runs(short).values()] == [8]
+    full, _ = _plan([1] * 8, [4096] * 8)  # 8 streams: 2 runs each, 256 CTAs
+    assert [len(r[2]) for r in _runs(full).values()] == [2] * 8
+    mixed, tm = _plan([1] * 4 + [0] * 4, [4096, 64, 1, 2048] + [0] * 4, **pad)
+    n = {row0: len(r[2]) for (_, row0), r in _runs(mixed).items()}
+    assert n[0] > n[3] > n[1] == n[2] == 1 and sum(n.values()) <= tm.target_items
+    _check_plan(mixed, tm, [1] * 4)
+    big, t = _plan([1] * 32, [4096] * 32)  # more tiles than the target: one item each
+    assert t.num_items == 32 and [len(r[2]) for r in _runs(big).values()] == [1] * 32
+
+
+PLAN_LOADS = st.tuples(
+    st.lists(st.tuples(st.sampled_from([0, 1, 1, 1, 2, 8, 20]), st.integers(0, 5000)), min_size=1, max_size=12),
+    st.sampled_from([2, 4, 16]),  # KV heads of 16 query heads: g = 8, 4, 1
+    st.sampled_from([1, 16, 100, 264, 1000]),  # target_ctas
+    st.sampled_from([1, 64, 128, 500]),  # min_split_tokens
+    st.sampled_from([64, 128]),  # block_kv
+    st.integers(0, 1),  # spare rows (x 6)
+)
+
+
+def _check_load(load):
+    specs, kvh, target, min_split, block_kv, extra = load
+    specs = specs + [(0, 0)] * (12 - len(specs))  # fixed shapes: one compilation per tuning
+    q_len = [q for q, _ in specs]
+    ctx = [max(c, q) if q else c for q, c in specs]
+    plan, t = _plan(
+        q_len, ctx, num_rows=12 * 20 + 6 * extra, kvh=kvh, mb=313, target_ctas=target, min_split_tokens=min_split,
+        block_kv=block_kv,
+    )  # fmt: skip
+    _check_plan(plan, t, q_len)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(PLAN_LOADS)
+def test_plan_bounds_hold_for_any_load(load):
+    """The static item count and per-tile bound of ``decode_tuning`` hold for any segments: no
+    item is dropped (every context covered), none exceeds the merge's gather width."""
+    _check_load(load)
+
+
+@pytest.mark.slow
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(PLAN_LOADS)
+def test_plan_bounds_hold_for_any_load_many(load):
+    _check_load(load)
 
 
 def test_plan_empty_rows_and_padding_segments():
     plan, _ = _plan([0, 2, 0], [50, 40, 9], q_start=[0, 3, 1], num_rows=7)
-    np.testing.assert_array_equal(np.asarray(plan.row_tile) >= 0, [0, 0, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(np.asarray(plan.row_items) > 0, [0, 0, 0, 1, 1, 0, 0])
 
 
 def test_decode_tuning_defaults():
-    """Engine buckets (S = R): 8-row tiles; splits fill ~2 CTAs per SM of an H200 for one row."""
+    """Engine buckets (S = R): 8-row tiles, 64-token steps; the static item count is
+    ``max(tiles, ceil(264 / KVH))`` (capped by the runs a context can hold)."""
     t1 = decode_tuning(1, 1, 16, 16, 256, 16)
-    assert (t1.block_q, t1.block_kv) == (8, 64) and 16 <= t1.splits * 16 <= 2 * 264
-    assert decode_tuning(1, 1, 16, 16, 4, 16).splits == 1  # a 64-token context: one run
-    assert decode_tuning(8, 8, 16, 16, 256, 16).splits == 3
-    assert decode_tuning(128, 128, 16, 16, 256, 16).splits == 1
+    assert (t1.block_q, t1.block_kv, t1.num_items, t1.max_splits) == (8, 64, 16, 16)
+    assert decode_tuning(1, 1, 16, 16, 4, 16).num_items == 1  # a 64-token context: one run
+    assert decode_tuning(1, 1, 16, 16, 16, 16).num_items == 2  # 256 tokens: two runs of 128
+    assert decode_tuning(8, 8, 16, 16, 256, 16).num_items == 17
+    assert decode_tuning(16, 16, 16, 16, 256, 16).num_items == 17
+    assert decode_tuning(128, 128, 16, 16, 256, 16).num_items == 128
+    t = decode_tuning(8, 8, 8, 2, 256, 16)  # g = 4: 132 items aimed at, 64 runs at most per tile
+    assert (t.target_items, t.max_splits, t.num_items) == (132, 32, 132)
+    assert decode_tuning(8, 8, 16, 16, 256, 16, target_ctas=528).num_items == 33
+    assert decode_tuning(8, 8, 16, 16, 256, 16, min_split_tokens=100).min_split_tokens == 128  # whole steps
     assert decode_tuning(64, 1, 16, 16, 256, 16).block_q == 64  # one segment of 64 rows: one tile
     assert decode_tuning(64, 1, 8, 2, 256, 16).block_q == 16  # g = 4
     assert decode_tuning(8, 8, 16, 16, 8, 128).block_kv == 128  # pages of 128 tokens
@@ -216,6 +336,10 @@ def test_decode_tuning_defaults():
         decode_tuning(8, 8, 8, 2, 256, 16, block_q=32)  # 32 x 4 > 64
     with pytest.raises(ValueError, match="block_q"):
         decode_tuning(8, 8, 16, 16, 256, 16, block_q=12)
+    with pytest.raises(ValueError, match="target_ctas"):
+        decode_tuning(8, 8, 16, 16, 256, 16, target_ctas=0)
+    with pytest.raises(ValueError, match="block_kv"):
+        decode_tuning(8, 8, 16, 16, 256, 16, block_kv=40)
 
 
 def test_supported_and_refused_launches():
@@ -224,6 +348,7 @@ def test_supported_and_refused_launches():
     assert "dtype" in supported(jnp.float32, 128, 16)
     assert "head_dim" in supported(jnp.bfloat16, 96, 16)
     assert "block_size" in supported(jnp.bfloat16, 128, 4)
+    assert "block_kv 32" in supported(jnp.bfloat16, 128, 16, block_kv=32)
     assert "query heads" in supported(jnp.bfloat16, 128, 16, 16)
     z = jnp.zeros((1,), jnp.int32)
     table = jnp.zeros((1, 4), jnp.int32)
@@ -286,16 +411,15 @@ def test_dispatch_plan_drives_the_twin():
     seg = [jnp.asarray(b[k]) for k in ("q_start", "q_len", "ctx_len", "tables")]
     plan = kernel.plan(*seg)
     t = kernel.decode_tuning(*b["tables"].shape)
-    assert isinstance(plan, DecodePlan) and (plan.block_q, plan.splits, plan.block_kv) == (
-        t.block_q,
-        t.splits,
-        t.block_kv,
-    )
+    assert isinstance(plan, DecodePlan) and plan.tuning == t
     want = run(ragged_paged_attention_reference, b, 0.125)
     got = run(functools.partial(decode_attention_splits_reference, plan=plan), b, 0.125)
     assert_close(got, want, b, np.float32, "twin with the dispatcher's plan")
     with pytest.raises(ValueError, match="plan built for"):
-        run(functools.partial(decode_attention_splits_reference, plan=plan, splits=plan.splits + 1), b, 0.125)
+        run(functools.partial(decode_attention_splits_reference, plan=plan, block_kv=128), b, 0.125)
+    with pytest.raises(ValueError, match="another bucket"):  # a plan of a wider block table
+        other = kernel.plan(*seg[:3], jnp.pad(seg[3], ((0, 0), (0, 64))))
+        run(functools.partial(decode_attention_splits_reference, plan=other), b, 0.125)
 
 
 def _lower(r, s, h, kvh, hd, mb, bs, layered, **knobs):
@@ -319,11 +443,11 @@ def _lower(r, s, h, kvh, hd, mb, bs, layered, **knobs):
 
 @pytest.mark.parametrize(
     "r,s,mb",
-    [(1, 1, 256), (8, 8, 256), (128, 128, 256), (8, 8, 512), (64, 1, 64)],
+    [(1, 1, 256), (8, 8, 256), (16, 16, 256), (32, 32, 256), (128, 128, 256), (8, 8, 512), (64, 1, 64)],
 )
 def test_mosaic_lowering_ouro_shapes(r, s, mb):
-    """Ouro-1.4B (16 heads = KV heads, head_dim 128, pages of 16, stacked pool): 1 / 8 / 128 rows
-    of an engine bucket at up to 4K (8K) context, and one 64-row segment."""
+    """Ouro-1.4B (16 heads = KV heads, head_dim 128, pages of 16, stacked pool): 1 / 8 / 16 / 32 /
+    128 rows of an engine bucket at up to 4K (8K) context, and one 64-row segment."""
     _lower(r, s, 16, 16, 128, mb, 16, True)
 
 
@@ -333,7 +457,8 @@ def test_mosaic_lowering_ouro_shapes(r, s, mb):
         (8, 2, 64, 8, False, {}),
         (8, 1, 64, 16, False, {}),
         (6, 2, 128, 16, True, dict(block_q=16)),
-        (4, 4, 64, 16, True, dict(block_kv=128, max_concurrent_steps=3, splits=4)),
+        (4, 4, 64, 16, True, dict(block_kv=128, max_concurrent_steps=3, target_ctas=64)),
+        (16, 16, 128, 16, True, dict(block_kv=64, max_concurrent_steps=4, min_split_tokens=64)),
     ],
 )
 def test_mosaic_lowering_test_shapes(h, kvh, hd, bs, layered, knobs):
@@ -371,6 +496,8 @@ def test_mgpu_decode_matches_reference(case):
     "specs,extra",
     [
         ([(1, 4096)], 0),  # one stream at 4K
+        ([(1, 4096)] + [(0, 0)] * 7, 7),  # one stream in an 8-row bucket: 16 items of the 17
+        ([(1, 4096), (1, 1), (1, 17), (1, 1024)] + [(0, 0)] * 12, 12),  # mixed, 16-row bucket
         ([(1, 1024)] * 8, 0),  # 8 streams at 1K
         ([(1, 2048 + 7 * i) for i in range(8)], 0),  # off page boundaries
         ([(1, 513 + 61 * i) for i in range(100)] + [(0, 0)] * 28, 28),  # 100 streams in a 128 bucket
