@@ -25,8 +25,18 @@ that the KV read each call is not L2-resident), 2 warm-ups, median of ``reps`` r
 (``block_until_ready``), divided by ``n_calls``. ``ours_ms`` builds the work plan once per jit (the
 engine builds it once per step for all layers); ``ours_unplanned_ms`` (decode) rebuilds it per call.
 
+Bucket mode (``--decode-bucket R[,R2]``): ``a`` active decode rows (``--decode-rows``) inside an
+engine bucket of ``R`` rows and ``R`` segment slots (the rest padding, as the scheduler emits them),
+at each ``--decode-ctx``: Triton with the engine's plan, ``mgpu_decode`` with its defaults, and
+each ``--decode-knobs`` variant of it (``;``-separated, each ``knob=value,...`` of
+``decode_attention_mgpu.decode_tuning``: block_kv, max_concurrent_steps, target_ctas,
+min_split_tokens, block_q), every call the whole attention (partials and merge), the plan built
+once per jit. Writes DIR/attention_decode_buckets.json (and .png) instead of the sweep's files.
+
 Usage: PYTHONPATH=. python3 benchmarks/attention_sweep.py [--out DIR] [--quick] [--tune]
        [--decode-rows 1,8,32,128 --decode-ctx 512,1024,2048,4096,8192 --no-prefill]
+       [--decode-bucket 8,16 --decode-rows 1,2,4,8,16 --decode-ctx 1024,4096
+        --decode-knobs "block_kv=128;max_concurrent_steps=3;target_ctas=528"]
 Writes DIR/attention_sweep.json (and .png), also copied to benchmarks/results/.
 """
 
@@ -51,6 +61,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks import ceilings as ceilings_mod  # noqa: E402
+from pallas_kernels import decode_attention_mgpu as mgd  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (
     default_tuning,
@@ -526,6 +537,179 @@ def table(records):
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# Bucket mode: a active decode rows in an R-row engine bucket
+# ----------------------------------------------------------------------------------------------
+
+KNOB_NAMES = ("block_q", "block_kv", "max_concurrent_steps", "target_ctas", "min_split_tokens")
+
+
+def parse_knobs(text):
+    """``"block_kv=128;max_concurrent_steps=3,target_ctas=528"`` -> {name: knobs}; a ValueError
+    for an unknown knob or a non-integer value, before any work."""
+    out = {}
+    for part in (p.strip() for p in (text or "").split(";")):
+        if not part:
+            continue
+        knobs = {}
+        for kv in part.split(","):
+            name, _, value = kv.partition("=")
+            name = name.strip()
+            if name not in KNOB_NAMES or not value.strip().isdigit():
+                raise ValueError(f"--decode-knobs: {kv!r} is not knob=integer with knob in {KNOB_NAMES}")
+            knobs[name] = int(value)
+        out[part.replace(" ", "")] = knobs
+    return out
+
+
+def bucket_case(key, bucket, active, ctx):
+    """``active`` decode rows at context ``ctx`` in a bucket of ``bucket`` rows and segment slots."""
+    if not 1 <= active <= bucket:
+        raise ValueError(f"{active} active rows do not fit a bucket of {bucket}")
+    c = build_case(key, active, 1, ctx)
+    pad = bucket - active
+    c["q"] = jnp.pad(c["q"], ((0, pad), (0, 0), (0, 0)))
+    zeros = jnp.zeros((pad,), jnp.int32)
+    seg = c["seg"]
+    seg["q_start"] = jnp.concatenate([seg["q_start"], zeros])
+    seg["q_len"] = jnp.concatenate([seg["q_len"], zeros])
+    seg["ctx_len"] = jnp.concatenate([seg["ctx_len"], zeros])
+    seg["tables"] = jnp.concatenate([seg["tables"], jnp.zeros((pad, seg["tables"].shape[1]), jnp.int32)])
+    return c
+
+
+def decode_knob_fn(n_calls, layers, knobs):
+    """``mgpu_decode`` with explicit knobs, the plan built once for all calls (as the engine does)."""
+
+    @jax.jit
+    def f(q, k, v, qs, ql, cl, bt):
+        t = mgd.decode_tuning(q.shape[0], ql.shape[0], H, KVH, bt.shape[1], BS, **knobs)
+        plan = mgd.make_decode_plan(qs, ql, cl, bt, num_rows=q.shape[0], tuning=t)
+        for i in range(n_calls):
+            q = mgd.decode_attention_mgpu(
+                q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers), sm_scale=SCALE, plan=plan
+            )
+        return q
+
+    return f
+
+
+def run_bucket(bucket, active, ctx, *, key, reps, knob_variants):
+    c = bucket_case(key, bucket, active, ctx)
+    args = (c["q"], c["k"], c["v"], c["seg"]["q_start"], c["seg"]["q_len"], c["seg"]["ctx_len"], c["seg"]["tables"])
+    n_calls = max(c["layers"], 16)
+    kv_bytes = active * ctx * KV_TOKEN_BYTES
+    rec = dict(
+        kind="decode_bucket",
+        shape=dict(bucket=bucket, active=active, ctx=ctx, heads=H, kv_heads=KVH, head_dim=HD, block_size=BS),
+        layers_in_pool=c["layers"],
+        n_calls=n_calls,
+        kv_bytes=kv_bytes,
+        mgpu_decode_tuning=vars(mgd.decode_tuning(bucket, bucket, H, KVH, c["seg"]["tables"].shape[1], BS)),
+    )
+    layers = c["layers"]
+    ref = ref_fn(1, layers)(*args)
+    fns = {"triton": lambda n: ours_fn(n, layers, None, kernel="triton")}
+    if dispatch.hopper_available():
+        fns["mgpu_decode"] = lambda n: ours_fn(n, layers, None, kernel="mgpu_decode")
+        for name, knobs in knob_variants.items():
+            fns[f"mgpu_decode[{name}]"] = lambda n, kn=knobs: decode_knob_fn(n, layers, kn)
+    else:
+        rec["note"] = "no Hopper GPU: mgpu_decode not timed"
+    rec["ms"], rec["err_vs_reference"], rec["errors"] = {}, {}, {}
+    for name, make in fns.items():
+        try:
+            rec["err_vs_reference"][name] = rel_err(make(1)(*args)[:active], ref[:active])
+            rec["ms"][name] = timeit(make(n_calls), args, n_calls, reps)
+        except Exception as e:  # noqa: BLE001  (the record says so; the other kernels are still timed)
+            rec["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"  {name} failed: {rec['errors'][name]}")
+    timed = {k: v for k, v in rec["ms"].items() if v}
+    rec["fastest"] = min(timed, key=timed.get) if timed else None
+    rec["gbps"] = {k: kv_bytes / (v * 1e-3) / 1e9 for k, v in timed.items()}
+    del c, args, ref
+    gc.collect()
+    return rec
+
+
+def plot_buckets(records, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        log(f"no plot: {e}")
+        return
+    panels = sorted({(r["shape"]["bucket"], r["shape"]["ctx"]) for r in records})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
+    for ax, (bucket, ctx) in zip(axes[0], panels):
+        rs = sorted((r for r in records if (r["shape"]["bucket"], r["shape"]["ctx"]) == (bucket, ctx)),
+                    key=lambda r: r["shape"]["active"])  # fmt: skip
+        for name in sorted({k for r in rs for k in r["ms"]}):
+            pts = [(r["shape"]["active"], r["ms"][name] * 1e3) for r in rs if r["ms"].get(name)]
+            style = "o-" if name in ("triton", "mgpu_decode") else ".--"
+            ax.plot(*zip(*pts), style, label=name, lw=2 if style == "o-" else 1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("active rows")
+        ax.set_ylabel("us per attention call")
+        ax.set_title(f"bucket {bucket} rows, context {ctx}")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
+
+
+def bucket_main(args, key, reps, dev, t_start):
+    knob_variants = parse_knobs(args.decode_knobs)
+    rows = args.decode_rows or (1, 2, 4, 8, 16)
+    ctxs = args.decode_ctx or (1024, 4096)
+    todo = [(b, a, c) for b in args.decode_bucket for c in ctxs for a in rows if a <= b]
+    records = []
+    path = os.path.join(args.out, "attention_decode_buckets.json")
+
+    def dump(final):
+        with open(path, "w") as fh:
+            json.dump(
+                dict(
+                    workload="decode_bucket",
+                    device=dev.device_kind,
+                    jax_version=jax.__version__,
+                    backend=jax.default_backend(),
+                    knob_variants=knob_variants,
+                    complete=final,
+                    records=records,
+                    wall_s=time.time() - t_start,
+                ),
+                fh,
+                indent=1,
+            )
+
+    for b, a, c in todo:
+        t0 = time.time()
+        try:
+            rec = run_bucket(b, a, c, key=key, reps=reps, knob_variants=knob_variants)
+        except Exception as e:  # noqa: BLE001
+            log(f"bucket {b} active {a} @{c} FAILED: {type(e).__name__}: {str(e)[:500]}")
+            traceback.print_exc()
+            rec = dict(kind="decode_bucket", shape=dict(bucket=b, active=a, ctx=c), error=str(e)[:500], ms={})
+        records.append(rec)
+        times = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rec["ms"].items() if v)
+        log(f"bucket {b} active {a} @{c}: us {times} -> {rec.get('fastest')} ({time.time() - t0:.1f} s)")
+        dump(False)
+    dump(True)
+    plot_buckets([r for r in records if r.get("ms")], os.path.join(args.out, "attention_decode_buckets.png"))
+    if not args.no_copy and os.path.abspath(args.out) != os.path.abspath(RESULTS_DIR):
+        os.makedirs(RESULTS_DIR, exist_ok=True)
+        for name in ("attention_decode_buckets.json", "attention_decode_buckets.png"):
+            src = os.path.join(args.out, name)
+            if os.path.exists(src):
+                shutil.copy(src, os.path.join(RESULTS_DIR, name))
+    log(f"wrote {path} in {time.time() - t_start:.0f} s")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=RESULTS_DIR)
@@ -539,7 +723,14 @@ def main():
     ap.add_argument("--decode-rows", type=ints, default=None, help="decode batch sizes, e.g. 1,8,32,128")
     ap.add_argument("--decode-ctx", type=ints, default=None, help="decode contexts, e.g. 512,1024,4096")
     ap.add_argument("--no-prefill", action="store_true", help="decode shapes only")
+    ap.add_argument(
+        "--decode-bucket", type=ints, default=None, help="bucket mode: active rows (--decode-rows) in buckets of R rows"
+    )
+    ap.add_argument(
+        "--decode-knobs", default="", help='bucket mode: mgpu_decode variants, e.g. "block_kv=128;target_ctas=528"'
+    )
     args = ap.parse_args()
+    parse_knobs(args.decode_knobs)  # a bad knob fails before any work
     global INTERPRET, SMOKE
     if args.smoke:
         INTERPRET = SMOKE = True
@@ -550,6 +741,8 @@ def main():
     dev = jax.devices()[0]
     log(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     t_start = time.time()
+    if args.decode_bucket:
+        return bucket_main(args, key, reps, dev, t_start)
     ceilings = measure_ceilings()
     log(f"ceilings: {ceilings}")
 

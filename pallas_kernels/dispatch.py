@@ -31,10 +31,11 @@ Mosaic kernel altogether.
 ``mgpu_decode`` (the ``attention`` option or the variable) asks for the split-K Mosaic GPU kernel
 (pallas_kernels/decode_attention_mgpu.py) on the buckets it serves: those the rule gives to
 ``triton`` (decode rows and short segments), on Hopper, when :func:`decode_attention_mgpu.supported`
-accepts the bucket; every other bucket keeps the rule's answer. It is no bucket's default: it wins
-over Triton for a single decode row and loses from 8 rows on, and the engine's smallest bucket is 8
-rows, so Triton keeps decode (the measurements: docs/decisions.md, "A split-K Mosaic GPU decode
-kernel").
+accepts the bucket; every other bucket keeps the rule's answer. Under ``pallas`` the rule itself
+gives it the buckets of at most ``MGPU_DECODE_MAX_ROWS`` rows that it would serve when forced
+(:func:`decode_serves`); the constant is 0 (off) until the GPU sweep of the dynamic-split kernel
+(``benchmarks/attention_sweep.py --decode-bucket``) sets it (the earlier static-split figures:
+docs/decisions.md, "A split-K Mosaic GPU decode kernel").
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ MGPU_MIN_ROWS_PER_SEGMENT = 128
 MGPU_MIN_CTAS = 64
 # Fewest rows of an S = R bucket served by the per-segment split (see the module docstring).
 HYBRID_MIN_ROWS = 256
+# Buckets of at most this many rows that the rule gives to Triton go to the split-K Mosaic decode
+# kernel where it can serve them (:func:`decode_serves`). 0: off, Triton keeps decode.
+MGPU_DECODE_MAX_ROWS = 0
 _NO_INTERPRET = "the Mosaic GPU kernel has no CPU interpret mode (wgmma); use attention='triton'"
 
 
@@ -120,8 +124,9 @@ def select_kernel(
     num_kv_heads: int | None = None,
     hopper: bool | None = None,
 ) -> str:
-    """``"triton"``, ``"mgpu"`` or ``"hybrid"`` for a bucket (see the module docstring); a forced
-    ``"mgpu_decode"`` where :func:`decode_serves` says so."""
+    """``"triton"``, ``"mgpu"``, ``"hybrid"`` or ``"mgpu_decode"`` for a bucket (see the module
+    docstring): ``"mgpu_decode"`` where :func:`decode_serves` says so, forced or for buckets of at
+    most ``MGPU_DECODE_MAX_ROWS`` rows."""
     forced = os.environ.get("OURO_JAX_ATTENTION_KERNEL", "")
     if forced.strip():
         value = check_attention(forced, KERNELS, "OURO_JAX_ATTENTION_KERNEL")
@@ -130,6 +135,17 @@ def select_kernel(
         args = (num_rows, num_segments, dtype, head_dim, block_size)
         kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, hopper=hopper)
         return "mgpu_decode" if decode_serves(*args, **kw) else _rule(*args, num_heads=num_heads, hopper=hopper)
+    if num_rows <= MGPU_DECODE_MAX_ROWS and decode_serves(
+        num_rows,
+        num_segments,
+        dtype,
+        head_dim,
+        block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        hopper=hopper,
+    ):
+        return "mgpu_decode"
     return _rule(num_rows, num_segments, dtype, head_dim, block_size, num_heads=num_heads, hopper=hopper)
 
 
