@@ -31,7 +31,8 @@ at each ``--decode-ctx``: Triton with the engine's plan, ``mgpu_decode`` with it
 each ``--decode-knobs`` variant of it (``;``-separated, each ``knob=value,...`` of
 ``decode_attention_mgpu.decode_tuning``: block_kv, max_concurrent_steps, target_ctas,
 min_split_tokens, block_q), every call the whole attention (partials and merge), the plan built
-once per jit. Writes DIR/attention_decode_buckets.json (and .png) instead of the sweep's files.
+once per jit. Writes DIR/attention_decode_buckets_<R>[_<R2>].json (and .png), also copied to
+benchmarks/results/, instead of the sweep's files.
 
 Usage: PYTHONPATH=. python3 benchmarks/attention_sweep.py [--out DIR] [--quick] [--tune]
        [--decode-rows 1,8,32,128 --decode-ctx 512,1024,2048,4096,8192 --no-prefill]
@@ -668,7 +669,8 @@ def bucket_main(args, key, reps, dev, t_start):
     ctxs = args.decode_ctx or (1024, 4096)
     todo = [(b, a, c) for b in args.decode_bucket for c in ctxs for a in rows if a <= b]
     records = []
-    path = os.path.join(args.out, "attention_decode_buckets.json")
+    stem = "attention_decode_buckets_" + "_".join(str(b) for b in args.decode_bucket)
+    path = os.path.join(args.out, stem + ".json")
 
     def dump(final):
         with open(path, "w") as fh:
@@ -700,10 +702,10 @@ def bucket_main(args, key, reps, dev, t_start):
         log(f"bucket {b} active {a} @{c}: us {times} -> {rec.get('fastest')} ({time.time() - t0:.1f} s)")
         dump(False)
     dump(True)
-    plot_buckets([r for r in records if r.get("ms")], os.path.join(args.out, "attention_decode_buckets.png"))
+    plot_buckets([r for r in records if r.get("ms")], os.path.join(args.out, stem + ".png"))
     if not args.no_copy and os.path.abspath(args.out) != os.path.abspath(RESULTS_DIR):
         os.makedirs(RESULTS_DIR, exist_ok=True)
-        for name in ("attention_decode_buckets.json", "attention_decode_buckets.png"):
+        for name in (stem + ".json", stem + ".png"):
             src = os.path.join(args.out, name)
             if os.path.exists(src):
                 shutil.copy(src, os.path.join(RESULTS_DIR, name))
