@@ -24,7 +24,7 @@ all: a few query rows over a long context, where the work is the K/V read and it
   reach past the tile's first query position.
 * Each CTA writes its normalised partial output (f32, only the ``g * block_q`` packed rows) and
   its log2-sum-exp; :func:`merge_splits` (plain jnp, fused by XLA) combines the items of each
-  row (at most ``max_splits`` of them, a static bound) and unpacks ``[R, H, hd]``. Rows of no
+  tile (segment reductions over the item list) and unpacks ``[R, H, hd]``. Rows of no
   segment come out as zeros.
 
 Limits (checked, :func:`supported`): bfloat16/float16, head_dim a multiple of 64, ``block_size`` a
@@ -105,7 +105,7 @@ class DecodeTuning:
     target_ctas: int  # CTAs (items x KV heads) the plan aims for
     num_tiles: int  # static query tiles of the bucket
     target_items: int  # ceil(target_ctas / KVH)
-    max_splits: int  # static bound on one tile's items (the merge's gather width)
+    max_splits: int  # static bound on one tile's items
     num_items: int  # static work items (grid = num_items x KVH)
 
 
@@ -171,7 +171,7 @@ def decode_tuning(
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=("meta", "row_item", "row_items", "row_local"),
+    data_fields=("meta", "item_tile", "row_tile", "row_local"),
     meta_fields=("tuning",),
 )
 @dataclasses.dataclass(frozen=True)
@@ -180,14 +180,14 @@ class DecodePlan:
 
     ``meta``: per work item ``META_FIELDS`` int32 (seg, row0, nrows, pos0, k0, k1, 0, 0), then
     the block table, flat: one freshly computed array (Mosaic GPU wants 256-byte aligned operands;
-    a slice of the engine's packed descriptor is not). Per row ``[R]``: ``row_item``, its tile's
-    first item; ``row_items``, the tile's item count (0: the row is in no segment); ``row_local``,
-    its row within the tile.
+    a slice of the engine's packed descriptor is not). ``item_tile [W]``: the item's tile
+    (``num_tiles`` for padding items); ``row_tile [R]``: the row's tile (-1: no segment);
+    ``row_local [R]``: its row within the tile.
     """
 
     meta: jax.Array
-    row_item: jax.Array
-    row_items: jax.Array
+    item_tile: jax.Array
+    row_tile: jax.Array
     row_local: jax.Array
     tuning: DecodeTuning
 
@@ -246,10 +246,8 @@ def make_decode_plan(
     local = jnp.broadcast_to(i[None, :], (n_t, bq)).reshape(-1)
     row_tile = jnp.full((num_rows,), -1, jnp.int32).at[rows].set(tile_id, mode="drop")
     row_local = jnp.zeros((num_rows,), jnp.int32).at[rows].set(local, mode="drop")
-    rt = jnp.maximum(row_tile, 0)
-    row_item = jnp.where(row_tile >= 0, first[rt], 0).astype(jnp.int32)
-    row_items = jnp.where(row_tile >= 0, n_split[rt], 0).astype(jnp.int32)
-    return DecodePlan(meta, row_item, row_items, row_local, tuning)
+    item_tile = jnp.where(valid, tile, n_t).astype(jnp.int32)
+    return DecodePlan(meta, item_tile, row_tile, row_local, tuning)
 
 
 def plan_items(plan: DecodePlan):
@@ -263,26 +261,25 @@ def merge_splits(part_o, part_lse, plan: DecodePlan, *, num_heads: int, dtype):
     """``[R, H, hd]`` from the partials of every item (log-sum-exp merge, plain jnp).
 
     ``part_o [W, KVH, g * block_q, hd]`` f32, normalised per item; ``part_lse [W, KVH, 64]`` f32,
-    log2 of the item's softmax denominator plus its running max. Each row gathers its tile's
-    ``row_items`` items (of at most ``max_splits``); the rest of the gather is selected away, never
-    multiplied (padding items are never written).
+    log2 of the item's softmax denominator plus its running max. Items are combined per tile by
+    segment reductions (work ~ items, not rows x ``max_splits``), then each row takes its tile's
+    row. Padding items are never written: they are selected away, never multiplied.
     """
     n_w, kvh, gbq, hd = part_o.shape
     g = num_heads // kvh
-    bq, p_max = plan.tuning.block_q, plan.tuning.max_splits
-    p = jnp.arange(p_max, dtype=jnp.int32)
-    idx = jnp.minimum(plan.row_item[:, None] + p[None, :], n_w - 1)  # [R, P]
-    i = plan.row_local[:, None]
-    o = part_o.reshape(n_w, kvh, g, bq, hd)[idx, :, :, i]  # [R, P, KVH, g, hd]
-    lse = part_lse[..., :gbq].reshape(n_w, kvh, g, bq)[idx, :, :, i]  # [R, P, KVH, g]
-    valid = (p[None, :] < plan.row_items[:, None])[:, :, None, None]
-    lse = jnp.where(valid, lse, NEG)
-    m = jnp.max(lse, axis=1, keepdims=True)
-    w = jnp.where(valid, jnp.exp2(lse - m), 0.0)
-    denom = jnp.sum(w, axis=1)  # [R, KVH, g]
-    acc = jnp.sum(jnp.where(valid[..., None], o, 0.0) * w[..., None], axis=1)  # [R, KVH, g, hd]
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    out = jnp.where((plan.row_items > 0)[:, None, None, None], out, 0.0)
+    bq, n_t = plan.tuning.block_q, plan.tuning.num_tiles
+    real = (plan.item_tile < n_t)[:, None, None, None]
+    lse = jnp.where(real, part_lse[..., :gbq].reshape(n_w, kvh, g, bq), NEG)
+    o = jnp.where(real[..., None], part_o.reshape(n_w, kvh, g, bq, hd), 0.0)
+    seg = dict(segment_ids=plan.item_tile, num_segments=n_t, indices_are_sorted=True)
+    m = jax.ops.segment_max(lse, **seg)  # [T, KVH, g, bq]
+    w = jnp.where(real, jnp.exp2(lse - m[jnp.minimum(plan.item_tile, n_t - 1)]), 0.0)
+    denom = jax.ops.segment_sum(w, **seg)
+    acc = jax.ops.segment_sum(o * w[..., None], **seg)  # [T, KVH, g, bq, hd]
+    out_t = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    covered = plan.row_tile >= 0
+    out = out_t[jnp.maximum(plan.row_tile, 0), :, :, plan.row_local]  # [R, KVH, g, hd]
+    out = jnp.where(covered[:, None, None, None], out, 0.0)
     return out.reshape(-1, num_heads, hd).astype(dtype)
 
 

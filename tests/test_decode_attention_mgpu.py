@@ -225,16 +225,18 @@ def _check_plan(plan: DecodePlan, t, q_len):
             assert min(steps) >= min_steps, (steps, min_steps)
     assert sum(len(r[2]) for r in tiles.values()) <= t.num_items
     assert sum(r[0] for r in tiles.values()) == sum(q_len)
-    row_item, row_items, local = (np.asarray(a) for a in (plan.row_item, plan.row_items, plan.row_local))
+    item_tile, row_tile, local = (np.asarray(a) for a in (plan.item_tile, plan.row_tile, plan.row_local))
     items = np.asarray(plan.meta[: plan.num_items * 8]).reshape(plan.num_items, 8)
-    for r in range(len(row_item)):
-        if row_items[r] == 0:
+    real = items[:, 2] > 0
+    assert (item_tile[real] < t.num_tiles).all() and (item_tile[~real] == t.num_tiles).all()
+    assert (np.diff(item_tile) >= 0).all(), "items come tile by tile (sorted segment ids)"
+    for r in range(len(row_tile)):
+        if row_tile[r] < 0:
             continue
-        mine = items[row_item[r] : row_item[r] + row_items[r]]
-        assert (mine[:, 1] + local[r] == r).all() and (local[r] < mine[:, 2]).all()
-        nrows, pos0, runs = tiles[int(mine[0, 0]), int(mine[0, 1])]
-        assert len(runs) == row_items[r]
-    assert (row_items > 0).sum() == sum(q_len)
+        mine = items[item_tile == row_tile[r]]
+        assert len(mine) and (mine[:, 1] + local[r] == r).all() and (local[r] < mine[:, 2]).all()
+        assert len(tiles[int(mine[0, 0]), int(mine[0, 1])][2]) == len(mine)
+    assert (row_tile >= 0).sum() == sum(q_len)
     return tiles
 
 
@@ -312,7 +314,7 @@ def test_plan_bounds_hold_for_any_load_many(load):
 
 def test_plan_empty_rows_and_padding_segments():
     plan, _ = _plan([0, 2, 0], [50, 40, 9], q_start=[0, 3, 1], num_rows=7)
-    np.testing.assert_array_equal(np.asarray(plan.row_items) > 0, [0, 0, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(np.asarray(plan.row_tile) >= 0, [0, 0, 0, 1, 1, 0, 0])
 
 
 def test_decode_tuning_defaults():
