@@ -16,14 +16,18 @@ tests/test_attention_dispatch.py checks it against benchmarks/results/attention_
   ``MGPU_MIN_CTAS`` CTAs (query tiles x heads), on Hopper in bf16/f16 -> ``mgpu`` (TMA, wgmma);
 * engine buckets (``S = R``: any row may be its own segment, so the bucket says nothing about
   segment lengths) of ``HYBRID_MIN_ROWS`` rows or more, which a full load of long segments would
-  fill -> ``hybrid``: split per segment at run time, segments of ``MGPU_MIN_ROWS_PER_SEGMENT`` rows
+  fill -> ``hybrid``: split per segment at run time, segments of ``HYBRID_MIN_SEGMENT_ROWS`` rows
   or more on the Mosaic kernel, the rest on Triton (each launch sees the other half's segments
   with ``q_len = 0``, i.e. as padding), merged per row by the plan's ``long_row`` mask.
 
-The hybrid split's Mosaic launch is packed for ``hybrid_tiles(R, S)`` tiles: at most ``R // 128``
-segments hold 128 rows or more, and one of ``n`` rows spans ``ceil(n / 128) <= 2n / 128`` tiles,
-so ``(R + (R // 128) * 127) // 128 < R / 64`` tiles suffice; the rest are padding and return at
-once. The split itself is not gated at run time: a CTA gate would keep small-head models off the
+The hybrid split's Mosaic launch is packed for ``hybrid_tiles(R, S)`` tiles: at most ``R // m``
+segments hold ``m = HYBRID_MIN_SEGMENT_ROWS`` rows or more, and one of ``n`` rows spans
+``ceil(n / 128)`` tiles, so ``(R + (R // m) * 127) // 128`` tiles suffice (``ragged_paged_attention.
+num_tiles``); the rest are padding and return at once. The threshold is lower than the bucket
+rule's 128 because a segment of 32-127 rows still reads its context once on the Mosaic kernel (a
+tile's second warpgroup, with no rows, skips its steps) against once per 16 rows on Triton: long
+prompts in chunks of 32 and 64 rows gained 12% and 38% (docs/decisions.md, "Hybrid split
+threshold"). The split itself is not gated at run time: a CTA gate would keep small-head models off the
 Mosaic kernel altogether.
 
 ``OURO_JAX_ATTENTION_KERNEL=triton|mgpu|hybrid`` forces the rule's answer (benchmarks, debugging).
@@ -82,6 +86,8 @@ MGPU_MIN_ROWS_PER_SEGMENT = 128
 MGPU_MIN_CTAS = 64
 # Fewest rows of an S = R bucket served by the per-segment split (see the module docstring).
 HYBRID_MIN_ROWS = 256
+# Rows of one segment from which the hybrid split gives it to the Mosaic kernel (module docstring).
+HYBRID_MIN_SEGMENT_ROWS = 32
 # Buckets of at most this many rows that the rule gives to Triton go to the split-K Mosaic decode
 # kernel where it can serve them (:func:`decode_serves`). 0: off, Triton keeps decode.
 MGPU_DECODE_MAX_ROWS = 0
@@ -109,8 +115,9 @@ def hopper_available() -> bool:
 
 
 def hybrid_tiles(num_rows: int, num_segments: int) -> int:
-    """Static tile count of the hybrid split's Mosaic launch (only segments of >= 128 rows)."""
-    return mgpu.mgpu_tiles(num_rows, num_segments, min_segment_rows=MGPU_MIN_ROWS_PER_SEGMENT)
+    """Static tile count of the hybrid split's Mosaic launch (only segments of at least
+    ``HYBRID_MIN_SEGMENT_ROWS`` rows)."""
+    return mgpu.mgpu_tiles(num_rows, num_segments, min_segment_rows=HYBRID_MIN_SEGMENT_ROWS)
 
 
 def select_kernel(
@@ -204,7 +211,7 @@ class HybridPlan(NamedTuple):
 def split_segments(seg_q_len):
     """``(triton_q_len, mgpu_q_len)``: each segment's rows go to exactly one of the kernels."""
     q_len = jnp.maximum(seg_q_len.astype(jnp.int32), 0)
-    long = q_len >= MGPU_MIN_ROWS_PER_SEGMENT
+    long = q_len >= HYBRID_MIN_SEGMENT_ROWS
     return jnp.where(long, 0, q_len), jnp.where(long, q_len, 0)
 
 

@@ -30,9 +30,9 @@ and has no such condition.
 
 Decode rows and short segments stay on the Triton kernel: ``dispatch.select_kernel`` chooses per
 bucket from the crossover, or splits one invocation per segment (``"hybrid"``: segments
-of 128 rows or more here, the rest on Triton; pallas_kernels/dispatch.py). For the hybrid split
+of ``dispatch.HYBRID_MIN_SEGMENT_ROWS`` rows or more here, the rest on Triton). For the hybrid split
 the packing takes a small static tile bound (``max_tiles``, from ``mgpu_tiles(...,
-min_segment_rows=128)``), so most launches hold a few padding tiles (``nrows == 0``); such a tile
+min_segment_rows=...)``), so most launches hold a few padding tiles (``nrows == 0``); such a tile
 returns at once: no Q load, no K/V step, no store (its rows of the packed output are never
 unpacked).
 """
@@ -120,7 +120,7 @@ def make_packing(
 ) -> Packing:
     """The kernel's per-invocation inputs. ``max_tiles`` (static) bounds the launch's tiles: the
     default holds for any segments (in the engine's ``S = R`` buckets that is ``R`` tiles); the
-    hybrid dispatch passes ``mgpu_tiles(R, S, min_segment_rows=128)``, about ``R / 64``."""
+    hybrid dispatch passes ``dispatch.hybrid_tiles(R, S)``, a few times ``R / 128``."""
     tiles, src, dst = tile_rows(
         seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=block_q, max_tiles=max_tiles
     )

@@ -1,6 +1,6 @@
-"""The "hybrid" attention split (pallas_kernels/dispatch.py): in one invocation, segments of >= 128
-rows go to the Mosaic GPU kernel and every other segment to the Triton kernel; the two outputs are
-merged per row.
+"""The "hybrid" attention split (pallas_kernels/dispatch.py): in one invocation, segments of at least
+``HYBRID_MIN_SEGMENT_ROWS`` rows go to the Mosaic GPU kernel and every other segment to the Triton
+kernel; the two outputs are merged per row.
 
 On CPU: (a) the Triton half (Pallas interpret mode) gives reference values on rows of short
 segments and zeros on rows of long segments and of no segment, and the merge gives the reference on
@@ -30,7 +30,7 @@ from tests.test_pallas_attention import assert_close, make_batch
 ON_HOPPER = dispatch.hopper_available()
 gpu = pytest.mark.gpu
 skip_no_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper (sm90+) GPU")
-LONG = dispatch.MGPU_MIN_ROWS_PER_SEGMENT
+LONG = dispatch.HYBRID_MIN_SEGMENT_ROWS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,7 +221,9 @@ def check_packing(lens, num_rows, num_segments=None, gaps=None):
     kernel = dispatch.AttentionKernel("hybrid", num_rows, 2, 2, 64)
     plan = make_plan(kernel, jnp.asarray(qs), jnp.asarray(ql), jnp.asarray(cl), jnp.asarray(table))
     bound = dispatch.hybrid_tiles(num_rows, num_segments)
-    assert bound <= max(1, num_rows // 64), (num_rows, bound)
+    # at most R // LONG segments reach the Mosaic launch, each needing ceil(n / 128) tiles
+    assert bound <= max(1, (num_rows + (num_rows // LONG) * 127) // 128), (num_rows, bound)
+    assert bound < max(2, num_rows // 16), (num_rows, bound)  # far below one tile per row
     tiles = np.asarray(plan.mgpu.meta[: 4 * bound]).reshape(bound, 4)
     assert plan.mgpu.src.shape == (bound * 128,) and plan.mgpu.dst.shape == (num_rows,)
     # every row of a long segment in exactly one tile, nothing else
@@ -255,23 +257,25 @@ def check_packing(lens, num_rows, num_segments=None, gaps=None):
 @pytest.mark.parametrize("r", [256, 512, 1024, 2048])
 def test_tile_bound_on_adversarial_layouts(r):
     """Engine buckets (S = R): segments of exactly 128 rows (full tiles), of 129 (two tiles, the
-    second of one row: the worst case, which meets the bound), 129/127 alternating (short ones stay
-    on Triton), one segment of R rows, no long segment at all, decode rows only."""
+    second of one row), of the threshold's rows (one tile each: the most tiles R rows can need),
+    129/threshold-1 alternating (short ones stay on Triton), one segment of R rows, no long segment
+    at all, decode rows only."""
     layouts = {
         "128s": [128] * (r // 128),
         "129s": [129] * (r // 129),
-        "129/127": [129, 127] * (r // 256),
+        "LONGs": [LONG] * (r // LONG),
+        "129/short": [129, LONG - 1] * (r // (128 + LONG)),
         "one": [r],
-        "none": [127] * (r // 127),
+        "none": [LONG - 1] * (r // (LONG - 1)),
         "decode": [1] * r,
         "mixed": [1, 200, 64, 1, 128, 3] * (r // 400) or [1, 129],
     }
     for name, lens in layouts.items():
         needed, bound = check_packing(lens, r, num_segments=r)
-        if name == "129s" and r >= 1024:
-            assert needed >= bound - 1, "the bound should be nearly tight on 129-row segments"
+        if name == "LONGs":
+            assert needed == r // LONG and bound - needed <= r // 128, "the bound should be nearly tight"
     # the generic bound (any segment lengths) would launch one tile per row
-    assert mgpu_tiles(r, r) == r and dispatch.hybrid_tiles(r, r) < r // 64 + 1
+    assert mgpu_tiles(r, r) == r and dispatch.hybrid_tiles(r, r) < r // 16
 
 
 @settings(max_examples=25, deadline=None)
@@ -315,7 +319,7 @@ def _h200_triton_info():
 def test_hybrid_lowering_on_cpu(r):
     """One plan, two layers (as the runner does): both kernels lower (Pallas -> Mosaic GPU and
     Pallas -> Triton, for CUDA, from a CPU host), and the Mosaic launch packs the small bound of
-    tiles (7 x 128 rows for R = 512, not the generic R tiles)."""
+    tiles (``(R + (R // 32) * 127) // 128``: 19 x 128 rows for R = 512, not the generic R tiles)."""
     h, kvh, hd, bs, mb, nb, layers = 16, 16, 128, 16, 4096 // 16, 512, 2
     sd = jax.ShapeDtypeStruct
     pool = sd((layers, kvh, nb, bs, hd), jnp.bfloat16)
@@ -341,7 +345,8 @@ def test_hybrid_lowering_on_cpu(r):
     assert text.count("call @ragged_paged_attention(") == layers
     assert text.count("call @ragged_paged_attention_mgpu(") == layers
     t = dispatch.hybrid_tiles(r, r)
-    assert t == (r + (r // 128) * 127) // 128 and t * 128 < 2 * r
+    m = dispatch.HYBRID_MIN_SEGMENT_ROWS
+    assert t == (r + (r // m) * 127) // 128 and t < r // 8
     assert f"tensor<{t * 128}x{h}x{hd}xbf16>" in text  # the packed queries of the Mosaic launch
 
 
