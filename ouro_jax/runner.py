@@ -422,7 +422,9 @@ class ModelRunner:
 
     ``decode_matmul``: ``"xla"`` (default) or ``"mgpu"``: buckets of at most
     ``DECODE_MATMUL_MAX_ROWS`` rows compute the four layer projections with the skinny Mosaic GPU
-    kernel (Hopper, unrolled layers); ``"reference"`` runs its jnp twin there (CPU tests).
+    kernel (Hopper, unrolled layers); ``"reference"`` runs its jnp twin there (CPU tests). Not the
+    default: in the engine its split-K partial sums cost a fusion per projection, more than the
+    kernel saves (docs/decisions.md, "Mosaic GPU paths for small decode buckets").
 
     ``devices``: the ``N`` devices this runner owns (default: the first ``N`` of ``jax.devices()``);
     data-parallel replicas each get a disjoint set (``ouro_jax/server/replicas.py``).

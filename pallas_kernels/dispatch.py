@@ -37,9 +37,8 @@ Mosaic kernel altogether.
 ``triton`` (decode rows and short segments), on Hopper, when :func:`decode_attention_mgpu.supported`
 accepts the bucket; every other bucket keeps the rule's answer. Under ``pallas`` the rule itself
 gives it the buckets of at most ``MGPU_DECODE_MAX_ROWS`` rows that it would serve when forced
-(:func:`decode_serves`); the constant is 0 (off) until the GPU sweep of the dynamic-split kernel
-(``benchmarks/attention_sweep.py --decode-bucket``) sets it (the earlier static-split figures:
-docs/decisions.md, "A split-K Mosaic GPU decode kernel").
+(:func:`decode_serves`); the constant is 0 (off): in the engine the Mosaic decode path was slower
+than Triton at 1 and 8 streams (docs/decisions.md, "Mosaic GPU paths for small decode buckets").
 """
 
 from __future__ import annotations
