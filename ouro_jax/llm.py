@@ -31,6 +31,7 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.sizes import pool_blocks
 
 from .config import PRESETS, OuroConfig
+from .device_memory import device_memory
 from .executable_store import ExecutableStore
 from .options import LAYER_LOOPS, choice, dtype_option
 from .parallel import check_devices, check_tensor_parallel
@@ -119,18 +120,6 @@ def _load_tokenizer(folder: str, config: OuroConfig):
             stacklevel=3,
         )
     return tok
-
-
-def _device_memory(device=None) -> Optional[tuple[int, int]]:
-    """``(bytes_limit, bytes_in_use)`` of ``device`` (default: the first one), or None where the
-    backend has no stats."""
-    try:
-        stats = (device or jax.devices()[0]).memory_stats()
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        return None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
 # Rows per invocation when the caller names none. On a GPU 2048 rows read the weights once for
@@ -424,7 +413,7 @@ class LLM:
 
     def _size_pool(self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size, tp=1):
         if kv_cache_bytes is None:
-            mem = _device_memory(self.devices[0] if self.devices else None)
+            mem = device_memory(self.devices[0] if self.devices else None)
             if mem is None:  # CPU: enough for every sequence at full length, capped at 1 GiB
                 want = pool_blocks(max_num_seqs, max_model_len, planes, block_size)
                 return int(min(want, max(2, (1 << 30) // block_bytes)))

@@ -27,6 +27,7 @@ import numpy as np
 from . import exit_rule
 from .attention import DenseCacheAttention
 from .config import OuroConfig
+from .device_memory import device_memory
 from .model import OuroModel, dtype_of
 from .sampling import sample
 
@@ -36,6 +37,33 @@ __all__ = ["generate", "GenerateResult"]
 class GenerateResult(NamedTuple):
     tokens: jax.Array  # [B, N] int32
     exit_depths: jax.Array  # [B, N] int32, 0-based loop that produced each token (first = T-1)
+
+
+def dense_cache_bytes(config: OuroConfig, batch: int, max_len: int, dtype) -> int:
+    """Bytes of ``generate()``'s dense per-loop K and V caches: every layer keeps ``T`` planes of
+    ``[batch, max_len, KVH, hd]`` each, whatever the prompts' real lengths (the engine's paged
+    cache holds only what requests use)."""
+    per = batch * max_len * config.num_key_value_heads * config.head_dim * jnp.dtype(dtype).itemsize
+    return 2 * config.num_hidden_layers * config.num_loops * per
+
+
+def check_cache_fits(config: OuroConfig, batch: int, max_len: int, dtype, memory=None) -> None:
+    """``ValueError`` before anything is compiled when the dense caches alone exceed what the
+    device can still hold (``memory``: ``(bytes_limit, bytes_in_use)``, default the device's own;
+    no stats, as on the CPU: no check). The caches are a lower bound of what the run needs."""
+    memory = device_memory() if memory is None else memory
+    if memory is None:
+        return
+    need = dense_cache_bytes(config, batch, max_len, dtype)
+    free = memory[0] - memory[1]
+    if need > free:
+        gib = 1 << 30
+        raise ValueError(
+            f"generate()'s dense KV caches need {need / gib:.1f} GiB for batch {batch} x {max_len} "
+            f"positions x {config.num_loops} loops, and the device has {free / gib:.1f} GiB free: lower the "
+            "batch, the prompt length or max_new_tokens, or use LLM, whose paged cache holds only what "
+            "requests use"
+        )
 
 
 def _sample_rows(model, params, h, temperature, top_k, top_p, rng, step):
@@ -205,6 +233,7 @@ def generate(
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     dtype_name = str(jax.tree.leaves(params)[0].dtype)
+    check_cache_fits(config, b, p + max_new_tokens, dtype_name)
     return _generate(
         params,
         prompt_ids,
