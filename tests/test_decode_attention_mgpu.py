@@ -110,6 +110,7 @@ def _check_twin(case):
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(decode_batches())
+@pytest.mark.slow
 def test_split_twin_matches_reference(case):
     """The kernel's decomposition (work items x KV heads, merged by log-sum-exp) in f32 is the
     reference to f32 rounding: every key is counted once, masked keys never."""
@@ -155,7 +156,11 @@ AWKWARD = {
 }
 
 
-@pytest.mark.parametrize("name", list(AWKWARD))
+# two cases by default (one stream in an 8-row bucket, GQA), the rest in the slow suite (CPU time)
+FAST_AWKWARD = ("1 active row in an 8-row bucket", "GQA g=4")
+
+
+@pytest.mark.parametrize("name", [n if n in FAST_AWKWARD else pytest.param(n, marks=pytest.mark.slow) for n in AWKWARD])
 def test_split_twin_awkward_batches(name):
     """The twin with default (dynamic) splits on engine-like batches: padding segments, contexts
     on and off page / step boundaries, one long row next to short ones, GQA, a prompt chunk."""
@@ -393,6 +398,7 @@ def test_dispatch_mgpu_decode_choice(monkeypatch):
         dispatch.AttentionKernel("mgpu_decode", 8, 16, 16, 128)
 
 
+@pytest.mark.slow
 def test_dispatch_plan_drives_the_twin():
     """The dispatcher's per-invocation plan (built once, shared by every layer) has the bucket's
     tuning, and the twin run with it is the reference."""

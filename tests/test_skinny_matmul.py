@@ -259,6 +259,7 @@ def test_gpu_kernel_other_knobs(knobs):
     _check_gpu(16, 2048, (6144,), **knobs)
 
 
+@pytest.mark.slow
 def test_sweep_smoke_and_gpu_refusal(tmp_path):
     """benchmarks/matmul_sweep.py: the CPU plumbing (twin in the kernel's place: check, timing,
     JSON naming the device); without --smoke off a Hopper GPU it refuses with exit code 2."""
@@ -280,6 +281,7 @@ def test_sweep_smoke_and_gpu_refusal(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_engine_decode_matmul_plumbing(monkeypatch):
     """With the twin in the kernel's place (``decode_matmul="reference"``, let through the LLM's
     check here) the small buckets' projections go through it and the tokens and depths are the
