@@ -219,6 +219,9 @@ class LLM:
         c, folder = self._resolve_model(model)
         # tensor parallel: checked against the config before any weight is read, and the weights
         # then read to the host, so that the runner places each leaf straight into its shards
+        if decode_matmul != "xla" and _is_int(tensor_parallel_size) and tensor_parallel_size > 1:
+            # the kernel on weight shards inside shard_map was never run or tested
+            raise ValueError(f"decode_matmul={decode_matmul!r} is not supported with tensor_parallel_size > 1")
         tp = check_tensor_parallel(c, tensor_parallel_size)
         self.tensor_parallel_size = tp
         # the devices this engine owns (a data-parallel replica): weights are read to the host and

@@ -311,3 +311,12 @@ def test_default_row_budget_follows_the_backend():
     # the default row budget does not skip the other checks (it once shadowed this one)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLM("tiny", max_model_len=10**6, warmup=False, progress=False)
+
+
+def test_decode_matmul_mgpu_refused_with_tensor_parallel(monkeypatch):
+    """The skinny kernel has never run on weight shards: asked for with TP it is refused up front."""
+    import pallas_kernels.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "hopper_available", lambda: True)
+    with pytest.raises(ValueError, match="decode_matmul='mgpu' is not supported with tensor_parallel_size > 1"):
+        LLM("tiny", tensor_parallel_size=2, decode_matmul="mgpu")
