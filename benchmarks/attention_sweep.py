@@ -51,7 +51,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import time
 import traceback
@@ -64,6 +63,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks import ceilings as ceilings_mod  # noqa: E402
+from benchmarks.timing import per_call_s  # noqa: E402
 from pallas_kernels import decode_attention_mgpu as mgd  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (
@@ -206,26 +206,10 @@ def cudnn_fn(n_calls, layers, n_seg, q_len, causal):
     return f
 
 
-def _median_s(fn, args, reps):
-    jax.block_until_ready(fn(*args))  # compile
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def timeit(make, args, n_calls, reps):
-    """ms per call: ``(t(2n) - t(n)) / n`` over the jits ``make(n)`` and ``make(2n)`` of ``n`` and
-    ``2n`` chained calls, which cancels the jit's fixed launch cost (~0.2-0.3 ms on the H200 host,
-    10-20 us a call at the 16-24 calls of a decode shape); ``t(2n) / 2n`` (an upper bound) where
-    noise makes the difference non-positive."""
-    t1 = _median_s(make(n_calls), args, reps)
-    t2 = _median_s(make(2 * n_calls), args, reps)
-    return ((t2 - t1) / n_calls if t2 > t1 else t2 / (2 * n_calls)) * 1e3
+    """ms per call of the chain ``make(n)`` (``benchmarks.timing.per_call_s``: the jit's launch
+    cancelled)."""
+    return per_call_s(make, args, n_calls, reps) * 1e3
 
 
 def rel_err(a, b):

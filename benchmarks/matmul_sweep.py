@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
 import traceback
@@ -40,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks import ceilings as ceilings_mod  # noqa: E402
+from benchmarks.timing import per_call_s  # noqa: E402
 from pallas_kernels import skinny_matmul_mgpu as sk  # noqa: E402
 
 NOMINAL_BW = 4.8e12  # H200 HBM3e, bytes/s
@@ -75,26 +75,10 @@ def nbytes(m, k, n):
     return 2 * (k * n + m * k + m * n)
 
 
-def _median_s(fn, args, reps):
-    jax.block_until_ready(fn(*args))  # compile
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def timeit(f, xs, ws, reps):
-    """us per call of ``f``: ``(t(2n) - t(n)) / n`` over jits of ``n = len(ws)`` and ``2n`` calls
-    (module docstring), ``xs`` holding ``2n`` inputs; ``t(2n) / 2n`` (an upper bound) where noise
-    makes the difference non-positive."""
-    n = len(ws)
-    t1 = _median_s(many(f, n), (xs[:n], ws), reps)
-    t2 = _median_s(many(f, 2 * n), (xs, ws), reps)
-    return ((t2 - t1) / n if t2 > t1 else t2 / (2 * n)) * 1e6
+    """us per call of ``f`` over the weight copies ``ws`` and the ``2 len(ws)`` inputs ``xs``
+    (``benchmarks.timing.per_call_s``: the jit's launch cancelled)."""
+    return per_call_s(lambda n: many(f, n), (xs, ws), len(ws), reps) * 1e6
 
 
 def _args(m, k, out, seed=0):

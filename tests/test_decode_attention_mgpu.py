@@ -124,6 +124,7 @@ def test_split_twin_matches_reference_many(case):
     _check_twin(case)
 
 
+@pytest.mark.slow
 def test_split_twin_bf16_and_default_knobs():
     """bf16 as the kernel runs it (bf16 probabilities into P.V), default knobs of an S = R bucket."""
     rng = np.random.default_rng(3)
@@ -156,8 +157,8 @@ AWKWARD = {
 }
 
 
-# two cases by default (one stream in an 8-row bucket, GQA), the rest in the slow suite (CPU time)
-FAST_AWKWARD = ("1 active row in an 8-row bucket", "GQA g=4")
+# one case by default (one stream in an 8-row bucket), the rest in the slow suite (CPU time)
+FAST_AWKWARD = ("1 active row in an 8-row bucket",)
 
 
 @pytest.mark.parametrize("name", [n if n in FAST_AWKWARD else pytest.param(n, marks=pytest.mark.slow) for n in AWKWARD])
@@ -451,7 +452,11 @@ def _lower(r, s, h, kvh, hd, mb, bs, layered, **knobs):
 
 @pytest.mark.parametrize(
     "r,s,mb",
-    [(1, 1, 256), (8, 8, 256), (16, 16, 256), (32, 32, 256), (128, 128, 256), (8, 8, 512), (64, 1, 64)],
+    [(1, 1, 256), (8, 8, 256)]
+    + [
+        pytest.param(*a, marks=pytest.mark.slow)
+        for a in [(16, 16, 256), (32, 32, 256), (128, 128, 256), (8, 8, 512), (64, 1, 64)]
+    ],
 )
 def test_mosaic_lowering_ouro_shapes(r, s, mb):
     """Ouro-1.4B (16 heads = KV heads, head_dim 128, pages of 16, stacked pool): 1 / 8 / 16 / 32 /
@@ -463,10 +468,18 @@ def test_mosaic_lowering_ouro_shapes(r, s, mb):
     "h,kvh,hd,bs,layered,knobs",
     [
         (8, 2, 64, 8, False, {}),
-        (8, 1, 64, 16, False, {}),
-        (6, 2, 128, 16, True, dict(block_q=16)),
+        pytest.param(8, 1, 64, 16, False, {}, marks=pytest.mark.slow),
+        pytest.param(6, 2, 128, 16, True, dict(block_q=16), marks=pytest.mark.slow),
         (4, 4, 64, 16, True, dict(block_kv=128, max_concurrent_steps=3, target_ctas=64)),
-        (16, 16, 128, 16, True, dict(block_kv=64, max_concurrent_steps=4, min_split_tokens=64)),
+        pytest.param(
+            16,
+            16,
+            128,
+            16,
+            True,
+            dict(block_kv=64, max_concurrent_steps=4, min_split_tokens=64),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_mosaic_lowering_test_shapes(h, kvh, hd, bs, layered, knobs):

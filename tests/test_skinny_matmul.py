@@ -64,7 +64,16 @@ def _dot(x, w):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+# M = 8 by default (an engine bucket), the other row counts in the slow suite (CPU time)
+@pytest.mark.parametrize(
+    "m",
+    [
+        pytest.param(1, marks=pytest.mark.slow),
+        pytest.param(3, marks=pytest.mark.slow),
+        8,
+        pytest.param(16, marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("k,out,knobs", AWKWARD)
 def test_twin_matches_dot(m, k, out, knobs):
     """float32: the split partials sum to the product; each partial is its own K range's product."""
@@ -84,7 +93,7 @@ def test_twin_matches_dot(m, k, out, knobs):
         np.testing.assert_allclose(np.asarray(part[s]), np.asarray(_dot(x[:, lo:hi], w[lo:hi])), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(OURO))
+@pytest.mark.parametrize("name", [n if n == "o" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(OURO)])
 def test_twin_matches_dot_ouro_shapes(name):
     k, out = OURO[name]
     x, w = _args(16, k, out, jnp.float32)
@@ -179,7 +188,7 @@ def _lower(m, k, out, dtype=jnp.bfloat16, **knobs):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("m", [8, 16])
+@pytest.mark.parametrize("m", [8, pytest.param(16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(OURO))
 def test_mosaic_lowering_ouro_shapes(name, m):
     k, out = OURO[name]
