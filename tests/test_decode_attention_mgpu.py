@@ -250,10 +250,10 @@ def _check_plan(plan: DecodePlan, t, q_len):
     "q_len,ctx,knobs",
     [
         ([1], [4096], {}),
-        ([1], [100], {}),
+        pytest.param([1], [100], {}, marks=pytest.mark.slow),
         ([1, 1, 0, 3], [1, 1000, 7, 64], dict(target_ctas=64)),
-        ([8, 1], [2048, 129], dict(target_ctas=80, min_split_tokens=64)),
-        ([20], [20], dict(block_q=8, target_ctas=48, min_split_tokens=1)),
+        pytest.param([8, 1], [2048, 129], dict(target_ctas=80, min_split_tokens=64), marks=pytest.mark.slow),
+        pytest.param([20], [20], dict(block_q=8, target_ctas=48, min_split_tokens=1), marks=pytest.mark.slow),
         ([1] * 8, [1, 16, 17, 64, 65, 4096, 4000, 129], {}),
     ],
 )

@@ -74,7 +74,9 @@ def _dot(x, w):
         pytest.param(16, marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.parametrize("k,out,knobs", AWKWARD)
+@pytest.mark.parametrize(
+    "k,out,knobs", [a if i in (1, 4) else pytest.param(*a, marks=pytest.mark.slow) for i, a in enumerate(AWKWARD)]
+)
 def test_twin_matches_dot(m, k, out, knobs):
     """float32: the split partials sum to the product; each partial is its own K range's product."""
     x, w = _args(m, k, out, jnp.float32, seed=m)
@@ -189,7 +191,9 @@ def _lower(m, k, out, dtype=jnp.bfloat16, **knobs):
 
 
 @pytest.mark.parametrize("m", [8, pytest.param(16, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", sorted(OURO))
+@pytest.mark.parametrize(
+    "name", [n if n in ("qkv", "down") else pytest.param(n, marks=pytest.mark.slow) for n in sorted(OURO)]
+)
 def test_mosaic_lowering_ouro_shapes(name, m):
     k, out = OURO[name]
     _lower(m, k, out)
@@ -201,10 +205,10 @@ def test_mosaic_lowering_ouro_shapes(name, m):
     [
         (1, 192, (192,), dict(block_n=128, block_k=128)),
         (3, 320, (7, 64), dict(block_n=128, block_k=128, splits=2)),
-        (64, 2048, (2048,), {}),
+        pytest.param(64, 2048, (2048,), {}, marks=pytest.mark.slow),
         (33, 640, (320,), dict(block_k=64, splits=3, stages=2)),
-        (16, 2048, (2048,), dict(block_n=256, block_k=64, stages=4)),
-        (8, 2048, (6144,), dict(block_n=192, block_k=128, splits=1, stages=3)),
+        pytest.param(16, 2048, (2048,), dict(block_n=256, block_k=64, stages=4), marks=pytest.mark.slow),
+        pytest.param(8, 2048, (6144,), dict(block_n=192, block_k=128, splits=1, stages=3), marks=pytest.mark.slow),
     ],
 )
 def test_mosaic_lowering_other_shapes(m, k, out, knobs):
