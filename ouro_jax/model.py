@@ -276,6 +276,8 @@ class OuroModel(nn.Module):
     config: OuroConfig
     dtype: Any = jnp.float32
     tp_axis: Optional[str] = None  # see OuroDecoderLayer; the runner does embed/lm_head by vocabulary
+    # every layer's params laid out by ``fuse_layer_params`` (the static ``generate``); see OuroDecoderLayer
+    fused_projections: bool = False
 
     def setup(self):
         c = self.config
@@ -287,7 +289,10 @@ class OuroModel(nn.Module):
             embedding_init=nn.initializers.normal(1.0),
         )
         self.layers = [
-            OuroDecoderLayer(c, self.dtype, layer_index=i, tp_axis=self.tp_axis) for i in range(c.num_hidden_layers)
+            OuroDecoderLayer(
+                c, self.dtype, layer_index=i, tp_axis=self.tp_axis, fused_projections=self.fused_projections
+            )
+            for i in range(c.num_hidden_layers)
         ]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.early_exit_gate = nn.Dense(1, use_bias=True, dtype=jnp.float32, param_dtype=self.dtype)

@@ -1,22 +1,39 @@
-"""``generate``: a pure, jitted static-batch generation with a dense per-loop KV cache.
+"""``generate``: a pure, jitted static-batch generation on the engine's decode path.
 
-The simple path users reach for first, and the baseline the engine must beat on mixed traffic.
+The simple path users reach for first, and the baseline the engine must beat on mixed traffic. Its
+decode runs what the engine's fused decode step runs, so that a static batch is as fast per token:
+
+* Weights in the runner's layout: Q/K/V and gate/up as one kernel each (``fuse_layer_params``, once
+  per call, outside the token loops); with the checkpoint's separate kernels XLA concatenates them
+  on every loop.
+* K/V in one stacked paged pool pair ``[L, KVH, NB, BS, hd]`` (``BLOCK_SIZE`` tokens a page) with a
+  static identity block table: plane ``t`` of batch row ``b`` owns pages ``(t*B + b)*M .. +M-1``
+  (``M = pages_per_row(P + N)``). Decode attention is the engine's ``AttentionKernel`` of a decode
+  bucket (one segment per row, ``dispatch.choose_attention``: the Triton ragged paged kernel on a
+  GPU, the jnp twin on the CPU), reading only each row's ``position + 1`` keys of its plane; a
+  dense cache sliced per plane and a softmax over all ``S_max`` positions cost more than that.
+* Decode rows are padded to a multiple of ``MIN_DECODE_ROWS`` (the engine's smallest bucket: XLA's
+  one-row kernels are slower than eight rows, docs/performance.md); padding rows write no K/V and
+  attend to nothing.
+
+Semantics:
 
 * Prompts are right-padded to ``[B, P]`` with their true lengths in ``prompt_lengths``. Prefill runs
-  all ``T`` loops over the padded block (causal, so the padding never leaks into real positions).
+  all ``T`` loops over the padded block with dense causal attention over the rows' own keys (the
+  padding never leaks into real positions) and writes every position's K/V into its plane.
 * The ``k``-th generated token sits at position ``len_b + k``. Each new token runs loops
   ``0, 1, ...`` while any row is still going (``lax.while_loop`` over depths inside a
   ``lax.while_loop`` over tokens); a row stops at its exit loop by the engine's ``ouro`` rule
   (``exit_rule``: ``min_loops``, ``max_loops``, ``exit_threshold``), and its logits come from its
-  exit loop's hidden state.
+  exit loop's hidden state. Rows that exited keep being computed while others go on (static batch)
+  but write no K/V and attend to nothing.
 * LAST_EXITED: a token that exits at ``e < T-1`` has its K/V of plane ``e`` copied into planes
-  ``e+1 .. T-1`` so later tokens at deeper loops read its last version. Rows that already exited keep
-  being computed while others go on (static batch), but what they write past their exit is
-  overwritten by that copy.
+  ``e+1 .. T-1`` (``copy_kv_slots``) so later tokens at deeper loops read its last version.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -24,14 +41,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import copy_kv_slots, write_kv
+from pallas_kernels.choices import check_attention
+from pallas_kernels.dispatch import AttentionKernel, choose_attention
+
 from . import exit_rule
-from .attention import DenseCacheAttention
+from .attention import DenseCausalAttention
 from .config import OuroConfig
 from .device_memory import device_memory
-from .model import OuroModel, dtype_of
+from .model import OuroModel, dtype_of, fuse_layer_params
+from .paged_attention import PagedAttention
 from .sampling import sample
 
-__all__ = ["generate", "GenerateResult"]
+__all__ = ["generate", "GenerateResult", "BLOCK_SIZE", "MIN_DECODE_ROWS"]
+
+# Tokens per page of the pool (the engine's default ``block_size``).
+BLOCK_SIZE = 16
+# Decode rows are padded to a multiple of this (the engine's smallest row bucket).
+MIN_DECODE_ROWS = 8
 
 
 class GenerateResult(NamedTuple):
@@ -39,31 +66,68 @@ class GenerateResult(NamedTuple):
     exit_depths: jax.Array  # [B, N] int32, 0-based loop that produced each token (first = T-1)
 
 
-def dense_cache_bytes(config: OuroConfig, batch: int, max_len: int, dtype) -> int:
-    """Bytes of ``generate()``'s dense per-loop K and V caches: every layer keeps ``T`` planes of
-    ``[batch, max_len, KVH, hd]`` each, whatever the prompts' real lengths (the engine's paged
-    cache holds only what requests use)."""
-    per = batch * max_len * config.num_key_value_heads * config.head_dim * jnp.dtype(dtype).itemsize
+def pages_per_row(max_len: int) -> int:
+    """Pages of one plane of one batch row: ``max_len`` positions rounded up to whole pages."""
+    return -(-int(max_len) // BLOCK_SIZE)
+
+
+def decode_rows(batch: int) -> int:
+    """Rows of a decode invocation for ``batch`` sequences (a multiple of ``MIN_DECODE_ROWS``)."""
+    return -(-int(batch) // MIN_DECODE_ROWS) * MIN_DECODE_ROWS
+
+
+def kv_pool_bytes(config: OuroConfig, batch: int, max_len: int, dtype) -> int:
+    """Bytes of ``generate()``'s K and V pools: every layer keeps ``T`` planes of ``batch`` rows of
+    ``max_len`` positions (rounded up to pages), whatever the prompts' real lengths (the engine's
+    pool holds only what requests use)."""
+    tokens = batch * pages_per_row(max_len) * BLOCK_SIZE
+    per = tokens * config.num_key_value_heads * config.head_dim * jnp.dtype(dtype).itemsize
     return 2 * config.num_hidden_layers * config.num_loops * per
 
 
 def check_cache_fits(config: OuroConfig, batch: int, max_len: int, dtype, memory=None) -> None:
-    """``ValueError`` before anything is compiled when the dense caches alone exceed what the
+    """``ValueError`` before anything is compiled when the K/V pools alone exceed what the
     device can still hold (``memory``: ``(bytes_limit, bytes_in_use)``, default the device's own;
-    no stats, as on the CPU: no check). The caches are a lower bound of what the run needs."""
+    no stats, as on the CPU: no check). The pools are a lower bound of what the run needs."""
     memory = device_memory() if memory is None else memory
     if memory is None:
         return
-    need = dense_cache_bytes(config, batch, max_len, dtype)
+    need = kv_pool_bytes(config, batch, max_len, dtype)
     free = memory[0] - memory[1]
     if need > free:
         gib = 1 << 30
         raise ValueError(
-            f"generate()'s dense KV caches need {need / gib:.1f} GiB for batch {batch} x {max_len} "
+            f"generate()'s KV pools need {need / gib:.1f} GiB for batch {batch} x {max_len} "
             f"positions x {config.num_loops} loops, and the device has {free / gib:.1f} GiB free: lower the "
             "batch, the prompt length or max_new_tokens, or use LLM, whose paged cache holds only what "
             "requests use"
         )
+
+
+def plane_slot(plane, rows, positions, batch: int, pages: int):
+    """Flat pool slot of ``(plane, batch row, position)`` in the identity layout (broadcasts)."""
+    return (plane * batch + rows) * (pages * BLOCK_SIZE) + positions
+
+
+def plane_block_table(plane, batch: int, pages: int):
+    """``[batch, pages]`` block table of plane ``plane``'s rows in the identity layout."""
+    return (plane * batch + jnp.arange(batch, dtype=jnp.int32))[:, None] * pages + jnp.arange(pages, dtype=jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillPoolAttention:
+    """Prefill rows ``[B, P]``: causal attention over the rows' own keys (dense), and their K/V
+    written into the stacked pool pair at ``slots [B, P]`` (the threaded cache)."""
+
+    slots: jax.Array
+    scale: float
+
+    def __call__(self, layer, q, k, v, cache):
+        kp, vp = cache
+        flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731
+        kp, vp = write_kv(kp, vp, flat(k), flat(v), self.slots.reshape(-1), layer=layer)
+        out, _ = DenseCausalAttention(self.scale)(layer, q, k, v, None)
+        return out, (kp, vp)
 
 
 def _sample_rows(model, params, h, temperature, top_k, top_p, rng, step):
@@ -73,8 +137,14 @@ def _sample_rows(model, params, h, temperature, top_k, top_p, rng, step):
     return sample(logits, jnp.full((b,), temperature), jnp.full((b,), top_k, jnp.int32), jnp.full((b,), top_p), keys)
 
 
+def fuse_params(params: dict, config: OuroConfig) -> dict:
+    """The checkpoint tree with every layer's projections fused (``fuse_layer_params``)."""
+    return {k: fuse_layer_params(v, config) if k.startswith("layers_") else v for k, v in params.items()}
+
+
 @functools.partial(
-    jax.jit, static_argnames=("config", "dtype_name", "max_new_tokens", "min_loops", "max_loops", "top_k")
+    jax.jit,
+    static_argnames=("config", "dtype_name", "max_new_tokens", "min_loops", "max_loops", "top_k", "kernel"),
 )
 def _generate(
     params,
@@ -91,80 +161,113 @@ def _generate(
     min_loops: int,
     max_loops: int,
     top_k: int,
+    kernel: AttentionKernel,
 ):
     c = config
     dt = dtype_of(dtype_name)
-    model = OuroModel(c, dt)
+    model = OuroModel(c, dt, fused_projections=True)
     T, L = c.num_loops, c.num_hidden_layers
     b, p = prompt_ids.shape
-    smax = p + max_new_tokens
-    cache_shape = (T, b, smax, c.num_key_value_heads, c.head_dim)
-    caches = [(jnp.zeros(cache_shape, dt), jnp.zeros(cache_shape, dt)) for _ in range(L)]
+    R = kernel.num_rows
+    m = pages_per_row(p + max_new_tokens)
+    pool_shape = (L, c.num_key_value_heads, T * b * m, BLOCK_SIZE, c.head_dim)
+    pools = (jnp.zeros(pool_shape, dt), jnp.zeros(pool_shape, dt))
+    params = fuse_params(params, c)  # once per call, outside the loops
     apply = functools.partial(model.apply, {"params": params})
     rows = jnp.arange(b)
 
-    # ---- prefill: all T loops over the whole (padded) prompt block
+    # ---- prefill: all T loops over the whole (padded) prompt block, K/V into each plane
     pos = jnp.broadcast_to(jnp.arange(p), (b, p))
     x = apply(prompt_ids, method=OuroModel.prelude)
 
     def prefill_loop(d, carry):
-        x, caches = carry
-        attn = DenseCacheAttention(d, None, True, c.attn_scale)
-        h, _, caches = apply(x, pos, attn, caches, method=OuroModel.recurrent)
-        return h, caches
+        x, pools = carry
+        attn = PrefillPoolAttention(plane_slot(d, rows[:, None], pos, b, m), c.attn_scale)
+        h, _, pools = apply(x, pos, attn, pools, method=OuroModel.recurrent)
+        return h, pools
 
-    x, caches = jax.lax.fori_loop(0, T, prefill_loop, (x, caches))
+    x, pools = jax.lax.fori_loop(0, T, prefill_loop, (x, pools))
     h_last = x[rows, prompt_lengths - 1]
     tok0 = _sample_rows(model, params, h_last, temperature, top_k, top_p, rng, 0)
     tokens = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok0)
     depths = jnp.full((b, max_new_tokens), T - 1, jnp.int32)
 
-    # ---- decode: one token per outer iteration, loops until every row has exited
+    # ---- decode: R rows (the first b real), one segment each; one token per outer iteration
+    real = jnp.arange(R) < b
+    row_ids = jnp.arange(R, dtype=jnp.int32)
+    pad = lambda a: jnp.pad(a, (0, R - b))  # noqa: E731
+    table0 = jnp.zeros((R, m), jnp.int32).at[:b].set(plane_block_table(0, b, m))
+
     def token_body(carry):
-        n, tokens, depths, caches = carry
+        n, tokens, depths, pools = carry
         posn = prompt_lengths + n - 1  # position of token n-1, whose loops run now
-        x0 = apply(tokens[:, n - 1], method=OuroModel.prelude)[:, None]
+        pos_r = pad(posn)
+        x0 = apply(pad(tokens[:, n - 1]), method=OuroModel.prelude)
 
         def depth_cond(s):
             d, _, _, exited, _, _, _ = s
             return (d < max_loops) & ~jnp.all(exited)
 
         def depth_body(s):
-            d, x, remaining, exited, e, h_exit, caches = s
-            attn = DenseCacheAttention(d, posn, False, c.attn_scale)
-            h, g, caches = apply(x, posn[:, None], attn, caches, method=OuroModel.recurrent)
-            remaining = exit_rule.fold_gate(remaining, g[:, 0])
-            now = ~exited & exit_rule.decide_exit(d + 1, remaining, exit_threshold, min_loops, max_loops, "ouro")
-            h_exit = jnp.where(now[:, None], h[:, 0], h_exit)
+            d, x, remaining, exited, e, h_exit, pools = s
+            live = ~exited  # exited and padding rows write no K/V and attend to nothing
+            seg = (
+                row_ids,
+                live.astype(jnp.int32),
+                jnp.where(live, pos_r + 1, 0),
+                jnp.where(real[:, None], table0 + d * (b * m), 0),
+            )
+            slot = jnp.where(live, plane_slot(d, row_ids, pos_r, b, m), -1)
+            attn = PagedAttention(slot, *seg, c.attn_scale, kernel, kernel.plan(*seg))
+            h, g, pools = apply(x, pos_r, attn, pools, method=OuroModel.recurrent)
+            remaining = exit_rule.fold_gate(remaining, g)
+            now = live & exit_rule.decide_exit(d + 1, remaining, exit_threshold, min_loops, max_loops, "ouro")
+            h_exit = jnp.where(now[:, None], h, h_exit)
             e = jnp.where(now, d, e)
-            return d + 1, h, remaining, exited | now, e, h_exit, caches
+            return d + 1, h, remaining, exited | now, e, h_exit, pools
 
         init = (
             jnp.int32(0),
             x0,
-            jnp.ones((b,), jnp.float32),
-            jnp.zeros((b,), bool),
-            jnp.full((b,), T - 1, jnp.int32),
-            jnp.zeros((b, c.hidden_size), dt),
-            caches,
+            jnp.ones((R,), jnp.float32),
+            ~real,
+            jnp.full((R,), T - 1, jnp.int32),
+            jnp.zeros((R, c.hidden_size), dt),
+            pools,
         )
-        _, _, _, _, e, h_exit, caches = jax.lax.while_loop(depth_cond, depth_body, init)
+        _, _, _, _, e, h_exit, pools = jax.lax.while_loop(depth_cond, depth_body, init)
+        e = e[:b]
 
         # LAST_EXITED finalize: planes deeper than the exit loop take the exit loop's K/V
-        def finalize(cache):
-            src = cache[e, rows, posn]  # [B, KVH, hd]
-            cur = cache[:, rows, posn]  # [T, B, KVH, hd]
-            deeper = (jnp.arange(T)[:, None] > e[None, :])[..., None, None]
-            return cache.at[:, rows, posn].set(jnp.where(deeper, src[None], cur))
-
-        caches = [(finalize(k), finalize(v)) for k, v in caches]
-        tok = _sample_rows(model, params, h_exit, temperature, top_k, top_p, rng, n)
-        return n + 1, tokens.at[:, n].set(tok), depths.at[:, n].set(e), caches
+        if T > 1:
+            above = jnp.arange(1, T)[:, None]  # [T-1, 1]
+            dst = jnp.where(above > e[None, :], plane_slot(above, rows[None, :], posn[None, :], b, m), -1)
+            src = jnp.broadcast_to(plane_slot(e, rows, posn, b, m), dst.shape)
+            pools = copy_kv_slots(*pools, src.reshape(-1), dst.reshape(-1))
+        tok = _sample_rows(model, params, h_exit[:b], temperature, top_k, top_p, rng, n)
+        return n + 1, tokens.at[:, n].set(tok), depths.at[:, n].set(e), pools
 
     _, tokens, depths, _ = jax.lax.while_loop(
-        lambda s: s[0] < max_new_tokens, token_body, (jnp.int32(1), tokens, depths, caches)
+        lambda s: s[0] < max_new_tokens, token_body, (jnp.int32(1), tokens, depths, pools)
     )
     return GenerateResult(tokens, depths)
+
+
+def decode_kernel(attention: str, config: OuroConfig, batch: int, dtype) -> AttentionKernel:
+    """The decode bucket's kernel, as the engine picks it for ``decode_rows(batch)`` rows of one
+    segment each (``dispatch.choose_attention``); Pallas kernels run in interpret mode off a GPU."""
+    r = decode_rows(batch)
+    return choose_attention(
+        attention,
+        num_rows=r,
+        num_segments=r,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        block_size=BLOCK_SIZE,
+        dtype=dtype_of(dtype),
+        interpret=jax.default_backend() != "gpu",
+    )
 
 
 def generate(
@@ -181,17 +284,22 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     rng=None,
+    attention: str = "auto",
 ) -> GenerateResult:
     """Generate ``max_new_tokens`` tokens for a static batch of right-padded prompts.
 
     ``prompt_ids [B, P]`` int, ``prompt_lengths [B]`` (1..P). Greedy when ``temperature == 0``.
+    ``attention``: the decode attention kernel, as ``LLM``'s option (``auto``: the engine's choice
+    for a decode bucket on a GPU, the jnp ``reference`` elsewhere; a Pallas kernel off a GPU runs
+    in interpret mode, for tests).
     Returns ``GenerateResult(tokens [B, N], exit_depths [B, N])``. Jitted: one compilation per
-    (config, dtype, shapes, max_new_tokens, min_loops, max_loops, top_k). Concrete inputs are checked
+    (config, dtype, shapes, max_new_tokens, min_loops, max_loops, top_k, kernel). Concrete inputs are checked
     on the host (``ValueError``: integer ids inside the vocabulary, lengths in ``[1, P]``); inside an
     outer ``jit`` only dtypes and shapes can be, and bad values give garbage tokens, not an error.
     """
     T = config.num_loops
     max_loops = T if max_loops is None else int(max_loops)
+    attention = check_attention(attention)
     for name, v in (("prompt_ids", prompt_ids), ("prompt_lengths", prompt_lengths)):
         dt = v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype
         if not jnp.issubdtype(dt, jnp.integer):  # floats would be truncated, bools taken as 0/1
@@ -233,6 +341,7 @@ def generate(
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     dtype_name = str(jax.tree.leaves(params)[0].dtype)
+    kernel = decode_kernel(attention, config, b, dtype_name)
     check_cache_fits(config, b, p + max_new_tokens, dtype_name)
     return _generate(
         params,
@@ -248,4 +357,5 @@ def generate(
         min_loops=int(min_loops),
         max_loops=max_loops,
         top_k=int(top_k),
+        kernel=kernel,
     )

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from ouro_jax import forward, generate, get_preset
-from ouro_jax.attention import DenseCacheAttention
 from ouro_jax.model import OuroDecoderLayer, OuroModel, fuse_layer_params, rope_cos_sin
 from ouro_jax.reference import from_param_tree, reference_forward, reference_greedy_generate, select_logits
 from weights.random_init import random_params
@@ -77,38 +76,37 @@ def test_forward_bfloat16_logits_close():
 
 @pytest.mark.parametrize("preset", PRESETS_GQA_SLOW)
 def test_incremental_cache_equals_full_recompute(preset):
-    """Prefill a prefix into the dense per-loop cache, then feed the rest one token at a time
-    (all loops each): every loop's hidden state equals the full forward's."""
+    """``generate()``'s path: prefill a prefix into the per-loop planes of the paged pool (fused
+    projections), then feed the rest one token at a time (all loops each) through the decode
+    bucket's paged attention: every loop's hidden state and gate equal the full forward's."""
+    from ouro_jax import static_generate as sg
+    from ouro_jax.paged_attention import PagedAttention
+
     cfg, params, _ = _setup(preset)
-    model = OuroModel(cfg, jnp.float32)
-    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (1, 9))
+    model = OuroModel(cfg, jnp.float32, fused_projections=True)
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (1, 18))
     full = forward(params, cfg, ids)
-    T, L, P = cfg.num_loops, cfg.num_hidden_layers, 5
-    shape = (T, 1, 9, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(L)]
-    apply = lambda *a, **k: model.apply({"params": params}, *a, **k)  # noqa: E731
+    T, L, P, S = cfg.num_loops, cfg.num_hidden_layers, 13, 18
+    m = sg.pages_per_row(S)
+    shape = (L, cfg.num_key_value_heads, T * m, sg.BLOCK_SIZE, cfg.head_dim)
+    pools = (jnp.zeros(shape), jnp.zeros(shape))
+    fused = sg.fuse_params(params, cfg)
+    apply = lambda *a, **k: model.apply({"params": fused}, *a, **k)  # noqa: E731
     x = apply(jnp.asarray(ids[:, :P]), method=OuroModel.prelude)
     for d in range(T):
-        x, _, caches = apply(
-            x,
-            jnp.arange(P)[None],
-            DenseCacheAttention(d, None, True, cfg.attn_scale),
-            caches,
-            method=OuroModel.recurrent,
-        )
+        attn = sg.PrefillPoolAttention(sg.plane_slot(d, 0, jnp.arange(P)[None], 1, m), cfg.attn_scale)
+        x, _, pools = apply(x, jnp.arange(P)[None], attn, pools, method=OuroModel.recurrent)
         np.testing.assert_allclose(x, full.hidden_states[d][:, :P], rtol=1e-5, atol=1e-5)
-    for pos in range(P, 9):
-        x = apply(jnp.asarray(ids[:, pos : pos + 1]), method=OuroModel.prelude)
+    kernel = sg.decode_kernel("reference", cfg, 1, "float32")
+    for pos in range(P, S):  # crosses the page boundary at 16
+        x = apply(jnp.asarray(ids[0, pos : pos + 1]), method=OuroModel.prelude)
         for d in range(T):
-            x, g, caches = apply(
-                x,
-                jnp.array([[pos]]),
-                DenseCacheAttention(d, jnp.array([pos]), False, cfg.attn_scale),
-                caches,
-                method=OuroModel.recurrent,
-            )
-            np.testing.assert_allclose(x[:, 0], full.hidden_states[d][:, pos], rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(g[:, 0], full.gate_logits[d][:, pos], rtol=1e-5, atol=1e-5)
+            seg = (jnp.array([0]), jnp.array([1]), jnp.array([pos + 1]), sg.plane_block_table(d, 1, m))
+            slot = jnp.array([sg.plane_slot(d, 0, pos, 1, m)])
+            attn = PagedAttention(slot, *seg, cfg.attn_scale, kernel)
+            x, g, pools = apply(x, jnp.array([pos]), attn, pools, method=OuroModel.recurrent)
+            np.testing.assert_allclose(x, full.hidden_states[d][:, pos], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(g, full.gate_logits[d][:, pos], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", PRESETS_GQA_SLOW)

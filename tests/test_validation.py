@@ -223,21 +223,21 @@ def test_generate_ignores_ids_in_the_right_padding(monkeypatch):
     assert len(called) == 1 and called[0].dtype == jnp.int32
 
 
-def test_generate_refuses_a_batch_whose_dense_cache_cannot_fit(monkeypatch):
+def test_generate_refuses_a_batch_whose_kv_pools_cannot_fit(monkeypatch):
     """The serve1k batch-128 case: Ouro-1.4B, 128 x (1024 + 128) positions, 4 loops = 108 GiB of
-    bf16 K/V caches, refused before anything is traced on a 139 GiB device that holds weights and
+    bf16 K/V pools, refused before anything is traced on a 139 GiB device that holds weights and
     an engine's pool; the same call at batch 1 passes the check."""
     import ouro_jax.static_generate as sg
 
     cfg = get_preset("ouro-1.4b")
-    need = sg.dense_cache_bytes(cfg, 128, 1152, jnp.bfloat16)
+    need = sg.kv_pool_bytes(cfg, 128, 1152, jnp.bfloat16)
     assert need == 2 * 24 * 4 * 128 * 1152 * 16 * 128 * 2
     gib = 1 << 30
     monkeypatch.setattr(sg, "device_memory", lambda device=None: (139 * gib, 40 * gib))
-    monkeypatch.setattr(sg, "_generate", lambda *a, **k: pytest.fail("traced before the cache was checked"))
+    monkeypatch.setattr(sg, "_generate", lambda *a, **k: pytest.fail("traced before the pools were checked"))
     params = {"w": jnp.zeros(1, jnp.bfloat16)}
     ids = np.ones((128, 1024), np.int32)
-    with pytest.raises(ValueError, match=r"dense KV caches need 108\.0 GiB .* 99\.0 GiB free"):
+    with pytest.raises(ValueError, match=r"KV pools need 108\.0 GiB .* 99\.0 GiB free"):
         generate(params, cfg, ids, np.full(128, 1024), 128)
     called = []
     monkeypatch.setattr(sg, "_generate", lambda *a, **k: called.append(1))
