@@ -357,7 +357,22 @@ def hybrid_attention(
     Mosaic half replaced: it has no interpret mode).
     """
     del seg_q_len
-    out_t = ragged_paged_attention(
+    # The Mosaic half's output stays tile-packed: the Triton half's combine kernel, which writes
+    # every row anyway, copies each long row from it (no unpacking gather, no select pass).
+    tiles = mgpu.ragged_paged_attention_mgpu(
+        q,
+        k_pages,
+        v_pages,
+        seg_q_start,
+        plan.mgpu_q_len,
+        seg_ctx_len,
+        seg_block_table,
+        layer=layer,
+        sm_scale=sm_scale,
+        packing=plan.mgpu,
+        unpack=False,
+    )
+    return ragged_paged_attention(
         q,
         k_pages,
         v_pages,
@@ -369,19 +384,5 @@ def hybrid_attention(
         sm_scale=sm_scale,
         interpret=triton_interpret,
         plan=plan.triton,
+        merge=(plan.mgpu.dst, tiles),
     )
-    out_m = mgpu.ragged_paged_attention_mgpu(
-        q,
-        k_pages,
-        v_pages,
-        seg_q_start,
-        plan.mgpu_q_len,
-        seg_ctx_len,
-        seg_block_table,
-        layer=layer,
-        sm_scale=sm_scale,
-        packing=plan.mgpu,
-    )
-    # A select, not a sum: each launch's rows of the other half are zeros, but a select does not
-    # depend on it (and XLA fuses it into the Mosaic half's unpacking gather).
-    return jnp.where(plan.long_row[:, None, None], out_m, out_t)

@@ -498,9 +498,15 @@ def _attn_item(
 # ----------------------------------------------------------------------------------------------
 
 
-def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, out_ref, *, g: int, num_heads: int):
-    """Rows of split tiles: combine; rows of no segment: zeros; others were written by kernel 1."""
+def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, *refs, g: int, num_heads: int, merge: bool):
+    """Rows of split tiles: combine; rows of no segment: zeros, or with ``merge`` the row of the
+    other kernel's output that ``merge_row`` names (the hybrid split's Mosaic half, tile-packed);
+    others were written by kernel 1."""
     del out_in_ref  # aliased to out_ref
+    if merge:
+        merge_row_ref, merge_out_ref, out_ref = refs
+    else:
+        (out_ref,) = refs
     r = pl.program_id(0)
     first = rows_ref[r, 0]
     count = rows_ref[r, 1]
@@ -534,6 +540,13 @@ def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, out_ref, *, 
         )
         acc, _, l_i = lax.fori_loop(0, count, body, carry)
         out = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        if merge:
+            n = merge_out_ref.shape[0]
+            src = merge_row_ref[r]
+            theirs = plgpu.load(
+                merge_out_ref.at[jnp.clip(src, 0, n - 1), hh[:, None], dr], mask=h_ok[:, None], other=0.0
+            )
+            out = jnp.where((count == 0) & (src >= 0) & (src < n), theirs.astype(jnp.float32), out)
         plgpu.store(out_ref.at[r, hh[:, None], dr], out.astype(out_ref.dtype), mask=h_ok[:, None])
 
 
@@ -597,11 +610,15 @@ def ragged_paged_attention(
     prefetch=None,
     max_programs=None,
     plan: Plan | None = None,
+    merge=None,
 ):
     """Ragged paged attention (see module docstring). Tuning knobs default by bucket.
 
     ``plan`` (optional) is ``make_plan(...)`` for the same segment arrays (built once per step and
     shared by every layer); the launch takes its ``block_q``/``block_k`` from it.
+    ``merge`` (optional) ``(rows [R] int32, other [N, H, hd])``: a row of no segment here takes
+    ``other[rows[r]]`` (zeros where ``rows[r]`` is outside ``[0, N)``), written by the combine
+    kernel, which writes such rows anyway: the hybrid split's merge costs no pass of its own.
     """
     _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, layer)
     if plan is not None:  # the plan fixes the tiling it was built for
@@ -629,13 +646,36 @@ def ragged_paged_attention(
     )
     if plan is None:
         plan = make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=g, tuning=tuning)
+    if merge is not None:
+        rows, other = merge
+        if rows.shape != (num_rows,) or other.ndim != 3 or other.shape[1:] != q.shape[1:]:
+            raise ValueError(f"merge wants rows [{num_rows}] and other [N, {num_heads}, {head_dim}]")
     return _launch(
-        q, k_pages, v_pages, seg_block_table, layer, plan, tuning=tuning, sm_scale=sm_scale, interpret=interpret
+        q,
+        k_pages,
+        v_pages,
+        seg_block_table,
+        layer,
+        plan,
+        tuning=tuning,
+        sm_scale=sm_scale,
+        interpret=interpret,
+        merge=merge,
     )
 
 
 def _launch(
-    q, k_pages, v_pages, seg_block_table, layer, plan: Plan, *, tuning: Tuning, sm_scale: float, interpret: bool
+    q,
+    k_pages,
+    v_pages,
+    seg_block_table,
+    layer,
+    plan: Plan,
+    *,
+    tuning: Tuning,
+    sm_scale: float,
+    interpret: bool,
+    merge=None,
 ):
     num_rows, num_heads, head_dim = q.shape
     kvh, _, block_size, _ = k_pages.shape[-4:]
@@ -692,15 +732,16 @@ def _launch(
         name=f"ragged_paged_attention_bq{tuning.block_q}_bk{tuning.block_k}",
     )(*operands)
 
+    extra = () if merge is None else (merge[0].astype(jnp.int32), merge[1])
     return pl.pallas_call(
-        functools.partial(_combine_kernel, g=g, num_heads=num_heads),
+        functools.partial(_combine_kernel, g=g, num_heads=num_heads, merge=merge is not None),
         grid=(num_rows,),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         input_output_aliases={3: 0},
         compiler_params=plgpu.CompilerParams(num_warps=tuning.combine_warps, num_stages=1),
         interpret=interpret,
         name="ragged_paged_attention_combine",
-    )(plan.rows, o_part, lse_part, out)
+    )(plan.rows, o_part, lse_part, out, *extra)
 
 
 def _no_layer(kernel, items_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref):

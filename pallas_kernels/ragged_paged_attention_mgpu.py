@@ -16,9 +16,10 @@ written the FlashAttention-3 way with Mosaic GPU primitives:
 * causal masking only on the steps that cross the diagonal; steps past a warpgroup's last row are
   skipped (the warpgroup still releases their slots so the memory warpgroup never stalls).
 
-Query rows are gathered into tile-packed order before the kernel and scattered back after it
-(``[num_tiles * 2 * block_q, H, hd]``, a few MB at most), so every TMA is in bounds and a tile
-never writes rows of another segment. Rows covered by no segment come out as zeros.
+Query rows are gathered into tile-packed order before the kernel (``[num_tiles * 2 * block_q,
+H, hd]``, a few MB at most), so every TMA is in bounds and row-aligned, and the output stays in
+that order, so a tile never writes rows of another segment; a gather unpacks it (rows covered by
+no segment come out as zeros), or, in the hybrid split, the Triton half's combine kernel does.
 
 Limits (checked): bfloat16/float16, head_dim a multiple of 64, ``block_size`` a multiple of 8 that
 divides ``block_kv``. One condition is not checked: the slots of a segment's last page past its
@@ -314,7 +315,7 @@ def stream_kv(
         issue(nxt, slot, "v")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_kv", "max_concurrent_steps"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_kv", "max_concurrent_steps", "unpack"))
 def ragged_paged_attention_mgpu(
     q,
     k_pages,
@@ -330,11 +331,14 @@ def ragged_paged_attention_mgpu(
     block_kv: int = BLOCK_KV,
     max_concurrent_steps: int = MAX_CONCURRENT_STEPS,
     packing=None,
+    unpack: bool = True,
 ):
     """Mosaic GPU twin of ``ragged_paged_attention`` (same arguments; see module docstring).
 
     ``packing``: ``make_packing(...)`` of the same segment arrays (built once per step and shared
-    by every layer), or None to build it here. There is no CPU interpret mode: Pallas' GPU
+    by every layer), or None to build it here. ``unpack=False`` returns the tile-packed output
+    ``[T * 128, H, hd]`` (row ``packing.dst[r]`` is row ``r``'s; the hybrid split's Triton
+    combine merges it, so no gather of its own runs). There is no CPU interpret mode: Pallas' GPU
     interpreter does not model wgmma.
     """
     _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, layer)
@@ -353,6 +357,8 @@ def ragged_paged_attention_mgpu(
     meta, src, dst = packing
     tile_rows_total = src.shape[0]
     n_t = tile_rows_total // (COMPUTE_WGS * block_q)
+    # Tile-packed queries: a TMA into the tiled (8, 64) shared-memory layout needs a row offset
+    # that is a multiple of 8, which a segment's first row is not.
     q_tiles = jnp.take(q, src, axis=0, mode="fill", fill_value=0)
 
     def entry(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref):
@@ -404,6 +410,8 @@ def ragged_paged_attention_mgpu(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(meta, jnp.asarray(layer, jnp.int32).reshape(1), q_tiles, k_pages, v_pages)
+    if not unpack:
+        return out_tiles
     return jnp.take(out_tiles, dst, axis=0, mode="fill", fill_value=0)
 
 

@@ -149,11 +149,14 @@ def plan_for(b):
     )
 
 
-def reference_mgpu_half(q, k, v, qs, ql, cl, bt, *, layer=None, sm_scale, packing):
-    """Stand-in for the Mosaic launch on CPU: the reference, kept on the rows its packing covers."""
+def reference_mgpu_half(q, k, v, qs, ql, cl, bt, *, layer=None, sm_scale, packing, unpack=True):
+    """Stand-in for the Mosaic launch on CPU: the reference, kept on the rows its packing covers
+    (tile-packed, padding rows NaN, as the kernel leaves them unspecified, with ``unpack=False``)."""
     out = ragged_paged_attention_reference(q, k, v, qs, ql, cl, bt, layer=layer, sm_scale=sm_scale)
-    tiles = jnp.take(out, packing.src, axis=0, mode="fill", fill_value=0)
-    return jnp.take(tiles, packing.dst, axis=0, mode="fill", fill_value=0)
+    tiles = jnp.take(out, packing.src, axis=0, mode="fill", fill_value=jnp.nan)
+    if not unpack:
+        return tiles
+    return jnp.take(jnp.nan_to_num(tiles, nan=0.0), packing.dst, axis=0, mode="fill", fill_value=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,6 +197,31 @@ def test_triton_half_serves_short_segments_and_merge_gives_reference(case):
         mp.setattr(dispatch.mgpu, "ragged_paged_attention_mgpu", reference_mgpu_half)
         got = call(dispatch.hybrid_attention, b, scale, plan=plan, triton_interpret=True)
     assert_close(got, want, b, np.float32, f"hybrid {case}")
+
+
+def test_merge_in_the_combine_kernel_on_one_mix():
+    """Default-suite case of the test above: decode rows, a short chunk, two long segments (one
+    with history, one crossing a 128-row tile), padding rows; the Mosaic half's tile-packed output
+    (NaN on its padding rows) is merged by the Triton combine kernel and nothing else is touched."""
+    case = dict(
+        heads=(4, 2, 64),
+        block_size=8,
+        specs=[(1, 40), (LONG + 3, LONG + 103), (5, 5), (130, 130), (0, 0), (1, 7)],
+        extra_rows=9,
+        layers=2,
+        engine=False,
+        seed=7,
+    )
+    b = build(case, np.float32, fixed=CPU_FIXED)
+    scale = 1.0 / math.sqrt(case["heads"][2])
+    plan = plan_for(b)
+    want = reference(b, case, scale)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dispatch.mgpu, "ragged_paged_attention_mgpu", reference_mgpu_half)
+        got = call(dispatch.hybrid_attention, b, scale, plan=plan, triton_interpret=True)
+    assert not np.isnan(got[b["covered"]]).any()
+    np.testing.assert_array_equal(got[~b["covered"]], 0.0, err_msg="a row of no segment is not zero")
+    assert_close(got, want, b, np.float32, "hybrid merge")
 
 
 # ----------------------------------------------------------------------------------------------
