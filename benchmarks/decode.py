@@ -153,6 +153,8 @@ def profile_decode(llm, specs: Sequence, steps: int, tag: str) -> dict:
         kernel_ms_per_loop=agg["kernel_ms_per_inv"],
         device_busy_share=busy_s / wall if wall > 0 else None,
         inter_kernel_gap_us=agg["inter_kernel_gap_us"],
+        # where the device waits between kernels (kernel before / after the largest gaps)
+        gap_sites=agg["gap_sites"][:8],
         categories={
             c: dict(ms_per_loop=v["ms_per_inv"], per_loop=v["count_per_inv"]) for c, v in agg["categories"].items()
         },

@@ -16,10 +16,14 @@ written the FlashAttention-3 way with Mosaic GPU primitives:
 * causal masking only on the steps that cross the diagonal; steps past a warpgroup's last row are
   skipped (the warpgroup still releases their slots so the memory warpgroup never stalls).
 
-Query rows are gathered into tile-packed order before the kernel (``[num_tiles * 2 * block_q,
-H, hd]``, a few MB at most), so every TMA is in bounds and row-aligned, and the output stays in
-that order, so a tile never writes rows of another segment; a gather unpacks it (rows covered by
-no segment come out as zeros), or, in the hybrid split, the Triton half's combine kernel does.
+A tile is a *window* of ``2 * block_q`` consecutive rows of ``q`` starting at a multiple of
+``ALIGN`` (``tile_rows``): its queries are read in place by TMA (rows past ``R`` zero-filled; the
+few window rows before its segment's first row compute garbage), and its output goes to
+tile-packed order (``[num_tiles * 2 * block_q, H, hd]``), so a tile never writes rows of another
+segment. A gather unpacks it (rows covered by no segment come out as zeros), or, in the hybrid
+split, the Triton half's combine kernel does, so a hybrid launch moves no query or output row
+that it does not need. (Run 18 gathered the queries into tile order: 13.7 us a layer at 1024 rows,
+most of it writing the zeros of empty tiles.)
 
 Limits (checked): bfloat16/float16, head_dim a multiple of 64, ``block_size`` a multiple of 8 that
 divides ``block_kv``. One condition is not checked: the slots of a segment's last page past its
@@ -50,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.ragged_paged_attention import _cdiv, _check_args, num_tiles, query_tiles
+from pallas_kernels.ragged_paged_attention import _cdiv, _check_args
 
 LOG2E = math.log2(math.e)
 NEG = -1e30  # finite "minus infinity": rows with no visible key never produce inf - inf
@@ -59,6 +63,8 @@ COMPUTE_WGS = 2
 # fastest pair on the H200 (docs/decisions.md, "Mosaic kernel tuning").
 BLOCK_KV = 128
 MAX_CONCURRENT_STEPS = 2
+# A window's first row is a multiple of this: the TMA into the (8, 64)-tiled query buffer needs it.
+ALIGN = 8
 
 
 def supported(q_dtype, head_dim: int, block_size: int, block_kv: int = BLOCK_KV) -> str | None:
@@ -73,24 +79,47 @@ def supported(q_dtype, head_dim: int, block_size: int, block_kv: int = BLOCK_KV)
 
 
 def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: int, max_tiles: int | None = None):
-    """Tiles of ``2 * block_q`` rows and, per packed tile row, the source row (``num_rows`` = none).
+    """Row-aligned windows of ``2 * block_q`` rows and, per window row, the source row
+    (``num_rows`` = a row of no segment of this window).
 
-    ``max_tiles``: static tile count (``query_tiles``); default the bound for any segments.
+    A segment starting at row ``s`` is cut into windows starting at ``a = s - s % ALIGN`` and every
+    ``2 * block_q`` rows after it, so the kernel reads a window's queries straight from ``q`` with a
+    TMA whose row offset is a multiple of ``ALIGN`` (what the tiled shared-memory layout needs). The
+    first ``s % ALIGN`` rows of the first window belong to no row of the segment (they compute
+    garbage nothing reads), so a segment of ``n`` rows takes ``ceil((n + s % ALIGN) / (2 *
+    block_q))`` windows. ``max_tiles``: static window count; default the bound for any segments.
 
-    Returns ``(tiles [T, 4] int32: seg, row0, nrows, pos0; src [T * 2 * block_q] int32;
-    dst [num_rows] int32)``: ``q_tiles = q[src]`` packs the queries and ``out = out_tiles[dst]``
-    unpacks the result (``dst`` is ``T * 2 * block_q``, one past the last tile row, for rows of
-    no segment: a gather with zero fill).
+    Returns ``(tiles [T, 4] int32: seg, a, nrows, pos0; src [T * 2 * block_q] int32;
+    dst [num_rows] int32)``: window ``t`` covers rows ``a .. a + nrows - 1`` (through the
+    segment's last row in it) at positions ``pos0 ..`` (those before the segment's first row are
+    negative or another segment's: garbage), ``q[src]`` are its segment rows and ``out =
+    out_tiles[dst]`` unpacks the result (``dst`` is ``T * 2 * block_q``, one past the last tile
+    row, for rows of no segment: a gather with zero fill).
     """
     bt = COMPUTE_WGS * block_q
-    t = query_tiles(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=bt, max_tiles=max_tiles)
-    n_t = t.seg.shape[0]
+    num_segments = seg_q_len.shape[0]
+    t_max = mgpu_tiles(num_rows, num_segments, block_q) if max_tiles is None else int(max_tiles)
+    start = seg_q_start.astype(jnp.int32)
+    q_len = jnp.maximum(seg_q_len.astype(jnp.int32), 0)
+    lead = jnp.where(q_len > 0, start % ALIGN, 0)
+    n_win = _cdiv(q_len + lead, bt) * (q_len > 0)
+    cum = jnp.cumsum(n_win)
+    t = jnp.arange(t_max, dtype=jnp.int32)
+    seg = jnp.sum(cum[None, :] <= t[:, None], axis=1, dtype=jnp.int32)
+    valid = seg < num_segments
+    seg = jnp.minimum(seg, num_segments - 1)
+    j = t - (cum - n_win)[seg]
+    a = start[seg] - lead[seg] + j * bt
+    end = start[seg] + q_len[seg]  # one past the segment's last row
+    nrows = jnp.where(valid, jnp.minimum(bt, end - a), 0)
+    pos0 = seg_ctx_len.astype(jnp.int32)[seg] - q_len[seg] + (a - start[seg])
     i = jnp.arange(bt, dtype=jnp.int32)
-    ok = i[None, :] < t.nrows[:, None]
-    src = jnp.where(ok, t.row0[:, None] + i[None, :], num_rows).reshape(-1)
-    flat = jnp.arange(n_t * bt, dtype=jnp.int32)
-    dst = jnp.full((num_rows,), n_t * bt, jnp.int32).at[src].set(flat, mode="drop")
-    tiles = jnp.stack([t.seg, t.row0, t.nrows, t.pos0], axis=1).astype(jnp.int32)
+    row = a[:, None] + i[None, :]
+    ok = (i[None, :] < nrows[:, None]) & (row >= start[seg][:, None])
+    src = jnp.where(ok, row, num_rows).reshape(-1)
+    flat = jnp.arange(t_max * bt, dtype=jnp.int32)
+    dst = jnp.full((num_rows,), t_max * bt, jnp.int32).at[src].set(flat, mode="drop")
+    tiles = jnp.stack([seg, a, nrows, pos0], axis=1).astype(jnp.int32)
     return tiles, src, dst
 
 
@@ -156,6 +185,7 @@ def _kernel(
     t = lax.axis_index("tiles")
     wg = lax.axis_index("wg")
     seg = meta_ref[t * 4]
+    row0 = meta_ref[t * 4 + 1]  # a multiple of ALIGN (``tile_rows``)
     nrows = meta_ref[t * 4 + 2]
     pos0 = meta_ref[t * 4 + 3]
     bt0 = 4 * num_tiles  # the block table follows the tiles
@@ -184,7 +214,9 @@ def _kernel(
             # Steps whose keys all sit at or before this warpgroup's first query position.
             full_steps = jnp.clip(lax.div(q_pos0 + 1, block_kv), 0, kv_steps)
 
-            q_rows = pl.ds(t * (COMPUTE_WGS * block_q) + first, block_q)
+            # Straight from the invocation's rows (TMA zero-fills rows past ``R``); window rows
+            # that are not the segment's compute garbage that nothing unpacks.
+            q_rows = pl.ds(pl.multiple_of(row0 + first, ALIGN), block_q)
             plgpu.copy_gmem_to_smem(q_ref.at[q_rows, head], qo_smem, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
 
@@ -357,9 +389,8 @@ def ragged_paged_attention_mgpu(
     meta, src, dst = packing
     tile_rows_total = src.shape[0]
     n_t = tile_rows_total // (COMPUTE_WGS * block_q)
-    # Tile-packed queries: a TMA into the tiled (8, 64) shared-memory layout needs a row offset
-    # that is a multiple of 8, which a segment's first row is not.
-    q_tiles = jnp.take(q, src, axis=0, mode="fill", fill_value=0)
+    if num_rows < COMPUTE_WGS * block_q:  # a window's Q box never exceeds the array
+        q = jnp.pad(q, ((0, COMPUTE_WGS * block_q - num_rows), (0, 0), (0, 0)))
 
     def entry(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref):
         tiling = plgpu.TilingTransform((8, 64))
@@ -409,18 +440,26 @@ def ragged_paged_attention_mgpu(
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(meta, jnp.asarray(layer, jnp.int32).reshape(1), q_tiles, k_pages, v_pages)
+    )(meta, jnp.asarray(layer, jnp.int32).reshape(1), q, k_pages, v_pages)
     if not unpack:
         return out_tiles
     return jnp.take(out_tiles, dst, axis=0, mode="fill", fill_value=0)
 
 
 def mgpu_tiles(num_rows: int, num_segments: int, block_q: int = 64, *, min_segment_rows: int = 1) -> int:
-    """Query tiles the kernel launches for a bucket (static).
+    """Query windows the kernel launches for a bucket (static): a true bound on what ``tile_rows``
+    needs.
 
-    ``min_segment_rows``: every segment that holds rows holds at least this many (the hybrid
-    split's long segments, 128). Then at most ``R // min_segment_rows`` segments hold rows and a
-    segment of ``n >= 128`` rows spans ``ceil(n / 128) < n / 128 + 1 <= 2n / 128`` tiles, so the
-    bound ``(R + (R // 128) * 127) // 128`` stays under ``R / 64`` whatever ``S`` is.
+    A segment of ``n`` rows takes ``ceil((n + lead) / 128)`` windows, ``lead < ALIGN``, i.e. at
+    most ``(n + 127 + ALIGN - 1) / 128``; ``k`` segments with rows cover at most ``R`` rows, so
+    they need at most ``(R + k * (127 + ALIGN - 1)) // 128`` windows, and never more than ``R``
+    (every window holds a row of its segment). ``min_segment_rows``: every segment that holds
+    rows holds at least this many (the hybrid split's long segments), so ``k <= R //
+    min_segment_rows``: with 32, ``(R + (R // 32) * 134) // 128`` windows, about ``R / 26``,
+    whatever ``S`` is.
     """
-    return num_tiles(num_rows, num_segments, COMPUTE_WGS * block_q, min_segment_rows=min_segment_rows)
+    bt = COMPUTE_WGS * block_q
+    k = num_segments
+    if min_segment_rows > 1:
+        k = min(k, num_rows // min_segment_rows)
+    return max(1, min(num_rows, (num_rows + k * (bt - 1 + ALIGN - 1)) // bt))

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention_mgpu import mgpu_tiles
+from pallas_kernels.ragged_paged_attention_mgpu import ALIGN, mgpu_tiles
 from tests.test_pallas_attention import assert_close, make_batch
 
 ON_HOPPER = dispatch.hopper_available()
@@ -250,7 +250,7 @@ def check_packing(lens, num_rows, num_segments=None, gaps=None):
     plan = make_plan(kernel, jnp.asarray(qs), jnp.asarray(ql), jnp.asarray(cl), jnp.asarray(table))
     bound = dispatch.hybrid_tiles(num_rows, num_segments)
     # at most R // LONG segments reach the Mosaic launch, each needing ceil(n / 128) tiles
-    assert bound <= max(1, (num_rows + (num_rows // LONG) * 127) // 128), (num_rows, bound)
+    assert bound <= max(1, (num_rows + (num_rows // LONG) * (127 + ALIGN - 1)) // 128), (num_rows, bound)
     assert bound < max(2, num_rows // 16), (num_rows, bound)  # far below one tile per row
     tiles = np.asarray(plan.mgpu.meta[: 4 * bound]).reshape(bound, 4)
     assert plan.mgpu.src.shape == (bound * 128,) and plan.mgpu.dst.shape == (num_rows,)
@@ -264,12 +264,13 @@ def check_packing(lens, num_rows, num_segments=None, gaps=None):
     assert len(packed) == len(set(packed.tolist())) == long_row.sum(), "a long row dropped or twice"
     assert long_row[packed].all()
     np.testing.assert_array_equal(np.asarray(plan.long_row), long_row)
-    needed = sum(-(-n // 128) for n in lens if n >= LONG)
+    # windows start at a multiple of ALIGN: a segment's first one begins up to ALIGN - 1 rows early
+    needed = sum(-(-(n + s0 % ALIGN) // 128) for s0, n in zip(starts, lens) if n >= LONG)
     assert (tiles[:, 2] > 0).sum() == needed <= bound
     for seg, row0, nrows, pos0 in tiles:
         if nrows:
-            assert ql[seg] >= LONG and 0 < nrows <= 128
-            assert qs[seg] <= row0 and row0 + nrows <= qs[seg] + ql[seg]
+            assert ql[seg] >= LONG and 0 < nrows <= 128 and row0 % ALIGN == 0
+            assert qs[seg] - qs[seg] % ALIGN <= row0 and row0 + nrows <= qs[seg] + ql[seg]
             assert pos0 == cl[seg] - ql[seg] + (row0 - qs[seg])
     # round trip: q[src] packs, out[dst] unpacks; rows the Mosaic half does not own come back 0
     x = np.arange(1, num_rows + 1, dtype=np.float32)
@@ -301,7 +302,8 @@ def test_tile_bound_on_adversarial_layouts(r):
     for name, lens in layouts.items():
         needed, bound = check_packing(lens, r, num_segments=r)
         if name == "LONGs":
-            assert needed == r // LONG and bound - needed <= r // 128, "the bound should be nearly tight"
+            tight = (r + (r // LONG) * (ALIGN - 1)) // 128 + 1
+            assert needed == r // LONG and bound - needed <= tight, "the bound should be nearly tight"
     # the generic bound (any segment lengths) would launch one tile per row
     assert mgpu_tiles(r, r) == r and dispatch.hybrid_tiles(r, r) < r // 16
 
@@ -347,7 +349,7 @@ def _h200_triton_info():
 def test_hybrid_lowering_on_cpu(r):
     """One plan, two layers (as the runner does): both kernels lower (Pallas -> Mosaic GPU and
     Pallas -> Triton, for CUDA, from a CPU host), and the Mosaic launch packs the small bound of
-    tiles (``(R + (R // 32) * 127) // 128``: 19 x 128 rows for R = 512, not the generic R tiles)."""
+    windows (``(R + (R // 32) * 134) // 128``: 20 x 128 rows for R = 512, not the generic R tiles)."""
     h, kvh, hd, bs, mb, nb, layers = 16, 16, 128, 16, 4096 // 16, 512, 2
     sd = jax.ShapeDtypeStruct
     pool = sd((layers, kvh, nb, bs, hd), jnp.bfloat16)
@@ -374,7 +376,7 @@ def test_hybrid_lowering_on_cpu(r):
     assert text.count("call @ragged_paged_attention_mgpu(") == layers
     t = dispatch.hybrid_tiles(r, r)
     m = dispatch.HYBRID_MIN_SEGMENT_ROWS
-    assert t == (r + (r // m) * 127) // 128 and t < r // 8
+    assert t == (r + (r // m) * (127 + ALIGN - 1)) // 128 and t < r // 8
     assert f"tensor<{t * 128}x{h}x{hd}xbf16>" in text  # the packed queries of the Mosaic launch
 
 

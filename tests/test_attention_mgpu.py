@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention_mgpu import make_packing, ragged_paged_attention_mgpu, supported, tile_rows
+from pallas_kernels.ragged_paged_attention_mgpu import (
+    ALIGN,
+    make_packing,
+    ragged_paged_attention_mgpu,
+    supported,
+    tile_rows,
+)
 from tests.test_pallas_attention import assert_close, make_batch, run
 
 ON_HOPPER = dispatch.hopper_available()
@@ -63,9 +69,12 @@ def test_tile_packing_round_trip(segs, extra):
         covered[s0 : s0 + ql] = True
     np.testing.assert_array_equal(back, np.where(covered, q, 0.0))
     # each tile: one segment, <= 128 rows, positions follow the segment's context
+    # each window: one segment, <= 128 rows from a multiple of ALIGN (at most ALIGN - 1 rows before
+    # the segment's first), positions follow the segment's context
     for seg, row0, nrows, pos0 in tiles:
         if nrows:
-            assert 0 < nrows <= 128 and starts[seg] <= row0 and row0 + nrows <= starts[seg] + lens[seg]
+            assert 0 < nrows <= 128 and row0 % ALIGN == 0 and row0 + nrows <= starts[seg] + lens[seg]
+            assert starts[seg] - starts[seg] % ALIGN <= row0
             assert pos0 == ctx[seg] - lens[seg] + (row0 - starts[seg])
 
 
