@@ -389,8 +389,11 @@ def ragged_paged_attention_mgpu(
     meta, src, dst = packing
     tile_rows_total = src.shape[0]
     n_t = tile_rows_total // (COMPUTE_WGS * block_q)
-    if num_rows < COMPUTE_WGS * block_q:  # a window's Q box never exceeds the array
-        q = jnp.pad(q, ((0, COMPUTE_WGS * block_q - num_rows), (0, 0), (0, 0)))
+    # The TMA's tiled view wants a row count that is a multiple of ALIGN, and a window's Q box
+    # never larger than the array: engine buckets (multiples of 8, >= 128) need no padding.
+    rows_in = max(COMPUTE_WGS * block_q, -(-num_rows // ALIGN) * ALIGN)
+    if rows_in != num_rows:
+        q = jnp.pad(q, ((0, rows_in - num_rows), (0, 0), (0, 0)))
 
     def entry(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref):
         tiling = plgpu.TilingTransform((8, 64))
