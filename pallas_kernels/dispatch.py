@@ -18,12 +18,14 @@ tests/test_attention_dispatch.py checks it against benchmarks/results/attention_
   segment lengths) of ``HYBRID_MIN_ROWS`` rows or more, which a full load of long segments would
   fill -> ``hybrid``: split per segment at run time, segments of ``HYBRID_MIN_SEGMENT_ROWS`` rows
   or more on the Mosaic kernel, the rest on Triton (each launch sees the other half's segments
-  with ``q_len = 0``, i.e. as padding), merged per row by the plan's ``long_row`` mask.
+  with ``q_len = 0``, i.e. as padding), merged by the Triton combine kernel, which copies the long
+  rows from the Mosaic half's tile-packed output (no pass of its own).
 
-The hybrid split's Mosaic launch is packed for ``hybrid_tiles(R, S)`` tiles: at most ``R // m``
+The hybrid split's Mosaic launch is packed for ``hybrid_tiles(R, S)`` windows: at most ``R // m``
 segments hold ``m = HYBRID_MIN_SEGMENT_ROWS`` rows or more, and one of ``n`` rows spans
-``ceil(n / 128)`` tiles, so ``(R + (R // m) * 127) // 128`` tiles suffice (``ragged_paged_attention.
-num_tiles``); the rest are padding and return at once. The threshold is lower than the bucket
+``ceil((n + lead) / 128)`` windows of 128 rows aligned to 8 (``lead < 8``), so ``(R + (R // m) *
+134) // 128`` windows suffice (``ragged_paged_attention_mgpu.mgpu_tiles``); the rest are padding
+and return at once. The threshold is lower than the bucket
 rule's 128 because a segment of 32-127 rows still reads its context once on the Mosaic kernel (a
 tile's second warpgroup, with no rows, skips its steps) against once per 16 rows on Triton: long
 prompts in chunks of 32 and 64 rows gained 12% and 38% (docs/decisions.md, "Hybrid split
@@ -350,7 +352,8 @@ def hybrid_attention(
     plan: HybridPlan,
     triton_interpret: bool = False,
 ):
-    """Both halves of the split on one invocation, merged per row by ``plan.long_row``.
+    """Both halves of the split on one invocation; the Triton combine writes the long rows
+    (``plan.long_row``) from the Mosaic half's tile-packed output.
 
     ``seg_q_len`` is only shape-checked: each half reads its own ``q_len`` from the plan.
     ``triton_interpret`` runs the Triton half in Pallas interpret mode (CPU tests, with the
