@@ -63,7 +63,13 @@ def test_pool_bytes_round_positions_up_to_pages():
         # three rows, prompts around page boundaries, early exit
         ("tiny-gqa", [15, 17, 4], 6, dict(exit_threshold=0.45)),
         # eight rows (no padding), min/max loops
-        ("tiny", [16, 3, 31, 9, 18, 1, 24, 33], 5, dict(exit_threshold=0.6, min_loops=2, max_loops=3)),
+        pytest.param(
+            "tiny",
+            [16, 3, 31, 9, 18, 1, 24, 33],
+            5,
+            dict(exit_threshold=0.6, min_loops=2, max_loops=3),
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_generate_equals_reference(preset, lengths, new, kw):
