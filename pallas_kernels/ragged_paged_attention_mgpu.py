@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.ragged_paged_attention import _cdiv, _check_args
+from pallas_kernels.ragged_paged_attention import _cdiv, _check_args, _searchsorted_right
 
 LOG2E = math.log2(math.e)
 NEG = -1e30  # finite "minus infinity": rows with no visible key never produce inf - inf
@@ -105,7 +105,7 @@ def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: in
     n_win = _cdiv(q_len + lead, bt) * (q_len > 0)
     cum = jnp.cumsum(n_win)
     t = jnp.arange(t_max, dtype=jnp.int32)
-    seg = jnp.sum(cum[None, :] <= t[:, None], axis=1, dtype=jnp.int32)
+    seg = _searchsorted_right(cum, t)
     valid = seg < num_segments
     seg = jnp.minimum(seg, num_segments - 1)
     j = t - (cum - n_win)[seg]
