@@ -183,13 +183,14 @@ def _searchsorted_right(sorted_arr, queries):
     return jnp.searchsorted(sorted_arr, queries, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
-def num_tiles(num_rows: int, num_segments: int, block_q: int, min_segment_rows: int = 1) -> int:
+def num_tiles(num_rows: int, num_segments: int, block_q: int, min_segment_rows: int = 1, align: int = 1) -> int:
     """Static bound on the query tiles of ``block_q`` rows that ``num_segments`` segments need.
 
-    A segment of ``n`` rows needs ``ceil(n / block_q) <= (n + block_q - 1) / block_q`` tiles; the
-    segments cover at most ``num_rows`` rows, so ``k`` segments that hold rows need at most
-    ``(num_rows + k * (block_q - 1)) // block_q`` tiles, and never more than ``num_rows`` (a tile
-    holds a row). ``k`` is ``num_segments``, or fewer when every segment that holds rows is known
+    A segment of ``n`` rows needs ``ceil((n + lead) / block_q) <= (n + block_q - 1 + align - 1) /
+    block_q`` tiles (``lead < align``, see ``query_tiles``); the segments cover at most
+    ``num_rows`` rows, so ``k`` segments that hold rows need at most ``(num_rows + k * (block_q -
+    1 + align - 1)) // block_q`` tiles, and never more than ``num_rows`` (a tile holds a row of its
+    segment). ``k`` is ``num_segments``, or fewer when every segment that holds rows is known
     to hold at least ``min_segment_rows`` of them (``k <= num_rows // min_segment_rows``): the
     hybrid dispatch (pallas_kernels/dispatch.py) gives the Mosaic kernel only segments of 128 rows
     or more, and in the engine's buckets (``S = R``) the generic bound would be ``R`` tiles.
@@ -197,7 +198,7 @@ def num_tiles(num_rows: int, num_segments: int, block_q: int, min_segment_rows: 
     k = num_segments
     if min_segment_rows > 1:
         k = min(k, num_rows // min_segment_rows)
-    return max(1, min(num_rows, (num_rows + k * (block_q - 1)) // block_q))
+    return max(1, min(num_rows, (num_rows + k * (block_q - 1 + align - 1)) // block_q))
 
 
 class Tiles(NamedTuple):
@@ -208,9 +209,14 @@ class Tiles(NamedTuple):
 
 
 def query_tiles(
-    seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: int, max_tiles: int | None = None
+    seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: int, max_tiles: int | None = None, align: int = 1
 ) -> Tiles:
     """Each segment cut into tiles of at most ``block_q`` rows, in segment order, then empty tiles.
+
+    ``align``: a tile's first row is a multiple of it (the Mosaic kernel's TMA needs 8). A
+    segment starting at row ``s`` then has ``lead = s % align`` rows of its first tile before its
+    own first row (``row0 = s - lead``, positions from ``pos0`` of the segment minus ``lead``:
+    rows nothing reads); ``nrows`` counts from ``row0`` through the segment's last row in the tile.
 
     ``max_tiles`` (static) sets the number of tiles; by default it is ``num_tiles(num_rows, S,
     block_q)``, which holds for any segments covering at most ``num_rows`` rows. A caller that
@@ -219,18 +225,23 @@ def query_tiles(
     a true bound.
     """
     num_segments = seg_q_len.shape[0]
-    t_max = num_tiles(num_rows, num_segments, block_q) if max_tiles is None else int(max_tiles)
+    if max_tiles is None:
+        t_max = num_tiles(num_rows, num_segments, block_q, align=align)
+    else:
+        t_max = int(max_tiles)
+    start = seg_q_start.astype(jnp.int32)
     q_len = jnp.maximum(seg_q_len.astype(jnp.int32), 0)
-    n_qt = _cdiv(q_len, block_q)
+    lead = jnp.where(q_len > 0, start % align, 0) if align > 1 else jnp.zeros_like(q_len)
+    n_qt = _cdiv(q_len + lead, block_q) * (q_len > 0)
     cum = jnp.cumsum(n_qt)
     t = jnp.arange(t_max, dtype=jnp.int32)
     seg = _searchsorted_right(cum, t)
     valid = seg < num_segments
     seg = jnp.minimum(seg, num_segments - 1)
-    j = t - (cum - n_qt)[seg]
-    row0 = seg_q_start.astype(jnp.int32)[seg] + j * block_q
-    nrows = jnp.where(valid, jnp.minimum(block_q, q_len[seg] - j * block_q), 0)
-    pos0 = seg_ctx_len.astype(jnp.int32)[seg] - q_len[seg] + j * block_q
+    off = (t - (cum - n_qt)[seg]) * block_q - lead[seg]  # the tile's first row, from the segment's
+    row0 = start[seg] + off
+    nrows = jnp.where(valid, jnp.minimum(block_q, q_len[seg] - off), 0)
+    pos0 = seg_ctx_len.astype(jnp.int32)[seg] - q_len[seg] + off
     return Tiles(seg=seg, row0=row0, nrows=nrows, pos0=pos0)
 
 

@@ -22,8 +22,7 @@ few window rows before its segment's first row compute garbage), and its output 
 tile-packed order (``[num_tiles * 2 * block_q, H, hd]``), so a tile never writes rows of another
 segment. A gather unpacks it (rows covered by no segment come out as zeros), or, in the hybrid
 split, the Triton half's combine kernel does, so a hybrid launch moves no query or output row
-that it does not need. (Run 18 gathered the queries into tile order: 13.7 us a layer at 1024 rows,
-most of it writing the zeros of empty tiles.)
+that it does not need (docs/decisions.md, "Hybrid merge in the Triton combine").
 
 Limits (checked): bfloat16/float16, head_dim a multiple of 64, ``block_size`` a multiple of 8 that
 divides ``block_kv``. One condition is not checked: the slots of a segment's last page past its
@@ -54,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.ragged_paged_attention import _cdiv, _check_args, _searchsorted_right
+from pallas_kernels.ragged_paged_attention import _cdiv, _check_args, num_tiles, query_tiles
 
 LOG2E = math.log2(math.e)
 NEG = -1e30  # finite "minus infinity": rows with no visible key never produce inf - inf
@@ -97,29 +96,17 @@ def tile_rows(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, block_q: in
     row, for rows of no segment: a gather with zero fill).
     """
     bt = COMPUTE_WGS * block_q
-    num_segments = seg_q_len.shape[0]
-    t_max = mgpu_tiles(num_rows, num_segments, block_q) if max_tiles is None else int(max_tiles)
-    start = seg_q_start.astype(jnp.int32)
-    q_len = jnp.maximum(seg_q_len.astype(jnp.int32), 0)
-    lead = jnp.where(q_len > 0, start % ALIGN, 0)
-    n_win = _cdiv(q_len + lead, bt) * (q_len > 0)
-    cum = jnp.cumsum(n_win)
-    t = jnp.arange(t_max, dtype=jnp.int32)
-    seg = _searchsorted_right(cum, t)
-    valid = seg < num_segments
-    seg = jnp.minimum(seg, num_segments - 1)
-    j = t - (cum - n_win)[seg]
-    a = start[seg] - lead[seg] + j * bt
-    end = start[seg] + q_len[seg]  # one past the segment's last row
-    nrows = jnp.where(valid, jnp.minimum(bt, end - a), 0)
-    pos0 = seg_ctx_len.astype(jnp.int32)[seg] - q_len[seg] + (a - start[seg])
+    t = query_tiles(
+        seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=bt, max_tiles=max_tiles, align=ALIGN
+    )
+    n_t = t.seg.shape[0]
     i = jnp.arange(bt, dtype=jnp.int32)
-    row = a[:, None] + i[None, :]
-    ok = (i[None, :] < nrows[:, None]) & (row >= start[seg][:, None])
+    row = t.row0[:, None] + i[None, :]
+    ok = (i[None, :] < t.nrows[:, None]) & (row >= seg_q_start.astype(jnp.int32)[t.seg][:, None])
     src = jnp.where(ok, row, num_rows).reshape(-1)
-    flat = jnp.arange(t_max * bt, dtype=jnp.int32)
-    dst = jnp.full((num_rows,), t_max * bt, jnp.int32).at[src].set(flat, mode="drop")
-    tiles = jnp.stack([seg, a, nrows, pos0], axis=1).astype(jnp.int32)
+    flat = jnp.arange(n_t * bt, dtype=jnp.int32)
+    dst = jnp.full((num_rows,), n_t * bt, jnp.int32).at[src].set(flat, mode="drop")
+    tiles = jnp.stack([t.seg, t.row0, t.nrows, t.pos0], axis=1).astype(jnp.int32)
     return tiles, src, dst
 
 
@@ -461,8 +448,4 @@ def mgpu_tiles(num_rows: int, num_segments: int, block_q: int = 64, *, min_segme
     min_segment_rows``: with 32, ``(R + (R // 32) * 134) // 128`` windows, about ``R / 26``,
     whatever ``S`` is.
     """
-    bt = COMPUTE_WGS * block_q
-    k = num_segments
-    if min_segment_rows > 1:
-        k = min(k, num_rows // min_segment_rows)
-    return max(1, min(num_rows, (num_rows + k * (bt - 1 + ALIGN - 1)) // bt))
+    return num_tiles(num_rows, num_segments, COMPUTE_WGS * block_q, min_segment_rows=min_segment_rows, align=ALIGN)
