@@ -530,7 +530,9 @@ def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, *refs, g: in
     kvh = jnp.where(h_ok, lax.div(hh, g), 0)
     mi = m0 + lax.rem(hh, g)
 
-    @pl.when(count != 1)
+    # With ``merge`` a row of no segment here (count 0) is the other kernel's row or zeros, below;
+    # without, the loop's zero iterations give its zeros.
+    @pl.when((count > 1) if merge else (count != 1))
     def _():
         def body(j, carry):
             acc, m_i, l_i = carry
@@ -551,14 +553,19 @@ def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, *refs, g: in
         )
         acc, _, l_i = lax.fori_loop(0, count, body, carry)
         out = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        if merge:
+        plgpu.store(out_ref.at[r, hh[:, None], dr], out.astype(out_ref.dtype), mask=h_ok[:, None])
+
+    if merge:
+
+        @pl.when(count == 0)
+        def _():
             n = merge_out_ref.shape[0]
             src = merge_row_ref[r]
+            owned = (src >= 0) & (src < n)
             theirs = plgpu.load(
-                merge_out_ref.at[jnp.clip(src, 0, n - 1), hh[:, None], dr], mask=h_ok[:, None], other=0.0
+                merge_out_ref.at[jnp.clip(src, 0, n - 1), hh[:, None], dr], mask=h_ok[:, None] & owned, other=0.0
             )
-            out = jnp.where((count == 0) & (src >= 0) & (src < n), theirs.astype(jnp.float32), out)
-        plgpu.store(out_ref.at[r, hh[:, None], dr], out.astype(out_ref.dtype), mask=h_ok[:, None])
+            plgpu.store(out_ref.at[r, hh[:, None], dr], theirs.astype(out_ref.dtype), mask=h_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
