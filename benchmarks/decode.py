@@ -459,6 +459,12 @@ def parser() -> argparse.ArgumentParser:
     add_decode_matmul_arg(ap)
     ap.add_argument("--fused-decode-max-rows", type=int, default=0, help="LLM(fused_decode_max_rows=...)")
     ap.add_argument("--fused-decode-tokens", type=int, default=1)
+    ap.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="LLM(async_scheduling=False): read every fused step before launching the next",
+    )
     ap.add_argument("--quick-ceilings", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plot", action="store_true")

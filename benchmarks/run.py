@@ -326,6 +326,7 @@ class Harness:
         fused_decode_max_rows: int = 0,
         fused_decode_tokens: int = 1,
         decode_matmul: str = "xla",
+        async_scheduling: bool = True,
     ):
         self.t_start = time.monotonic()
         self.decode_matmul = decode_matmul
@@ -333,6 +334,11 @@ class Harness:
         # they sit next to the loop-by-loop records of the same workload instead of replacing them
         self.fused_decode_max_rows, self.fused_decode_tokens = fused_decode_max_rows, fused_decode_tokens
         self.label_suffix = f" fused{fused_decode_max_rows}x{fused_decode_tokens}" if fused_decode_max_rows else ""
+        # LLM(async_scheduling=...): only fused steps are launched ahead; the synchronous loop's
+        # records are labelled apart
+        self.async_scheduling = async_scheduling
+        if fused_decode_max_rows and not async_scheduling:
+            self.label_suffix += " sync"
         LLM._enable_compile_cache(compile_cache_dir)  # before anything compiles
         self.events = CompileEvents()
         self.preset = preset
@@ -382,6 +388,7 @@ class Harness:
             decode_matmul=self.decode_matmul,
             fused_decode_max_rows=self.fused_decode_max_rows,
             fused_decode_tokens=self.fused_decode_tokens,
+            async_scheduling=self.async_scheduling,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_bytes=self.kv_cache_bytes,
             compile_cache_dir=self.compile_cache_dir or os.environ.get("OURO_JAX_COMPILE_CACHE"),
@@ -416,6 +423,7 @@ class Harness:
             num_ring_rows=sh.num_ring_rows(c.num_loops, chunks),
             fused_decode_max_rows=self.fused_decode_max_rows,
             fused_decode_tokens=self.fused_decode_tokens,
+            async_scheduling=self.async_scheduling,
             warmup=False,
             progress=False,
             **engine_kw,
@@ -1193,7 +1201,14 @@ def parser() -> argparse.ArgumentParser:
 def harness_from_args(a, shape: Optional[EngineShape] = None) -> Harness:
     """The harness a CLI's flags ask for (``shape``: default ``shape_from_args(a)``); flags a CLI
     does not have (``--seed``, fused decode, ...) keep ``Harness``'s defaults."""
-    optional = ("warmup_requests", "seed", "fused_decode_max_rows", "fused_decode_tokens", "decode_matmul")
+    optional = (
+        "warmup_requests",
+        "seed",
+        "fused_decode_max_rows",
+        "fused_decode_tokens",
+        "decode_matmul",
+        "async_scheduling",
+    )
     return Harness(
         a.preset,
         a.dtype,

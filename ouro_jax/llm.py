@@ -28,6 +28,7 @@ import numpy as np
 
 from pallas_kernels.dispatch import check_attention
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.pipeline import StepPipeline
 from scheduler.sizes import pool_blocks
 
 from .config import PRESETS, OuroConfig
@@ -183,6 +184,7 @@ class LLM:
         num_ring_rows: Optional[int] = None,
         fused_decode_max_rows: Optional[int] = None,
         fused_decode_tokens: int = 1,
+        async_scheduling: bool = True,
         kv_allocation: str = "on_demand",
         enable_prefix_caching: Optional[bool] = None,
         watermark: float = 0.01,
@@ -200,6 +202,8 @@ class LLM:
         kv_cache_bytes, num_ring_rows, fused_decode_max_rows, fused_decode_tokens, seed = map(
             _plain, (kv_cache_bytes, num_ring_rows, fused_decode_max_rows, fused_decode_tokens, seed)
         )
+        if not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
         if not (isinstance(gpu_memory_utilization, (int, float)) and 0.0 < gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
         for name, v in (("kv_cache_bytes", kv_cache_bytes), ("num_ring_rows", num_ring_rows)):
@@ -333,6 +337,9 @@ class LLM:
         self._live: dict[object, Request] = {}  # queued or running, by id
         # outputs produced but not yet handed out (the latest per request; see the class docstring)
         self._unreported: dict[object, RequestOutput] = {}
+        # fused decode steps scheduled one ahead of the host's reads (scheduler/pipeline.py); the
+        # latency target times every plan itself (_timed_step) and runs without it
+        self._pipeline = StepPipeline(self.scheduler, self.runner, ahead=async_scheduling)
         self._unsynced: list = []  # plans launched since the host last waited for a device result
         self._sync_t = 0.0
         self.compile_threads = compile_threads
@@ -491,6 +498,8 @@ class LLM:
             return False
         req = self._live.pop(request_id)
         self._unreported[request_id] = self._output(req)
+        if not self.scheduler.has_unfinished():
+            self._pipeline.drain()  # a step launched ahead held only ended requests: nothing to hand out
         return True
 
     def has_unfinished(self) -> bool:
@@ -504,17 +513,16 @@ class LLM:
 
     def _advance(self) -> list[RequestOutput]:
         """One invocation; the outputs of the requests it gave tokens or finished."""
-        plan = self.scheduler.schedule()
-        if plan is None:
+        if self.scheduler.latency is None:
+            deltas = self._pipeline.advance()
+        else:
+            plan = self.scheduler.schedule()
+            deltas = None if plan is None else self._timed_step(plan)
+        if deltas is None:
             self._unsynced = []  # nothing runs: a later window must not count the idle time
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler has unfinished requests but nothing it can run")
             return []
-        if self.scheduler.latency is None:
-            result = self.runner.step(plan.descriptor)
-            deltas = self.scheduler.update(plan, result.gates, result.tokens)
-        else:
-            deltas = self._timed_step(plan)
         outs = []
         for d in deltas:
             req = self._live.get(d.request_id)

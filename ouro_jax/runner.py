@@ -291,9 +291,12 @@ def _sample_coda(top, h, words, *, config: OuroConfig, dtype_name: str):
     return sample_stochastic(logits, f32(temperature), top_k, f32(top_p), keys).astype(jnp.int32)
 
 
-def _fused_step(params, kp, vp, ring, packed, **kw):
+def _fused_step(params, kp, vp, ring, packed, previous, **kw):
     """A fused decode step (``scheduler.descriptor.StackedDescriptor``): ``packed [n, words + exit
     words]`` holds ``tokens * T`` sub-descriptors of one key and each token's exit words.
+    ``previous [C]``: the last tokens the previous fused step sampled, which its first sub-step
+    embeds when it feeds previous tokens (a step scheduled before the previous one's tokens were
+    read: ``Scheduler.schedule_ahead``).
 
     Per token (a ``fori_loop``): a ``while_loop`` over depths runs the loop of every row in lock
     step while a row is left (the body is one loop, so it compiles like one bucket); after each
@@ -301,8 +304,9 @@ def _fused_step(params, kp, vp, ring, packed, **kw):
     hidden state and writes no more K/V (slot -1, as padding rows). Then LAST_EXITED rows copy
     their exit plane into the planes above (the slots are the later sub-steps'), one coda samples
     the exit states, and the tokens feed the next token's prelude. The KV pools and the ring are
-    loop carries updated in place. Returns ``gates [n, R]`` (0 where a loop did not run) and
-    ``[tokens, C + R]`` int32: sampled tokens, then exit depths."""
+    loop carries updated in place. Returns ``gates [n, R]`` (0 where a loop did not run),
+    ``[tokens, C + R]`` int32 (sampled tokens, then exit depths) and the last token's samples
+    ``[C]`` (the next step's ``previous``)."""
     key, T = kw["key"], kw["config"].num_loops
     n = packed.shape[0]
     R, C = key.R, key.C
@@ -361,12 +365,12 @@ def _fused_step(params, kp, vp, ring, packed, **kw):
         kp,
         vp,
         ring,
-        jnp.zeros((C,), jnp.int32),
+        previous.astype(jnp.int32),
         jnp.zeros((n, R), jnp.float32),
         jnp.zeros((n // T, C + R), jnp.int32),
     )
-    kp, vp, ring, _, gates, out = jax.lax.fori_loop(0, n // T, token, init)
-    return kp, vp, ring, gates, out
+    kp, vp, ring, last, gates, out = jax.lax.fori_loop(0, n // T, token, init)
+    return kp, vp, ring, gates, out, last
 
 
 # XLA compile threads of a cold start (``ModelRunner.warmup``): more made the GPU autotuner warn
@@ -376,8 +380,8 @@ COLD_COMPILE_THREADS = 4
 def _flat_params(fn, treedef):
     """``fn(params, ...)`` as ``g(leaves, ...)``: the weights travel as a flat tuple (host dispatch)."""
 
-    def g(leaves, kp, vp, ring, packed, *, key):
-        return fn(jax.tree.unflatten(treedef, leaves), kp, vp, ring, packed, key=key)
+    def g(leaves, kp, vp, ring, packed, *extra, key):
+        return fn(jax.tree.unflatten(treedef, leaves), kp, vp, ring, packed, *extra, key=key)
 
     return g
 
@@ -395,12 +399,26 @@ def _count_cache_hit(name: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_cache_hit)
 
 
-def _compiler_options() -> dict:
-    """XLA options of every step executable. On the GPU the rematerialization pass is off: it
+# XLA's default command-buffer kinds (jax 0.11.2) plus WHILE and CONDITIONAL: see _compiler_options
+FUSED_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"
+
+
+def _compiler_options(fused: bool = False) -> dict:
+    """XLA options of a step executable. On the GPU the rematerialization pass is off: it
     models each in-place K/V update of the donated pool as a new pool-sized buffer, estimates more
     than twice the device's memory, warns that it cannot get under it, and can only slow compiles
-    (buffer assignment aliases the whole pool in place: docs/decisions.md, "Start-up")."""
-    return {"xla_disable_hlo_passes": "rematerialization"} if jax.default_backend() == "gpu" else {}
+    (buffer assignment aliases the whole pool in place: docs/decisions.md, "Start-up").
+
+    ``fused``: a fused decode step's depth ``while_loop`` also goes into CUDA graphs (conditional
+    nodes). Without that, XLA copies the loop predicate to the host after every loop and the host
+    thread waits for it before launching the next: on the H200 a 1-row step of Ouro-1.4B lost
+    ~0.7 ms a token to it (docs/decisions.md, "What the engine's fused step loses")."""
+    if jax.default_backend() != "gpu":
+        return {}
+    opts = {"xla_disable_hlo_passes": "rematerialization"}
+    if fused:
+        opts["xla_gpu_enable_command_buffer"] = FUSED_COMMAND_BUFFER
+    return opts
 
 
 def samples(desc) -> bool:
@@ -469,6 +487,7 @@ class ModelRunner:
         pool_shape = (c.num_hidden_layers, c.num_key_value_heads, num_blocks, block_size, c.head_dim)
         ring_shape = (num_ring_rows, c.hidden_size)
         jit_kw: dict = {}
+        fused_kw: dict = {}
         step = functools.partial(
             _step,
             config=c,
@@ -497,9 +516,10 @@ class ModelRunner:
             zeros = lambda shape, s: jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=s)()  # noqa: E731
             self.k_pool, self.v_pool, self.ring = zeros(pool_shape, kv), zeros(pool_shape, kv), zeros(ring_shape, rep)
             self._upload_to = rep
-            step, fused = self._sharded(step, tp), self._sharded(fused, tp)
+            step, fused = self._sharded(step, tp), self._sharded(fused, tp, extra=1)
             # input shardings come from the arguments (_compile; jit takes no in_shardings with a static kwarg)
             jit_kw = dict(out_shardings=(kv, kv, rep, rep, rep))
+            fused_kw = dict(out_shardings=(kv, kv, rep, rep, rep, rep))
         self.num_blocks, self.block_size, self.num_ring_rows = num_blocks, block_size, num_ring_rows
         # executables take the weights as one flat tuple: flattening the nested dict on every launch
         # cost more host time than the call itself (docs/decisions.md, "Host dispatch")
@@ -511,7 +531,10 @@ class ModelRunner:
         sampler = functools.partial(_sample_coda, config=c, dtype_name=self.dtype_name)
         self._jitted_sampler = jax.jit(lambda leaves, h, w: sampler(jax.tree.unflatten(top_treedef, leaves), h, w))
         self._jitted = jax.jit(step, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
-        self._jitted_fused = jax.jit(fused, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
+        self._jitted_fused = jax.jit(fused, static_argnames=("key",), donate_argnums=(1, 2, 3), **fused_kw)
+        # per coda size: the last tokens the latest fused step sampled (its ``previous`` output),
+        # which a step scheduled ahead of reading them embeds (``Scheduler.schedule_ahead``)
+        self._fused_last: dict[int, jax.Array] = {}
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
         self._exe: dict[Any, Any] = {}
         self._compile_lock = threading.Lock()
@@ -552,18 +575,20 @@ class ModelRunner:
             return jax.device_put({"top": top, "layers": layers}, self._device)
         return {"top": jax.tree.map(jnp.asarray, top), "layers": jax.tree.map(jnp.asarray, layers)}
 
-    def _sharded(self, fn, tp: int):
+    def _sharded(self, fn, tp: int, extra: int = 0):
         """``fn`` (a step) as the body of a ``shard_map`` over ``"tp"``: each shard sees its slice
         of the params and pools. ``check_vma=False``: Pallas kernels carry no replication types;
-        the body's psum/all_gather make the replicated outputs equal on every shard."""
+        the body's psum/all_gather make the replicated outputs equal on every shard. ``extra``:
+        replicated arguments after the descriptor, each with a replicated output of its own (a
+        fused step's previous tokens)."""
         kv = kv_spec()
-        in_specs = (param_specs(self.params), kv, kv, P(), P())
-        out_specs = (kv, kv, P(), P(), P())
+        in_specs = (param_specs(self.params), kv, kv, P(), P()) + (P(),) * extra
+        out_specs = (kv, kv, P(), P(), P()) + (P(),) * extra
 
-        def run(params, kp, vp, ring, packed, *, key):
+        def run(params, kp, vp, ring, packed, *more, key):
             body = functools.partial(fn, key=key, tp_size=tp)
             return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-                params, kp, vp, ring, packed
+                params, kp, vp, ring, packed, *more
             )
 
         return run
@@ -587,12 +612,15 @@ class ModelRunner:
             )
         fused = not isinstance(key, BucketKey)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
+        on = self._upload_to if mesh else None
+        extra = (jax.ShapeDtypeStruct((bucket.C,), jnp.int32, sharding=on),) if fused else ()
         return fn.lower(
             tuple(sds(x) for x in self._param_leaves),
             sds(self.k_pool),
             sds(self.v_pool),
             sds(self.ring),
-            jax.ShapeDtypeStruct(packed_shape(key), jnp.int32, sharding=self._upload_to if mesh else None),
+            jax.ShapeDtypeStruct(packed_shape(key), jnp.int32, sharding=on),
+            *extra,
             key=bucket,
         )
 
@@ -618,6 +646,7 @@ class ModelRunner:
             self.tensor_parallel_size,
             tuple(d.id for d in self._store_devices),
             tuple(sorted(_compiler_options().items())),
+            tuple(sorted(_compiler_options(fused=True).items())),
             arrays,
             params,
         )
@@ -646,7 +675,8 @@ class ModelRunner:
             return self._exe[key]
         t = time.perf_counter()
         before = jax_cache_hits_in_thread()
-        exe = (lowered or self._lower(key)).compile(_compiler_options())
+        fused = not isinstance(key, (BucketKey, SamplerKey))
+        exe = (lowered or self._lower(key)).compile(_compiler_options(fused))
         dt = time.perf_counter() - t
         if self.store is not None:
             t = time.perf_counter()
@@ -738,9 +768,13 @@ class ModelRunner:
         exe = self._exe.get(key)
         if exe is None:
             exe = self._compile(key)  # not warmed up: counted in `compilations`
-        out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed)
+        if isinstance(key, BucketKey):
+            out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed)
+        else:  # a fused step: the previous fused step's last tokens in, its own out
+            out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed, self._previous(key[0].C))
+            self._fused_last[key[0].C] = out[5]
         self.k_pool, self.v_pool, self.ring, gates, tokens = out[:5]
-        if sample and len(out) > 5:
+        if sample and isinstance(key, BucketKey) and len(out) > 5:
             skey = SamplerKey(key.C)
             sampler = self._exe.get(skey)
             if sampler is None:
@@ -748,6 +782,15 @@ class ModelRunner:
             tokens = sampler(self._top_leaves, out[5], out[6])
             self.sampler_launches += 1
         return gates, tokens
+
+    def _previous(self, C: int) -> jax.Array:
+        """The last tokens of the latest fused step of coda size ``C`` (zeros before the first):
+        read only by a step whose first sub-step feeds previous tokens, which the scheduler builds
+        only right after a fused step of the same rows."""
+        last = self._fused_last.get(C)
+        if last is None:
+            last = self._fused_last[C] = jax.device_put(np.zeros(C, np.int32), self._upload_to)
+        return last
 
     def upload(self, desc) -> jax.Array:
         """``desc``'s packed buffer on the runner's device (``device_put``: ``jnp.asarray`` would

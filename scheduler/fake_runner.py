@@ -86,6 +86,7 @@ class FakeRunner:
         self.kv_written = np.zeros(num_blocks * block_size, bool)
         self.ring = np.zeros(num_ring_rows, np.uint64)
         self.invocations = 0
+        self.last_fused_tokens = None  # the latest fused step's last samples (a step ahead feeds them)
 
     def step(self, desc) -> StepResult:
         """Run one ``BatchDescriptor`` (or a ``StackedDescriptor``: a fused decode step)."""
@@ -118,6 +119,7 @@ class FakeRunner:
         # 2. prelude (padding writes ring row 0); a fused sub-step embeds the previous token's samples
         pre_token = desc.pre_token.copy()
         if desc.feed_previous_tokens:
+            assert previous_tokens is not None, "a sub-step feeds previous tokens, but no fused step sampled any"
             pre_token[:npre] = previous_tokens[:npre]
         self.ring[desc.pre_ring] = embed(pre_token)
         # 3. recurrent: write every real row's K/V, then attend per segment
@@ -156,7 +158,7 @@ class FakeRunner:
         R, C = key.R, key.C
         gates = np.zeros((desc.n, R), np.float32)
         result = np.zeros((desc.num_tokens, C + R), np.int32)
-        prev = None
+        prev = self.last_fused_tokens  # read only by a step scheduled ahead (Scheduler.schedule_ahead)
         for j in range(desc.num_tokens):
             subs = desc.steps[j * T : (j + 1) * T]
             args = (desc.exit_limit[j], desc.exit_min_loops[j], desc.exit_delay[j], desc.exit_threshold[j])
@@ -184,6 +186,7 @@ class FakeRunner:
             prev = self._coda(last, exit_h[last.coda_row])
             result[j, :C] = prev
             result[j, C:] = depth
+        self.last_fused_tokens = prev
         return gates, result
 
     def _check_padding(self, desc) -> None:

@@ -8,8 +8,11 @@ The loop an engine runs::
 
 ``update`` reads a result only when the plan needs it: gates only when an exit depends on them
 (``plan.needs_gates``), tokens only when a coda row's token is kept. A prefill-only plan therefore
-never blocks the host, and the device can run ahead while the next plan is built. Exactly one plan
-is in flight: ``schedule`` refuses to run again before ``update`` has seen the previous plan.
+never blocks the host, and the device can run ahead while the next plan is built. One plan is
+in flight: ``schedule`` refuses to run again before ``update`` has seen the previous plan. The
+exception is asynchronous scheduling of fused decode steps: ``schedule_ahead`` builds the next
+fused step of the same rows while the one in flight is still unread (its tokens are fed on the
+device), so the host reads one step while the device runs the next (``pipeline.StepPipeline``).
 
 What ``update`` applies: prompt frontiers advance (``Request.prefill_depth_frontiers``); the
 prompt's first token comes from the coda of its last position at depth ``T-1``, once every
@@ -289,6 +292,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self._requests: dict[object, Request] = {}  # every unfinished request, by id
         self._inflight: Optional[BatchPlan] = None
+        self._ahead: Optional[BatchPlan] = None  # launched by schedule_ahead, updated after _inflight
         self._step = 0
         self._stats = Counter()
         self._keys_used = Counter()
@@ -488,7 +492,7 @@ class Scheduler:
         sel = self._align_for_fusion(sel)
         fused = self._fused_tokens(sel, finalize)
         if fused:
-            plan = self._schedule_fused(sel.decode, finalize, fused)
+            plan = self._inflight = self._schedule_fused(sel.decode, finalize, fused)
             self._stats["schedule_time_s"] += time.perf_counter() - t0
             return plan
         last_exited = cfg.kv_layout == "last_exited"
@@ -648,20 +652,59 @@ class Scheduler:
                 return want
         return 0
 
-    def _schedule_fused(self, rows: list[Request], finalize: list, tokens: int) -> BatchPlan:
+    def schedule_ahead(self) -> Optional[BatchPlan]:
+        """The next fused decode step of the rows of the fused step in flight, built before that
+        step's tokens are read, or ``None``. Asynchronous scheduling: the runner launches it right
+        behind the one in flight, which the host then reads while the device runs this one.
+
+        It continues every row from where the step in flight leaves it (positions and token
+        counts advanced by that step's tokens; its first sub-step embeds the tokens that step
+        samples last, on the device), so its tokens and exit depths are those the loop-by-loop
+        path would give. Only when nothing else could run instead: every running request is one of
+        its rows, none is waiting to be admitted, every row has the tokens left by ``max_tokens``
+        and gets its blocks without preemption. A row that the step in flight ends (a stop token)
+        still rides along: ``update`` drops its tokens, as it does for an aborted request, and
+        the K/V it writes lands in freed blocks before any later invocation can use them (one
+        device stream). ``update`` takes the two plans in launch order."""
+        plan, cfg, T = self._inflight, self.config, self.num_loops
+        if plan is None or plan.sub_plans is None or self._ahead is not None or self.latency is not None:
+            return None
+        t0 = time.perf_counter()
+        rows = [self._requests.get(r.request_id) for r in plan.sub_plans[0].ranges]
+        if any(r is None or r.status is not RequestStatus.RUNNING or r.pending_finalize for r in rows):
+            return None  # aborted since
+        if len(rows) != len(self.running) or (len(self.waiting) and len(self.running) < cfg.max_num_seqs):
+            return None
+        done = len(plan.sub_plans) // T  # tokens the step in flight gives every row
+        for want in sorted({cfg.fused_decode_tokens, 1}, reverse=True):
+            if all(
+                r.sampling_params.max_tokens - len(r.output_token_ids) - done >= want
+                and self._grow_to(r, r.position_in_flight + done + want)
+                for r in rows
+            ):
+                ahead = self._ahead = self._schedule_fused(rows, [], want, done)
+                self._stats["ahead_launches"] += 1
+                self._stats["schedule_time_s"] += time.perf_counter() - t0
+                return ahead
+        return None
+
+    def _schedule_fused(self, rows: list[Request], finalize: list, tokens: int, done: int = 0) -> BatchPlan:
         """``tokens * T`` sub-steps (loop ``d`` of token ``j`` is sub-step ``j * T + d``), each
         the descriptor the loop-by-loop path builds for these rows at that loop, in one bucket;
         finalize copies go with sub-step 0, token ``j > 0`` embeds the token its row sampled on
         the device, and each token carries every row's exit rule (``device_exit_params``). Which
-        sub-steps run is decided on the device; ``update`` counts them."""
+        sub-steps run is decided on the device; ``update`` counts them.
+
+        ``done > 0`` (``schedule_ahead``): the rows' state as the fused step in flight leaves it,
+        ``done`` tokens on; token 0 embeds that step's last tokens on the device too."""
         cfg, T = self.config, self.num_loops
         plane = (lambda d: d) if cfg.kv_layout == "last_exited" else (lambda d: 0)
         fin = np.fromiter(finalize, np.int64, len(finalize)).reshape(-1, 2)
         n = len(rows)
         slots = np.array([r.batch_slot for r in rows], np.int64)
         bases = np.array([r.ring_base for r in rows], np.int64)
-        pos0 = np.array([r.position_in_flight for r in rows], np.int64)
-        k0 = [len(r.output_token_ids) for r in rows]
+        pos0 = np.array([r.position_in_flight + done for r in rows], np.int64)
+        k0 = [len(r.output_token_ids) + done for r in rows]
         p = [r.sampling_params for r in rows]
         temp = np.array([x.temperature for x in p], np.float64)
         top_k = np.array([x.top_k for x in p], np.float64)
@@ -674,7 +717,11 @@ class Scheduler:
             for j in range(tokens):
                 target = None
                 if p[i].exit_mode == "synthetic":
-                    target = r.decode_target_loops if j == 0 else synthetic_exit_loops(p[i], T, r.request_id, k0[i] + j)
+                    target = (
+                        r.decode_target_loops
+                        if j == 0 and not done
+                        else synthetic_exit_loops(p[i], T, r.request_id, k0[i] + j)
+                    )
                 exits[:, j, i] = device_exit_params(p[i], T, target)
         subs, descs, key = [], [], None
         for j in range(tokens):
@@ -687,6 +734,7 @@ class Scheduler:
                 ]
                 coda = [CodaRow(r.request_id, i, k0[i] + j, False) for i, r in enumerate(rows)] if d == T - 1 else []
                 first = j == 0 and d == 0
+                fed = d == 0 and (j > 0 or done > 0)  # the token comes from the device
                 desc = build_descriptor(
                     self.bucket_spec,
                     self.block_manager.tables,
@@ -697,7 +745,7 @@ class Scheduler:
                     seg_ring=bases,
                     pre_ring=bases if d == 0 else empty,
                     pre_token=np.array([r.output_token_ids[-1] for r in rows])
-                    if first
+                    if first and not fed
                     else (np.zeros(n, np.int64) if d == 0 else empty),
                     coda_row=np.arange(n) if coda else empty,
                     coda_temperature=temp if coda else empty,
@@ -708,7 +756,7 @@ class Scheduler:
                     fin_src=fin[:, 0] if first else empty,
                     fin_dst=fin[:, 1] if first else empty,
                     key=key,
-                    feed_previous_tokens=d == 0 and j > 0,
+                    feed_previous_tokens=fed,
                 )
                 key = desc.key
                 descs.append(desc)
@@ -740,7 +788,6 @@ class Scheduler:
             sub_plans=subs,
         )
         self._step += 1
-        self._inflight = plan
         st = self._stats
         st["launches"] += 1
         st["fused_launches"] += 1
@@ -788,9 +835,10 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update(self, plan: BatchPlan, gate_logits: ArrayOrThunk, tokens: ArrayOrThunk) -> list[RequestDelta]:
         """Apply the results of ``plan``: ``gate_logits [>= num_rows]`` float, ``tokens [>= coda
-        rows]`` int, each an array or a zero-argument callable returning one (read lazily)."""
+        rows]`` int, each an array or a zero-argument callable returning one (read lazily). With a
+        step scheduled ahead, ``plan`` is the older of the two; the other is in flight next."""
         if plan is not self._inflight:
-            raise RuntimeError("Scheduler.update: this plan is not the one in flight")
+            raise RuntimeError("Scheduler.update: this plan is not the oldest one in flight")
         t0 = time.perf_counter()
         deltas: dict[object, RequestDelta] = {}
         if plan.sub_plans is None:
@@ -799,7 +847,7 @@ class Scheduler:
             )
         else:  # a fused step: [tokens, C + R] sampled tokens and exit depths (its gates are not read)
             self._apply_fused(plan, np.asarray(tokens() if callable(tokens) else tokens), deltas)
-        self._inflight = None
+        self._inflight, self._ahead = self._ahead, None
         self._stats["update_time_s"] += time.perf_counter() - t0
         return list(deltas.values())
 
@@ -924,6 +972,7 @@ class Scheduler:
             "aborted",
             "launches",
             "fused_launches",
+            "ahead_launches",
             "fused_loops",
             "fused_tokens",
             "fusion_align_invocations",

@@ -43,9 +43,12 @@ def _reqs(rng, n, **sp):
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_fused_steps_match_reference_with_stops_and_odd_lengths(layout, tokens):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_fused_steps_match_reference_with_stops_and_odd_lengths(layout, tokens, ahead):
     """Fixed depth, sampled and greedy rows, stop tokens that end a row mid-step, max_tokens not
-    a multiple of the tokens per step: identical to the dense reference, and fused steps ran."""
+    a multiple of the tokens per step: identical to the dense reference, and fused steps ran.
+    ``ahead``: each fused step launched before the previous one was read (asynchronous
+    scheduling), which must not change a token either."""
     rng = np.random.default_rng(3)
     reqs = _reqs(rng, 3, exit_mode="fixed", stop_token_ids=(5, 17))
     cfg = SchedulerConfig(
@@ -60,10 +63,11 @@ def test_fused_steps_match_reference_with_stops_and_odd_lengths(layout, tokens):
         fused_decode_max_rows=3,
         fused_decode_tokens=tokens,
     )
-    h, objs, aborted = run_workload(cfg, reqs)
+    h, objs, aborted = run_workload(cfg, reqs, ahead=ahead)
     check_against_reference(cfg, objs, aborted)
     st = h.s.stats()
     assert h.fused > 0 and st["fused_launches"] == h.fused
+    assert st["ahead_launches"] == h.ahead and (h.ahead > 0) == ahead
     assert st["launches"] == len(h.plans) and st["invocations"] == st["launches"] - h.fused + st["fused_loops"]
     assert st["fused_loops"] % cfg.num_loops == 0
     if tokens > 1:  # steps of `tokens` tokens ran, not only single-token ones
@@ -222,3 +226,68 @@ def test_fused_step_updates_the_pool_in_place():
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=5, ignore_eos=True, exit_mode="fixed"), use_tqdm=False)
     assert llm.stats()["fused_launches"] > 0
     assert r.k_pool.unsafe_buffer_pointer() == ptr
+
+
+def _drive(llm, plan, sp):
+    """Run ``plan`` (step index -> ("add", i) or ("abort", i)) with prompts ``PROMPTS[i % 3]`` and
+    ``sp[i]`` to the end; the final output of every request by id."""
+    final, step = {}, 0
+    while step <= max(plan) or llm.has_unfinished():
+        for kind, i in plan.get(step, []):
+            if kind == "add":
+                llm.add_request(PROMPTS[i % len(PROMPTS)], sp[i], request_id=i)
+            else:
+                llm.abort(i)
+        final.update((o.request_id, o) for o in llm.step() if o.finished)
+        step += 1
+    return final
+
+
+def test_async_scheduling_changes_no_token_and_leaves_nothing_in_flight():
+    """Fused steps launched before the previous one was read: the same tokens, exit depths and
+    finish reasons as the synchronous engine, with stop tokens, early exits, sampling, a request
+    arriving and one aborted mid-run; nothing in flight and every block free at the end."""
+    sp = [
+        SamplingParams(max_tokens=9, ignore_eos=True, exit_mode="fixed"),
+        SamplingParams(max_tokens=7, ignore_eos=True, exit_threshold=0.5, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=8, ignore_eos=True, exit_mode="synthetic", synthetic_mean_loops=2.5),
+        SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.3),
+        SamplingParams(max_tokens=12, ignore_eos=True, exit_mode="fixed"),
+    ]
+    plan = {0: [("add", 0), ("add", 1), ("add", 2)], 9: [("add", 3)], 14: [("abort", 4)], 11: [("add", 4)]}
+    sync = _engine(fused_decode_max_rows=4, async_scheduling=False)
+    want = _drive(sync, plan, sp)
+    stop = want[0].token_ids[3]  # a stop token met mid-run (where it first occurs)
+    sp[0] = SamplingParams(max_tokens=9, ignore_eos=True, exit_mode="fixed", stop_token_ids=(stop,))
+    want = _drive(sync, plan, sp)
+    assert want[0].finish_reason == "stop" and sync.stats()["ahead_launches"] == 0
+    llm = _engine(fused_decode_max_rows=4)
+    got = _drive(llm, plan, sp)
+    for i in range(4):
+        assert (got[i].token_ids, got[i].exit_depths, got[i].finish_reason) == (
+            want[i].token_ids,
+            want[i].exit_depths,
+            want[i].finish_reason,
+        ), i
+    assert got[4].finish_reason == "abort"
+    full = _drive(_engine(fused_decode_max_rows=4, async_scheduling=False), {0: [("add", 4)]}, sp)[4]
+    assert got[4].token_ids == full.token_ids[: len(got[4].token_ids)]
+    st = llm.stats()
+    assert st["ahead_launches"] > 0 and st["fused_launches"] > st["ahead_launches"]
+    assert st["free_blocks"] == llm.scheduler_config.num_blocks - 1
+    assert not llm._pipeline.pending and llm.scheduler._inflight is None
+
+
+def test_abort_of_the_last_request_drains_the_step_launched_ahead():
+    llm = _engine(fused_decode_max_rows=4)
+    llm.add_request(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True, exit_mode="fixed"), request_id="a")
+    while not llm._pipeline.pending:
+        llm.step()
+    assert llm.abort("a")
+    assert not llm._pipeline.pending and llm.scheduler._inflight is None
+    assert llm.stats()["free_blocks"] == llm.scheduler_config.num_blocks - 1
+    (out,) = llm.step()
+    assert out.finished and out.finish_reason == "abort" and not llm.has_unfinished()
+    # the engine runs on: a new request after the drained one
+    again = llm.generate(PROMPTS[1], SamplingParams(max_tokens=5, ignore_eos=True, exit_mode="fixed"), use_tqdm=False)
+    assert len(again[0].token_ids) == 5

@@ -62,6 +62,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="reuse the KV of shared prompt prefixes (with --data-parallel-size: prefix-aware routing too)",
     )
+    g.add_argument(
+        "--async-scheduling",
+        dest="engine_async_scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch the next fused decode step before reading the one in flight (default: on)",
+    )
 
 
 def engine_kwargs(args) -> dict:
@@ -69,6 +76,8 @@ def engine_kwargs(args) -> dict:
     kw = {k: v for k, v in kw.items() if v is not None}
     if getattr(args, "engine_enable_prefix_caching", None) is not None:
         kw["enable_prefix_caching"] = args.engine_enable_prefix_caching
+    if getattr(args, "engine_async_scheduling", None) is not None:
+        kw["async_scheduling"] = args.engine_async_scheduling
     if args.buckets:
         try:
             kw["buckets"] = [int(x) for x in args.buckets.split(",") if x.strip()]
