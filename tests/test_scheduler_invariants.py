@@ -47,6 +47,8 @@ class _CheckedRunner:
         h, s = self.h, self.h.s
         plan = s._ahead if s._ahead is not None else s._inflight
         assert plan is not None and plan.descriptor is desc, "launched a plan the scheduler did not hand out"
+        # frontiers as the plan about to be applied left them (schedule's preemptions included)
+        h.frontiers = {r.request_id: list(r.prefill_depth_frontiers) for r in s.running}
         h.check_launch(plan, ahead=plan is s._ahead)
         h.plans.append(plan)
         result = h.fr.step(desc)
@@ -71,18 +73,20 @@ class Harness:
         self.max_running = 0
         self.fused = 0  # fused decode steps run
         self.ahead = 0  # of which scheduled ahead
+        self.frontiers: dict = {}  # prompt frontiers by request when the latest plan launched
 
     def step(self):
         s = self.s
-        before = {r.request_id: list(r.prefill_depth_frontiers) for r in s.running}
         deltas = self.pipeline.advance()
         if deltas is None:
             return None
-        for r in s.running:  # frontiers only move forward and stay ordered by depth
+        # frontiers only move forward (against the latest launch's snapshot: a step launched ahead
+        # changes none, so it is also the one from before the plan just applied) and stay ordered
+        for r in s.running:
             f = r.prefill_depth_frontiers
             assert all(a >= b for a, b in zip(f, f[1:])), f
-            if r.request_id in before:
-                assert all(a >= b for a, b in zip(f, before[r.request_id]))
+            if r.request_id in self.frontiers:
+                assert all(a >= b for a, b in zip(f, self.frontiers[r.request_id]))
         return deltas
 
     def check_launch(self, plan, ahead: bool):
