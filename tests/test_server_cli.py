@@ -114,3 +114,18 @@ def test_cli_rejects_bad_input_before_building(argv, msg, capsys):
     assert main(argv) == 1
     assert msg in capsys.readouterr().err
     assert time.perf_counter() - t < 5  # no engine was built
+
+
+def test_engine_switches_reach_the_engine_only_when_given():
+    import argparse
+
+    from ouro_jax.server.cli_commands import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = lambda *argv: engine_kwargs(p.parse_args(list(argv)))  # noqa: E731
+    assert kw() == {}  # left out: the LLM defaults
+    assert kw("--no-async-scheduling", "--enable-prefix-caching") == dict(
+        async_scheduling=False, enable_prefix_caching=True
+    )
+    assert kw("--async-scheduling", "--max-num-seqs", "4") == dict(async_scheduling=True, max_num_seqs=4)

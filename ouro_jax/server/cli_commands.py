@@ -41,6 +41,18 @@ _ENGINE_FLAGS = {
     "--tensor-parallel-size": ("tensor_parallel_size", int, None, "split the model over this many local devices"),
 }
 
+# on/off flags (``--x`` / ``--no-x``) -> (LLM keyword, help); left out: the LLM default
+_ENGINE_SWITCHES = {
+    "--enable-prefix-caching": (
+        "enable_prefix_caching",
+        "reuse the KV of shared prompt prefixes (with --data-parallel-size: prefix-aware routing too)",
+    ),
+    "--async-scheduling": (
+        "async_scheduling",
+        "launch the next fused decode step before reading the one in flight (default: on)",
+    ),
+}
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -55,29 +67,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             help=help_,
         )
     g.add_argument("--buckets", type=str, default=None, help="row buckets, comma separated (e.g. 8,32,128)")
-    g.add_argument(
-        "--enable-prefix-caching",
-        dest="engine_enable_prefix_caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse the KV of shared prompt prefixes (with --data-parallel-size: prefix-aware routing too)",
-    )
-    g.add_argument(
-        "--async-scheduling",
-        dest="engine_async_scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="launch the next fused decode step before reading the one in flight (default: on)",
-    )
+    for flag, (dest, help_) in _ENGINE_SWITCHES.items():
+        g.add_argument(flag, dest=f"engine_{dest}", action=argparse.BooleanOptionalAction, default=None, help=help_)
 
 
 def engine_kwargs(args) -> dict:
     kw = {d: getattr(args, f"engine_{d}") for d, *_ in _ENGINE_FLAGS.values()}
+    kw.update({d: getattr(args, f"engine_{d}", None) for d, _ in _ENGINE_SWITCHES.values()})
     kw = {k: v for k, v in kw.items() if v is not None}
-    if getattr(args, "engine_enable_prefix_caching", None) is not None:
-        kw["enable_prefix_caching"] = args.engine_enable_prefix_caching
-    if getattr(args, "engine_async_scheduling", None) is not None:
-        kw["async_scheduling"] = args.engine_async_scheduling
     if args.buckets:
         try:
             kw["buckets"] = [int(x) for x in args.buckets.split(",") if x.strip()]
