@@ -156,7 +156,7 @@ def test_update_refuses_a_stale_plan():
     s.add_request(Request(0, [1, 2, 3], SamplingParams(max_tokens=2)))
     plan = s.schedule()
     s.update(plan, np.zeros(plan.descriptor.key.R, np.float32), np.zeros(plan.descriptor.key.C, np.int32))
-    with pytest.raises(RuntimeError, match="not the one in flight"):
+    with pytest.raises(RuntimeError, match="not the oldest one in flight"):
         s.update(plan, np.zeros(8, np.float32), np.zeros(8, np.int32))
 
 

@@ -1,5 +1,7 @@
 """Does uploading a descriptor wait for the compute stream? Times device_put of int32 arrays while
 a long jitted loop runs, plain and staged through pinned host memory, and a small call on the result."""
+
+import os
 import time
 
 import jax
@@ -7,15 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 
 dev = jax.devices()[0]
-import os
-
 N = int(os.environ.get("N", 8192))
 x = jnp.ones((N, N), jnp.bfloat16)
 long = jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda i, y: (y @ x) * 0.001, x))
 small = jax.jit(lambda a: a[:8] + 1)
 long(x).block_until_ready()
-t = time.perf_counter(); long(x).block_until_ready(); LONG = time.perf_counter() - t
-print(f"long op alone {LONG*1e3:.1f} ms")
+t = time.perf_counter()
+long(x).block_until_ready()
+LONG = time.perf_counter() - t
+print(f"long op alone {LONG * 1e3:.1f} ms")
 try:
     pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
     on_device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
@@ -48,4 +50,7 @@ for n in [2048, 8192, 16384, 32768, 65536, 131072, 262144]:
         out.block_until_ready()
         t3 = time.perf_counter() - t
         r.block_until_ready()
-        print(f"{n*4:>8} B {how:>10}: upload returned {t1*1e3:7.2f} ms, call returned {t2*1e3:7.2f} ms, result {t3*1e3:7.2f} ms (long op {LONG*1e3:.0f} ms)")
+        print(
+            f"{n * 4:>8} B {how:>10}: upload returned {t1 * 1e3:7.2f} ms, call returned {t2 * 1e3:7.2f} ms, "
+            f"result {t3 * 1e3:7.2f} ms (long op {LONG * 1e3:.0f} ms)"
+        )
