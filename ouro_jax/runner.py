@@ -25,7 +25,10 @@ decides every row's exit after each loop with the host's rule and stops once all
 then finalizes, samples and feeds the sampled ids to the next token's prelude on the device: at
 small batches a loop is short next to the host's fixed cost per launch, upload and readback, and
 with early exit the host would otherwise wait for every loop's gate (docs/decisions.md, "Fused
-decode steps").
+decode steps"). The depth loop compiles into CUDA-graph conditional nodes (``_compiler_options``),
+so that no loop waits for the host; a fused step also takes the previous fused step's last samples
+and returns its own, so that the scheduler can launch the next step before the host has read this
+one (``scheduler/pipeline.py``).
 
 The descriptor travels as one packed int32 array (``scheduler/descriptor.py`` fixes its layout per
 bucket key) because every host-to-device transfer has a fixed cost.
