@@ -402,7 +402,8 @@ def _count_cache_hit(name: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_cache_hit)
 
 
-# XLA's default command-buffer kinds (jax 0.11.2) plus WHILE and CONDITIONAL: see _compiler_options
+# XLA's default command-buffer kinds as its source sets them (debug_options_flags.cc; not read back
+# from jax 0.11.2's build, which accepts every name here) plus CONDITIONAL and WHILE: _compiler_options
 FUSED_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"
 
 
@@ -422,6 +423,11 @@ def _compiler_options(fused: bool = False) -> dict:
     if fused:
         opts["xla_gpu_enable_command_buffer"] = FUSED_COMMAND_BUFFER
     return opts
+
+
+def is_fused(key) -> bool:
+    """Whether ``key`` names a fused decode step ``(BucketKey, n)`` (not a bucket or a sampler)."""
+    return not isinstance(key, (BucketKey, SamplerKey))
 
 
 def samples(desc) -> bool:
@@ -613,7 +619,7 @@ class ModelRunner:
                 jax.ShapeDtypeStruct((key.C, self.config.hidden_size), self.dtype, sharding=on),
                 jax.ShapeDtypeStruct(packed_shape(key), jnp.int32, sharding=on),
             )
-        fused = not isinstance(key, BucketKey)
+        fused = is_fused(key)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
         on = self._upload_to if mesh else None
         extra = (jax.ShapeDtypeStruct((bucket.C,), jnp.int32, sharding=on),) if fused else ()
@@ -678,8 +684,7 @@ class ModelRunner:
             return self._exe[key]
         t = time.perf_counter()
         before = jax_cache_hits_in_thread()
-        fused = not isinstance(key, (BucketKey, SamplerKey))
-        exe = (lowered or self._lower(key)).compile(_compiler_options(fused))
+        exe = (lowered or self._lower(key)).compile(_compiler_options(is_fused(key)))
         dt = time.perf_counter() - t
         if self.store is not None:
             t = time.perf_counter()
@@ -771,13 +776,14 @@ class ModelRunner:
         exe = self._exe.get(key)
         if exe is None:
             exe = self._compile(key)  # not warmed up: counted in `compilations`
-        if isinstance(key, BucketKey):
-            out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed)
-        else:  # a fused step: the previous fused step's last tokens in, its own out
+        fused = is_fused(key)
+        if fused:  # the previous fused step's last tokens in, its own out
             out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed, self._previous(key[0].C))
             self._fused_last[key[0].C] = out[5]
+        else:
+            out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed)
         self.k_pool, self.v_pool, self.ring, gates, tokens = out[:5]
-        if sample and isinstance(key, BucketKey) and len(out) > 5:
+        if sample and not fused and len(out) > 5:
             skey = SamplerKey(key.C)
             sampler = self._exe.get(skey)
             if sampler is None:

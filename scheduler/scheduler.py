@@ -643,10 +643,15 @@ class Scheduler:
             return 0
         if any(req.decode_depth for req in rows):
             return 0
-        for want in sorted({cfg.fused_decode_tokens, 1}, reverse=True):
+        return self._tokens_that_fit(rows)
+
+    def _tokens_that_fit(self, rows: list[Request], done: int = 0) -> int:
+        """``fused_decode_tokens``, or else 1, or else 0: the most tokens every row has left by
+        ``max_tokens`` and gets the blocks of, ``done`` tokens after its token in flight."""
+        for want in sorted({self.config.fused_decode_tokens, 1}, reverse=True):
             if all(
-                req.sampling_params.max_tokens - len(req.output_token_ids) >= want
-                and self._grow_to(req, req.position_in_flight + want)  # blocks for every token
+                req.sampling_params.max_tokens - len(req.output_token_ids) - done >= want
+                and self._grow_to(req, req.position_in_flight + done + want)  # blocks for every token
                 for req in rows
             ):
                 return want
@@ -666,27 +671,23 @@ class Scheduler:
         still rides along: ``update`` drops its tokens, as it does for an aborted request, and
         the K/V it writes lands in freed blocks before any later invocation can use them (one
         device stream). ``update`` takes the two plans in launch order."""
-        plan, cfg, T = self._inflight, self.config, self.num_loops
+        plan = self._inflight
         if plan is None or plan.sub_plans is None or self._ahead is not None or self.latency is not None:
             return None
         t0 = time.perf_counter()
         rows = [self._requests.get(r.request_id) for r in plan.sub_plans[0].ranges]
         if any(r is None or r.status is not RequestStatus.RUNNING or r.pending_finalize for r in rows):
             return None  # aborted since
-        if len(rows) != len(self.running) or (len(self.waiting) and len(self.running) < cfg.max_num_seqs):
+        if not self._fusion_candidates(Selection("decode", rows, [], 1)):
             return None
-        done = len(plan.sub_plans) // T  # tokens the step in flight gives every row
-        for want in sorted({cfg.fused_decode_tokens, 1}, reverse=True):
-            if all(
-                r.sampling_params.max_tokens - len(r.output_token_ids) - done >= want
-                and self._grow_to(r, r.position_in_flight + done + want)
-                for r in rows
-            ):
-                ahead = self._ahead = self._schedule_fused(rows, [], want, done)
-                self._stats["ahead_launches"] += 1
-                self._stats["schedule_time_s"] += time.perf_counter() - t0
-                return ahead
-        return None
+        done = len(plan.sub_plans) // self.num_loops  # tokens the step in flight gives every row
+        want = self._tokens_that_fit(rows, done)
+        if not want:
+            return None
+        ahead = self._ahead = self._schedule_fused(rows, [], want, done)
+        self._stats["ahead_launches"] += 1
+        self._stats["schedule_time_s"] += time.perf_counter() - t0
+        return ahead
 
     def _schedule_fused(self, rows: list[Request], finalize: list, tokens: int, done: int = 0) -> BatchPlan:
         """``tokens * T`` sub-steps (loop ``d`` of token ``j`` is sub-step ``j * T + d``), each
