@@ -416,12 +416,20 @@ def _compiler_options(fused: bool = False) -> dict:
     ``fused``: a fused decode step's depth ``while_loop`` also goes into CUDA graphs (conditional
     nodes). Without that, XLA copies the loop predicate to the host after every loop and the host
     thread waits for it before launching the next: on the H200 a 1-row step of Ouro-1.4B lost
-    ~0.7 ms a token to it (docs/decisions.md, "What the engine's fused step loses")."""
+    ~0.7 ms a token to it (docs/decisions.md, "What the engine's fused step loses").
+
+    Fused steps also keep XLA's own sort kernel instead of CUB's radix sort: from ~128 coda rows XLA
+    sorts the sampler's ``[C, vocab]`` logits with CUB, which does not go into a CUDA graph, so the
+    sampling ``lax.cond`` around it ran on the host: the launch copied the branch predicate back
+    and waited for the whole step (a 128-row step returned after 16.4 ms instead of 1.7 ms on the
+    H200) and asynchronous scheduling could not overlap the host's work with it (docs/decisions.md,
+    "Fused steps at large buckets")."""
     if jax.default_backend() != "gpu":
         return {}
     opts = {"xla_disable_hlo_passes": "rematerialization"}
     if fused:
         opts["xla_gpu_enable_command_buffer"] = FUSED_COMMAND_BUFFER
+        opts["xla_gpu_enable_cub_radix_sort"] = False
     return opts
 
 

@@ -70,6 +70,12 @@ KV_LAYOUTS = ("last_exited", "shared")
 PREFILL_MODES = ("split", "mixed", "wavefront")
 KV_ALLOCATIONS = ("on_demand", "reserve")
 POLICIES = ("fcfs", "priority")
+# Fused decode steps of more rows than this run only when no row's exit depends on its gates. A
+# fused step runs every row in lock step to the deepest row's exit, where loop by loop the later
+# loops shrink to the rows still running: on the H200 (docs/decisions.md, "Fused steps at large
+# buckets") the gate rule at 0.5 decoded 32 streams faster fused (7.50 against 8.59 ms a token)
+# and 128 streams much slower (28.0 against 18.6 ms); fixed and synthetic depths gained at both.
+FUSED_GATED_MAX_ROWS = 32
 
 
 def _is_int(v) -> bool:
@@ -599,14 +605,17 @@ class Scheduler:
     # ------------------------------------------------------------ fused decode
     def _fusion_candidates(self, sel) -> bool:
         """Could ``sel`` run fused but for the rows' depths: decode rows only, every running
-        request among them, within ``fused_decode_max_rows``, and nothing to admit (a fused step
-        would keep it waiting ``T`` loops or more)."""
+        request among them, within ``fused_decode_max_rows``, no row whose exit depends on its
+        gates beyond ``FUSED_GATED_MAX_ROWS`` rows, and nothing to admit (a fused step would keep
+        it waiting ``T`` loops or more)."""
         cfg = self.config
         if not cfg.fused_decode_max_rows or sel is None or sel.prompt or not sel.decode:
             return False
         rows = sel.decode
         if len(rows) > cfg.fused_decode_max_rows or len(rows) != len(self.running):
             return False
+        if len(rows) > FUSED_GATED_MAX_ROWS and any(gate_needed(r.sampling_params, self.num_loops, 0) for r in rows):
+            return False  # lock step to the deepest gated exit costs more than the launches it saves
         return not (len(self.waiting) and len(self.running) < cfg.max_num_seqs)
 
     def _align_for_fusion(self, sel):

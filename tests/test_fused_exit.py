@@ -369,3 +369,44 @@ def test_engine_fused_exit_equals_loop_by_loop(layout, tokens):
     assert st1["fused_loops"] - st_["fused_loops"] == sum(d + 1 for d in want1[0][1][1:]) < T * 7
     assert st1["compilations"] == len(llm.executable_keys())  # all at start-up, nothing since
     assert st1["free_blocks"] == llm.scheduler_config.num_blocks - 1
+
+
+@pytest.mark.parametrize("n,gated", [(40, False), (40, True), (32, True)])
+def test_large_fused_steps_only_without_gated_rows(n, gated):
+    """Beyond ``FUSED_GATED_MAX_ROWS`` rows a batch fuses only when no row's exit depends on its
+    gates (lock step to the deepest exit costs more than it saves there): no fused step of more
+    than 32 rows holds the gated row (request 3); a batch of 40 fixed-depth rows or of 32 rows
+    with the gated one fuses whole. Outputs are the reference's either way."""
+    from scheduler.scheduler import FUSED_GATED_MAX_ROWS
+
+    assert FUSED_GATED_MAX_ROWS == 32
+    rng = np.random.default_rng(5)
+    reqs = [
+        dict(
+            rid=i,
+            prompt=rng.integers(0, VOCAB, size=int(rng.integers(2, 9))).tolist(),
+            sp=SamplingParams(max_tokens=6, seed=i, **(dict(exit_threshold=0.5) if gated and i == 3 else {})),
+            arrival=0,
+            abort_at=None,
+            priority=0,
+        )
+        for i in range(n)
+    ]
+    cfg = SchedulerConfig(
+        num_loops=T,
+        num_blocks=1600,
+        block_size=4,
+        max_num_seqs=n,
+        max_num_batched_tokens=256,
+        prefill_chunk_size=16,
+        max_model_len=32,
+        fused_decode_max_rows=n,
+    )
+    h, objs, aborted = run_workload(cfg, reqs)
+    check_against_reference(cfg, objs, aborted)
+    fused = [{r.request_id for r in p.sub_plans[0].ranges} for p in h.plans if p.sub_plans]
+    assert not gated or all(3 not in ids for ids in fused if len(ids) > FUSED_GATED_MAX_ROWS)
+    if n == 40 and gated:  # fused only after the gated row finished (its early exits run fewer loops)
+        assert fused and all(3 not in ids for ids in fused)
+    else:
+        assert any(len(ids) == n for ids in fused)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ouro_jax import LLM, SamplingParams, get_preset
+from ouro_jax.runner import is_fused
 from weights.random_init import random_params
 
 pytestmark = [
@@ -101,3 +102,38 @@ def test_fused_early_exit_equals_loop_by_loop_float32(kv_layout, tokens):
         assert (st["fused_launches"] > 0) == bool(fused)
     assert got[0] == got[8]
     assert got["one"] == got["one_plain"]
+
+
+def test_fused_128_rows_samples_with_xla_sort():
+    """A 128-row fused step samples with XLA's sort, not CUB's (a CUB sort keeps the sampling branch,
+    and so the whole launch, off the CUDA graph: runner._compiler_options), and its sampled
+    tokens are those of the loop-by-loop engine, whose separate sampler does sort with CUB."""
+    cfg = get_preset("ouro-small")
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), random_params(cfg, 0))
+    rng = np.random.default_rng(2)
+    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in rng.integers(3, 60, 12)]
+    sp = [
+        SamplingParams(max_tokens=8, ignore_eos=True, seed=i, temperature=0.9, top_p=0.8, top_k=(0, 50)[i % 2])
+        for i in range(len(prompts))
+    ]
+    got = {}
+    for fused in (0, 128):
+        llm = LLM(
+            cfg,
+            params=params,
+            max_num_seqs=128,
+            max_num_batched_tokens=256,
+            max_model_len=256,
+            buckets=[8, 128, 256],
+            kv_cache_bytes=1 << 30,
+            fused_decode_max_rows=fused,
+            progress=False,
+        )
+        got[fused] = _run(llm, prompts, sp)
+        if fused:
+            assert llm.stats()["fused_launches"] > 0
+            keys = [k for k in llm.runner.executables() if is_fused(k) and k[0].R == 128]
+            assert keys
+            for k in keys:
+                assert 'custom_call_target="xla.gpu.ext.cub_sort' not in llm.runner.executable(k).as_text()
+    assert got[0] == got[128]

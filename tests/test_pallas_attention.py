@@ -535,3 +535,25 @@ def test_kernel_gpu_ouro_shapes(bq):
     want = run(ragged_paged_attention_reference, b, 128**-0.5)
     got = run(ragged_paged_attention, b, 128**-0.5, block_q=bq)
     assert_close(got, want, b, jnp.bfloat16, f"ouro bq={bq}")
+
+
+def test_kernel_interpret_combine_many_items():
+    """A row whose context is split into more items than the combine reads per iteration
+    (``combine_chunk``: 16 at 4 heads of 64), so its merge loops three times with a partial last
+    chunk; beside it a decode row of 9 items and one that is not split."""
+    from pallas_kernels.ragged_paged_attention import combine_chunk
+
+    assert combine_chunk(4, 64) == 16
+    rng = np.random.default_rng(11)
+    specs = [(1, 37 * 16 - 5), (1, 9 * 16), (1, 12)]
+    b = make_batch(rng, num_heads=4, kv_heads=4, head_dim=64, block_size=8, seg_specs=specs, extra_rows=1)
+    want = oracle(b, 0.125)
+    for bq in (1, 16):
+        kw = dict(block_q=bq, block_k=16, min_split_tokens=16, extra_items=64)
+        r = b["q"].shape[0]
+        segs = [jnp.asarray(b[k]) for k in ("q_start", "q_len", "ctx_len")]
+        plan = make_plan(*segs, num_rows=r, num_q_per_kv=1, tuning=default_tuning(r, 3, 4, 4, 64, **kw))
+        counts = sorted(np.asarray(plan.rows)[:, 1].tolist())
+        assert counts[-2:] == [9, 37], counts
+        got = run(ragged_paged_attention, b, 0.125, interpret=True, **kw)
+        assert_close(got, want, b, np.float32, f"block_q={bq}")
