@@ -314,8 +314,8 @@ def _script_server_check() -> dict:
         for x in llms:
             step = x.step
 
-            def slow(step=step):
-                time.sleep(0.01)
+            def slow(step=step):  # 40 tokens take >= 2 s: the open streams below still run when the
+                time.sleep(0.05)  # metrics are read (at 10 ms a loaded CI machine once saw one finish first)
                 return step()
 
             x.step = slow
