@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -407,6 +408,31 @@ jax.monitoring.register_event_listener(_count_cache_hit)
 FUSED_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"
 
 
+# Extra XLA options for fused steps only, from the environment, for experiments on the device
+# (``"name=value;name=value"``; values ``true``/``false``, integers, else strings: enum names, comma
+# lists), e.g. ``xla_gpu_command_buffer_update_mode=SKIP_TEMP``. Part of the executable store's key.
+FUSED_XLA_OPTIONS_ENV = "OURO_JAX_FUSED_XLA_OPTIONS"
+
+
+def fused_option_overrides(text: Optional[str] = None) -> dict:
+    """``FUSED_XLA_OPTIONS_ENV`` (or ``text``) parsed into compiler options; ``ValueError`` names
+    an entry that is not ``name=value`` with an ``xla_`` name."""
+    text = os.environ.get(FUSED_XLA_OPTIONS_ENV, "") if text is None else text
+    out = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        name, sep, value = (x.strip() for x in entry.partition("="))
+        if not sep or not name.startswith("xla_") or not value:
+            raise ValueError(f"{FUSED_XLA_OPTIONS_ENV}: {entry!r} is not 'xla_name=value' (entries split by ';')")
+        low = value.lower()
+        if low in ("true", "false"):
+            out[name] = low == "true"
+        elif value.lstrip("-").isdigit():
+            out[name] = int(value)
+        else:
+            out[name] = value
+    return out
+
+
 def _compiler_options(fused: bool = False) -> dict:
     """XLA options of a step executable. On the GPU the rematerialization pass is off: it
     models each in-place K/V update of the donated pool as a new pool-sized buffer, estimates more
@@ -423,13 +449,14 @@ def _compiler_options(fused: bool = False) -> dict:
     sampling ``lax.cond`` around it ran on the host: the launch copied the branch predicate back
     and waited for the whole step (a 128-row step returned after 16.4 ms instead of 1.7 ms on the
     H200) and asynchronous scheduling could not overlap the host's work with it (docs/decisions.md,
-    "Fused steps at large buckets")."""
+    "Fused steps at large buckets"). ``FUSED_XLA_OPTIONS_ENV`` adds options to fused steps."""
     if jax.default_backend() != "gpu":
         return {}
     opts = {"xla_disable_hlo_passes": "rematerialization"}
     if fused:
         opts["xla_gpu_enable_command_buffer"] = FUSED_COMMAND_BUFFER
         opts["xla_gpu_enable_cub_radix_sort"] = False
+        opts.update(fused_option_overrides())
     return opts
 
 

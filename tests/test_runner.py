@@ -127,3 +127,29 @@ def test_model_and_fake_runner_share_step():
         assert tokens.shape == (key.C,) and tokens.dtype == np.int32, type(runner)
         assert res.gates() is gates and res.tokens() is tokens  # converted once
         assert 0 <= tokens[0] < cfg.vocab_size
+
+
+def test_fused_xla_option_overrides(monkeypatch):
+    """``OURO_JAX_FUSED_XLA_OPTIONS`` adds typed XLA options to fused steps only (GPU), and a
+    malformed entry is refused with the variable's name."""
+    from ouro_jax import runner as rmod
+
+    parse = rmod.fused_option_overrides
+    assert parse("") == {} and parse(" ; ") == {}
+    got = parse("xla_gpu_command_buffer_update_mode=SKIP_TEMP; xla_gpu_enable_cublaslt=false;xla_gpu_autotune_level=2")
+    assert got == {
+        "xla_gpu_command_buffer_update_mode": "SKIP_TEMP",
+        "xla_gpu_enable_cublaslt": False,
+        "xla_gpu_autotune_level": 2,
+    }
+    assert parse("xla_gpu_enable_command_buffer=FUSION,WHILE") == {"xla_gpu_enable_command_buffer": "FUSION,WHILE"}
+    for bad in ("xla_gpu_x", "gpu_x=1", "xla_gpu_x="):
+        with pytest.raises(ValueError, match=rmod.FUSED_XLA_OPTIONS_ENV):
+            parse(bad)
+    monkeypatch.setenv(rmod.FUSED_XLA_OPTIONS_ENV, "xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+    assert rmod._compiler_options(fused=True) == {}  # off the GPU: no XLA options at all
+    monkeypatch.setattr(rmod.jax, "default_backend", lambda: "gpu")
+    fused, plain = rmod._compiler_options(fused=True), rmod._compiler_options()
+    assert fused["xla_gpu_command_buffer_update_mode"] == "SKIP_TEMP"
+    assert fused["xla_gpu_enable_cub_radix_sort"] is False
+    assert "xla_gpu_command_buffer_update_mode" not in plain and "xla_gpu_enable_cub_radix_sort" not in plain
