@@ -129,15 +129,22 @@ def _load_tokenizer(folder: str, config: OuroConfig):
 # default stays small.
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_MAX_NUM_BATCHED_TOKENS = 256
-# Largest row bucket that gets fused decode steps when the caller names no fused_decode_max_rows, on
-# a GPU (docs/decisions.md, "Fused steps at large buckets"); elsewhere the smallest bucket (8).
-FUSED_DEFAULT_MAX_ROWS_GPU = 128
+# Largest row bucket that gets fused decode steps when the caller names no fused_decode_max_rows: on
+# a GPU 32 to 128 streams decoded 15-30% faster fused (docs/decisions.md, "Fused steps at large
+# buckets"); elsewhere the smallest bucket, as nothing beyond it was measured off the GPU.
+GPU_FUSED_DECODE_MAX_ROWS = 128
+CPU_FUSED_DECODE_MAX_ROWS = 8
 
 
 def default_max_num_batched_tokens(backend: str, max_num_seqs) -> int:
     """The default row budget of one invocation for ``backend``, never below ``max_num_seqs``."""
     base = GPU_MAX_NUM_BATCHED_TOKENS if backend == "gpu" else CPU_MAX_NUM_BATCHED_TOKENS
     return max(base, max_num_seqs) if _is_int(max_num_seqs) else base
+
+
+def default_fused_decode_max_rows(backend: str, max_num_seqs: int) -> int:
+    """The default ``fused_decode_max_rows`` for ``backend``, never above ``max_num_seqs``."""
+    return min(GPU_FUSED_DECODE_MAX_ROWS if backend == "gpu" else CPU_FUSED_DECODE_MAX_ROWS, max_num_seqs)
 
 
 class LLM:
@@ -253,13 +260,11 @@ class LLM:
                 "compiling the fused decode step under shard_map (docs/decisions.md, 'Fused decode steps')"
             )
         if fused_decode_max_rows is None and _is_int(max_num_seqs):
-            # Fused decode steps by default for the row buckets up to 128 on a GPU (one executable
-            # each; 32 to 128 streams decoded 15-30% faster fused on the H200: docs/decisions.md,
-            # "Fused steps at large buckets"), the smallest bucket elsewhere (no measurement
-            # beyond it off the GPU); several tokens per step hand tokens out in bursts, so that
-            # stays opt-in (docs/decisions.md, "Fused decode steps").
-            top = FUSED_DEFAULT_MAX_ROWS_GPU if jax.default_backend() == "gpu" else 8
-            fused_decode_max_rows = 0 if fused_tp_broken else min(top, max_num_seqs)
+            # one executable per row bucket up to the default; several tokens per step hand tokens
+            # out in bursts, so that stays opt-in (docs/decisions.md, "Fused decode steps")
+            fused_decode_max_rows = (
+                0 if fused_tp_broken else default_fused_decode_max_rows(jax.default_backend(), max_num_seqs)
+            )
         sched = dict(
             num_loops=c.num_loops,
             block_size=block_size,

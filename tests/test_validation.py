@@ -313,6 +313,19 @@ def test_default_row_budget_follows_the_backend():
         LLM("tiny", max_model_len=10**6, warmup=False, progress=False)
 
 
+def test_default_fused_rows_follow_the_backend():
+    """No ``fused_decode_max_rows``: every bucket up to 128 rows on a GPU (measured), the 8-row
+    bucket elsewhere, never more than ``max_num_seqs``; the CPU engine gets the CPU default."""
+    from ouro_jax.llm import default_fused_decode_max_rows
+
+    assert default_fused_decode_max_rows("gpu", 256) == 128
+    assert default_fused_decode_max_rows("gpu", 32) == 32
+    assert default_fused_decode_max_rows("cpu", 32) == 8
+    assert default_fused_decode_max_rows("cpu", 4) == 4
+    llm = LLM("tiny", max_num_seqs=16, max_model_len=64, warmup=False, progress=False)
+    assert llm.scheduler.config.fused_decode_max_rows == 8
+
+
 def test_decode_matmul_mgpu_refused_with_tensor_parallel(monkeypatch):
     """The skinny kernel has never run on weight shards: asked for with TP it is refused up front."""
     import pallas_kernels.dispatch as dispatch
