@@ -481,7 +481,7 @@ def suite_shape(scale: float = 1.0, count_scale: float = 1.0, **overrides) -> En
 
 
 # ``ouro_jax.options.DECODE_MATMULS`` (not imported: this module stays free of jax; a test checks they agree)
-DECODE_MATMUL_CHOICES = ("xla", "mgpu")
+DECODE_MATMUL_CHOICES = ("xla", "mgpu", "fused")
 
 
 def add_decode_matmul_arg(ap) -> None:
@@ -490,7 +490,8 @@ def add_decode_matmul_arg(ap) -> None:
         "--decode-matmul",
         default="xla",
         choices=DECODE_MATMUL_CHOICES,
-        help="layer projections of buckets of <= 16 rows: xla (default) or mgpu (the skinny Mosaic GPU kernel)",
+        help="layer projections of buckets of <= 16 rows: xla (default), mgpu (the skinny Mosaic GPU kernel) "
+        "or fused (Triton matvec kernels fused with the norms around them)",
     )
 
 

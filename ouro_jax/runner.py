@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import copy_kv_slots
+from pallas_kernels.decode_matvec import default_tuning
 from pallas_kernels.dispatch import choose_attention, resolve_attention
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import EXIT_FIELDS, HEADER, StepResult, descriptor_layout, exit_words
@@ -58,6 +59,7 @@ from scheduler.descriptor import EXIT_FIELDS, HEADER, StepResult, descriptor_lay
 from .config import OuroConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
 from .exit_rule import decide_exit_rows, fold_gate
+from .fused_layers import decode_weights, fused_layers_supported, norms_option, run_fused_layers
 from .model import OuroDecoderLayer, OuroModel, dtype_of, fuse_layer_params, rope_cos_sin
 from .options import DECODE_MATMULS, choice
 from .paged_attention import PagedAttention
@@ -140,7 +142,7 @@ def decode_matmul_fn(name: str):
     ``"mgpu"``: the skinny Mosaic GPU kernel, ``"reference"``: its jnp twin (CPU tests of the
     plumbing). A projection the kernel cannot serve (``skinny_matmul_mgpu.supported``: dims not
     multiples of 64) keeps XLA's dot."""
-    if name == "xla":
+    if name in ("xla", "fused"):  # "fused" replaces whole layers (fused_layers.py), not the dot
         return None
     from pallas_kernels import skinny_matmul_mgpu as sk
 
@@ -158,16 +160,16 @@ def decode_matmul_fn(name: str):
 
 def check_decode_matmul(name, layer_loop: str = "unrolled", *, internal: bool = False) -> str:
     """The ``decode_matmul`` option checked: a name of ``DECODE_MATMULS`` (any case; ``internal``
-    also "reference"), "mgpu" only on a Hopper GPU and with unrolled layers (a scan's per-layer
-    weight slice would be copied before every kernel call)."""
+    also "reference"), "mgpu" only on a Hopper GPU; "mgpu" and "fused" only with unrolled layers
+    (a scan's per-layer weight slice would be copied before every kernel call)."""
     name = choice("decode_matmul", name, DECODE_MATMULS + (("reference",) if internal else ()))
     if name == "mgpu":
         from pallas_kernels.dispatch import hopper_available
 
         if not hopper_available():
             raise ValueError("decode_matmul='mgpu' needs a Hopper (sm90+) GPU (Mosaic GPU kernel)")
-        if layer_loop != "unrolled":
-            raise ValueError("decode_matmul='mgpu' needs layer_loop='unrolled'")
+    if name in ("mgpu", "fused") and layer_loop != "unrolled":
+        raise ValueError(f"decode_matmul={name!r} needs layer_loop='unrolled'")
     return name
 
 
@@ -229,13 +231,29 @@ def _recurrent(
     seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
     attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg))
     cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
+    x = x.astype(jnp.float32)
+    if uses_fused_layers(decode_matmul, key, c, tp_size):
+        # the interpreter off a GPU: the CPU tests of the kernels' plumbing
+        x, (kp, vp) = run_fused_layers(
+            params["layers"],
+            params["decode"],
+            x,
+            cos,
+            sin,
+            attn,
+            (kp, vp),
+            a["num_rows"],
+            config=c,
+            interpret=interpret or jax.default_backend() != "gpu",
+            norms=norms_option(),
+        )
+        return _finish(params, model, kp, vp, ring, a, x)
     matmul = decode_matmul_fn(decode_matmul) if key.R <= DECODE_MATMUL_MAX_ROWS else None
     layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True, matmul=matmul)
 
     def one_layer(p, x, pools, i):
         return layer.apply({"params": p}, x, cos, sin, attn, pools, layer=i)
 
-    x = x.astype(jnp.float32)
     if layer_loop == "unrolled":
         # L calls of one nested jit: traced and lowered once, not L times (start-up time), and inlined
         # by XLA into the same straight-line program as writing the layers out
@@ -252,9 +270,25 @@ def _recurrent(
             return one_layer(p, x, pools, i), None
 
         (x, (kp, vp)), _ = jax.lax.scan(body, (x, (kp, vp)), (jnp.arange(c.num_hidden_layers), params["layers"]))
+    return _finish(params, model, kp, vp, ring, a, x)
+
+
+def _finish(params, model, kp, vp, ring, a, x):
+    """Final norm and gate of a loop; the rows' hidden states back to the ring."""
     h, g = model.apply({"params": params["top"]}, x, method=OuroModel.finish_loop)
     ring = ring.at[a["row_ring"]].set(h.astype(ring.dtype))
     return kp, vp, ring, h, g.astype(jnp.float32)
+
+
+def uses_fused_layers(decode_matmul: str, key: BucketKey, config: OuroConfig, tp_size: int = 1) -> bool:
+    """Whether bucket ``key`` runs its layers on the fused norm + matvec kernels: ``decode_matmul
+    ="fused"``, at most ``decode_matvec.MAX_ROWS`` rows, one device, shapes the kernels serve."""
+    return (
+        decode_matmul == "fused"
+        and tp_size == 1
+        and key.R <= DECODE_MATMUL_MAX_ROWS
+        and fused_layers_supported(config, key.R) is None
+    )
 
 
 def _coda(params, h, a: dict, *, config: OuroConfig, dtype_name: str, tp_size: int = 1, greedy_only: bool = False, **_):
@@ -616,8 +650,13 @@ class ModelRunner:
         if self.mesh is not None:
             return place_params({"top": top, "layers": layers}, self.mesh)
         if self._pinned:
-            return jax.device_put({"top": top, "layers": layers}, self._device)
-        return {"top": jax.tree.map(jnp.asarray, top), "layers": jax.tree.map(jnp.asarray, layers)}
+            out = jax.device_put({"top": top, "layers": layers}, self._device)
+        else:
+            out = {"top": jax.tree.map(jnp.asarray, top), "layers": jax.tree.map(jnp.asarray, layers)}
+        if self.decode_matmul == "fused":
+            # the small buckets' transposed copies (fused_layers.py), transposed on the device
+            out["decode"] = {k: decode_weights(v) for k, v in out["layers"].items()}
+        return out
 
     def _sharded(self, fn, tp: int, extra: int = 0):
         """``fn`` (a step) as the body of a ``shard_map`` over ``"tp"``: each shard sees its slice
@@ -687,6 +726,7 @@ class ModelRunner:
             self.interpret,
             self.layer_loop,
             self.decode_matmul,
+            (repr(default_tuning()), norms_option()) if self.decode_matmul == "fused" else None,
             self.tensor_parallel_size,
             tuple(d.id for d in self._store_devices),
             tuple(sorted(_compiler_options().items())),
