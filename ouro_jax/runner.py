@@ -516,11 +516,14 @@ class ModelRunner:
     the first ``N`` devices (``ouro_jax/parallel.py``): params and the KV pools' head axis split,
     the ring, descriptor, gates and tokens replicated. ``N = 1`` builds no mesh and no shard_map.
 
-    ``decode_matmul``: ``"xla"`` (default) or ``"mgpu"``: buckets of at most
+    ``decode_matmul``: ``"xla"`` (default), ``"mgpu"`` or ``"fused"``. ``"mgpu"``: buckets of at most
     ``DECODE_MATMUL_MAX_ROWS`` rows compute the four layer projections with the skinny Mosaic GPU
     kernel (Hopper, unrolled layers); ``"reference"`` runs its jnp twin there (CPU tests). Not the
     default: in the engine its split-K partial sums cost a fusion per projection, more than the
-    kernel saves (docs/decisions.md, "Mosaic GPU paths for small decode buckets").
+    kernel saves (docs/decisions.md, "Mosaic GPU paths for small decode buckets"). ``"fused"``:
+    those buckets run their layers on the Triton matvec kernels (``fused_layers.py``; transposed
+    copies of the layer weights are laid out at load time), also slower than XLA's GEMMs on the
+    H200 (docs/decisions.md, "Decode matvec kernels").
 
     ``devices``: the ``N`` devices this runner owns (default: the first ``N`` of ``jax.devices()``);
     data-parallel replicas each get a disjoint set (``ouro_jax/server/replicas.py``).
