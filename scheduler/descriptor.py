@@ -47,6 +47,7 @@ __all__ = [
     "HEADER",
     "descriptor_layout",
     "build_descriptor",
+    "build_decode_loops",
 ]
 
 #: The header's words, in order: the descriptor's real sizes and its flag, so that the packed
@@ -114,8 +115,15 @@ def _header_word(name: str, cast=int) -> property:
     return property(lambda self: cast(self.header[i]), doc=f"header word {i}")
 
 
+@functools.lru_cache(maxsize=None)
+def _fields_by_name(key: BucketKey) -> dict[str, FieldSpec]:
+    return {f.name: f for f in descriptor_layout(key)}
+
+
 class BatchDescriptor:
-    """Named views into one packed int32 buffer (see the module docstring)."""
+    """Named views into one packed int32 buffer (see the module docstring). A field's view is made
+    on first access: a fused decode step builds ``T`` descriptors per token on the host's critical
+    path, and most of them touch a few fields."""
 
     def __init__(self, key: BucketKey, packed: np.ndarray | None = None):
         self.key = key
@@ -130,9 +138,17 @@ class BatchDescriptor:
                 f"key {tuple(key)} needs {layout[-1].offset + layout[-1].size}"
             )
         self._buf = packed
-        for spec in layout:
-            view = packed[spec.offset : spec.offset + spec.size].view(spec.dtype).reshape(spec.shape)
-            setattr(self, spec.name, view)
+        self._fields = _fields_by_name(key)
+
+    def __getattr__(self, name: str):
+        # only reached when ``name`` is not an attribute yet: a field's first access
+        fields = self.__dict__.get("_fields")
+        if fields is None or name not in fields:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        spec = fields[name]
+        view = self._buf[spec.offset : spec.offset + spec.size].view(spec.dtype).reshape(spec.shape)
+        self.__dict__[name] = view
+        return view
 
     num_rows = _header_word("num_rows")
     num_segments = _header_word("num_segments")
@@ -354,3 +370,72 @@ def build_descriptor(
         d.fin_src[:nfin] = fin_src
         d.fin_dst[:nfin] = fin_dst
     return d
+
+
+def build_decode_loops(
+    spec: BucketSpec,
+    tables: np.ndarray,
+    *,
+    seg_slot,
+    planes,
+    seg_pos,
+    seg_ring,
+    pre_token,
+    coda: Optional[dict],
+    fin_src,
+    fin_dst,
+    feed_previous_tokens: bool = False,
+    key: BucketKey | None = None,
+) -> list[BatchDescriptor]:
+    """The descriptors of one decode token of ``n`` rows at loops ``0 .. len(planes) - 1``: each
+    exactly what ``build_descriptor`` gives for that loop (tests/test_descriptor.py checks), built
+    from one shared layout instead of one general call a loop (the host builds them on a fused
+    decode step's critical path).
+
+    Row ``i`` is request slot ``seg_slot[i]`` at position ``seg_pos[i]``, ring row ``seg_ring[i]``;
+    loop ``d`` reads plane ``planes[d]``. Loop 0 embeds ``pre_token`` (and carries the finalize
+    pairs and ``feed_previous_tokens``); the last loop carries the coda (``coda``: the six
+    ``coda_*`` arrays of ``build_descriptor`` by name, without the prefix, for rows ``0 .. n-1``;
+    None: no coda). ``key``: as ``build_descriptor`` (None: the smallest bucket fitting loop 0)."""
+    seg_slot = np.asarray(seg_slot, np.int64)
+    seg_pos = np.asarray(seg_pos, np.int64)
+    seg_ring = np.asarray(seg_ring, np.int64)
+    n, nfin, T = seg_slot.shape[0], len(fin_src), len(planes)
+    ncoda = n if coda is not None else 0
+    needs = [
+        descriptor_rows(n, n if d == 0 else 0, ncoda if d == T - 1 else 0, nfin if d == 0 else 0, spec.num_loops)
+        for d in range(T)
+    ]
+    if key is None:
+        key = spec.key_for(needs[0])
+    if max(needs) > key.R:
+        raise ValueError(f"build_descriptor: {max(needs)} rows / prelude / coda entries exceed key {tuple(key)}")
+    if ncoda > key.C or nfin > key.F:
+        raise ValueError(f"build_descriptor: {ncoda} coda rows / {nfin} finalize pairs exceed key {tuple(key)}")
+    base = BatchDescriptor(key)
+    base.set_header(num_rows=n, num_segments=n)
+    base.row_pos[:n] = seg_pos
+    base.row_ring[:n] = seg_ring
+    base.seg_q_start[:n] = np.arange(n)
+    base.seg_q_len[:n] = 1
+    base.seg_ctx_len[:n] = seg_pos + 1
+    bs = spec.block_size
+    page, offset = seg_pos // bs, seg_pos % bs
+    out = []
+    for d, plane in enumerate(planes):
+        desc = BatchDescriptor(key, base.pack().copy())
+        desc.row_slot[:n] = tables[seg_slot, plane, page].astype(np.int64) * bs + offset
+        desc.seg_block_table[:n] = tables[seg_slot, plane]
+        if d == 0:
+            desc.set_header(num_prelude=n, num_finalize=nfin, feed_previous_tokens=bool(feed_previous_tokens))
+            desc.pre_ring[:n] = seg_ring
+            desc.pre_token[:n] = pre_token
+            if nfin:
+                desc.fin_src[:nfin] = fin_src
+                desc.fin_dst[:nfin] = fin_dst
+        if d == T - 1 and ncoda:
+            desc.set_header(num_coda=ncoda)
+            for name, values in coda.items():
+                getattr(desc, f"coda_{name}")[:ncoda] = values
+        out.append(desc)
+    return out

@@ -45,7 +45,7 @@ import numpy as np
 
 from .block_manager import DEFAULT_ENABLE_PREFIX_CACHING, KVBlockManager, prefix_block_hashes
 from .buckets import BucketKey, BucketSpec
-from .descriptor import StackedDescriptor, build_descriptor, split_fused_output
+from .descriptor import StackedDescriptor, build_decode_loops, build_descriptor, split_fused_output
 from .exit_policy import (
     coda_kind,
     decide_exit,
@@ -720,7 +720,6 @@ class Scheduler:
         top_k = np.array([x.top_k for x in p], np.float64)
         top_p = np.array([x.top_p for x in p], np.float64)
         seed = np.array([x.seed for x in p], np.uint32)
-        ones = np.ones(n, np.int64)
         empty = np.zeros(0, np.int64)
         exits = np.zeros((4, tokens, n), np.float64)  # device_exit_params per token and row
         for i, r in enumerate(rows):
@@ -734,8 +733,32 @@ class Scheduler:
                     )
                 exits[:, j, i] = device_exit_params(p[i], T, target)
         subs, descs, key = [], [], None
+        last = np.array([r.output_token_ids[-1] for r in rows]) if not done else None
         for j in range(tokens):
-            for d in range(T):
+            fed = j > 0 or done > 0  # loop 0 embeds the token sampled on the device
+            token_descs = build_decode_loops(
+                self.bucket_spec,
+                self.block_manager.tables,
+                seg_slot=slots,
+                planes=[plane(d) for d in range(T)],
+                seg_pos=pos0 + j,
+                seg_ring=bases,
+                pre_token=np.zeros(n, np.int64) if fed else last,
+                coda=dict(
+                    row=np.arange(n),
+                    temperature=temp,
+                    top_k=top_k,
+                    top_p=top_p,
+                    seed=seed,
+                    step=np.array(k0) + j,
+                ),
+                fin_src=fin[:, 0] if j == 0 else empty,
+                fin_dst=fin[:, 1] if j == 0 else empty,
+                feed_previous_tokens=fed,
+                key=key,
+            )
+            key = token_descs[0].key
+            for d, desc in enumerate(token_descs):
                 ranges = [
                     ScheduledRange(
                         r.request_id, Phase.DECODE, d, int(pos0[i]) + j, 1, int(pos0[i]) + j, int(bases[i]), i
@@ -744,31 +767,6 @@ class Scheduler:
                 ]
                 coda = [CodaRow(r.request_id, i, k0[i] + j, False) for i, r in enumerate(rows)] if d == T - 1 else []
                 first = j == 0 and d == 0
-                fed = d == 0 and (j > 0 or done > 0)  # the token comes from the device
-                desc = build_descriptor(
-                    self.bucket_spec,
-                    self.block_manager.tables,
-                    seg_slot=slots,
-                    seg_plane=ones * plane(d),
-                    seg_pos=pos0 + j,
-                    seg_len=ones,
-                    seg_ring=bases,
-                    pre_ring=bases if d == 0 else empty,
-                    pre_token=np.array([r.output_token_ids[-1] for r in rows])
-                    if first and not fed
-                    else (np.zeros(n, np.int64) if d == 0 else empty),
-                    coda_row=np.arange(n) if coda else empty,
-                    coda_temperature=temp if coda else empty,
-                    coda_top_k=top_k if coda else empty,
-                    coda_top_p=top_p if coda else empty,
-                    coda_seed=seed if coda else empty,
-                    coda_step=np.array(k0) + j if coda else empty,
-                    fin_src=fin[:, 0] if first else empty,
-                    fin_dst=fin[:, 1] if first else empty,
-                    key=key,
-                    feed_previous_tokens=fed,
-                )
-                key = desc.key
                 descs.append(desc)
                 subs.append(
                     BatchPlan(

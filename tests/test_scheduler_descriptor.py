@@ -156,3 +156,86 @@ def test_pack_unpack_round_trip(data):
     assert e.header[0] != packed[0]
     with pytest.raises(ValueError, match="words"):
         BatchDescriptor.unpack(key, packed[:-1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    T=st.integers(1, 4),
+    n=st.integers(1, 12),
+    shared=st.booleans(),
+    fin_pairs=st.integers(0, 9),
+    with_coda=st.booleans(),
+    feed=st.booleans(),
+    forced=st.booleans(),
+)
+def test_decode_loops_equal_one_build_per_loop(data, T, n, shared, fin_pairs, with_coda, feed, forced):
+    """``build_decode_loops`` (a fused step's token, built once) gives, loop by loop, the very
+    buffers of ``build_descriptor`` with that loop's arguments, as ``_schedule_fused`` passed them
+    before: prelude, finalize pairs and the feed flag at loop 0, the coda at the last loop, each
+    loop's plane; with or without a forced key."""
+    from scheduler.descriptor import build_decode_loops
+
+    spec = BucketSpec(64, 16, T, 256, 4, has_finalize=not shared)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    slots_n = 16
+    tables = rng.integers(1, 500, (slots_n, T, 64)).astype(np.int32)  # 64 = max_model_len / block_size
+    slot = rng.choice(slots_n, n, replace=False)
+    pos = rng.integers(0, 200, n)
+    ring = rng.integers(1, 900, n)
+    planes = [0] * T if shared else list(range(T))
+    fin = rng.integers(0, 4000, (0 if shared or T == 1 else fin_pairs, 2))  # no plane above at T = 1
+    tok = rng.integers(0, 1000, n)
+    coda = (
+        dict(
+            row=np.arange(n),
+            temperature=rng.random(n),
+            top_k=rng.integers(0, 50, n),
+            top_p=rng.random(n),
+            seed=rng.integers(0, 2**32 - 1, n, dtype=np.uint64).astype(np.uint32),
+            step=rng.integers(0, 100, n),
+        )
+        if with_coda
+        else None
+    )
+    empty = np.zeros(0, np.int64)
+    key = spec.key_for(max(n, 16)) if forced else None
+    got = build_decode_loops(
+        spec, tables, seg_slot=slot, planes=planes, seg_pos=pos, seg_ring=ring, pre_token=tok, coda=coda,
+        fin_src=fin[:, 0], fin_dst=fin[:, 1], feed_previous_tokens=feed, key=key,
+    )  # fmt: skip
+    assert len(got) == T
+    for d, desc in enumerate(got):
+        last = d == T - 1 and coda is not None
+        want = build_descriptor(
+            spec,
+            tables,
+            seg_slot=slot,
+            seg_plane=np.full(n, planes[d]),
+            seg_pos=pos,
+            seg_len=np.ones(n, np.int64),
+            seg_ring=ring,
+            pre_ring=ring if d == 0 else empty,
+            pre_token=tok if d == 0 else empty,
+            **{f"coda_{k}": (v if last else empty) for k, v in (coda or dict.fromkeys(
+                ("row", "temperature", "top_k", "top_p", "seed", "step"), empty)).items()},
+            fin_src=fin[:, 0] if d == 0 else empty,
+            fin_dst=fin[:, 1] if d == 0 else empty,
+            key=key if d == 0 else got[0].key,
+            feed_previous_tokens=feed and d == 0,
+        )  # fmt: skip
+        assert desc.key == want.key
+        np.testing.assert_array_equal(desc.pack(), want.pack())
+
+
+def test_decode_loops_refuse_what_the_key_cannot_hold():
+    from scheduler.descriptor import build_decode_loops
+
+    spec = BucketSpec(64, 16, 4, 256, 4)
+    tables = np.ones((4, 4, 64), np.int32)
+    small = spec.key_for(8)
+    with pytest.raises(ValueError, match="exceed key"):
+        build_decode_loops(
+            spec, tables, seg_slot=np.arange(4).repeat(3), planes=[0, 1, 2, 3], seg_pos=np.zeros(12),
+            seg_ring=np.arange(12), pre_token=np.zeros(12), coda=None, fin_src=[], fin_dst=[], key=small,
+        )  # fmt: skip
