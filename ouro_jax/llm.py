@@ -326,6 +326,7 @@ class LLM:
                 planes,
                 sc.block_size,
                 tp,
+                layer_copies=2 if decode_matmul == "fused" else 1,
             )
             self._check_pool(num_blocks, need)
             self.scheduler_config = SchedulerConfig(num_blocks=num_blocks, **sched)
@@ -432,7 +433,11 @@ class LLM:
             params = jax.tree.map(jax.numpy.asarray, params)
         return params, tokenizer
 
-    def _size_pool(self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size, tp=1):
+    def _size_pool(
+        self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size, tp=1, layer_copies=1
+    ):
+        """KV blocks for the budget. ``layer_copies``: copies of the layer weights the runner lays
+        out (2 with ``decode_matmul="fused"``: the small buckets' transposed ones too)."""
         if kv_cache_bytes is None:
             mem = device_memory(self.devices[0] if self.devices else None)
             if mem is None:  # CPU: enough for every sequence at full length, capped at 1 GiB
@@ -442,6 +447,12 @@ class LLM:
             # what is still free of our share (another engine in this process keeps its own pool),
             # less the runner's stacked copy of the layer weights and room for activations
             param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+            param_bytes += (layer_copies - 1) * sum(
+                x.size * x.dtype.itemsize
+                for k, v in self.params.items()
+                if k.startswith("layers_")
+                for x in jax.tree.leaves(v)
+            )
             # tensor parallel: every device holds 1/tp of the weights and of each block
             kv_cache_bytes = tp * (int(limit * util) - in_use - param_bytes // tp - (2 << 30))
         if kv_cache_bytes < 2 * block_bytes:

@@ -281,8 +281,9 @@ def _finish(params, model, kp, vp, ring, a, x):
 
 
 def uses_fused_layers(decode_matmul: str, key: BucketKey, config: OuroConfig, tp_size: int = 1) -> bool:
-    """Whether bucket ``key`` runs its layers on the fused norm + matvec kernels: ``decode_matmul
-    ="fused"``, at most ``decode_matvec.MAX_ROWS`` rows, one device, shapes the kernels serve."""
+    """Whether bucket ``key`` runs its layers on the decode matvec kernels (``fused_layers.py``):
+    ``decode_matmul="fused"``, at most ``decode_matvec.MAX_ROWS`` rows, one device, shapes the
+    kernels serve."""
     return (
         decode_matmul == "fused"
         and tp_size == 1

@@ -197,3 +197,34 @@ def test_fused_layers_option_checked():
         finally:
             del os.environ[fused_layers.NORMS_ENV]
     assert "multiples of 16" in fused_layers_supported(odd, 8)
+
+
+def test_kv_pool_budget_counts_the_transposed_copies(monkeypatch):
+    """On a device with a memory limit, ``decode_matmul="fused"`` leaves the transposed layer
+    copies out of the KV budget: exactly the layers' bytes fewer for the pool."""
+    from ouro_jax import LLM, get_preset
+    from ouro_jax import llm as llm_mod
+    from weights.random_init import random_params
+
+    # 16 MiB over the 2 GiB kept for activations: a small pool
+    monkeypatch.setattr(llm_mod, "device_memory", lambda device=None: ((2 << 30) + (16 << 20), 0))
+    cfg = get_preset("tiny")
+    params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
+    layer_bytes = sum(
+        x.size * x.dtype.itemsize for k, v in params.items() if k.startswith("layers_") for x in jax.tree.leaves(v)
+    )
+    kw = dict(
+        params=params,
+        max_num_seqs=2,
+        max_model_len=64,
+        block_size=4,
+        gpu_memory_utilization=1.0,
+        progress=False,
+        executable_store=False,
+        warmup=False,  # sizing only: nothing runs
+    )
+    plain = LLM(cfg, **kw)
+    fused = LLM(cfg, decode_matmul="fused", **kw)
+    block_bytes = cfg.kv_bytes_per_token_plane(4) * 4
+    assert layer_bytes > 0
+    assert plain.runner.num_blocks - fused.runner.num_blocks == pytest.approx(layer_bytes / block_bytes, abs=1)
