@@ -659,6 +659,8 @@ class Harness:
             schedule_time_per_invocation_s=stats.get("schedule_time_s", 0.0) / inv,
             update_time_per_invocation_s=stats.get("update_time_s", 0.0) / inv,
             dispatch_time_per_invocation_s=stats.get("dispatch_time_s", 0.0) / inv,
+            upload_time_per_invocation_s=stats.get("upload_time_s", 0.0) / inv,
+            call_time_per_invocation_s=stats.get("call_time_s", 0.0) / inv,
             device_wait_time_s=stats.get("device_wait_time_s", 0.0),
             device_wait_per_invocation_s=stats.get("device_wait_time_s", 0.0) / inv,
             step_time_per_invocation_s=res.step_s / inv,

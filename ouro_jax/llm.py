@@ -686,7 +686,8 @@ class LLM:
         plus ``update``, less the time ``update`` spent waiting for device results
         (``device_wait_time_s``). ``dispatch_time_s`` is the time spent handing executables to the
         device; once the device is the bottleneck it includes waiting for the launch queue, so it is
-        reported apart rather than counted as host work.
+        reported apart rather than counted as host work. Of it, ``upload_time_s`` went to the
+        descriptors' transfers and ``call_time_s`` to the executables' calls.
         """
         s = self.scheduler.stats()
         r = self.runner
@@ -707,6 +708,8 @@ class LLM:
             device_wait_time_s=r.wait_time,
             dispatch_time_s=r.dispatch_time,
             dispatch_time_per_invocation_s=r.dispatch_time / inv,
+            upload_time_s=r.upload_time,
+            call_time_s=r.call_time,
             kv_blocks=self.scheduler_config.num_blocks,
             kv_cache_bytes=r.kv_bytes,
             num_buckets=len(self.scheduler.bucket_spec.keys()),

@@ -628,7 +628,9 @@ class ModelRunner:
         self._store_devices = list(self.mesh.devices.flat) if self.mesh is not None else [self._device]
         self._store_program = self._program_description() if executable_store is not None else None
         self.compile_times: dict[BucketKey, float] = {}
-        self.dispatch_time = 0.0
+        self.dispatch_time = 0.0  # in step(): upload_time + call_time + starting the copies back
+        self.upload_time = 0.0  # the descriptor's transfer (device_put)
+        self.call_time = 0.0  # the executables' calls (launch)
         self.wait_time = 0.0
         self.invocations = 0
         self.sampler_launches = 0  # separate sampler runs (one-loop invocations where a row sampled)
@@ -833,7 +835,11 @@ class ModelRunner:
             self._compile(key)  # not warmed up: counted in `compilations`, not in `dispatch_time`
         t = time.perf_counter()
         one_loop = isinstance(key, BucketKey)
-        gates, tokens = self.launch(key, self.upload(desc), sample=one_loop and samples(desc))
+        packed = self.upload(desc)
+        t_call = time.perf_counter()
+        self.upload_time += t_call - t
+        gates, tokens = self.launch(key, packed, sample=one_loop and samples(desc))
+        self.call_time += time.perf_counter() - t_call
         # a fused step's gates are never read (its exits were decided on the device)
         for arr in (gates, tokens) if one_loop else (tokens,):
             arr.copy_to_host_async()

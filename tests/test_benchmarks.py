@@ -118,6 +118,9 @@ def test_every_workload_writes_its_records(results):
             assert r["floor"]["invocations"] == r["invocations"]
             for k in ("ttft", "tpot", "e2e"):
                 assert {"p50", "p90", "p99"} <= set(r["latency"][k])
+            # the dispatch time's parts: the descriptors' uploads and the executables' calls
+            up, call = r["upload_time_per_invocation_s"], r["call_time_per_invocation_s"]
+            assert up > 0 and call > 0 and up + call <= r["dispatch_time_per_invocation_s"] + 1e-12
         modes = {r["mode"] for r in recs}
         if name in ("long4", "serve1k"):
             assert run.GENERATE_MODE in modes
