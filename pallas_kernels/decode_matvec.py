@@ -299,8 +299,8 @@ def norm_matvec(
     ``x' [MAX_ROWS, K]`` float32. Rows ``>= n_rows`` read as zeros."""
     if (branch is None) != (branch_weight is None):
         raise ValueError("branch and branch_weight go together")
-    if branch is not None and branch.shape[1] != x.shape[1]:
-        raise ValueError(f"branch {branch.shape} does not match x {x.shape}")
+    if branch is not None and (branch.shape[1] != x.shape[1] or branch.shape[0] < x.shape[0]):
+        raise ValueError(f"branch {branch.shape} does not cover x {x.shape}")
     return _call(
         x,
         w_t,

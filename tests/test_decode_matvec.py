@@ -109,6 +109,8 @@ def test_bad_shapes_are_refused():
         dm.matvec(jnp.zeros((8, 60)), jnp.zeros((48, 60)), 1, interpret=True)
     with pytest.raises(ValueError, match="w_t"):
         dm.norm_matvec(x, jnp.zeros((49, 64)), 1, norm_weight=wn, eps=1e-6, swiglu=True, interpret=True)  # not [2N, K]
+    with pytest.raises(ValueError, match="does not cover"):
+        dm.norm_matvec(x, w, 1, norm_weight=wn, eps=1e-6, branch=u[:4], branch_weight=wu, interpret=True)
     with pytest.raises(ValueError, match="together"):
         dm.norm_matvec(x, w, 1, norm_weight=wn, eps=1e-6, branch=u, interpret=True)
 
