@@ -491,7 +491,7 @@ def add_decode_matmul_arg(ap) -> None:
         default="xla",
         choices=DECODE_MATMUL_CHOICES,
         help="layer projections of buckets of <= 16 rows: xla (default), mgpu (the skinny Mosaic GPU kernel) "
-        "or fused (Triton matvec kernels fused with the norms around them)",
+        "or fused (Triton matvec kernels without split-K, SiLU * up in the gate/up one)",
     )
 
 

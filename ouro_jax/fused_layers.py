@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from pallas_kernels import decode_matvec as dm
 
 from .config import OuroConfig
-from .model import apply_rope, qkv_groups
+from .model import apply_rope, qkv_groups, rms_norm
 
 __all__ = ["decode_weights", "fused_layers_supported", "norms_option", "run_fused_layers"]
 
@@ -77,11 +77,6 @@ def fused_layers_supported(config: OuroConfig, rows: int) -> str | None:
     return None
 
 
-def _rmsnorm(x32, w, eps):
-    """``model.RMSNorm``'s arithmetic in float32 (the caller rounds)."""
-    return w.astype(jnp.float32) * (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps))
-
-
 def run_fused_layers(
     params: dict,
     weights: dict,
@@ -126,8 +121,8 @@ def run_fused_layers(
                 **mv,
             )
         else:
-            x = x + _rmsnorm(d[:R].astype(jnp.float32), w_prev, eps)
-            y = dm.matvec(_rmsnorm(x, scale(p, "input_layernorm"), eps).astype(dt), w["qkv_t"], n_rows, **mv)
+            x = x + rms_norm(d[:R], w_prev, eps)
+            y = dm.matvec(rms_norm(x, scale(p, "input_layernorm"), eps).astype(dt), w["qkv_t"], n_rows, **mv)
         y = y[:R].reshape(R, G, g + 2, hd)
         q = y[:, :, :g].reshape(R, G * g, hd)
         k, v = y[:, :, g], y[:, :, g + 1]
@@ -147,8 +142,8 @@ def run_fused_layers(
                 **mv,
             )
         else:
-            x = x + _rmsnorm(a[:R].astype(jnp.float32), scale(p, "input_layernorm_2"), eps)
-            n2 = _rmsnorm(x, scale(p, "post_attention_layernorm"), eps).astype(dt)
+            x = x + rms_norm(a[:R], scale(p, "input_layernorm_2"), eps)
+            n2 = rms_norm(x, scale(p, "post_attention_layernorm"), eps).astype(dt)
             m = dm.matvec(n2, w["gate_up_t"], n_rows, swiglu=True, **mv)
         d = dm.matvec(m, w["down_t"], n_rows, **mv)
         return x, d, pools
@@ -162,5 +157,5 @@ def run_fused_layers(
         p = params[f"layers_{i}"]
         x, d, pools = layer(p, weights[f"layers_{i}"], x, d, w_prev, pools, jnp.int32(i))
         w_prev = scale(p, "post_attention_layernorm_2")
-    x = x[:R] + _rmsnorm(d[:R].astype(jnp.float32), w_prev, eps)
+    x = x[:R] + rms_norm(d[:R], w_prev, eps)
     return x, pools

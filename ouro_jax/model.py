@@ -56,6 +56,12 @@ def dtype_of(name_or_dtype) -> jnp.dtype:
     return jnp.dtype(name_or_dtype)
 
 
+def rms_norm(x, w, eps: float) -> jax.Array:
+    """``w * x * rsqrt(mean(x^2) + eps)`` in float32, unrounded: ``RMSNorm``'s arithmetic."""
+    x32 = x.astype(jnp.float32)
+    return w.astype(jnp.float32) * (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps))
+
+
 class RMSNorm(nn.Module):
     """``w * x * rsqrt(mean(x^2) + eps)`` with statistics and product in float32, rounded once to
     ``out_dtype`` (the reference rounds before and after the weight product; we round once)."""
@@ -66,9 +72,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x, out_dtype=None):
         w = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (w.astype(jnp.float32) * y).astype(self.dtype if out_dtype is None else out_dtype)
+        return rms_norm(x, w, self.eps).astype(self.dtype if out_dtype is None else out_dtype)
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:

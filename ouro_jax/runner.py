@@ -284,12 +284,7 @@ def uses_fused_layers(decode_matmul: str, key: BucketKey, config: OuroConfig, tp
     """Whether bucket ``key`` runs its layers on the decode matvec kernels (``fused_layers.py``):
     ``decode_matmul="fused"``, at most ``decode_matvec.MAX_ROWS`` rows, one device, shapes the
     kernels serve."""
-    return (
-        decode_matmul == "fused"
-        and tp_size == 1
-        and key.R <= DECODE_MATMUL_MAX_ROWS
-        and fused_layers_supported(config, key.R) is None
-    )
+    return decode_matmul == "fused" and tp_size == 1 and fused_layers_supported(config, key.R) is None
 
 
 def _coda(params, h, a: dict, *, config: OuroConfig, dtype_name: str, tp_size: int = 1, greedy_only: bool = False, **_):

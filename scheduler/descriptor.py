@@ -288,6 +288,18 @@ class StepResult:
         return self._read("tokens")
 
 
+def _fitting_key(spec: BucketSpec, key: BucketKey | None, need: int, ncoda: int, nfin: int) -> BucketKey:
+    """``key``, or the smallest bucket of ``need`` rows when None; ``ValueError`` if it cannot hold
+    ``need`` rows / prelude / coda entries, ``ncoda`` coda rows or ``nfin`` finalize pairs."""
+    if key is None:
+        key = spec.key_for(need)
+    elif need > key.R:
+        raise ValueError(f"build_descriptor: {need} rows / prelude / coda entries exceed key {tuple(key)}")
+    if ncoda > key.C or nfin > key.F:
+        raise ValueError(f"build_descriptor: {ncoda} coda rows / {nfin} finalize pairs exceed key {tuple(key)}")
+    return key
+
+
 def build_descriptor(
     spec: BucketSpec,
     tables: np.ndarray,
@@ -326,13 +338,7 @@ def build_descriptor(
     nseg = seg_len.shape[0]
     nrows = int(seg_len.sum())
     npre, ncoda, nfin = len(pre_ring), len(coda_row), len(fin_src)
-    need = descriptor_rows(nrows, npre, ncoda, nfin, spec.num_loops)
-    if key is None:
-        key = spec.key_for(need)
-    elif need > key.R:
-        raise ValueError(f"build_descriptor: {need} rows / prelude / coda entries exceed key {tuple(key)}")
-    if ncoda > key.C or nfin > key.F:
-        raise ValueError(f"build_descriptor: {ncoda} coda rows / {nfin} finalize pairs exceed key {tuple(key)}")
+    key = _fitting_key(spec, key, descriptor_rows(nrows, npre, ncoda, nfin, spec.num_loops), ncoda, nfin)
     d = BatchDescriptor(key)
     d.set_header(
         num_rows=nrows,
@@ -402,16 +408,9 @@ def build_decode_loops(
     seg_ring = np.asarray(seg_ring, np.int64)
     n, nfin, T = seg_slot.shape[0], len(fin_src), len(planes)
     ncoda = n if coda is not None else 0
-    needs = [
-        descriptor_rows(n, n if d == 0 else 0, ncoda if d == T - 1 else 0, nfin if d == 0 else 0, spec.num_loops)
-        for d in range(T)
-    ]
-    if key is None:
-        key = spec.key_for(needs[0])
-    if max(needs) > key.R:
-        raise ValueError(f"build_descriptor: {max(needs)} rows / prelude / coda entries exceed key {tuple(key)}")
-    if ncoda > key.C or nfin > key.F:
-        raise ValueError(f"build_descriptor: {ncoda} coda rows / {nfin} finalize pairs exceed key {tuple(key)}")
+    # loop 0 holds the prelude and the finalize pairs, the last loop the coda: the key fits both
+    key = _fitting_key(spec, key, descriptor_rows(n, n, ncoda if T == 1 else 0, nfin, spec.num_loops), 0, nfin)
+    key = _fitting_key(spec, key, descriptor_rows(n, 0, ncoda, 0, spec.num_loops), ncoda, 0)
     base = BatchDescriptor(key)
     base.set_header(num_rows=n, num_segments=n)
     base.row_pos[:n] = seg_pos

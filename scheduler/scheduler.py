@@ -734,13 +734,14 @@ class Scheduler:
                 exits[:, j, i] = device_exit_params(p[i], T, target)
         subs, descs, key = [], [], None
         last = np.array([r.output_token_ids[-1] for r in rows]) if not done else None
+        planes = [plane(d) for d in range(T)]
         for j in range(tokens):
             fed = j > 0 or done > 0  # loop 0 embeds the token sampled on the device
             token_descs = build_decode_loops(
                 self.bucket_spec,
                 self.block_manager.tables,
                 seg_slot=slots,
-                planes=[plane(d) for d in range(T)],
+                planes=planes,
                 seg_pos=pos0 + j,
                 seg_ring=bases,
                 pre_token=np.zeros(n, np.int64) if fed else last,
