@@ -44,6 +44,13 @@ __all__ = [
 
 
 class Attention(Protocol):
+    """The model's attention boundary: ``(layer, q, k, v, cache) -> (out, cache)`` with RoPE applied.
+
+    A backend may also take the fused projection's output before RoPE: if its ``fuses_rope`` is
+    true, fused-weight layers call ``rope_write(layer, qkv, cos, sin, cache) -> (q, cache)`` (RoPE
+    on q and k, k and v written to the cache) and then ``attend(layer, q, cache) -> (out, cache)``
+    (``PagedAttention`` with the ``rope_write_kv`` kernel: one launch where XLA runs three)."""
+
     def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any) -> tuple[jax.Array, Any]: ...
 
 
@@ -180,6 +187,10 @@ class OuroAttentionProjections(nn.Module):
     def __call__(self, x, cos, sin, layer: int, attention: Attention, cache):
         c = self.config
         lead = x.shape[:-1]
+        if self.fused and getattr(attention, "fuses_rope", False):
+            q, cache = attention.rope_write(layer, self.qkv_proj(x), cos, sin, cache)
+            out, cache = attention.attend(layer, q, cache)
+            return self.o_proj(out.reshape(*lead, c.q_size).astype(self.dtype)), cache
         if self.fused:
             _, g = qkv_groups(c)
             y = self.qkv_proj(x)  # [..., G, g + 2, hd]

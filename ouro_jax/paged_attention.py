@@ -10,14 +10,37 @@ straight out of the stacked pool, so nothing slices the pool and the update stay
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
 
 from pallas_kernels import write_kv
 from pallas_kernels.dispatch import AttentionKernel
+from pallas_kernels.rope_write_kv import rope_write_kv
 
-__all__ = ["PagedAttention"]
+__all__ = ["PagedAttention", "ROPE_WRITE_ENV", "fuses_rope", "rope_write_option"]
+
+# Who applies RoPE and writes K/V: "kernel" (``pallas_kernels.rope_write_kv``, one launch a layer,
+# the default wherever attention runs a Pallas kernel) or "xla" (RoPE fusion and two scatters, as
+# before; for A/B measurements). Part of the executable store's key.
+ROPE_WRITE_ENV = "OURO_JAX_ROPE_WRITE"
+ROPE_WRITES = ("kernel", "xla")
+
+
+def rope_write_option() -> str:
+    """``$OURO_JAX_ROPE_WRITE`` (default ``kernel``), checked."""
+    value = os.environ.get(ROPE_WRITE_ENV, "kernel").strip().lower()
+    if value not in ROPE_WRITES:
+        raise ValueError(f"{ROPE_WRITE_ENV} must be one of {', '.join(ROPE_WRITES)}, got {value!r}")
+    return value
+
+
+def fuses_rope(kernel: AttentionKernel) -> bool:
+    """Whether layers with fused Q/K/V weights use the ``rope_write_kv`` kernel with ``kernel``:
+    wherever attention is a Pallas kernel (interpret mode too: the CPU tests), unless the option
+    says ``xla``. The ``reference`` attention (the CPU engine) keeps XLA's RoPE and scatters."""
+    return kernel.name != "reference" and rope_write_option() == "kernel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +53,25 @@ class PagedAttention:
     scale: float
     kernel: AttentionKernel  # the bucket's choice (dispatch.choose_attention)
     plan: Any = None  # kernel.plan(...) of this invocation, shared by every layer
+    # RoPE and the K/V write in one kernel (``rope_write``, see ``model.Attention``); False: XLA's
+    # RoPE and scatters (``__call__``). ``rope_write_choice`` says which the engine uses.
+    fuses_rope: bool = False
 
     def __call__(self, layer, q, k, v, cache):
         kp, vp = cache
         kp, vp = write_kv(kp, vp, k, v, self.row_slot, layer=layer)
+        return self.attend(layer, q, (kp, vp))
+
+    def rope_write(self, layer, qkv, cos, sin, cache):
+        """Rotated queries ``[R, H, hd]`` and the pools with the rows' rotated K and V written
+        (``pallas_kernels.rope_write_kv``; ``qkv`` is the fused projection's ``[R, G, g + 2, hd]``)."""
+        kp, vp = cache
+        q, kp, vp = rope_write_kv(qkv, cos, sin, kp, vp, self.row_slot, layer=layer, interpret=self.kernel.interpret)
+        return q, (kp, vp)
+
+    def attend(self, layer, q, cache):
+        """Attention of rotated queries over the pools (their rows' K/V already written)."""
+        kp, vp = cache
         out = self.kernel(
             q,
             kp,

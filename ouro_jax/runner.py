@@ -62,7 +62,7 @@ from .exit_rule import decide_exit_rows, fold_gate
 from .fused_layers import decode_weights, fused_layers_supported, norms_option, run_fused_layers
 from .model import OuroDecoderLayer, OuroModel, dtype_of, fuse_layer_params, rope_cos_sin
 from .options import DECODE_MATMULS, choice
-from .paged_attention import PagedAttention
+from .paged_attention import PagedAttention, fuses_rope, rope_write_option
 from .parallel import (
     TP_AXIS,
     check_devices,
@@ -229,7 +229,7 @@ def _recurrent(
         interpret=interpret,
     )
     seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
-    attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg))
+    attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg), fuses_rope(kernel))
     cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
     x = x.astype(jnp.float32)
     if uses_fused_layers(decode_matmul, key, c, tp_size):
@@ -728,6 +728,7 @@ class ModelRunner:
             self.layer_loop,
             self.decode_matmul,
             (repr(default_tuning()), norms_option()) if self.decode_matmul == "fused" else None,
+            rope_write_option(),
             self.tensor_parallel_size,
             tuple(d.id for d in self._store_devices),
             tuple(sorted(_compiler_options().items())),
