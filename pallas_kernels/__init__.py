@@ -9,6 +9,8 @@ _LAZY = {
     "copy_kv_slots_reference": "pallas_kernels.kv_cache",
     "write_kv": "pallas_kernels.kv_cache",
     "write_kv_reference": "pallas_kernels.kv_cache",
+    "rope_write_kv": "pallas_kernels.rope_write_kv",
+    "rope_write_kv_reference": "pallas_kernels.rope_write_kv",
     "Plan": "pallas_kernels.ragged_paged_attention",
     "Tuning": "pallas_kernels.ragged_paged_attention",
     "default_tuning": "pallas_kernels.ragged_paged_attention",

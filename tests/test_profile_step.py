@@ -293,3 +293,25 @@ def test_profile_failure_keeps_the_wall_time(harness, tmp_path, monkeypatch):
         (b,) = json.load(f)["buckets"]
     assert b["wall_ms_per_inv"] > 0 and "ProfileData" in b["error"] and "busy_ms_per_inv" not in b
     assert os.path.exists(out)
+
+
+def test_small_buckets_only_get_a_shape_the_scheduler_accepts(monkeypatch):
+    """``--buckets decode:8`` alone: the engine's batch is 8 rows, so it must not ask for the suite's
+    128 streams (the scheduler refuses max_num_seqs > max_num_batched_tokens); an explicit
+    ``--max-num-seqs`` still wins."""
+    import benchmarks.run as run_mod
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(a, shape):
+        seen.append(shape)
+        raise Stop
+
+    monkeypatch.setattr(run_mod, "harness_from_args", fake)
+    for extra, want in (([], (8, 8)), (["--max-num-seqs", "4"], (4, 8)), (["--buckets", "prefill:1024"], (128, 1024))):
+        with pytest.raises(Stop):
+            ps.main(["--preset", "tiny", "--buckets", "decode:8", *extra, "--out", "/dev/null"])
+        assert (seen[-1].max_num_seqs, seen[-1].max_num_batched_tokens) == want
