@@ -54,7 +54,7 @@ class PagedAttention:
     kernel: AttentionKernel  # the bucket's choice (dispatch.choose_attention)
     plan: Any = None  # kernel.plan(...) of this invocation, shared by every layer
     # RoPE and the K/V write in one kernel (``rope_write``, see ``model.Attention``); False: XLA's
-    # RoPE and scatters (``__call__``). ``rope_write_choice`` says which the engine uses.
+    # RoPE and scatters (``__call__``). ``fuses_rope(kernel)`` says which the engine uses.
     fuses_rope: bool = False
 
     def __call__(self, layer, q, k, v, cache):

@@ -16,8 +16,8 @@ float32, then the input's dtype), written per half: ``x1 * c1 + (-x2) * s1`` and
 s2``. Rows past ``R``'s real count need no special case: a row with ``slot < 0`` writes nothing into
 the pools (its rotated query is still stored; nothing reads it).
 
-Limits (checked): ``hd`` even and a power of two (Triton block shapes), the pools
-``[L, KVH, NB, BS, hd]`` with ``KVH == G`` and the pool's dtype for K/V. Slots must be distinct
+Limits (checked): ``hd`` a power of two and ``rows_per_program`` too (Triton block shapes), the
+pools ``[L, KVH, NB, BS, hd]`` with ``KVH == G`` (K and V are stored in the pools' dtype). Slots must be distinct
 (as ``write_kv``'s): two rows writing one slot leave either value.
 
 ``rope_write_kv_reference`` is the pure-jnp twin (``apply_rope`` + ``write_kv``), which is also
@@ -144,6 +144,8 @@ def rope_write_kv(
     offset``) of each row at its plane, ``-1`` for rows that write nothing; ``layer``: traced int.
     """
     _check(qkv, cos, sin, k_pages, v_pages, slots)
+    if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
     R, G, g2, hd = qkv.shape
     g = g2 - 2
     operands = (

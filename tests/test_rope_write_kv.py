@@ -132,6 +132,8 @@ def test_bad_shapes_refused():
         rope_write_kv(qkv, cos, sin, kp[0], vp[0], slots, layer=0, interpret=True)
     with pytest.raises(ValueError, match="slots"):
         rope_write_kv(qkv, cos, sin, kp, vp, slots[:3], layer=0, interpret=True)
+    with pytest.raises(ValueError, match="rows_per_program"):
+        rope_write_kv(qkv, cos, sin, kp, vp, slots, layer=0, interpret=True, rows_per_program=12)
 
 
 def test_triton_lowering_on_cpu():
