@@ -66,7 +66,7 @@ def _check(got, want, dtype):
     wq, wk, wv = want
     tol = 0 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(_f32(q), wq, rtol=tol, atol=tol + 1e-6)
-    # untouched slots are bit-identical (NaNs included): compare with NaN == NaN
+    # the NaN sentinels of untouched slots must survive where they are (NaN == NaN here)
     np.testing.assert_allclose(_f32(kp), wk, rtol=tol, atol=tol + 1e-6, equal_nan=True)
     np.testing.assert_allclose(_f32(vp), wv, rtol=tol, atol=tol + 1e-6, equal_nan=True)
 
@@ -93,11 +93,14 @@ def test_kernel_matches_twin_and_numpy(shape, dtype):
     want = _np_expected(*args, layer)
     _check(twin, want, dtype)
     _check(got, want, dtype)
-    # kernel and twin: the same pools bit for bit (the K/V values are rounded once either way)
-    for a, b in zip(got[1:], twin[1:]):
-        np.testing.assert_array_equal(np.isnan(_f32(a)), np.isnan(_f32(b)))
+    # kernel and twin bit for bit (NaN sentinels included): V is copied, so always; rotated values
+    # in bf16 (f32 RoPE rounded once); in f32 the two may differ in the last bit of a rotated value
+    np.testing.assert_array_equal(_f32(got[2]), _f32(twin[2]))
     if dtype == jnp.bfloat16:
         np.testing.assert_array_equal(_f32(got[0]), _f32(twin[0]))
+        np.testing.assert_array_equal(_f32(got[1]), _f32(twin[1]))
+    else:
+        np.testing.assert_array_equal(np.isnan(_f32(got[1])), np.isnan(_f32(twin[1])))
 
 
 @settings(max_examples=15, deadline=None)
