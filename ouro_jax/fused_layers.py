@@ -107,44 +107,41 @@ def run_fused_layers(
     def scale(p, name):
         return p[name]["scale"]
 
-    @jax.jit
-    def layer(p, w, x, d, w_prev, pools, i):
+    def residual_norm_matvec(x, branch, branch_weight, norm_weight, w_t, swiglu=False):
+        """``x += rmsnorm(branch) * branch_weight``, then ``rmsnorm(x) * norm_weight @ w_t``:
+        returns ``(product, x)``; in one kernel (``norm_matvec``) or XLA's norms and a matvec."""
         if in_kernel:
-            y, x = dm.norm_matvec(
+            return dm.norm_matvec(
                 x,
-                w["qkv_t"],
+                w_t,
                 n_rows,
-                norm_weight=scale(p, "input_layernorm"),
+                norm_weight=norm_weight,
                 eps=eps,
-                branch=d,
-                branch_weight=w_prev,
+                branch=branch,
+                branch_weight=branch_weight,
+                swiglu=swiglu,
                 **mv,
             )
-        else:
-            x = x + rms_norm(d[:R], w_prev, eps)
-            y = dm.matvec(rms_norm(x, scale(p, "input_layernorm"), eps).astype(dt), w["qkv_t"], n_rows, **mv)
+        x = x + rms_norm(branch[:R], branch_weight, eps)
+        return dm.matvec(rms_norm(x, norm_weight, eps).astype(dt), w_t, n_rows, swiglu=swiglu, **mv), x
+
+    @jax.jit
+    def layer(p, w, x, d, w_prev, pools, i):
+        y, x = residual_norm_matvec(x, d, w_prev, scale(p, "input_layernorm"), w["qkv_t"])
         y = y[:R].reshape(R, G, g + 2, hd)
         q = y[:, :, :g].reshape(R, G * g, hd)
         k, v = y[:, :, g], y[:, :, g + 1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, pools = attention(i, q, k, v, pools)
         a = dm.matvec(out.reshape(R, -1).astype(dt), w["o_t"], n_rows, **mv)
-        if in_kernel:
-            m, x = dm.norm_matvec(
-                x,
-                w["gate_up_t"],
-                n_rows,
-                norm_weight=scale(p, "post_attention_layernorm"),
-                eps=eps,
-                branch=a,
-                branch_weight=scale(p, "input_layernorm_2"),
-                swiglu=True,
-                **mv,
-            )
-        else:
-            x = x + rms_norm(a[:R], scale(p, "input_layernorm_2"), eps)
-            n2 = rms_norm(x, scale(p, "post_attention_layernorm"), eps).astype(dt)
-            m = dm.matvec(n2, w["gate_up_t"], n_rows, swiglu=True, **mv)
+        m, x = residual_norm_matvec(
+            x,
+            a,
+            scale(p, "input_layernorm_2"),
+            scale(p, "post_attention_layernorm"),
+            w["gate_up_t"],
+            swiglu=True,
+        )
         d = dm.matvec(m, w["down_t"], n_rows, **mv)
         return x, d, pools
 

@@ -13,14 +13,10 @@ SiLU kernel, and with ``norm_matvec`` the norm fusions too:
   writes ``x'``. Every program recomputes its rows' norms (two passes over ``[rows, K]`` before
   the product, the input rebuilt from ``x`` and ``u`` at every step of it).
 
-What the H200 said (``benchmarks/results/run22``, Ouro-1.4B's projections and norms of 24 layers x
-4 loops at 8 rows, no attention, one jit): XLA 4.47-4.63 ms a token, these matvecs with XLA's
-norms 5.03 ms at best (19 tunings), ``norm_matvec`` 9.5 ms (its serial prologue passes cost more
-than the kernels they remove). Without split-K a 2048-column projection has 64-128 programs, each
-a chain of dependent K steps: the weight streams at less than XLA's split-K GEMMs manage, and
-that loses more than the removed reduce and SiLU kernels save. What would turn it: split-K
-partials summed in the consumer's prologue, or one persistent kernel per layer
-(docs/decisions.md, "Decode matvec kernels").
+Measured slower than XLA's split-K GEMMs on the H200, hence off (figures, tunings and what would
+turn it: docs/decisions.md, "Decode matvec kernels"): without split-K a 2048-column projection has
+64-128 programs, each a chain of dependent K steps, and the weight streams more slowly than the
+removed reduce and SiLU kernels save.
 
 The weight is read transposed, ``w_t [N, K]`` (laid out once at load time), so that a program's
 ``block_n`` output columns are ``block_n`` contiguous rows of the weight, streamed in ``block_k``
@@ -67,9 +63,8 @@ MAX_ROWS = 16  # rows of every output: one MMA tile (Triton's dot needs >= 16)
 
 @dataclasses.dataclass(frozen=True)
 class MatvecTuning:
-    """The best of 19 configurations on the H200 (``benchmarks/results/run22``): 32 columns a
-    program beat 16 and 64 (128 took 56% longer), 256-wide K steps beat 128-2048, 4 warps beat 8
-    (2 warps were within 3% of 4)."""
+    """The fastest tuning measured (docs/decisions.md, "Decode matvec kernels": 32 columns a
+    program, 256-wide K steps, 4 warps)."""
 
     block_n: int = 32  # output columns per program
     block_k: int = 256  # reduction chunk per pipeline step

@@ -1,10 +1,9 @@
 """RoPE and the paged K/V write of one layer in one kernel (Pallas, Triton lowering).
 
 Between the fused Q/K/V projection and attention, XLA runs three kernels a layer: one scatter
-fusion writes K (with its RoPE) into the pool, one writes V, and one applies RoPE to q. On the
-H200 they take 1.3-1.8 us each at 8 decode rows (launch-bound) and 3.4 / 6.0 / 4.1 us at 1024
-prompt rows (run 23, ``results/run23/``): ~5 us of every decode layer, ~13 us of every prefill
-layer. This kernel does all three in one launch: each program takes a block of rows of one KV
+fusion writes K (with its RoPE) into the pool, one writes V, and one applies RoPE to q; at decode
+sizes each is mostly launch time (measured: docs/decisions.md, "RoPE and the K/V write in one
+kernel"). This kernel does all three in one launch: each program takes a block of rows of one KV
 head's group from the projection's output ``[R, G, g + 2, hd]`` (``g`` query heads, then the key
 and the value head, ``model.qkv_groups``), rotates the query heads and the key, stores the
 rotated queries to a new ``[R, G * g, hd]`` array and the key and value into the pools at the
