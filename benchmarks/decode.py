@@ -67,6 +67,7 @@ from benchmarks.workloads import (
     DECODE_EXITS,
     EngineShape,
     add_decode_matmul_arg,
+    add_fused_rows_arg,
     decode_workload,
     exit_params,
     shape_from_args,
@@ -296,6 +297,9 @@ class EngineRunner:
             tpot_p50_ms=tp["p50"] * 1e3 if tp else None,
             tpot_p90_ms=tp["p90"] * 1e3 if tp else None,
             mean_loops_per_token=loops,
+            # loops the device ran per fused token step (lock step: each token's deepest row;
+            # independent rows: the slowest row's over the step), next to the tokens' own mean
+            fused_loops_per_token=stats["fused_loops"] / stats["fused_tokens"] if stats.get("fused_tokens") else None,
             first_token_spread_s=max(firsts) - min(firsts) if firsts else None,
             prefix_cache_hit_share=stats.get("prefix_cache_hit_tokens", 0)
             / max(1, stats.get("prefix_cache_queried_tokens", 0)),
@@ -477,6 +481,7 @@ def parser() -> argparse.ArgumentParser:
     add_decode_matmul_arg(ap)
     ap.add_argument("--fused-decode-max-rows", type=int, default=0, help="LLM(fused_decode_max_rows=...)")
     ap.add_argument("--fused-decode-tokens", type=int, default=1)
+    add_fused_rows_arg(ap)
     ap.add_argument(
         "--no-async-scheduling",
         dest="async_scheduling",

@@ -59,6 +59,7 @@ from benchmarks.workloads import (
     EngineShape,
     Workload,
     add_decode_matmul_arg,
+    add_fused_rows_arg,
     make,
     shape_from_args,
     suite_shape,
@@ -327,6 +328,7 @@ class Harness:
         fused_decode_tokens: int = 1,
         decode_matmul: str = "xla",
         async_scheduling: bool = True,
+        fused_decode_rows: str = "lockstep",
     ):
         self.t_start = time.monotonic()
         self.decode_matmul = decode_matmul
@@ -334,6 +336,9 @@ class Harness:
         # they sit next to the loop-by-loop records of the same workload instead of replacing them
         self.fused_decode_max_rows, self.fused_decode_tokens = fused_decode_max_rows, fused_decode_tokens
         self.label_suffix = f" fused{fused_decode_max_rows}x{fused_decode_tokens}" if fused_decode_max_rows else ""
+        self.fused_decode_rows = fused_decode_rows
+        if fused_decode_max_rows and fused_decode_rows != "lockstep":
+            self.label_suffix += f" {fused_decode_rows}"
         # LLM(async_scheduling=...): only fused steps are launched ahead; the synchronous loop's
         # records are labelled apart
         self.async_scheduling = async_scheduling
@@ -388,6 +393,7 @@ class Harness:
             decode_matmul=self.decode_matmul,
             fused_decode_max_rows=self.fused_decode_max_rows,
             fused_decode_tokens=self.fused_decode_tokens,
+            fused_decode_rows=self.fused_decode_rows,
             async_scheduling=self.async_scheduling,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_bytes=self.kv_cache_bytes,
@@ -423,6 +429,7 @@ class Harness:
             num_ring_rows=sh.num_ring_rows(c.num_loops, chunks),
             fused_decode_max_rows=self.fused_decode_max_rows,
             fused_decode_tokens=self.fused_decode_tokens,
+            fused_decode_rows=self.fused_decode_rows,
             async_scheduling=self.async_scheduling,
             warmup=False,
             progress=False,
@@ -1177,6 +1184,7 @@ def parser() -> argparse.ArgumentParser:
         "decided on the device); 0 = loop by loop. Records get a ' fusedRxK' label suffix",
     )
     ap.add_argument("--fused-decode-tokens", type=int, default=1, help="tokens per fused decode step")
+    add_fused_rows_arg(ap)
     ap.add_argument(
         "--target-tpot-ms",
         nargs="+",
@@ -1210,6 +1218,7 @@ def harness_from_args(a, shape: Optional[EngineShape] = None) -> Harness:
         "fused_decode_tokens",
         "decode_matmul",
         "async_scheduling",
+        "fused_decode_rows",
     )
     return Harness(
         a.preset,

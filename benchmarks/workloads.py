@@ -39,6 +39,7 @@ import numpy as np
 
 from scheduler import SamplingParams
 from scheduler.buckets import next_power_of_two
+from scheduler.scheduler import FUSED_DECODE_ROWS
 from scheduler.sizes import ring_rows, ring_slots
 
 __all__ = [
@@ -492,6 +493,17 @@ def add_decode_matmul_arg(ap) -> None:
         choices=DECODE_MATMUL_CHOICES,
         help="layer projections of buckets of <= 16 rows: xla (default), mgpu (the skinny Mosaic GPU kernel) "
         "or fused (Triton matvec kernels without split-K, SiLU * up in the gate/up one)",
+    )
+
+
+def add_fused_rows_arg(ap) -> None:
+    """``--fused-decode-rows`` of every CLI built on the harness (``LLM(fused_decode_rows=...)``)."""
+    ap.add_argument(
+        "--fused-decode-rows",
+        default="lockstep",
+        choices=FUSED_DECODE_ROWS,
+        help="rows of a fused decode step: in lock step per token (default) or each at its own depth "
+        "over the step's tokens; records of 'independent' get a label suffix",
     )
 
 

@@ -194,6 +194,7 @@ class LLM:
         num_ring_rows: Optional[int] = None,
         fused_decode_max_rows: Optional[int] = None,
         fused_decode_tokens: int = 1,
+        fused_decode_rows: str = "lockstep",
         async_scheduling: bool = True,
         kv_allocation: str = "on_demand",
         enable_prefix_caching: Optional[bool] = None,
@@ -279,6 +280,9 @@ class LLM:
             buckets=buckets,
             fused_decode_max_rows=fused_decode_max_rows,
             fused_decode_tokens=fused_decode_tokens,
+            # "independent": each row of a fused step runs its own tokens' depths instead of every
+            # token waiting for its deepest row (ouro_jax/fused_step.py); tokens do not change
+            fused_decode_rows=fused_decode_rows,
             # on_demand: blocks as tokens need them, preemption when the pool runs out; reserve:
             # prompt + max_tokens at admission (docs/decisions.md, "KV allocation")
             kv_allocation=kv_allocation,
@@ -340,6 +344,7 @@ class LLM:
             attention=attention,
             layer_loop=layer_loop,
             decode_matmul=decode_matmul,
+            fused_decode_rows=self.scheduler_config.fused_decode_rows,
             tensor_parallel_size=tp,
             devices=devices,
             executable_store=self.executable_store,

@@ -30,6 +30,10 @@ so that no loop waits for the host; a fused step also takes the previous fused s
 and returns its own, so that the scheduler can launch the next step before the host has read this
 one (``scheduler/pipeline.py``).
 
+The traced programs live in ``step_program.py`` (one loop, the separate sampler) and
+``fused_step.py`` (fused decode steps: rows in lock step or each at its own depth,
+``fused_decode_rows``); this module compiles, stores and launches them.
+
 The descriptor travels as one packed int32 array (``scheduler/descriptor.py`` fixes its layout per
 bucket key) because every host-to-device transfer has a fixed cost.
 """
@@ -37,12 +41,11 @@ bucket key) because every host-to-device transfer has a fixed cost.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, NamedTuple, Optional
+from typing import Any, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,361 +53,45 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import copy_kv_slots
 from pallas_kernels.decode_matvec import default_tuning
-from pallas_kernels.dispatch import choose_attention, resolve_attention
+from pallas_kernels.dispatch import resolve_attention
 from scheduler.buckets import BucketKey
-from scheduler.descriptor import EXIT_FIELDS, HEADER, StepResult, descriptor_layout, exit_words
+from scheduler.descriptor import StepResult
 
+from . import fused_step
 from .config import OuroConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
-from .exit_rule import decide_exit_rows, fold_gate
-from .fused_layers import decode_weights, fused_layers_supported, norms_option, run_fused_layers
-from .model import OuroDecoderLayer, OuroModel, dtype_of, fuse_layer_params, rope_cos_sin
-from .options import DECODE_MATMULS, choice
-from .paged_attention import PagedAttention, fuses_rope, rope_write_option
+from .fused_layers import decode_weights, norms_option
+from .model import fuse_layer_params
+from .options import choice
+from .paged_attention import rope_write_option
 from .parallel import (
-    TP_AXIS,
     check_devices,
     check_tensor_parallel,
     kv_spec,
-    local_config,
     make_mesh,
     param_specs,
     place_params,
-    vocab_parallel_embed,
-    vocab_parallel_logits,
 )
-from .sampling import greedy, row_keys, sample, sample_stochastic
+from .step_program import (
+    DECODE_MATMUL_MAX_ROWS,
+    SamplerKey,
+    check_decode_matmul,
+    one_loop,
+    packed_shape,
+    packed_size,
+    sample_coda,
+)
 
-__all__ = ["ModelRunner", "SamplerKey", "packed_size", "packed_shape"]
-
-
-def _unpack(key: BucketKey, packed) -> dict:
-    """Device-side views of the packed descriptor (static offsets per key; float32 and uint32
-    fields are bit-casts of their int32 words), the header's words by name (``HEADER``)."""
-    out = {}
-    for spec in descriptor_layout(key):
-        w = packed[spec.offset : spec.offset + spec.size]
-        if spec.name == "header":
-            out.update((name, w[i]) for i, name in enumerate(HEADER))
-        if spec.dtype == np.float32:
-            w = jax.lax.bitcast_convert_type(w, jnp.float32)
-        elif spec.dtype == np.uint32:
-            w = jax.lax.bitcast_convert_type(w, jnp.uint32)
-        out[spec.name] = w.reshape(spec.shape)
-    return out
-
-
-def packed_size(key: BucketKey) -> int:
-    last = descriptor_layout(key)[-1]
-    return last.offset + last.size
-
-
-class SamplerKey(NamedTuple):
-    """The separate sampler of ``C`` coda rows (``ModelRunner``, "Sampling on the host's word")."""
-
-    C: int
-
-
-# the coda's sampling words, contiguous in every descriptor: [temperature, top_k, top_p, seed, step]
-CODA_FIELDS = ("coda_temperature", "coda_top_k", "coda_top_p", "coda_seed", "coda_step")
-
-
-def coda_words(key: BucketKey, packed) -> jax.Array:
-    """``[len(CODA_FIELDS), C]`` int32: the coda rows' sampling words of a packed descriptor."""
-    layout = {f.name: f for f in descriptor_layout(key)}
-    first = layout[CODA_FIELDS[0]].offset
-    assert all(layout[n].offset == first + i * key.C for i, n in enumerate(CODA_FIELDS)), "coda fields moved"
-    return packed[first : first + len(CODA_FIELDS) * key.C].reshape(len(CODA_FIELDS), key.C)
-
-
-def packed_shape(key) -> tuple[int, ...]:
-    """The uploaded int32 array of an executable: ``[words]`` for a bucket key, ``[n, words +
-    exit words]`` for a fused decode step ``(BucketKey, n)``, the coda words ``[5, C]`` for a
-    ``SamplerKey``."""
-    if isinstance(key, SamplerKey):
-        return (len(CODA_FIELDS), key.C)
-    if isinstance(key, BucketKey):
-        return (packed_size(key),)
-    bucket, n = key
-    return (n, packed_size(bucket) + exit_words(bucket))
-
-
-# Buckets of at most this many rows compute the four layer projections with the ``decode_matmul``
-# kernel: where a GEMM only streams its weight (issue 13's 8- and 16-row decode buckets).
-DECODE_MATMUL_MAX_ROWS = 16
-
-
-def decode_matmul_fn(name: str):
-    """The ``matmul`` of the model's projections for ``decode_matmul=name`` (None: XLA's dot).
-
-    ``"mgpu"``: the skinny Mosaic GPU kernel, ``"reference"``: its jnp twin (CPU tests of the
-    plumbing). A projection the kernel cannot serve (``skinny_matmul_mgpu.supported``: dims not
-    multiples of 64) keeps XLA's dot."""
-    if name in ("xla", "fused"):  # "fused" replaces whole layers (fused_layers.py), not the dot
-        return None
-    from pallas_kernels import skinny_matmul_mgpu as sk
-
-    f = sk.skinny_matmul_mgpu if name == "mgpu" else sk.skinny_matmul_reference
-
-    def matmul(x, w):
-        m, k = x.shape
-        n = math.prod(w.shape[1:])
-        if sk.supported(x.dtype if name == "mgpu" else jnp.bfloat16, m, k, n) is None:
-            return f(x, w)
-        return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))
-
-    return matmul
-
-
-def check_decode_matmul(name, layer_loop: str = "unrolled", *, internal: bool = False) -> str:
-    """The ``decode_matmul`` option checked: a name of ``DECODE_MATMULS`` (any case; ``internal``
-    also "reference"), "mgpu" only on a Hopper GPU; "mgpu" and "fused" only with unrolled layers
-    (a scan's per-layer weight slice would be copied before every kernel call)."""
-    name = choice("decode_matmul", name, DECODE_MATMULS + (("reference",) if internal else ()))
-    if name == "mgpu":
-        from pallas_kernels.dispatch import hopper_available
-
-        if not hopper_available():
-            raise ValueError("decode_matmul='mgpu' needs a Hopper (sm90+) GPU (Mosaic GPU kernel)")
-    if name in ("mgpu", "fused") and layer_loop != "unrolled":
-        raise ValueError(f"decode_matmul={name!r} needs layer_loop='unrolled'")
-    return name
-
-
-def _recurrent(
-    params,
-    kp,
-    vp,
-    ring,
-    a: dict,
-    previous_tokens,
-    *,
-    key: BucketKey,
-    config: OuroConfig,
-    dtype_name: str,
-    attention: str,
-    interpret: bool,
-    layer_loop: str,
-    tp_size: int = 1,
-    decode_matmul: str = "xla",
-):
-    """Steps 1-3 of one descriptor (``a``: its unpacked fields): returns ``(kp, vp, ring, h, g)``.
-
-    ``previous_tokens [C]``: the tokens sampled by the token before this one in a fused decode
-    step; embedded instead of ``pre_token`` when the descriptor's ``feed_previous_tokens`` is set.
-    ``tp_size > 1``: the body of a ``shard_map`` over ``"tp"``; ``config`` and the KV pools are one
-    shard's (``parallel.local_config``), embed and lm_head are split by vocabulary.
-    """
-    tp = tp_size > 1
-    c = local_config(config, tp_size)
-    dt = dtype_of(dtype_name)
-    model = OuroModel(c, dt, tp_axis=TP_AXIS if tp else None)
-
-    # 1. LAST_EXITED finalize: deeper planes of exited tokens take the exit plane's K/V
-    kp, vp = copy_kv_slots(kp, vp, a["fin_src"], a["fin_dst"])
-    # 2. prelude: embed into ring rows (padding writes the scratch row 0)
-    pre_token = a["pre_token"]
-    if previous_tokens is not None:
-        prev = jnp.zeros((key.R,), jnp.int32).at[: key.C].set(previous_tokens[: key.R])
-        feed = (a["feed_previous_tokens"] == 1) & (jnp.arange(key.R) < a["num_prelude"])
-        pre_token = jnp.where(feed, prev, pre_token)
-    if tp:
-        emb = vocab_parallel_embed(params["top"]["embed_tokens"]["embedding"], pre_token)
-    else:
-        emb = model.apply({"params": params["top"]}, pre_token, method=OuroModel.prelude)
-    ring = ring.at[a["pre_ring"]].set(emb.astype(ring.dtype))
-    # 3. one loop for every row
-    x = ring[a["row_ring"]]
-    kernel = choose_attention(
-        attention,
-        num_rows=key.R,
-        num_segments=key.S,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        block_size=kp.shape[-2],
-        dtype=dt,
-        interpret=interpret,
-    )
-    seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
-    attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg), fuses_rope(kernel))
-    cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
-    x = x.astype(jnp.float32)
-    if uses_fused_layers(decode_matmul, key, c, tp_size):
-        # the interpreter off a GPU: the CPU tests of the kernels' plumbing
-        x, (kp, vp) = run_fused_layers(
-            params["layers"],
-            params["decode"],
-            x,
-            cos,
-            sin,
-            attn,
-            (kp, vp),
-            a["num_rows"],
-            config=c,
-            interpret=interpret or jax.default_backend() != "gpu",
-            norms=norms_option(),
-        )
-        return _finish(params, model, kp, vp, ring, a, x)
-    matmul = decode_matmul_fn(decode_matmul) if key.R <= DECODE_MATMUL_MAX_ROWS else None
-    layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True, matmul=matmul)
-
-    def one_layer(p, x, pools, i):
-        return layer.apply({"params": p}, x, cos, sin, attn, pools, layer=i)
-
-    if layer_loop == "unrolled":
-        # L calls of one nested jit: traced and lowered once, not L times (start-up time), and inlined
-        # by XLA into the same straight-line program as writing the layers out
-        one_layer = jax.jit(one_layer)
-        pools = (kp, vp)
-        for i in range(c.num_hidden_layers):
-            x, pools = one_layer(params["layers"][f"layers_{i}"], x, pools, jnp.int32(i))
-        kp, vp = pools
-    else:
-
-        def body(carry, xs):
-            x, pools = carry
-            i, p = xs
-            return one_layer(p, x, pools, i), None
-
-        (x, (kp, vp)), _ = jax.lax.scan(body, (x, (kp, vp)), (jnp.arange(c.num_hidden_layers), params["layers"]))
-    return _finish(params, model, kp, vp, ring, a, x)
-
-
-def _finish(params, model, kp, vp, ring, a, x):
-    """Final norm and gate of a loop; the rows' hidden states back to the ring."""
-    h, g = model.apply({"params": params["top"]}, x, method=OuroModel.finish_loop)
-    ring = ring.at[a["row_ring"]].set(h.astype(ring.dtype))
-    return kp, vp, ring, h, g.astype(jnp.float32)
-
-
-def uses_fused_layers(decode_matmul: str, key: BucketKey, config: OuroConfig, tp_size: int = 1) -> bool:
-    """Whether bucket ``key`` runs its layers on the decode matvec kernels (``fused_layers.py``):
-    ``decode_matmul="fused"``, at most ``decode_matvec.MAX_ROWS`` rows, one device, shapes the
-    kernels serve."""
-    return decode_matmul == "fused" and tp_size == 1 and fused_layers_supported(config, key.R) is None
-
-
-def _coda(params, h, a: dict, *, config: OuroConfig, dtype_name: str, tp_size: int = 1, greedy_only: bool = False, **_):
-    """Step 4: lm_head + sampling of the coda rows' hidden states ``h [C, D]`` -> tokens ``[C]``
-    (``greedy_only``: the argmax, whatever the rows ask for; the separate sampler does the rest)."""
-    dt = dtype_of(dtype_name)
-    if tp_size > 1:
-        logits = vocab_parallel_logits(h, params["top"]["lm_head"]["kernel"], dt)
-    else:
-        model = OuroModel(local_config(config, tp_size), dt)
-        logits = model.apply({"params": params["top"]}, h, method=OuroModel.coda)
-    if greedy_only:
-        return greedy(logits)
-    keys = row_keys(a["coda_seed"], a["coda_step"])
-    return sample(logits, a["coda_temperature"], a["coda_top_k"], a["coda_top_p"], keys).astype(jnp.int32)
-
-
-def _step(params, kp, vp, ring, packed, *, separate_sampler: bool = False, **kw):
-    """One loop: the executable of a bucket (the module docstring's four steps).
-
-    ``separate_sampler``: the coda takes the argmax only and the step also returns the coda rows'
-    hidden states and sampling words, for ``_sample_coda`` when the host sees a row that samples."""
-    a = _unpack(kw["key"], packed)
-    kp, vp, ring, h, g = _recurrent(params, kp, vp, ring, a, None, **kw)
-    hc = h[a["coda_row"]]
-    if not separate_sampler:
-        return kp, vp, ring, g, _coda(params, hc, a, **kw)
-    return kp, vp, ring, g, _coda(params, hc, a, greedy_only=True, **kw), hc, coda_words(kw["key"], packed)
-
-
-def _sample_coda(top, h, words, *, config: OuroConfig, dtype_name: str):
-    """The separate sampler: lm_head of the coda rows' hidden states ``h [C, D]`` and the sort-based
-    sampling of ``sample_stochastic`` with the rows' words (``coda_words``) -> tokens ``[C]``."""
-    logits = OuroModel(config, dtype_of(dtype_name)).apply({"params": top}, h, method=OuroModel.coda)
-    temperature, top_k, top_p, seed, step = (words[i] for i in range(len(CODA_FIELDS)))
-    f32 = lambda w: jax.lax.bitcast_convert_type(w, jnp.float32)  # noqa: E731
-    keys = row_keys(jax.lax.bitcast_convert_type(seed, jnp.uint32), step)
-    return sample_stochastic(logits, f32(temperature), top_k, f32(top_p), keys).astype(jnp.int32)
-
-
-def _fused_step(params, kp, vp, ring, packed, previous, **kw):
-    """A fused decode step (``scheduler.descriptor.StackedDescriptor``): ``packed [n, words + exit
-    words]`` holds ``tokens * T`` sub-descriptors of one key and each token's exit words.
-    ``previous [C]``: the last tokens the previous fused step sampled, which its first sub-step
-    embeds when it feeds previous tokens (a step scheduled before the previous one's tokens were
-    read: ``Scheduler.schedule_ahead``).
-
-    Per token (a ``fori_loop``): a ``while_loop`` over depths runs the loop of every row in lock
-    step while a row is left (the body is one loop, so it compiles like one bucket); after each
-    loop the rows decide their exits (``exit_rule.decide_exit_rows``), an exited row keeps its exit
-    hidden state and writes no more K/V (slot -1, as padding rows). Then LAST_EXITED rows copy
-    their exit plane into the planes above (the slots are the later sub-steps'), one coda samples
-    the exit states, and the tokens feed the next token's prelude. The KV pools and the ring are
-    loop carries updated in place. Returns ``gates [n, R]`` (0 where a loop did not run),
-    ``[tokens, C + R]`` int32 (sampled tokens, then exit depths) and the last token's samples
-    ``[C]`` (the next step's ``previous``)."""
-    key, T = kw["key"], kw["config"].num_loops
-    n = packed.shape[0]
-    R, C = key.R, key.C
-    words = packed_size(key)
-    layout = {f.name: f for f in descriptor_layout(key)}
-    slot_at = layout["row_slot"].offset
-    finalize = key.F > 0 and T > 1  # LAST_EXITED (SHARED buckets hold no finalize pairs)
-
-    def token(j, carry):
-        kp, vp, ring, prev, gates, out = carry
-        first = j * T
-        ex = packed[first, words:].reshape(len(EXIT_FIELDS), R)
-        limit, min_loops, delay = ex[0], ex[1], ex[2]
-        thr = jax.lax.bitcast_convert_type(ex[3], jnp.float32)
-        real = jnp.arange(R) < packed[first, layout["header"].offset + HEADER.index("num_rows")]
-        h_dtype = dtype_of(kw["dtype_name"])
-
-        def more(c):
-            return (c[0] < T) & jnp.any(c[5])
-
-        def loop(c):
-            d, kp, vp, ring, rem, active, exit_h, depth, gates = c
-            a = _unpack(key, packed[first + d, :words])
-            a["row_slot"] = jnp.where(active, a["row_slot"], -1)  # an exited row writes no K/V
-            kp, vp, ring, h, g = _recurrent(params, kp, vp, ring, a, prev, **kw)
-            nxt = fold_gate(rem, g)
-            out = active & decide_exit_rows(d + 1, nxt, rem, limit, min_loops, delay, thr)
-            exit_h = jnp.where(out[:, None], h.astype(h_dtype), exit_h)
-            depth = jnp.where(out, d, depth)
-            return d + 1, kp, vp, ring, nxt, active & ~out, exit_h, depth, gates.at[first + d].set(g)
-
-        init = (
-            jnp.int32(0),
-            kp,
-            vp,
-            ring,
-            jnp.ones((R,), jnp.float32),
-            real,
-            jnp.zeros((R, ring.shape[-1]), h_dtype),
-            jnp.zeros((R,), jnp.int32),
-            gates,
-        )
-        _, kp, vp, ring, _, _, exit_h, depth, gates = jax.lax.while_loop(more, loop, init)
-        if finalize:  # plane depth[r] -> planes depth[r]+1..T-1 of every real row
-            slots = jax.lax.dynamic_slice(packed, (first, slot_at), (T, R))  # [T, R]: row r's slot per plane
-            src = jnp.take_along_axis(slots, depth[None, :], axis=0)[0]
-            above = (jnp.arange(1, T)[:, None] > depth[None, :]) & real[None, :]
-            dst = jnp.where(above, slots[1:], -1)
-            kp, vp = copy_kv_slots(kp, vp, jnp.broadcast_to(src, dst.shape).reshape(-1), dst.reshape(-1))
-        a = _unpack(key, packed[first + T - 1, :words])  # the coda fields ride on the token's last loop
-        tok = _coda(params, exit_h[a["coda_row"]], a, **kw)
-        out = out.at[j].set(jnp.concatenate([tok, depth]))
-        return kp, vp, ring, tok, gates, out
-
-    init = (
-        kp,
-        vp,
-        ring,
-        previous.astype(jnp.int32),
-        jnp.zeros((n, R), jnp.float32),
-        jnp.zeros((n // T, C + R), jnp.int32),
-    )
-    kp, vp, ring, last, gates, out = jax.lax.fori_loop(0, n // T, token, init)
-    return kp, vp, ring, gates, out, last
+__all__ = [
+    "ModelRunner",
+    "SamplerKey",
+    "packed_size",
+    "packed_shape",
+    "DECODE_MATMUL_MAX_ROWS",
+    "check_decode_matmul",
+    "is_fused",
+]
 
 
 # XLA compile threads of a cold start (``ModelRunner.warmup``): more made the GPU autotuner warn
@@ -521,6 +208,10 @@ class ModelRunner:
     copies of the layer weights are laid out at load time), also slower than XLA's GEMMs on the
     H200 (docs/decisions.md, "Decode matvec kernels").
 
+    ``fused_decode_rows``: which fused step program runs (``fused_step.py``): ``"lockstep"``
+    (default) or ``"independent"``; the scheduler must be told the same (it counts the loops that
+    ran from the exit depths).
+
     ``devices``: the ``N`` devices this runner owns (default: the first ``N`` of ``jax.devices()``);
     data-parallel replicas each get a disjoint set (``ouro_jax/server/replicas.py``).
     """
@@ -540,8 +231,10 @@ class ModelRunner:
         devices=None,
         executable_store: Optional[ExecutableStore] = None,
         decode_matmul: str = "xla",
+        fused_decode_rows: str = "lockstep",
     ):
         attention = resolve_attention(attention)
+        self.fused_decode_rows = choice("fused_decode_rows", fused_decode_rows, fused_step.FUSED_DECODE_ROWS)
         if layer_loop not in ("scan", "unrolled"):
             raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
         decode_matmul = check_decode_matmul(decode_matmul, layer_loop, internal=True)
@@ -566,7 +259,7 @@ class ModelRunner:
         jit_kw: dict = {}
         fused_kw: dict = {}
         step = functools.partial(
-            _step,
+            one_loop,
             config=c,
             dtype_name=self.dtype_name,
             attention=attention,
@@ -574,7 +267,7 @@ class ModelRunner:
             layer_loop=layer_loop,
             decode_matmul=decode_matmul,
         )
-        fused = functools.partial(_fused_step, **step.keywords)
+        fused = functools.partial(fused_step.program(self.fused_decode_rows), **step.keywords)
         # one-loop steps leave sampling to a separate small executable, launched only when a coda
         # row samples: a lax.cond in the step made the GPU host wait for its predicate at the end
         # of every invocation (docs/decisions.md, "Sampling on the host's word"); under tensor
@@ -605,7 +298,7 @@ class ModelRunner:
         step, fused = _flat_params(step, treedef), _flat_params(fused, treedef)
         self._top_leaves, top_treedef = jax.tree.flatten(self.params["top"])
         self._top_leaves = tuple(self._top_leaves)
-        sampler = functools.partial(_sample_coda, config=c, dtype_name=self.dtype_name)
+        sampler = functools.partial(sample_coda, config=c, dtype_name=self.dtype_name)
         self._jitted_sampler = jax.jit(lambda leaves, h, w: sampler(jax.tree.unflatten(top_treedef, leaves), h, w))
         self._jitted = jax.jit(step, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
         self._jitted_fused = jax.jit(fused, static_argnames=("key",), donate_argnums=(1, 2, 3), **fused_kw)
@@ -727,6 +420,7 @@ class ModelRunner:
             self.interpret,
             self.layer_loop,
             self.decode_matmul,
+            self.fused_decode_rows,
             (repr(default_tuning()), norms_option()) if self.decode_matmul == "fused" else None,
             rope_write_option(),
             self.tensor_parallel_size,
@@ -830,14 +524,14 @@ class ModelRunner:
         if key not in self._exe:
             self._compile(key)  # not warmed up: counted in `compilations`, not in `dispatch_time`
         t = time.perf_counter()
-        one_loop = isinstance(key, BucketKey)
+        single = isinstance(key, BucketKey)
         packed = self.upload(desc)
         t_call = time.perf_counter()
         self.upload_time += t_call - t
-        gates, tokens = self.launch(key, packed, sample=one_loop and samples(desc))
+        gates, tokens = self.launch(key, packed, sample=single and samples(desc))
         self.call_time += time.perf_counter() - t_call
         # a fused step's gates are never read (its exits were decided on the device)
-        for arr in (gates, tokens) if one_loop else (tokens,):
+        for arr in (gates, tokens) if single else (tokens,):
             arr.copy_to_host_async()
         self.invocations += 1
         self.dispatch_time += time.perf_counter() - t

@@ -70,6 +70,10 @@ KV_LAYOUTS = ("last_exited", "shared")
 PREFILL_MODES = ("split", "mixed", "wavefront")
 KV_ALLOCATIONS = ("on_demand", "reserve")
 POLICIES = ("fcfs", "priority")
+# How a fused decode step's rows advance (ouro_jax/fused_step.py): every row a loop at a time until
+# the token's deepest exit, or each row through its own tokens and depths; it changes the loops
+# that run, never a token or an exit depth
+FUSED_DECODE_ROWS = ("lockstep", "independent")
 # Fused decode steps of more rows than this run only when no row's exit depends on its gates. A
 # fused step runs every row in lock step to the deepest row's exit, where loop by loop the later
 # loops shrink to the rows still running: on the H200 (docs/decisions.md, "Fused steps at large
@@ -101,6 +105,7 @@ class SchedulerConfig:
     enable_prefix_caching: Optional[bool] = None  # None: DEFAULT_ENABLE_PREFIX_CACHING under LAST_EXITED
     fused_decode_max_rows: int = 0  # fused decode steps for up to this many rows; 0 = off
     fused_decode_tokens: int = 1  # tokens per fused decode step (each T loops)
+    fused_decode_rows: str = "lockstep"  # "lockstep" | "independent" (FUSED_DECODE_ROWS)
     target_tpot_ms: Optional[float] = None  # decode TPOT the prompt share is sized for (latency_target.py); None = off
 
     def __post_init__(self):
@@ -109,6 +114,7 @@ class SchedulerConfig:
             ("prefill_mode", PREFILL_MODES),
             ("policy", POLICIES),
             ("kv_allocation", KV_ALLOCATIONS),
+            ("fused_decode_rows", FUSED_DECODE_ROWS),
         ):
             try:
                 object.__setattr__(self, name, choice(name, getattr(self, name), choices))
@@ -807,7 +813,12 @@ class Scheduler:
         """Apply a fused step token after token, as the loop-by-loop path would have: each row's
         token and exit depth as the device decided them (its finalize copies already made there),
         stop tokens and ``max_tokens`` ending a row mid-step (its later tokens are dropped), and
-        the counters of the loops that ran (every row rides along until the last one exits)."""
+        the counters of the loops that ran (every row rides along until the last one exits).
+
+        The loops that ran, per token (``loops_run``): in lock step the token's deepest exit; with
+        ``fused_decode_rows="independent"`` the device ran as many loops as the row with the most
+        loops over all the tokens, and each token is counted with that row's loops (so that the
+        sub-steps counted are one per loop the device ran)."""
         T, n, key = self.num_loops, plan.num_rows, plan.descriptor.key
         subs = plan.sub_plans
         tokens = len(subs) // T
@@ -820,13 +831,16 @@ class Scheduler:
         if depths_all.size and (depths_all.min() < 0 or depths_all.max() >= T):
             raise ValueError(f"Scheduler.update: fused step exit depths outside [0, {T - 1}]")
         st = self._stats
-        runs = plan.descriptor.loops_run = []
+        if self.config.fused_decode_rows == "independent" and n:
+            slowest = int(np.argmax((depths_all + 1).sum(axis=0)))
+            runs = (depths_all[:, slowest] + 1).tolist()
+        else:
+            runs = (depths_all.max(axis=1, initial=0) + 1).tolist()
+        plan.descriptor.loops_run = runs
         now = time.monotonic()
-        for j in range(tokens):
+        for j, ran in enumerate(runs):
             toks, depths = split_fused_output(out[j], key)
             toks, depths = toks.tolist(), depths.tolist()
-            ran = max(depths[:n]) + 1
-            runs.append(ran)
             for d in range(ran):
                 self._count_loop(subs[j * T + d], n)
             if ran < T:  # the coda ran once, on the exit states

@@ -204,3 +204,24 @@ def test_partial_traces_of_fused_steps_report_no_kernel_figures():
     assert dec.hide_partial_trace(dict(prof), 0)["kernels_per_loop"] == 104.3
     cpu = dict(prof, device_plane=None)
     assert dec.hide_partial_trace(dict(cpu), 5)["kernels_per_loop"] == 104.3
+
+
+@pytest.mark.slow  # two engine compiles on the tiny preset
+def test_decode_records_fused_loops_per_token_of_both_row_programs(tmp_path):
+    """Fused steps of two tokens, rows in lock step and independent: the records carry the loops
+    the device ran per token step (never more with independent rows: same depths, same steps),
+    and the independent records are labelled apart."""
+    got = {}
+    for rows in ("lockstep", "independent"):
+        out = str(tmp_path / rows)
+        argv = TINY + ["--concurrency", "2", "--context", "1024", "--exit", "synthetic2.5", "--profile-steps", "0"]
+        argv += ["--fused-decode-max-rows", "2", "--fused-decode-tokens", "2", "--fused-decode-rows", rows]
+        dec.main(argv + ["--generate-batch", "--out", out])
+        with open(os.path.join(out, "decode.json")) as f:
+            (r,) = [r for r in json.load(f)["records"] if r.get("path") == "engine"]
+        assert "error" not in r, r.get("error")
+        assert r["label"].endswith(" independent") == (rows == "independent")
+        assert 1 <= r["fused_loops_per_token"] <= get_preset("tiny").num_loops
+        got[rows] = r
+    assert got["independent"]["exit_histogram"] == got["lockstep"]["exit_histogram"]
+    assert got["independent"]["fused_loops_per_token"] <= got["lockstep"]["fused_loops_per_token"]

@@ -162,9 +162,9 @@ def test_engine_fused_layers_same_tokens_and_depths(preset, monkeypatch):
         calls.append(a[2].shape)
         return real(*a, **k)
 
-    from ouro_jax import runner as runner_mod
+    from ouro_jax import step_program as program
 
-    monkeypatch.setattr(runner_mod, "run_fused_layers", spy)
+    monkeypatch.setattr(program, "run_fused_layers", spy)
     base, _ = _engine_run(cfg, params, prompts, sampling)
     assert not calls
     assert len({d for _, depths in base for d in depths}) > 1  # the exit rule picked several depths

@@ -29,6 +29,7 @@ from scheduler.exit_policy import (
     synthetic_exit_loops,
 )
 from scheduler.fake_runner import FakeRunner, reference_generate
+from scheduler.scheduler import FUSED_DECODE_ROWS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_exit_rule import _too_close  # noqa: E402
@@ -284,13 +285,14 @@ def exit_batches(draw):
     arrivals = [draw(st.integers(0, 6)) for _ in range(n)]
     layout = draw(st.sampled_from(["last_exited", "shared"]))
     tokens = draw(st.integers(1, 3))
-    return sps, prompts, arrivals, layout, tokens
+    rows = draw(st.sampled_from(FUSED_DECODE_ROWS))
+    return sps, prompts, arrivals, layout, tokens, rows
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(exit_batches())
 def test_random_exit_batches_match_reference(case):
-    sps, prompts, arrivals, layout, tokens = case
+    sps, prompts, arrivals, layout, tokens, rows = case
     reqs = [
         dict(rid=i, prompt=p, sp=sp, arrival=a, abort_at=None, priority=0)
         for i, (sp, p, a) in enumerate(zip(sps, prompts, arrivals))
@@ -306,6 +308,7 @@ def test_random_exit_batches_match_reference(case):
         kv_layout=layout,
         fused_decode_max_rows=5,
         fused_decode_tokens=tokens,
+        fused_decode_rows=rows,
     )
     h, objs, aborted = run_workload(cfg, reqs)
     check_against_reference(cfg, objs, aborted)

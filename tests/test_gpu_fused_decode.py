@@ -17,8 +17,9 @@ pytestmark = [
 ]
 
 
-def _engine(cfg, params, max_num_seqs, kv_layout, fused, tokens):
-    """The engine both tests compare with fused steps on (``fused`` rows) and off (0)."""
+def _engine(cfg, params, max_num_seqs, kv_layout, fused, tokens, rows="lockstep"):
+    """The engine both tests compare with fused steps on (``fused`` rows) and off (0); ``rows``:
+    ``fused_decode_rows``."""
     return LLM(
         cfg,
         params=params,
@@ -31,12 +32,22 @@ def _engine(cfg, params, max_num_seqs, kv_layout, fused, tokens):
         kv_cache_bytes=1 << 30,
         fused_decode_max_rows=fused,
         fused_decode_tokens=tokens,
+        fused_decode_rows=rows,
         progress=False,
     )
 
 
-@pytest.mark.parametrize("kv_layout,tokens", [("last_exited", 1), ("last_exited", 4), ("shared", 2)])
-def test_fused_engine_equals_loop_by_loop_engine(kv_layout, tokens):
+CASES = [
+    ("last_exited", 1, "lockstep"),
+    ("last_exited", 4, "lockstep"),
+    ("shared", 2, "lockstep"),
+    ("last_exited", 4, "independent"),
+    ("shared", 3, "independent"),
+]
+
+
+@pytest.mark.parametrize("kv_layout,tokens,rows", CASES)
+def test_fused_engine_equals_loop_by_loop_engine(kv_layout, tokens, rows):
     cfg = get_preset("ouro-small")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), random_params(cfg, 0))
     rng = np.random.default_rng(0)
@@ -48,7 +59,7 @@ def test_fused_engine_equals_loop_by_loop_engine(kv_layout, tokens):
     ]
     got = {}
     for fused in (0, 4):
-        llm = _engine(cfg, params, 4, kv_layout, fused, tokens)
+        llm = _engine(cfg, params, 4, kv_layout, fused, tokens, rows)
         got[fused] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
         st = llm.stats()
         assert st["compilations"] == len(llm.executable_keys())
@@ -66,10 +77,11 @@ def _run(llm, prompts, sp):
     return [(final[i].token_ids, final[i].exit_depths, final[i].finish_reason) for i in range(len(sp))]
 
 
-@pytest.mark.parametrize("kv_layout,tokens", [("last_exited", 1), ("last_exited", 4), ("shared", 2)])
-def test_fused_early_exit_equals_loop_by_loop_float32(kv_layout, tokens):
+@pytest.mark.parametrize("kv_layout,tokens,rows", CASES)
+def test_fused_early_exit_equals_loop_by_loop_float32(kv_layout, tokens, rows):
     """Exits decided on the device (ouro at three thresholds, delayed, synthetic, fixed, min/max
-    loops), float32: tokens, exit depths and finish reasons of the loop-by-loop engine."""
+    loops), float32: tokens, exit depths and finish reasons of the loop-by-loop engine, rows in
+    lock step or independent."""
     cfg = get_preset("ouro-small")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), random_params(cfg, 0))
     rng = np.random.default_rng(1)
@@ -86,7 +98,7 @@ def test_fused_early_exit_equals_loop_by_loop_float32(kv_layout, tokens):
     sp = [SamplingParams(max_tokens=12, ignore_eos=True, seed=i, **m) for i, m in enumerate(modes)]
     got = {}
     for fused in (0, 8):
-        llm = _engine(cfg, params, 8, kv_layout, fused, tokens)
+        llm = _engine(cfg, params, 8, kv_layout, fused, tokens, rows)
         got[fused] = _run(llm, prompts, sp)
         if fused:  # one stream: only the loops its tokens need
             one = [SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=0.5)]

@@ -303,11 +303,11 @@ def test_engine_decode_matmul_plumbing(monkeypatch):
 
     from ouro_jax import LLM, SamplingParams, get_preset
     from ouro_jax import llm as llm_mod
-    from ouro_jax import runner as runner_mod
+    from ouro_jax import step_program as program
     from weights.random_init import random_params
 
     calls = []
-    real = runner_mod.decode_matmul_fn
+    real = program.decode_matmul_fn
 
     def spy(name):
         f = real(name)
@@ -320,10 +320,8 @@ def test_engine_decode_matmul_plumbing(monkeypatch):
 
         return g
 
-    monkeypatch.setattr(runner_mod, "decode_matmul_fn", spy)
-    monkeypatch.setattr(
-        llm_mod, "check_decode_matmul", functools.partial(runner_mod.check_decode_matmul, internal=True)
-    )
+    monkeypatch.setattr(program, "decode_matmul_fn", spy)
+    monkeypatch.setattr(llm_mod, "check_decode_matmul", functools.partial(program.check_decode_matmul, internal=True))
     cfg = get_preset("tiny")
     params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
     rng = np.random.default_rng(0)

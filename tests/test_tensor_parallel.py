@@ -194,7 +194,7 @@ params = random_params(cfg, 0)
 rng = np.random.default_rng(0)
 prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (1, 5, 13, 30)]
 base = dict(params=params, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8, block_size=4,
-            max_model_len=64, buckets=[16], progress=False)
+            max_model_len=64, buckets=[16], progress=False, **{extra})
 sps = dict(
     fixed=SamplingParams(max_tokens=5, ignore_eos=True),
     early=SamplingParams(max_tokens=5, ignore_eos=True, exit_threshold=0.6),
@@ -239,15 +239,25 @@ def _check_equivalence(out):
 @pytest.mark.slow  # ~50 s on a shared 2-core CPU: two engines compiled in a fresh interpreter
 def test_tp2_matches_one_device_gqa():
     """GQA preset (KVH=2: one KV head per shard), split prefill, both layer loops' default."""
-    body = EQUIVALENCE.format(preset="tiny-gqa", cases=[("split", "unrolled")])
+    body = EQUIVALENCE.format(preset="tiny-gqa", cases=[("split", "unrolled")], extra={})
     _check_equivalence(run_script(body, timeout=300))
 
 
 @pytest.mark.slow
 def test_tp2_matches_one_device_every_prefill_mode():
     cases = [("split", "scan"), ("mixed", "unrolled"), ("wavefront", "unrolled")]
-    body = EQUIVALENCE.format(preset="tiny", cases=cases)
+    body = EQUIVALENCE.format(preset="tiny", cases=cases, extra={})
     _check_equivalence(run_script(body, timeout=900))
+
+
+@pytest.mark.slow
+def test_tp2_matches_one_device_independent_fused_rows():
+    """Fused decode steps of two tokens whose rows advance independently (``fused_step.independent``:
+    its coda's vocabulary-parallel lm_head runs inside a ``lax.cond``), under shard_map on CPU devices."""
+    extra = dict(fused_decode_max_rows=4, fused_decode_tokens=2, fused_decode_rows="independent")
+    body = EQUIVALENCE.format(preset="tiny-gqa", cases=[("split", "unrolled")], extra=extra)
+    out = run_script(body, timeout=300)
+    _check_equivalence(out)
 
 
 # ------------------------------------------------------------------------------ multi-process

@@ -38,6 +38,12 @@ _ENGINE_FLAGS = {
     "--compile-cache-dir": ("compile_cache_dir", str, None, "persistent XLA cache ('off' disables)"),
     "--fused-decode-max-rows": ("fused_decode_max_rows", int, None, "fuse decode steps up to this many rows"),
     "--fused-decode-tokens": ("fused_decode_tokens", int, None, "decode tokens per fused step"),
+    "--fused-decode-rows": (
+        "fused_decode_rows",
+        str,
+        ("lockstep", "independent"),
+        "fused step rows: in lock step per token, or each at its own depth",
+    ),
     "--tensor-parallel-size": ("tensor_parallel_size", int, None, "split the model over this many local devices"),
 }
 

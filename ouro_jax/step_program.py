@@ -1,0 +1,299 @@
+"""The program of one executable: what a step computes on the device, apart from who runs it.
+
+``ModelRunner`` (``runner.py``) owns the device state and the compiled executables; this module
+holds the traced functions they are compiled from. One loop (:func:`one_loop`) does, in order
+(``docs/contracts.md``): LAST_EXITED finalize copies, prelude (embed into ring rows), one loop of
+the stack for the rows (K/V written at each row's slot, ragged paged attention per segment, output
+scattered back to the ring), the exit gate, and the coda (lm_head + argmax) of the coda rows;
+:func:`sample_coda` is the separate sampler of rows that sample. Fused decode steps, which run
+several loops and tokens in one program, build on :func:`recurrent` and :func:`coda`
+(``fused_step.py``).
+
+The descriptor arrives as one packed int32 array; :func:`unpack` gives its fields by name with the
+static offsets of ``scheduler.descriptor.descriptor_layout``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import copy_kv_slots
+from pallas_kernels.dispatch import choose_attention
+from scheduler.buckets import BucketKey
+from scheduler.descriptor import HEADER, descriptor_layout, exit_words
+
+from .config import OuroConfig
+from .fused_layers import fused_layers_supported, norms_option, run_fused_layers
+from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
+from .options import DECODE_MATMULS, choice
+from .paged_attention import PagedAttention, fuses_rope
+from .parallel import TP_AXIS, local_config, vocab_parallel_embed, vocab_parallel_logits
+from .sampling import greedy, row_keys, sample, sample_stochastic
+
+__all__ = [
+    "CODA_FIELDS",
+    "DECODE_MATMUL_MAX_ROWS",
+    "SamplerKey",
+    "check_decode_matmul",
+    "coda",
+    "coda_words",
+    "decode_matmul_fn",
+    "finish_loop",
+    "one_loop",
+    "packed_shape",
+    "packed_size",
+    "recurrent",
+    "sample_coda",
+    "unpack",
+    "uses_fused_layers",
+]
+
+
+def unpack(key: BucketKey, packed) -> dict:
+    """Device-side views of the packed descriptor (static offsets per key; float32 and uint32
+    fields are bit-casts of their int32 words), the header's words by name (``HEADER``)."""
+    out = {}
+    for spec in descriptor_layout(key):
+        w = packed[spec.offset : spec.offset + spec.size]
+        if spec.name == "header":
+            out.update((name, w[i]) for i, name in enumerate(HEADER))
+        if spec.dtype == np.float32:
+            w = jax.lax.bitcast_convert_type(w, jnp.float32)
+        elif spec.dtype == np.uint32:
+            w = jax.lax.bitcast_convert_type(w, jnp.uint32)
+        out[spec.name] = w.reshape(spec.shape)
+    return out
+
+
+def packed_size(key: BucketKey) -> int:
+    last = descriptor_layout(key)[-1]
+    return last.offset + last.size
+
+
+class SamplerKey(NamedTuple):
+    """The separate sampler of ``C`` coda rows (``ModelRunner``, "Sampling on the host's word")."""
+
+    C: int
+
+
+# the coda's sampling words, contiguous in every descriptor: [temperature, top_k, top_p, seed, step]
+CODA_FIELDS = ("coda_temperature", "coda_top_k", "coda_top_p", "coda_seed", "coda_step")
+
+
+def coda_words(key: BucketKey, packed) -> jax.Array:
+    """``[len(CODA_FIELDS), C]`` int32: the coda rows' sampling words of a packed descriptor."""
+    layout = {f.name: f for f in descriptor_layout(key)}
+    first = layout[CODA_FIELDS[0]].offset
+    assert all(layout[n].offset == first + i * key.C for i, n in enumerate(CODA_FIELDS)), "coda fields moved"
+    return packed[first : first + len(CODA_FIELDS) * key.C].reshape(len(CODA_FIELDS), key.C)
+
+
+def packed_shape(key) -> tuple[int, ...]:
+    """The uploaded int32 array of an executable: ``[words]`` for a bucket key, ``[n, words +
+    exit words]`` for a fused decode step ``(BucketKey, n)``, the coda words ``[5, C]`` for a
+    ``SamplerKey``."""
+    if isinstance(key, SamplerKey):
+        return (len(CODA_FIELDS), key.C)
+    if isinstance(key, BucketKey):
+        return (packed_size(key),)
+    bucket, n = key
+    return (n, packed_size(bucket) + exit_words(bucket))
+
+
+# Buckets of at most this many rows compute the four layer projections with the ``decode_matmul``
+# kernel: where a GEMM only streams its weight (issue 13's 8- and 16-row decode buckets).
+DECODE_MATMUL_MAX_ROWS = 16
+
+
+def decode_matmul_fn(name: str):
+    """The ``matmul`` of the model's projections for ``decode_matmul=name`` (None: XLA's dot).
+
+    ``"mgpu"``: the skinny Mosaic GPU kernel, ``"reference"``: its jnp twin (CPU tests of the
+    plumbing). A projection the kernel cannot serve (``skinny_matmul_mgpu.supported``: dims not
+    multiples of 64) keeps XLA's dot."""
+    if name in ("xla", "fused"):  # "fused" replaces whole layers (fused_layers.py), not the dot
+        return None
+    from pallas_kernels import skinny_matmul_mgpu as sk
+
+    f = sk.skinny_matmul_mgpu if name == "mgpu" else sk.skinny_matmul_reference
+
+    def matmul(x, w):
+        m, k = x.shape
+        n = math.prod(w.shape[1:])
+        if sk.supported(x.dtype if name == "mgpu" else jnp.bfloat16, m, k, n) is None:
+            return f(x, w)
+        return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))
+
+    return matmul
+
+
+def check_decode_matmul(name, layer_loop: str = "unrolled", *, internal: bool = False) -> str:
+    """The ``decode_matmul`` option checked: a name of ``DECODE_MATMULS`` (any case; ``internal``
+    also "reference"), "mgpu" only on a Hopper GPU; "mgpu" and "fused" only with unrolled layers
+    (a scan's per-layer weight slice would be copied before every kernel call)."""
+    name = choice("decode_matmul", name, DECODE_MATMULS + (("reference",) if internal else ()))
+    if name == "mgpu":
+        from pallas_kernels.dispatch import hopper_available
+
+        if not hopper_available():
+            raise ValueError("decode_matmul='mgpu' needs a Hopper (sm90+) GPU (Mosaic GPU kernel)")
+    if name in ("mgpu", "fused") and layer_loop != "unrolled":
+        raise ValueError(f"decode_matmul={name!r} needs layer_loop='unrolled'")
+    return name
+
+
+def recurrent(
+    params,
+    kp,
+    vp,
+    ring,
+    a: dict,
+    previous_tokens,
+    *,
+    key: BucketKey,
+    config: OuroConfig,
+    dtype_name: str,
+    attention: str,
+    interpret: bool,
+    layer_loop: str,
+    tp_size: int = 1,
+    decode_matmul: str = "xla",
+):
+    """Steps 1-3 of one descriptor (``a``: its unpacked fields): returns ``(kp, vp, ring, h, g)``.
+
+    ``previous_tokens [C]``: the tokens sampled by the token before this one in a fused decode
+    step; embedded instead of ``pre_token`` when the descriptor's ``feed_previous_tokens`` is set.
+    ``tp_size > 1``: the body of a ``shard_map`` over ``"tp"``; ``config`` and the KV pools are one
+    shard's (``parallel.local_config``), embed and lm_head are split by vocabulary.
+    """
+    tp = tp_size > 1
+    c = local_config(config, tp_size)
+    dt = dtype_of(dtype_name)
+    model = OuroModel(c, dt, tp_axis=TP_AXIS if tp else None)
+
+    # 1. LAST_EXITED finalize: deeper planes of exited tokens take the exit plane's K/V
+    kp, vp = copy_kv_slots(kp, vp, a["fin_src"], a["fin_dst"])
+    # 2. prelude: embed into ring rows (padding writes the scratch row 0)
+    pre_token = a["pre_token"]
+    if previous_tokens is not None:
+        prev = jnp.zeros((key.R,), jnp.int32).at[: key.C].set(previous_tokens[: key.R])
+        feed = (a["feed_previous_tokens"] == 1) & (jnp.arange(key.R) < a["num_prelude"])
+        pre_token = jnp.where(feed, prev, pre_token)
+    if tp:
+        emb = vocab_parallel_embed(params["top"]["embed_tokens"]["embedding"], pre_token)
+    else:
+        emb = model.apply({"params": params["top"]}, pre_token, method=OuroModel.prelude)
+    ring = ring.at[a["pre_ring"]].set(emb.astype(ring.dtype))
+    # 3. one loop for every row
+    x = ring[a["row_ring"]]
+    kernel = choose_attention(
+        attention,
+        num_rows=key.R,
+        num_segments=key.S,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        block_size=kp.shape[-2],
+        dtype=dt,
+        interpret=interpret,
+    )
+    seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
+    attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg), fuses_rope(kernel))
+    cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
+    x = x.astype(jnp.float32)
+    if uses_fused_layers(decode_matmul, key, c, tp_size):
+        # the interpreter off a GPU: the CPU tests of the kernels' plumbing
+        x, (kp, vp) = run_fused_layers(
+            params["layers"],
+            params["decode"],
+            x,
+            cos,
+            sin,
+            attn,
+            (kp, vp),
+            a["num_rows"],
+            config=c,
+            interpret=interpret or jax.default_backend() != "gpu",
+            norms=norms_option(),
+        )
+        return finish_loop(params, model, kp, vp, ring, a, x)
+    matmul = decode_matmul_fn(decode_matmul) if key.R <= DECODE_MATMUL_MAX_ROWS else None
+    layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True, matmul=matmul)
+
+    def one_layer(p, x, pools, i):
+        return layer.apply({"params": p}, x, cos, sin, attn, pools, layer=i)
+
+    if layer_loop == "unrolled":
+        # L calls of one nested jit: traced and lowered once, not L times (start-up time), and inlined
+        # by XLA into the same straight-line program as writing the layers out
+        one_layer = jax.jit(one_layer)
+        pools = (kp, vp)
+        for i in range(c.num_hidden_layers):
+            x, pools = one_layer(params["layers"][f"layers_{i}"], x, pools, jnp.int32(i))
+        kp, vp = pools
+    else:
+
+        def body(carry, xs):
+            x, pools = carry
+            i, p = xs
+            return one_layer(p, x, pools, i), None
+
+        (x, (kp, vp)), _ = jax.lax.scan(body, (x, (kp, vp)), (jnp.arange(c.num_hidden_layers), params["layers"]))
+    return finish_loop(params, model, kp, vp, ring, a, x)
+
+
+def finish_loop(params, model, kp, vp, ring, a, x):
+    """Final norm and gate of a loop; the rows' hidden states back to the ring."""
+    h, g = model.apply({"params": params["top"]}, x, method=OuroModel.finish_loop)
+    ring = ring.at[a["row_ring"]].set(h.astype(ring.dtype))
+    return kp, vp, ring, h, g.astype(jnp.float32)
+
+
+def uses_fused_layers(decode_matmul: str, key: BucketKey, config: OuroConfig, tp_size: int = 1) -> bool:
+    """Whether bucket ``key`` runs its layers on the decode matvec kernels (``fused_layers.py``):
+    ``decode_matmul="fused"``, at most ``decode_matvec.MAX_ROWS`` rows, one device, shapes the
+    kernels serve."""
+    return decode_matmul == "fused" and tp_size == 1 and fused_layers_supported(config, key.R) is None
+
+
+def coda(params, h, a: dict, *, config: OuroConfig, dtype_name: str, tp_size: int = 1, greedy_only: bool = False, **_):
+    """Step 4: lm_head + sampling of the coda rows' hidden states ``h [C, D]`` -> tokens ``[C]``
+    (``greedy_only``: the argmax, whatever the rows ask for; the separate sampler does the rest)."""
+    dt = dtype_of(dtype_name)
+    if tp_size > 1:
+        logits = vocab_parallel_logits(h, params["top"]["lm_head"]["kernel"], dt)
+    else:
+        model = OuroModel(local_config(config, tp_size), dt)
+        logits = model.apply({"params": params["top"]}, h, method=OuroModel.coda)
+    if greedy_only:
+        return greedy(logits)
+    keys = row_keys(a["coda_seed"], a["coda_step"])
+    return sample(logits, a["coda_temperature"], a["coda_top_k"], a["coda_top_p"], keys).astype(jnp.int32)
+
+
+def one_loop(params, kp, vp, ring, packed, *, separate_sampler: bool = False, **kw):
+    """One loop: the executable of a bucket (the module docstring's four steps).
+
+    ``separate_sampler``: the coda takes the argmax only and the step also returns the coda rows'
+    hidden states and sampling words, for ``sample_coda`` when the host sees a row that samples."""
+    a = unpack(kw["key"], packed)
+    kp, vp, ring, h, g = recurrent(params, kp, vp, ring, a, None, **kw)
+    hc = h[a["coda_row"]]
+    if not separate_sampler:
+        return kp, vp, ring, g, coda(params, hc, a, **kw)
+    return kp, vp, ring, g, coda(params, hc, a, greedy_only=True, **kw), hc, coda_words(kw["key"], packed)
+
+
+def sample_coda(top, h, words, *, config: OuroConfig, dtype_name: str):
+    """The separate sampler: lm_head of the coda rows' hidden states ``h [C, D]`` and the sort-based
+    sampling of ``sample_stochastic`` with the rows' words (``coda_words``) -> tokens ``[C]``."""
+    logits = OuroModel(config, dtype_of(dtype_name)).apply({"params": top}, h, method=OuroModel.coda)
+    temperature, top_k, top_p, seed, step = (words[i] for i in range(len(CODA_FIELDS)))
+    f32 = lambda w: jax.lax.bitcast_convert_type(w, jnp.float32)  # noqa: E731
+    keys = row_keys(jax.lax.bitcast_convert_type(seed, jnp.uint32), step)
+    return sample_stochastic(logits, f32(temperature), top_k, f32(top_p), keys).astype(jnp.int32)

@@ -1,0 +1,139 @@
+"""Fused decode steps whose rows advance independently (``fused_decode_rows="independent"``).
+
+Each row runs its own tokens' depths inside the step instead of every token waiting for its
+deepest row (``ouro_jax/fused_step.py``). Nothing a user sees may change: token ids, exit depths
+and finish reasons equal the loop-by-loop engine's and the lock-step engine's, and so does every
+K/V value written (the same slots, finalize copies included). What changes is the loops the device
+runs: the scheduler counts, per step, the loops of the row with the most of them (``loops_run``),
+never more than lock step, and fewer when rows exit at different depths.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.metrics import ScheduleRecorder
+from ouro_jax import LLM, SamplingParams, get_preset
+from scheduler import SchedulerConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_fused_decode import _engine  # noqa: E402
+from test_fused_exit import MIXED, PROMPTS, Recorder, _cfg, _mixed_requests, _outputs, _run  # noqa: E402
+from test_scheduler_invariants import check_against_reference, run_workload  # noqa: E402
+
+T = 4
+# test_fused_exit's early-exit rules without the fixed-depth row and the 0.9 threshold (on the tiny
+# model nearly always the deepest loop), and synthetic depths, drawn per token on the host, for
+# rows whose deepest tokens fall at different places: a row that is deepest at every token makes
+# lock step and independent rows run the same loops
+EARLY = [kw for kw in MIXED if kw.get("exit_mode") != "fixed" and kw.get("exit_threshold") != 0.9]
+EARLY += [dict(exit_mode="synthetic", synthetic_mean_loops=m, temperature=0.7) for m in (1.5, 3.0)]
+assert len(EARLY) <= len(PROMPTS)
+
+
+def _fused_plans(plans):
+    return [p for p in plans if p.sub_plans]
+
+
+def _slowest_loops(plan, deltas) -> int:
+    """Loops of the row with the most of them over the step's tokens, from the exit depths handed
+    out (a row ended mid-step by a stop token still ran its later tokens: only counted when the
+    step's every token was handed out for it)."""
+    return max(sum(d + 1 for d in dl.new_exit_depths) for dl in deltas)
+
+
+# ------------------------------------------------------------------ scheduler + fake runner
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_independent_rows_change_no_token_and_count_fewer_loops(layout, tokens):
+    reqs = [
+        dict(r, sp=SamplingParams(max_tokens=13, seed=r["rid"], **EARLY[r["rid"] % len(EARLY)]))
+        for r in _mixed_requests()
+    ]
+    runs = {}
+    for rows in ("lockstep", "independent"):
+        h = Recorder(_cfg(layout, tokens, fused_decode_rows=rows))
+        h, objs, aborted = run_workload(h.cfg, reqs, harness=h)
+        check_against_reference(h.cfg, objs, aborted)
+        runs[rows] = (h, objs)
+    (hl, lock), (hi, ind) = runs["lockstep"], runs["independent"]
+    assert _outputs(lock) == _outputs(ind)
+    fl, fi = _fused_plans(hl.plans), _fused_plans(hi.plans)
+    assert len(fl) == len(fi) > 0  # the same steps are fused: only their loop counts differ
+    sl, si = hl.s.stats(), hi.s.stats()
+    for p, deltas in hi.fused_deltas:
+        runs_ = p.descriptor.loops_run
+        assert len(runs_) == p.descriptor.num_tokens and all(1 <= r <= T for r in runs_)
+        if all(len(dl.new_exit_depths) == p.descriptor.num_tokens for dl in deltas):
+            assert sum(runs_) == _slowest_loops(p, deltas)
+    for p, deltas in hl.fused_deltas:  # lock step: each token its deepest row
+        if all(len(dl.new_exit_depths) == p.descriptor.num_tokens for dl in deltas):
+            assert p.descriptor.loops_run == [
+                max(dl.new_exit_depths[j] for dl in deltas) + 1 for j in range(len(p.descriptor.loops_run))
+            ]
+    assert si["fused_loops"] == sum(x for p in fi for x in p.descriptor.loops_run)
+    assert si["invocations"] == si["launches"] - len(fi) + si["fused_loops"]
+    if tokens == 1:
+        assert si["fused_loops"] == sl["fused_loops"]  # one token a step: the slowest row is the deepest
+    else:
+        assert si["fused_loops"] < sl["fused_loops"]
+    # the benchmarks' floors price the loops that ran
+    rec = ScheduleRecorder(get_preset("tiny"))
+    for p in hi.plans:
+        rec.observe(p.descriptor)
+    assert rec.total().invocations == si["invocations"]
+
+
+def test_option_is_checked():
+    with pytest.raises(ValueError, match="fused_decode_rows"):
+        SchedulerConfig(
+            num_loops=T, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=8, fused_decode_rows="ragged"
+        )
+    assert (
+        SchedulerConfig(num_loops=T, num_blocks=16, fused_decode_rows="Independent").fused_decode_rows == "independent"
+    )
+    with pytest.raises(ValueError, match="fused_decode_rows"):
+        LLM("tiny", fused_decode_rows="per_row", warmup=False, progress=False)
+
+
+# ------------------------------------------------------------------------ the JAX engine
+def _early_params(stops=None):
+    stops = stops or {}
+    return [
+        SamplingParams(max_tokens=9, ignore_eos=True, seed=i, stop_token_ids=stops.get(i, ()), **kw)
+        for i, kw in enumerate(EARLY)
+    ]
+
+
+@pytest.mark.parametrize("layout", ["last_exited", pytest.param("shared", marks=pytest.mark.slow)])
+def test_engine_independent_equals_lockstep_and_loop_by_loop(layout):
+    """The JAX program: tokens, exit depths and finish reasons of the loop-by-loop engine with a
+    stop token met mid-step; the KV pools bit for bit those of the lock-step program after the same
+    requests (same slots written with the same values, finalize copies included); fewer loops run;
+    nothing compiled after start-up."""
+    plain = _engine(kv_layout=layout, fused_decode_max_rows=0)
+    first = _run(plain, _early_params())
+    sp = _early_params({1: (first[1][0][4],)})
+    want = _run(plain, sp)
+    assert want[1][2] == "stop"
+    assert len({d for t in want for d in t[1][1:]}) > 1, "the gates give one depth: a weak test"
+    engines = {}
+    for rows in ("lockstep", "independent"):
+        llm = _engine(kv_layout=layout, fused_decode_max_rows=4, fused_decode_tokens=4, fused_decode_rows=rows)
+        assert _run(llm, sp) == want
+        engines[rows] = llm
+    lock, ind = engines["lockstep"], engines["independent"]
+    assert ind.runner.fused_decode_rows == "independent"
+    for pool in ("k_pool", "v_pool"):
+        assert np.array_equal(np.asarray(getattr(lock.runner, pool)), np.asarray(getattr(ind.runner, pool)))
+    sl, si = lock.stats(), ind.stats()
+    assert si["fused_launches"] == sl["fused_launches"] > 0
+    assert si["fused_loops"] <= sl["fused_loops"]
+    if layout == "last_exited":  # (SHARED's fused steps here happen to have one deepest row each)
+        assert si["fused_loops"] < sl["fused_loops"]
+    assert si["compilations"] == len(ind.executable_keys())  # all at start-up, nothing since
+    assert si["free_blocks"] == ind.scheduler_config.num_blocks - 1
+    # a different program: the executable store keeps the two apart
+    assert lock.runner._program_description() != ind.runner._program_description()
