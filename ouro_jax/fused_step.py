@@ -211,7 +211,7 @@ def independent(params, kp, vp, ring, packed, previous, **kw):
         sub = t * T + jnp.where(active, d, T - 1)
         a = unpack(key, packed[_word_sources(key, sub, t * T + T - 1), cols])
         feed = packed[t * T, feed_at] == 1
-        a["pre_token"] = jnp.where(feed, jnp.where(tok == 0, given, prev), a["pre_token"])
+        a["pre_token"] = jnp.where(feed, prev, a["pre_token"])
         a["pre_ring"] = jnp.where(active & (d == 0), a["pre_ring"], 0)  # others embed into scratch row 0
         slot = a["row_slot"]
         a["row_slot"] = jnp.where(active, slot, -1)
@@ -236,7 +236,8 @@ def independent(params, kp, vp, ring, packed, previous, **kw):
         # the lm_head only in iterations where some row exits
         toks = jax.lax.cond(jnp.any(exits), sample_exits, lambda h: jnp.zeros((C,), jnp.int32), h)
         row_tok = _fit(toks, R)
-        at = jnp.where(exits, t, ntok)  # rows that do not exit write nowhere
+        # rows that do not exit write nowhere (a row that exits is real, so r < n <= C)
+        at = jnp.where(exits, t, ntok)
         out = out.at[at, rows].set(row_tok, mode="drop").at[at, C + rows].set(d, mode="drop")
         prev = jnp.where(exits, row_tok, prev)
         tok = tok + exits
@@ -245,10 +246,6 @@ def independent(params, kp, vp, ring, packed, previous, **kw):
         return i + 1, kp, vp, ring, tok, d, rem, prev, gates, out
 
     zeros = jnp.zeros((R,), jnp.int32)
-    # the previous step's samples, fed to token 0; the carry holds only this step's own samples
-    # (a carry that starts as the input and may leave as the output crashed XLA's CPU compile
-    # under shard_map, jax 0.11.2)
-    given = _fit(previous.astype(jnp.int32), R)
     init = (
         jnp.int32(0),
         kp,
@@ -257,7 +254,7 @@ def independent(params, kp, vp, ring, packed, previous, **kw):
         zeros,
         zeros,
         jnp.ones((R,), jnp.float32),
-        zeros,
+        _fit(previous.astype(jnp.int32), R),  # each row's last sample: the previous step's at first
         jnp.zeros((n, R), jnp.float32),
         jnp.zeros((ntok, C + R), jnp.int32),
     )
