@@ -13,13 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from benchmarks.metrics import ScheduleRecorder
 from ouro_jax import LLM, SamplingParams, get_preset
 from scheduler import SchedulerConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_fused_decode import _engine  # noqa: E402
+from test_fused_decode import CFG, _engine  # noqa: E402
 from test_fused_exit import MIXED, PROMPTS, Recorder, _cfg, _mixed_requests, _outputs, _run  # noqa: E402
 from test_scheduler_invariants import check_against_reference, run_workload  # noqa: E402
 
@@ -137,3 +139,78 @@ def test_engine_independent_equals_lockstep_and_loop_by_loop(layout):
     assert si["free_blocks"] == ind.scheduler_config.num_blocks - 1
     # a different program: the executable store keeps the two apart
     assert lock.runner._program_description() != ind.runner._program_description()
+
+
+# ------------------------------------------------------------------ random batches, one pair of engines
+_PAIR: dict = {}
+_IDS = iter(range(10**9))
+
+
+def _pair():
+    """A lock-step and an independent engine of the same shapes, built once for every example:
+    both see the same requests in the same order, so their pools must stay equal throughout."""
+    if not _PAIR:
+        for rows in ("lockstep", "independent"):
+            _PAIR[rows] = _engine(fused_decode_max_rows=4, fused_decode_tokens=3, fused_decode_rows=rows)
+    return _PAIR["lockstep"], _PAIR["independent"]
+
+
+@st.composite
+def _batches(draw):
+    n = draw(st.integers(1, 4))
+    rule = st.sampled_from(
+        [
+            dict(exit_mode="ouro", exit_threshold=0.3),
+            dict(exit_mode="ouro", exit_threshold=0.6),
+            dict(exit_mode="delayed", exit_threshold=0.5),
+            dict(exit_mode="synthetic", synthetic_mean_loops=1.8),
+            dict(exit_mode="synthetic", synthetic_mean_loops=3.2),
+            dict(exit_mode="fixed"),
+            dict(exit_mode="ouro", exit_threshold=0.5, min_loops=2, max_loops=3),
+        ]
+    )
+    prompts = [draw(st.lists(st.integers(1, CFG.vocab_size - 1), min_size=1, max_size=20)) for _ in range(n)]
+    sps = [
+        SamplingParams(
+            max_tokens=draw(st.integers(1, 10)),
+            ignore_eos=True,
+            temperature=draw(st.sampled_from([0.0, 0.9])),
+            seed=draw(st.integers(0, 5)),
+            **draw(rule),
+        )
+        for _ in range(n)
+    ]
+    return prompts, sps
+
+
+def _serve(llm, prompts, sps, ids):
+    for i, p, sp in zip(ids, prompts, sps):
+        llm.add_request(p, sp, request_id=i)
+    final = {}
+    while len(final) < len(ids):
+        final.update((o.request_id, o) for o in llm.step() if o.finished)
+    return [(final[i].token_ids, final[i].exit_depths) for i in ids]
+
+
+@pytest.mark.slow  # one pair of engines, then a few seconds an example on a CPU
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_batches())
+def test_random_batches_equal_lockstep_token_for_token_and_in_the_pools(case):
+    prompts, sps = case
+    lock, ind = _pair()
+    ids = [next(_IDS) for _ in prompts]  # synthetic depths follow the request id: the same in both
+    before = (lock.stats()["fused_loops"], ind.stats()["fused_loops"])
+    assert _serve(lock, prompts, sps, ids) == _serve(ind, prompts, sps, ids)
+    for pool in ("k_pool", "v_pool"):
+        assert np.array_equal(np.asarray(getattr(lock.runner, pool)), np.asarray(getattr(ind.runner, pool)))
+    assert ind.stats()["fused_loops"] - before[1] <= lock.stats()["fused_loops"] - before[0]
+    assert ind.stats()["compilations"] == len(ind.executable_keys())
+    _PAIR["fused"] = _PAIR.get("fused", 0) + (ind.stats()["fused_loops"] - before[1] > 0)
+
+
+@pytest.mark.slow
+def test_random_batches_ran_fused_steps():
+    """The examples above are not vacuous: after them (same module, run in order) some ran fused."""
+    if not _PAIR:
+        pytest.skip("the random-batch test did not run in this session")
+    assert _PAIR.get("fused", 0) > 0
