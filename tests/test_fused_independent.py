@@ -8,6 +8,7 @@ runs: the scheduler counts, per step, the loops of the row with the most of them
 never more than lock step, and fewer when rows exit at different depths.
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -214,3 +215,38 @@ def test_random_batches_ran_fused_steps():
     if not _PAIR:
         pytest.skip("the random-batch test did not run in this session")
     assert _PAIR.get("fused", 0) > 0
+
+
+@pytest.mark.slow  # three engines on a CPU, ~20 s
+def test_async_arrivals_aborts_and_stops_with_independent_rows():
+    """Steps of two tokens launched ahead of the host's reads, with a request arriving mid-run, one
+    aborted and a stop token met mid-step: the tokens, exit depths and finish reasons of the
+    synchronous lock-step engine; nothing in flight and every block free at the end."""
+    from test_fused_decode import _drive
+
+    sp = [
+        SamplingParams(max_tokens=9, ignore_eos=True, exit_mode="synthetic", synthetic_mean_loops=2.0),
+        SamplingParams(max_tokens=7, ignore_eos=True, exit_threshold=0.5, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=8, ignore_eos=True, exit_mode="synthetic", synthetic_mean_loops=3.0),
+        SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.3),
+        SamplingParams(max_tokens=12, ignore_eos=True, exit_mode="fixed"),
+    ]
+    plan = {0: [("add", 0), ("add", 1), ("add", 2)], 9: [("add", 3)], 11: [("add", 4)], 14: [("abort", 4)]}
+    sync = _engine(fused_decode_max_rows=4, fused_decode_tokens=2, async_scheduling=False)
+    first = _drive(sync, plan, sp)
+    sp[0] = dataclasses.replace(sp[0], stop_token_ids=(first[0].token_ids[3],))
+    want = _drive(sync, plan, sp)
+    assert want[0].finish_reason == "stop"
+    llm = _engine(fused_decode_max_rows=4, fused_decode_tokens=2, fused_decode_rows="independent")
+    got = _drive(llm, plan, sp)
+    for i in range(4):
+        assert (got[i].token_ids, got[i].exit_depths, got[i].finish_reason) == (
+            want[i].token_ids,
+            want[i].exit_depths,
+            want[i].finish_reason,
+        ), i
+    assert got[4].finish_reason == "abort"
+    st = llm.stats()
+    assert st["ahead_launches"] > 0 and st["fused_launches"] > st["ahead_launches"]
+    assert st["free_blocks"] == llm.scheduler_config.num_blocks - 1
+    assert not llm._pipeline.pending and llm.scheduler._inflight is None
