@@ -480,8 +480,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
     add_decode_matmul_arg(ap)
     ap.add_argument("--fused-decode-max-rows", type=int, default=0, help="LLM(fused_decode_max_rows=...)")
-    ap.add_argument("--fused-decode-tokens", type=int, default=1)
-    add_fused_rows_arg(ap)
+    ap.add_argument(
+        "--fused-decode-tokens",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="tokens per fused decode step; several values: an engine each (with each --fused-decode-rows)",
+    )
+    add_fused_rows_arg(ap, many=True)
     ap.add_argument(
         "--no-async-scheduling",
         dest="async_scheduling",
@@ -520,6 +526,12 @@ def _resolve(a) -> None:
         raise ValueError("--profile-steps must be >= 0, --generate-reps and --chunk >= 1")
     if a.time_budget is not None and a.time_budget <= 0:
         raise ValueError(f"--time-budget must be positive, got {a.time_budget}")
+    if any(t < 1 for t in a.fused_decode_tokens):
+        raise ValueError(f"--fused-decode-tokens takes positive integers, got {a.fused_decode_tokens}")
+    # one engine per (tokens, row program); the harness starts with the first
+    rows = dict.fromkeys(a.fused_decode_rows)
+    a.fused_variants = [(t, r) for t in dict.fromkeys(a.fused_decode_tokens) for r in rows]
+    a.fused_decode_tokens, a.fused_decode_rows = a.fused_variants[0]
     a.concurrency = sorted(dict.fromkeys(a.concurrency))
     a.exit = list(dict.fromkeys(a.exit))
     a.context = list(dict.fromkeys(a.context))
@@ -573,6 +585,7 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
                 prefix_warm=not a.cold,
                 profile_steps=a.profile_steps,
                 generate_batch=gen_batches,
+                fused_variants=[list(v) for v in a.fused_variants] if a.fused_decode_max_rows else [],
                 generate_context=a.generate_context,
                 generate_reps=a.generate_reps,
                 time_budget_s=a.time_budget,
@@ -587,16 +600,23 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
         return res
 
     plan = []
+    variants = a.fused_variants if a.fused_decode_max_rows else a.fused_variants[:1]
     for ctx in a.context:
-        plan += [("engine", ctx, c, kind) for c in a.concurrency for kind in a.exit]
+        plan += [("engine", ctx, c, kind, v) for v in variants for c in a.concurrency for kind in a.exit]
         if ctx in a.generate_context:
-            plan += [("generate", ctx, b, None) for b in gen_batches]
+            plan += [("generate", ctx, b, None, None) for b in gen_batches]
     estimates: dict = {}
     engine: Optional[EngineRunner] = None
     gen = GenerateRunner(h, a)
     try:
-        for kind, ctx, c, exit_kind in plan:
+        for kind, ctx, c, exit_kind, variant in plan:
+            if variant is not None and variant != (h.fused_decode_tokens, h.fused_decode_rows):
+                if engine is not None:  # the next fused-step variant: an engine of its own
+                    engine.close()
+                    engine = None
+                h.fused_decode_tokens, h.fused_decode_rows = variant
             label = f"decode c={c} {exit_kind} ctx={ctx}" if kind == "engine" else f"decode generate() b={c} ctx={ctx}"
+            label += h.label_suffix if kind == "engine" else ""
             mode = MODE if kind == "engine" else GENERATE_MODE
             expect = float(np.mean(estimates.get(kind) or [ESTIMATE_S[kind]]))
             if kind == "engine" and engine is None and not h._executables:

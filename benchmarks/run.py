@@ -335,15 +335,8 @@ class Harness:
         # fused decode steps (scheduler): records of such engines carry a label suffix, so that
         # they sit next to the loop-by-loop records of the same workload instead of replacing them
         self.fused_decode_max_rows, self.fused_decode_tokens = fused_decode_max_rows, fused_decode_tokens
-        self.label_suffix = f" fused{fused_decode_max_rows}x{fused_decode_tokens}" if fused_decode_max_rows else ""
         self.fused_decode_rows = fused_decode_rows
-        if fused_decode_max_rows and fused_decode_rows != "lockstep":
-            self.label_suffix += f" {fused_decode_rows}"
-        # LLM(async_scheduling=...): only fused steps are launched ahead; the synchronous loop's
-        # records are labelled apart
         self.async_scheduling = async_scheduling
-        if fused_decode_max_rows and not async_scheduling:
-            self.label_suffix += " sync"
         LLM._enable_compile_cache(compile_cache_dir)  # before anything compiles
         self.events = CompileEvents()
         self.preset = preset
@@ -381,6 +374,19 @@ class Harness:
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t_start
+
+    @property
+    def label_suffix(self) -> str:
+        """Records of fused-step engines carry a suffix (``" fused<rows>x<tokens>"``, then the row
+        program unless lock step, then ``" sync"`` without asynchronous scheduling: only fused
+        steps are launched ahead), so that they sit next to the loop-by-loop records of the same
+        workload instead of replacing them."""
+        if not self.fused_decode_max_rows:
+            return ""
+        out = f" fused{self.fused_decode_max_rows}x{self.fused_decode_tokens}"
+        if self.fused_decode_rows != "lockstep":
+            out += f" {self.fused_decode_rows}"
+        return out + ("" if self.async_scheduling else " sync")
 
     def describe(self) -> dict:
         return dict(

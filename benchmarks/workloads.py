@@ -496,14 +496,17 @@ def add_decode_matmul_arg(ap) -> None:
     )
 
 
-def add_fused_rows_arg(ap) -> None:
-    """``--fused-decode-rows`` of every CLI built on the harness (``LLM(fused_decode_rows=...)``)."""
+def add_fused_rows_arg(ap, many: bool = False) -> None:
+    """``--fused-decode-rows`` of every CLI built on the harness (``LLM(fused_decode_rows=...)``);
+    ``many``: one or more values, an engine each."""
     ap.add_argument(
         "--fused-decode-rows",
-        default="lockstep",
+        default=["lockstep"] if many else "lockstep",
+        nargs="+" if many else None,
         choices=FUSED_DECODE_ROWS,
         help="rows of a fused decode step: in lock step per token (default) or each at its own depth "
-        "over the step's tokens; records of 'independent' get a label suffix",
+        "over the step's tokens; records of 'independent' get a label suffix"
+        + ("; several values: an engine each" if many else ""),
     )
 
 

@@ -208,20 +208,25 @@ def test_partial_traces_of_fused_steps_report_no_kernel_figures():
 
 @pytest.mark.slow  # two engine compiles on the tiny preset
 def test_decode_records_fused_loops_per_token_of_both_row_programs(tmp_path):
-    """Fused steps of two tokens, rows in lock step and independent: the records carry the loops
-    the device ran per token step (never more with independent rows: same depths, same steps),
-    and the independent records are labelled apart."""
+    """One run, fused steps of two tokens with rows in lock step and independent (an engine each):
+    the records carry the loops the device ran per token step (never more with independent rows:
+    same depths, same steps) and the independent ones are labelled apart."""
+    out = str(tmp_path)
+    argv = TINY + ["--concurrency", "2", "--context", "1024", "--exit", "synthetic2.5", "--profile-steps", "0"]
+    argv += ["--fused-decode-max-rows", "2", "--fused-decode-tokens", "2", "--fused-decode-rows", "lockstep"]
+    dec.main(argv + ["independent", "--generate-batch", "--out", out])
+    with open(os.path.join(out, "decode.json")) as f:
+        d = json.load(f)
+    assert d["config"]["fused_variants"] == [[2, "lockstep"], [2, "independent"]]
+    recs = [r for r in d["records"] if r.get("path") == "engine"]
+    assert [r["label"] for r in recs] == [
+        "decode c=2 synthetic2.5 ctx=1024 fused2x2",
+        "decode c=2 synthetic2.5 ctx=1024 fused2x2 independent",
+    ]
     got = {}
-    for rows in ("lockstep", "independent"):
-        out = str(tmp_path / rows)
-        argv = TINY + ["--concurrency", "2", "--context", "1024", "--exit", "synthetic2.5", "--profile-steps", "0"]
-        argv += ["--fused-decode-max-rows", "2", "--fused-decode-tokens", "2", "--fused-decode-rows", rows]
-        dec.main(argv + ["--generate-batch", "--out", out])
-        with open(os.path.join(out, "decode.json")) as f:
-            (r,) = [r for r in json.load(f)["records"] if r.get("path") == "engine"]
+    for r in recs:
         assert "error" not in r, r.get("error")
-        assert r["label"].endswith(" independent") == (rows == "independent")
         assert 1 <= r["fused_loops_per_token"] <= get_preset("tiny").num_loops
-        got[rows] = r
+        got["independent" if r["label"].endswith("independent") else "lockstep"] = r
     assert got["independent"]["exit_histogram"] == got["lockstep"]["exit_histogram"]
     assert got["independent"]["fused_loops_per_token"] <= got["lockstep"]["fused_loops_per_token"]
