@@ -13,6 +13,7 @@ import sys
 import time
 
 from pallas_kernels.choices import ATTENTION
+from scheduler.scheduler import FUSED_DECODE_ROWS
 
 __all__ = ["add_engine_args", "engine_kwargs", "add_serve", "add_generate"]
 
@@ -41,7 +42,7 @@ _ENGINE_FLAGS = {
     "--fused-decode-rows": (
         "fused_decode_rows",
         str,
-        ("lockstep", "independent"),
+        FUSED_DECODE_ROWS,
         "fused step rows: in lock step per token, or each at its own depth",
     ),
     "--tensor-parallel-size": ("tensor_parallel_size", int, None, "split the model over this many local devices"),
