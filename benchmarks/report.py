@@ -307,16 +307,30 @@ def plot_bucket_sweep(result: dict, path: str) -> Optional[str]:
     return _finish(plt, fig, path)
 
 
+def _engine_variant(r) -> str:
+    """The engine options a decode record's label carries after its context (``Harness.
+    label_suffix``, e.g. ``"fused16x4 independent"``); "" for none."""
+    label, at = r.get("label", ""), f"ctx={r.get('context')}"
+    return label.split(at, 1)[1].strip() if at in label else ""
+
+
 def _decode_series(records) -> dict:
     """(context, path, exit) -> records sorted by concurrency (those with a positive TPOT and a floor;
-    a generate() TPOT is a difference of two timings, which noise can make negative on a CPU)."""
+    a generate() TPOT is a difference of two timings, which noise can make negative on a CPU). An
+    engine's path names its fused-step variant ("engine fused16x4 independent"), so that variants
+    of one workload are series of their own."""
     s = defaultdict(list)
     for r in records:
         if "error" not in r and r.get("tpot_fraction_of_floor") and r.get("tpot_floor_ms"):
-            s[(r.get("context"), r.get("path", "engine"), r.get("exit"))].append(r)
+            path = r.get("path", "engine")
+            if path == "engine" and _engine_variant(r):
+                path = f"engine {_engine_variant(r)}"
+            s[(r.get("context"), path, r.get("exit"))].append(r)
     for v in s.values():
         v.sort(key=lambda r: r["concurrency"])
-    return dict(sorted(s.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] != "engine", str(kv[0][2]))))
+    return dict(
+        sorted(s.items(), key=lambda kv: (kv[0][0] or 0, not kv[0][1].startswith("engine"), kv[0][1], str(kv[0][2])))
+    )
 
 
 def plot_decode(result: dict, path: str) -> Optional[str]:
@@ -329,6 +343,8 @@ def plot_decode(result: dict, path: str) -> Optional[str]:
     contexts = sorted({k[0] for k in series})
     exits = list(dict.fromkeys(k[2] for k in series))
     color = {e: f"C{i}" for i, e in enumerate(exits)}
+    engines = list(dict.fromkeys(k[1] for k in series if k[1].startswith("engine")))
+    style = {p: ("o-", "^:", "v-.", "D--")[i % 4] for i, p in enumerate(engines)}
     fig, axes = plt.subplots(len(contexts), 2, figsize=(12, 4 * len(contexts)), squeeze=False)
     for row, ctx in zip(axes, contexts):
         ax, axf = row
@@ -336,10 +352,11 @@ def plot_decode(result: dict, path: str) -> Optional[str]:
             if c0 != ctx:
                 continue
             x = [r["concurrency"] for r in rs]
-            if p == "engine":
-                ax.plot(x, [r["tpot_p50_ms"] for r in rs], "o-", color=color[e], label=f"{e}")
-                ax.plot(x, [r["tpot_floor_ms"] for r in rs], "--", color=color[e], alpha=0.6, label=f"{e} floor")
-                axf.plot(x, [100 * r["tpot_fraction_of_floor"] for r in rs], "o-", color=color[e], label=e)
+            if p.startswith("engine"):
+                name = e if p == "engine" else f"{e} {p[len('engine ') :]}"
+                ax.plot(x, [r["tpot_p50_ms"] for r in rs], style[p], color=color[e], label=name)
+                ax.plot(x, [r["tpot_floor_ms"] for r in rs], "--", color=color[e], alpha=0.6, label=f"{name} floor")
+                axf.plot(x, [100 * r["tpot_fraction_of_floor"] for r in rs], style[p], color=color[e], label=name)
             else:
                 ax.plot(
                     x, [r["tpot_p50_ms"] for r in rs], "s", mfc="none", ms=9, color=color[e], label=f"generate() {e}"
@@ -369,13 +386,14 @@ def decode_section(res: dict) -> str:
             rows.append(
                 [
                     ctx,
-                    "engine" if p == "engine" else "generate()",
+                    p if p.startswith("engine") else "generate()",
                     e,
                     r["concurrency"],
                     _f(r["tpot_p50_ms"], 2),
                     _f(r["tpot_floor_ms"], 2),
                     _pct(r["tpot_fraction_of_floor"]),
                     _f(r.get("mean_loops_per_token"), 2),
+                    _f(r.get("fused_loops_per_token"), 2),
                     _f(r.get("kernels_per_loop"), 0),
                     _pct(r.get("device_busy_share")),
                 ]
@@ -389,6 +407,7 @@ def decode_section(res: dict) -> str:
         "floor ms",
         "of floor",
         "loops/token",
+        "device loops/token step",
         "kernels/loop",
         "busy",
     ]
@@ -552,7 +571,9 @@ def _decode_targets(results: dict) -> list:
             f = r["tpot_fraction_of_floor"]
             rows.append(
                 [
-                    what + ("" if kind == "fixed depth" else f" ({r['exit']})"),
+                    what
+                    + ("" if kind == "fixed depth" else f" ({r['exit']})")
+                    + (f" [{_engine_variant(r)}]" if path == "engine" and _engine_variant(r) else ""),
                     f">= {goal:.0%} of the TPOT floor (issue 13)",
                     f"TPOT p50 {_f(r['tpot_p50_ms'], 2)} ms vs floor {_f(r['tpot_floor_ms'], 2)} ms at "
                     f"{_f(r.get('mean_loops_per_token'), 2)} loops/token",

@@ -230,3 +230,44 @@ def test_decode_records_fused_loops_per_token_of_both_row_programs(tmp_path):
         got["independent" if r["label"].endswith("independent") else "lockstep"] = r
     assert got["independent"]["exit_histogram"] == got["lockstep"]["exit_histogram"]
     assert got["independent"]["fused_loops_per_token"] <= got["lockstep"]["fused_loops_per_token"]
+
+
+def test_report_keeps_fused_variants_apart():
+    """Records of one workload from engines of different fused-step options are rows and series of
+    their own in the report (their label suffix), with the device loops per token step shown."""
+
+    def rec(suffix, tpot, loops=None):
+        return dict(
+            workload="decode",
+            path="engine",
+            label=f"decode c=8 ouro0.5 ctx=1024{suffix}",
+            concurrency=8,
+            exit="ouro0.5",
+            context=1024,
+            tpot_p50_ms=tpot,
+            tpot_floor_ms=1.35,
+            tpot_fraction_of_floor=1.35 / tpot,
+            mean_loops_per_token=1.29,
+            fused_loops_per_token=loops,
+        )
+
+    res = dict(
+        benchmark="decode",
+        records=[rec(" fused16x1", 3.69, 1.98), rec(" fused16x8 independent", 2.9, 1.55), rec("", 4.1)],
+    )
+    series = report._decode_series(res["records"])
+    assert set(series) == {
+        (1024, "engine", "ouro0.5"),
+        (1024, "engine fused16x1", "ouro0.5"),
+        (1024, "engine fused16x8 independent", "ouro0.5"),
+    }
+    md = report.decode_section(res)
+    assert "| 1024 | engine fused16x8 independent | ouro0.5 | 8 | 2.90 | 1.35 | 46.6% | 1.29 | 1.55 |" in md
+    assert "| 1024 | engine | ouro0.5 | 8 | 4.10 |" in md
+    res["records"] = [dict(r, concurrency=1) for r in res["records"]]
+    rows = [r for r in report._decode_targets({"decode": res}) if r[2] != "not run"]
+    assert [r[0] for r in rows] == [
+        "decode.json engine c=1, early exit, context 1024 (ouro0.5) [fused16x1]",
+        "decode.json engine c=1, early exit, context 1024 (ouro0.5) [fused16x8 independent]",
+        "decode.json engine c=1, early exit, context 1024 (ouro0.5)",
+    ]
