@@ -297,9 +297,11 @@ class EngineRunner:
             tpot_p50_ms=tp["p50"] * 1e3 if tp else None,
             tpot_p90_ms=tp["p90"] * 1e3 if tp else None,
             mean_loops_per_token=loops,
-            # loops the device ran per fused token step (lock step: each token's deepest row;
-            # independent rows: the slowest row's over the step), next to the tokens' own mean
-            fused_loops_per_token=stats["fused_loops"] / stats["fused_tokens"] if stats.get("fused_tokens") else None,
+            # loops the device ran per token a fused step made for a row (lock step: each token's
+            # deepest row; independent / elastic rows: the slowest row's), next to the tokens' own mean
+            fused_loops_per_token=(
+                stats["fused_loops"] / stats["fused_row_tokens"] if stats.get("fused_row_tokens") else None
+            ),
             first_token_spread_s=max(firsts) - min(firsts) if firsts else None,
             prefix_cache_hit_share=stats.get("prefix_cache_hit_tokens", 0)
             / max(1, stats.get("prefix_cache_queried_tokens", 0)),

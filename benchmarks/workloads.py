@@ -39,7 +39,7 @@ import numpy as np
 
 from scheduler import SamplingParams
 from scheduler.buckets import next_power_of_two
-from scheduler.scheduler import FUSED_DECODE_ROWS
+from scheduler.descriptor import FUSED_DECODE_ROWS
 from scheduler.sizes import ring_rows, ring_slots
 
 __all__ = [

@@ -209,8 +209,9 @@ class ModelRunner:
     H200 (docs/decisions.md, "Decode matvec kernels").
 
     ``fused_decode_rows``: which fused step program runs (``fused_step.py``): ``"lockstep"``
-    (default) or ``"independent"``; the scheduler must be told the same (it counts the loops that
-    ran from the exit depths).
+    (default), ``"independent"`` or ``"elastic"``; the scheduler must be told the same (it counts
+    the loops that ran from the exit depths, and builds elastic steps differently): ``step``
+    refuses a fused step built for another program.
 
     ``devices``: the ``N`` devices this runner owns (default: the first ``N`` of ``jax.devices()``);
     data-parallel replicas each get a disjoint set (``ouro_jax/server/replicas.py``).
@@ -521,10 +522,15 @@ class ModelRunner:
         """Launch ``desc`` (a ``BatchDescriptor``, or a ``StackedDescriptor``: one fused step); its
         gates and tokens start copying back at once and are waited for only when read."""
         key = self.executable_key(desc)
+        single = isinstance(key, BucketKey)
+        if not single and getattr(desc, "rows", self.fused_decode_rows) != self.fused_decode_rows:
+            raise ValueError(
+                f"a fused step built for fused_decode_rows={desc.rows!r} on a runner compiled for "
+                f"{self.fused_decode_rows!r}: the scheduler and the runner must be given the same option"
+            )
         if key not in self._exe:
             self._compile(key)  # not warmed up: counted in `compilations`, not in `dispatch_time`
         t = time.perf_counter()
-        single = isinstance(key, BucketKey)
         packed = self.upload(desc)
         t_call = time.perf_counter()
         self.upload_time += t_call - t

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .descriptor import StepResult
+from .descriptor import StepResult, elastic_min_tokens
 from .exit_policy import decide_exit, decide_exit_rows, fold_gate, fold_gate_rows, gates_needed_at, synthetic_exit_loops
 from .sampling_params import SamplingParams
 from .sizes import blocks_per_plane, kv_planes
@@ -75,6 +75,26 @@ def sample_token(h, temperature, seed, step, vocab_size: int) -> np.ndarray:
     return np.where(np.asarray(temperature) > 0, drawn, greedy).astype(np.int32)
 
 
+def elastic_depths(depths: np.ndarray, n: int, caps: Optional[np.ndarray] = None) -> np.ndarray:
+    """Exit depths ``[tokens, R]`` of a step whose rows made all their tokens, as an elastic step
+    (``ouro_jax/fused_step.py``) reports them: every row runs its loops back to back from iteration
+    0; once every real row has made ``elastic_min_tokens`` tokens (at iteration ``stop``, the most
+    loops any real row needs for that many), a row starts no more tokens, so row ``r`` makes the
+    tokens that start before ``stop`` and lie below its cap ``caps[r]`` (at least that minimum;
+    default: all); -1 for the others (and for padding rows)."""
+    tokens = depths.shape[0]
+    out = np.full_like(depths, -1)
+    if not n:
+        return out
+    caps = np.full(n, tokens) if caps is None else np.asarray(caps)[:n]
+    loops = np.cumsum(depths[:, :n] + 1, axis=0)  # [tokens, n]: loops through each token
+    starts = np.vstack([np.zeros((1, n), loops.dtype), loops[:-1]])  # iteration each token starts at
+    stop = loops[elastic_min_tokens(tokens) - 1].max()
+    made = (starts < stop) & (np.arange(tokens)[:, None] < caps[None, :])
+    out[:, :n] = np.where(made, depths[:, :n], -1)
+    return out
+
+
 class FakeRunner:
     """Executes descriptors; ``step`` returns a ``StepResult`` like ``ModelRunner.step``."""
 
@@ -103,13 +123,14 @@ class FakeRunner:
     def _coda(self, desc, h) -> np.ndarray:
         return sample_token(h, desc.coda_temperature, desc.coda_seed, desc.coda_step, self.vocab_size)
 
-    def _loop(self, desc, previous_tokens=None, active=None) -> tuple[np.ndarray, np.ndarray]:
+    def _loop(self, desc, previous_tokens=None, active=None, makes=None) -> tuple[np.ndarray, np.ndarray]:
         """Steps 1-3 of one descriptor: ``(h [R], gates [R])``. ``active [R]`` (fused steps): rows
-        that have not exited; the others write no K/V and read nothing (their output is unused)."""
+        that have not exited; the others write no K/V and read nothing (their output is unused).
+        ``makes [R]`` (fused steps): rows that make this token (the others hold no slot)."""
         bs = self.block_size
         nseg, npre, nfin = desc.num_segments, desc.num_prelude, desc.num_finalize
         if self.check:
-            self._check_padding(desc)
+            self._check_padding(desc, makes)
         # 1. finalize
         for src, dst in zip(desc.fin_src[:nfin], desc.fin_dst[:nfin]):
             if self.check:
@@ -150,6 +171,9 @@ class FakeRunner:
         return out, gate_logit(out)
 
     def _run_fused(self, desc) -> tuple[np.ndarray, np.ndarray]:
+        # Every row's tokens are those of lock step whatever the row program (each row's loops are
+        # the same); an elastic step then reports only the tokens its rows made (-1 after them).
+        # The K/V the fake wrote for the tokens not made is written again, the same, by a later step.
         """A fused decode step with its exits decided here, as the device does (``StackedDescriptor``):
         per token, loops of every row in lock step until all exited (float32 rule), an exited row
         writing no K/V; then the LAST_EXITED finalize of planes above each exit, the coda of the
@@ -162,22 +186,25 @@ class FakeRunner:
         for j in range(desc.num_tokens):
             subs = desc.steps[j * T : (j + 1) * T]
             args = (desc.exit_limit[j], desc.exit_min_loops[j], desc.exit_delay[j], desc.exit_threshold[j])
-            active = np.arange(R) < subs[0].num_rows
+            # exit limit 0: a token the row does not make (an elastic step's row with fewer left)
+            active = (np.arange(R) < subs[0].num_rows) & (desc.exit_limit[j] > 0)
             rem = np.ones(R, np.float32)
             exit_h = np.zeros(R, np.uint64)
             depth = np.zeros(R, np.int64)
             for d in range(T):
                 if not active.any():
                     break
-                h, g = self._loop(subs[d], prev, active)
+                h, g = self._loop(subs[d], prev, active, desc.exit_limit[j] > 0)
                 gates[j * T + d] = g
                 nxt = fold_gate_rows(rem, g)
                 out = active & decide_exit_rows(d + 1, nxt, rem, *args)
                 exit_h[out], depth[out] = h[out], d
                 active &= ~out
                 rem = nxt
-            if key.F:  # LAST_EXITED: plane e -> planes e+1..T-1 of every real row
+            if key.F:  # LAST_EXITED: plane e -> planes e+1..T-1 of every real row that made the token
                 for r in range(subs[0].num_rows):
+                    if desc.exit_limit[j][r] == 0:
+                        continue
                     src = subs[depth[r]].row_slot[r]
                     for p in range(depth[r] + 1, T):
                         self.kv[subs[p].row_slot[r]] = self.kv[src]
@@ -187,9 +214,12 @@ class FakeRunner:
             result[j, :C] = prev
             result[j, C:] = depth
         self.last_fused_tokens = prev
+        if desc.rows == "elastic":
+            caps = (desc.exit_limit > 0).sum(axis=0)
+            result[:, C : C + R] = elastic_depths(result[:, C : C + R], desc.steps[0].num_rows, caps)
         return gates, result
 
-    def _check_padding(self, desc) -> None:
+    def _check_padding(self, desc, makes=None) -> None:
         k = desc.key
         nrows, nseg, npre, ncoda, nfin = (
             desc.num_rows,
@@ -199,7 +229,8 @@ class FakeRunner:
             desc.num_finalize,
         )
         assert (desc.row_slot[nrows:] == -1).all() and (desc.row_ring[nrows:] == 0).all(), "padding row touches state"
-        assert (desc.row_slot[:nrows] >= self.block_size).all(), "real row without a slot, or in the trash page"
+        real = desc.row_slot[:nrows] if makes is None else desc.row_slot[:nrows][makes[:nrows]]
+        assert (real >= self.block_size).all(), "real row without a slot, or in the trash page"
         assert (desc.row_ring[:nrows] > 0).all(), "real row uses the scratch ring row"
         assert len(set(desc.row_ring[:nrows].tolist())) == nrows, "two rows of one invocation share a ring row"
         assert (desc.seg_q_len[nseg:] == 0).all() and (desc.seg_q_len[:nseg] > 0).all()

@@ -45,7 +45,14 @@ import numpy as np
 
 from .block_manager import DEFAULT_ENABLE_PREFIX_CACHING, KVBlockManager, prefix_block_hashes
 from .buckets import BucketKey, BucketSpec
-from .descriptor import StackedDescriptor, build_decode_loops, build_descriptor, split_fused_output
+from .descriptor import (
+    FUSED_DECODE_ROWS,
+    StackedDescriptor,
+    build_decode_loops,
+    build_descriptor,
+    elastic_min_tokens,
+    split_fused_output,
+)
 from .exit_policy import (
     coda_kind,
     decide_exit,
@@ -70,10 +77,8 @@ KV_LAYOUTS = ("last_exited", "shared")
 PREFILL_MODES = ("split", "mixed", "wavefront")
 KV_ALLOCATIONS = ("on_demand", "reserve")
 POLICIES = ("fcfs", "priority")
-# How a fused decode step's rows advance (ouro_jax/fused_step.py): every row a loop at a time until
-# the token's deepest exit, or each row through its own tokens and depths; it changes the loops
-# that run, never a token or an exit depth
-FUSED_DECODE_ROWS = ("lockstep", "independent")
+
+
 # Fused decode steps of more rows than this run only when no row's exit depends on its gates. A
 # fused step runs every row in lock step to the deepest row's exit, where loop by loop the later
 # loops shrink to the rows still running: on the H200 (docs/decisions.md, "Fused steps at large
@@ -105,7 +110,7 @@ class SchedulerConfig:
     enable_prefix_caching: Optional[bool] = None  # None: DEFAULT_ENABLE_PREFIX_CACHING under LAST_EXITED
     fused_decode_max_rows: int = 0  # fused decode steps for up to this many rows; 0 = off
     fused_decode_tokens: int = 1  # tokens per fused decode step (each T loops)
-    fused_decode_rows: str = "lockstep"  # "lockstep" | "independent" (FUSED_DECODE_ROWS)
+    fused_decode_rows: str = "lockstep"  # "lockstep" | "independent" | "elastic" (FUSED_DECODE_ROWS)
     target_tpot_ms: Optional[float] = None  # decode TPOT the prompt share is sized for (latency_target.py); None = off
 
     def __post_init__(self):
@@ -662,8 +667,17 @@ class Scheduler:
 
     def _tokens_that_fit(self, rows: list[Request], done: int = 0) -> int:
         """``fused_decode_tokens``, or else 1, or else 0: the most tokens every row has left by
-        ``max_tokens`` and gets the blocks of, ``done`` tokens after its token in flight."""
-        for want in sorted({self.config.fused_decode_tokens, 1}, reverse=True):
+        ``max_tokens`` and gets the blocks of, ``done`` tokens after its token in flight. Elastic
+        steps take ``fused_decode_tokens`` as long as every row has ``elastic_min_tokens`` of them
+        left: a row with fewer left than the step holds stops at its last (``_schedule_fused``)."""
+        k = self.config.fused_decode_tokens
+        if self.config.fused_decode_rows == "elastic" and k > 1:
+            left = [req.sampling_params.max_tokens - len(req.output_token_ids) - done for req in rows]
+            if min(left) >= elastic_min_tokens(k) and all(
+                self._grow_to(req, req.position_in_flight + done + min(k, n)) for req, n in zip(rows, left)
+            ):
+                return k
+        for want in sorted({k, 1}, reverse=True):
             if all(
                 req.sampling_params.max_tokens - len(req.output_token_ids) - done >= want
                 and self._grow_to(req, req.position_in_flight + done + want)  # blocks for every token
@@ -689,6 +703,8 @@ class Scheduler:
         plan = self._inflight
         if plan is None or plan.sub_plans is None or self._ahead is not None or self.latency is not None:
             return None
+        if self.config.fused_decode_rows == "elastic":
+            return None  # where each row stands after the step in flight is known only once it is read
         t0 = time.perf_counter()
         rows = [self._requests.get(r.request_id) for r in plan.sub_plans[0].ranges]
         if any(r is None or r.status is not RequestStatus.RUNNING or r.pending_finalize for r in rows):
@@ -728,8 +744,12 @@ class Scheduler:
         seed = np.array([x.seed for x in p], np.uint32)
         empty = np.zeros(0, np.int64)
         exits = np.zeros((4, tokens, n), np.float64)  # device_exit_params per token and row
+        # the tokens each row makes at most: all of them, but an elastic step's row with fewer left
+        # (_tokens_that_fit) stops at its last: exit limit 0 marks a token it does not make, and
+        # such a token's descriptors repeat the row's last position (they are never run)
+        cap = np.minimum(tokens, [r.sampling_params.max_tokens - len(r.output_token_ids) - done for r in rows])
         for i, r in enumerate(rows):
-            for j in range(tokens):
+            for j in range(int(cap[i])):
                 target = None
                 if p[i].exit_mode == "synthetic":
                     target = (
@@ -742,13 +762,14 @@ class Scheduler:
         last = np.array([r.output_token_ids[-1] for r in rows]) if not done else None
         planes = [plane(d) for d in range(T)]
         for j in range(tokens):
+            pos = np.minimum(pos0 + j, pos0 + cap - 1)  # a token a row does not make: its last position
             fed = j > 0 or done > 0  # loop 0 embeds the token sampled on the device
             token_descs = build_decode_loops(
                 self.bucket_spec,
                 self.block_manager.tables,
                 seg_slot=slots,
                 planes=planes,
-                seg_pos=pos0 + j,
+                seg_pos=pos,
                 seg_ring=bases,
                 pre_token=np.zeros(n, np.int64) if fed else last,
                 coda=dict(
@@ -765,14 +786,15 @@ class Scheduler:
                 key=key,
             )
             key = token_descs[0].key
+            makes = [i for i in range(n) if j < cap[i]]  # the rows that make token j (the plan names no other)
             for d, desc in enumerate(token_descs):
+                if len(makes) < n:
+                    desc.row_slot[:n][j >= cap] = -1  # never run; and would write nothing
                 ranges = [
-                    ScheduledRange(
-                        r.request_id, Phase.DECODE, d, int(pos0[i]) + j, 1, int(pos0[i]) + j, int(bases[i]), i
-                    )
-                    for i, r in enumerate(rows)
+                    ScheduledRange(rows[i].request_id, Phase.DECODE, d, int(pos[i]), 1, int(pos[i]), int(bases[i]), i)
+                    for i in makes
                 ]
-                coda = [CodaRow(r.request_id, i, k0[i] + j, False) for i, r in enumerate(rows)] if d == T - 1 else []
+                coda = [CodaRow(rows[i].request_id, i, k0[i] + j, False) for i in makes] if d == T - 1 else []
                 first = j == 0 and d == 0
                 descs.append(desc)
                 subs.append(
@@ -799,7 +821,7 @@ class Scheduler:
             needs_tokens=True,
             loop_count=1,
             num_rows=n,
-            descriptor=StackedDescriptor(descs, T, tuple(exits)),
+            descriptor=StackedDescriptor(descs, T, tuple(exits), rows=cfg.fused_decode_rows),
             sub_plans=subs,
         )
         self._step += 1
@@ -816,9 +838,11 @@ class Scheduler:
         the counters of the loops that ran (every row rides along until the last one exits).
 
         The loops that ran, per token (``loops_run``): in lock step the token's deepest exit; with
-        ``fused_decode_rows="independent"`` the device ran as many loops as the row with the most
-        loops over all the tokens, and each token is counted with that row's loops (so that the
-        sub-steps counted are one per loop the device ran)."""
+        ``fused_decode_rows="independent"`` or ``"elastic"`` the device ran as many loops as the row
+        with the most loops over its tokens, and each of that row's tokens is counted with its
+        loops (so that the sub-steps counted are one per loop the device ran). An elastic step's
+        rows make from ``elastic_min_tokens`` to all of its tokens: exit depth -1 marks a token a
+        row did not make; the row goes on from its last token made in the next step."""
         T, n, key = self.num_loops, plan.num_rows, plan.descriptor.key
         subs = plan.sub_plans
         tokens = len(subs) // T
@@ -828,22 +852,36 @@ class Scheduler:
                 f"exit depths, got shape {out.shape}"
             )
         depths_all = out[:tokens, key.C : key.C + n]
-        if depths_all.size and (depths_all.min() < 0 or depths_all.max() >= T):
-            raise ValueError(f"Scheduler.update: fused step exit depths outside [0, {T - 1}]")
+        rows_mode = self.config.fused_decode_rows
+        made = (depths_all >= 0).sum(axis=0) if rows_mode == "elastic" else np.full(n, tokens)
+        made_all = np.arange(tokens)[:, None] < made[None, :]
+        if depths_all.size and (
+            (depths_all[made_all].min(initial=0) < 0) or depths_all.max() >= T or (depths_all[~made_all] != -1).any()
+        ):
+            raise ValueError(
+                f"Scheduler.update: fused step exit depths outside [0, {T - 1}]"
+                + (" (or -1 after a row's last token made)" if rows_mode == "elastic" else "")
+            )
+        if n and made.min() < (elastic_min_tokens(tokens) if rows_mode == "elastic" else tokens):
+            raise ValueError(f"Scheduler.update: an elastic step's row made {made.min()} of {tokens} tokens")
         st = self._stats
-        if self.config.fused_decode_rows == "independent" and n:
-            slowest = int(np.argmax((depths_all + 1).sum(axis=0)))
-            runs = (depths_all[:, slowest] + 1).tolist()
+        if rows_mode != "lockstep" and n:
+            slowest = int(np.argmax(np.where(made_all, depths_all + 1, 0).sum(axis=0)))
+            runs = (depths_all[: made[slowest], slowest] + 1).tolist()
         else:
             runs = (depths_all.max(axis=1, initial=0) + 1).tolist()
         plan.descriptor.loops_run = runs
+        # tokens a row made, on average over the step's rows: the loops per token of a stream are
+        # fused_loops / fused_row_tokens (elastic rows make different numbers of tokens)
+        st["fused_row_tokens"] += float(made.mean()) if n else 0.0
         now = time.monotonic()
-        for j, ran in enumerate(runs):
+        for j in range(tokens):
             toks, depths = split_fused_output(out[j], key)
             toks, depths = toks.tolist(), depths.tolist()
+            ran = runs[j] if j < len(runs) else 0
             for d in range(ran):
                 self._count_loop(subs[j * T + d], n)
-            if ran < T:  # the coda ran once, on the exit states
+            if 0 < ran < T:  # the coda ran once, on the exit states
                 st["coda_rows"] += len(subs[j * T + T - 1].coda)
             st["fused_loops"] += ran
             for r in subs[j * T].ranges:
@@ -851,6 +889,8 @@ class Scheduler:
                 if req is None or req.status is not RequestStatus.RUNNING:
                     continue  # aborted while in flight, or ended by an earlier token of this step
                 i = r.row_start
+                if j >= made[i]:
+                    continue  # an elastic step's row stopped before this token
                 if self.latency is not None:
                     self.latency.observe_loops(depths[i] + 1)
                 self._emit(req, int(toks[i]), depths[i], now, deltas)
@@ -998,6 +1038,7 @@ class Scheduler:
             "ahead_launches",
             "fused_loops",
             "fused_tokens",
+            "fused_row_tokens",
             "fusion_align_invocations",
             "preemptions",
             "admissions",

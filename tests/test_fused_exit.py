@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from benchmarks.metrics import ScheduleRecorder
 from ouro_jax import SamplingParams, exit_rule, get_preset
 from scheduler import Phase, Request, Scheduler, SchedulerConfig
+from scheduler.descriptor import FUSED_DECODE_ROWS
 from scheduler.exit_policy import (
     decide_exit_rows,
     device_exit_params,
@@ -29,7 +30,6 @@ from scheduler.exit_policy import (
     synthetic_exit_loops,
 )
 from scheduler.fake_runner import FakeRunner, reference_generate
-from scheduler.scheduler import FUSED_DECODE_ROWS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_exit_rule import _too_close  # noqa: E402

@@ -100,22 +100,31 @@ class Harness:
         assert plan.kind == "fused_decode" and len(plan.sub_plans) % T == 0
         assert plan.descriptor.n == len(plan.sub_plans)
         done = len(self.s._inflight.sub_plans) // T if ahead else 0
+        stacked = plan.descriptor
         for i, sub in enumerate(plan.sub_plans):
-            assert sub.descriptor is plan.descriptor.steps[i] and sub.descriptor.key == plan.descriptor.key
+            assert sub.descriptor is stacked.steps[i] and sub.descriptor.key == stacked.key
             assert sub.descriptor.feed_previous_tokens == (i % T == 0 and (i > 0 or ahead))
-            self.check_plan(sub, decode_at=(done + i // T, i % T))
+            # exit limit 0: a row that does not make this token (an elastic step's row with fewer
+            # tokens left); the sub-plan names only the others, and the row writes no K/V there
+            makes = stacked.exit_limit[i // T][: plan.num_rows] > 0
+            assert makes.all() or stacked.rows == "elastic"
+            assert (sub.descriptor.row_slot[: plan.num_rows][~makes] == -1).all()
+            assert sorted(r.row_start for r in sub.ranges) == list(np.flatnonzero(makes))
+            self.check_plan(sub, decode_at=(done + i // T, i % T), rows_making=int(makes.sum()))
         self.fused += 1
         self.ahead += ahead
 
-    def check_plan(self, plan, decode_at=(0, None)):
-        """``decode_at``: (tokens ahead of the one in flight, depth) of a fused sub-step's rows."""
+    def check_plan(self, plan, decode_at=(0, None), rows_making=None):
+        """``decode_at``: (tokens ahead of the one in flight, depth) of a fused sub-step's rows;
+        ``rows_making``: how many of them make its token (the others are not in its plan)."""
         s, cfg, T = self.s, self.cfg, self.cfg.num_loops
         d = plan.descriptor
         assert plan.num_rows <= cfg.max_num_batched_tokens
         assert len(s.running) <= cfg.max_num_seqs
         self.max_rows = max(self.max_rows, plan.num_rows)
         self.max_running = max(self.max_running, len(s.running))
-        assert d.num_rows == plan.num_rows and d.num_coda == len(plan.coda)
+        assert d.num_rows == plan.num_rows
+        assert len(plan.coda) == (d.num_coda if rows_making is None or not d.num_coda else rows_making)
         assert plan.needs_tokens == bool(plan.coda)
         # the K/V scatters assume unique indices (docs/contracts.md): no slot is written twice
         slots = d.row_slot[d.row_slot >= 0]

@@ -13,7 +13,7 @@ import sys
 import time
 
 from pallas_kernels.choices import ATTENTION
-from scheduler.scheduler import FUSED_DECODE_ROWS
+from scheduler.descriptor import FUSED_DECODE_ROWS
 
 __all__ = ["add_engine_args", "engine_kwargs", "add_serve", "add_generate"]
 
