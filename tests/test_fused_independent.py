@@ -259,12 +259,8 @@ def test_async_arrivals_aborts_and_stops_with_independent_rows():
     assert want[0].finish_reason == "stop"
     llm = _engine(fused_decode_max_rows=4, fused_decode_tokens=2, fused_decode_rows="independent")
     got = _drive(llm, plan, sp)
-    for i in range(4):
-        assert (got[i].token_ids, got[i].exit_depths, got[i].finish_reason) == (
-            want[i].token_ids,
-            want[i].exit_depths,
-            want[i].finish_reason,
-        ), i
+    final = lambda o: (o.token_ids, o.exit_depths, o.finish_reason)  # noqa: E731
+    assert [final(got[i]) for i in range(4)] == [final(want[i]) for i in range(4)]
     assert got[4].finish_reason == "abort"
     st = llm.stats()
     assert st["ahead_launches"] > 0 and st["fused_launches"] > st["ahead_launches"]
