@@ -1,6 +1,6 @@
 """Fused decode steps: ``tokens`` tokens of the same decode rows in one executable, every exit
 decided on the device (``scheduler.descriptor.StackedDescriptor``; docs/contracts.md, "Fused
-decode steps"). Two programs read the same descriptor and give the same tokens and exit depths:
+decode steps"). Three programs read the same descriptor and give the same tokens and exit depths:
 
 * :func:`lockstep` runs, per token, loop ``d`` of every row at once until the deepest row has
   exited, so a token costs the batch's deepest exit;
@@ -13,9 +13,11 @@ decode steps"). Two programs read the same descriptor and give the same tokens a
   makes all its tokens: rows make different numbers of tokens a step (no step can then be
   scheduled before the previous one is read: the host must learn each row's count first).
 
-Both take ``(params, kp, vp, ring, packed [n, words + exit words], previous [C])`` and return
+All take ``(params, kp, vp, ring, packed [n, words + exit words], previous [C])`` and return
 ``(kp, vp, ring, gates [n, R], out [tokens, C + R], last [C])``; the scheduler is told which one
-runs (``SchedulerConfig.fused_decode_rows``) because the loops that ran are counted differently.
+runs (``SchedulerConfig.fused_decode_rows``) because the loops that ran are counted differently
+and elastic steps are built and read differently. Only lock step is measured on the GPU so far
+(docs/decisions.md).
 """
 
 from __future__ import annotations
