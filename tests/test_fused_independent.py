@@ -1,9 +1,11 @@
-"""Fused decode steps whose rows advance independently (``fused_decode_rows="independent"``).
+"""Fused decode steps whose rows advance independently (``fused_decode_rows="independent"`` and
+``"elastic"``).
 
 Each row runs its own tokens' depths inside the step instead of every token waiting for its
-deepest row (``ouro_jax/fused_step.py``). Nothing a user sees may change: token ids, exit depths
-and finish reasons equal the loop-by-loop engine's and the lock-step engine's, and so does every
-K/V value written (the same slots, finalize copies included). What changes is the loops the device
+deepest row (``ouro_jax/fused_step.py``); an elastic step also returns once every row has made half
+its tokens. Nothing a user sees may change: token ids, exit depths and finish reasons equal the
+loop-by-loop engine's and the lock-step engine's, and with independent rows so does every K/V
+value written (the same slots, finalize copies included). What changes is the loops the device
 runs: the scheduler counts, per step, the loops of the row with the most of them (``loops_run``),
 never more than lock step, and fewer when rows exit at different depths.
 """
@@ -42,7 +44,7 @@ def _fused_plans(plans):
     return [p for p in plans if p.sub_plans]
 
 
-def _slowest_loops(plan, deltas) -> int:
+def _slowest_loops(deltas) -> int:
     """Loops of the row with the most of them over the step's tokens, from the exit depths handed
     out (a row ended mid-step by a stop token still ran its later tokens: only counted when the
     step's every token was handed out for it)."""
@@ -72,7 +74,7 @@ def test_independent_rows_change_no_token_and_count_fewer_loops(layout, tokens):
         runs_ = p.descriptor.loops_run
         assert len(runs_) == p.descriptor.num_tokens and all(1 <= r <= T for r in runs_)
         if all(len(dl.new_exit_depths) == p.descriptor.num_tokens for dl in deltas):
-            assert sum(runs_) == _slowest_loops(p, deltas)
+            assert sum(runs_) == _slowest_loops(deltas)
     for p, deltas in hl.fused_deltas:  # lock step: each token its deepest row
         if all(len(dl.new_exit_depths) == p.descriptor.num_tokens for dl in deltas):
             assert p.descriptor.loops_run == [
