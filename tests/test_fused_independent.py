@@ -271,17 +271,18 @@ def test_async_arrivals_aborts_and_stops_with_independent_rows():
 
 
 # ------------------------------------------------------------------------------ elastic steps
-def _iterate(depths: np.ndarray, n: int) -> np.ndarray:
+def _iterate(depths: np.ndarray, n: int, caps: np.ndarray) -> np.ndarray:
     """The elastic program's loop, iteration by iteration, on known exit depths ``[tokens, R]``
-    (``fused_step._rows``): the exit depths it reports, -1 for tokens not made."""
+    and the rows' caps (``fused_step._rows``): the exit depths it reports, -1 for tokens not made."""
     tokens, R = depths.shape
     least = elastic_min_tokens(tokens)
+    caps = np.concatenate([caps[:n], np.full(R - n, tokens)])
     tok, d = np.zeros(R, int), np.zeros(R, int)
     real = np.arange(R) < n
     out = np.full_like(depths, -1)
     for _ in range(tokens * T):
         done = np.all(~real | (tok >= least))
-        running = real & (tok < tokens) & ~(done & (d == 0))
+        running = real & (tok < np.minimum(tokens, caps)) & ~(done & (d == 0))
         if not running.any():
             break
         t = np.minimum(tok, tokens - 1)
@@ -302,15 +303,20 @@ def _iterate(depths: np.ndarray, n: int) -> np.ndarray:
         )
     ),
     st.integers(0, 6),
+    st.lists(st.integers(0, 8), min_size=6, max_size=6),
 )
-def test_elastic_rule_twin_equals_the_iterations(case, n):
+def test_elastic_rule_twin_equals_the_iterations(case, n, extra):
+    """The stopping rule's numpy twin (``fake_runner.elastic_depths``) against the program's loop
+    run iteration by iteration, rows capped anywhere from the minimum to all of the tokens."""
     tokens, R, flat = case
     n = min(n, R)
+    least = elastic_min_tokens(tokens)
+    caps = np.minimum(tokens, least + np.asarray(extra[:R]))
     depths = np.asarray(flat[: tokens * R]).reshape(tokens, R)
-    got = elastic_depths(depths, n)
-    assert np.array_equal(got, _iterate(depths, n))
+    got = elastic_depths(depths, n, caps)
+    assert np.array_equal(got, _iterate(depths, n, caps))
     made = (got[:, :n] >= 0).sum(axis=0)
-    assert (made >= elastic_min_tokens(tokens)).all() and (made <= tokens).all()
+    assert (made >= least).all() and (made <= caps[:n]).all()
     # each row's tokens made are its first ones, with the depths it would have had
     assert all((got[: made[r], r] == depths[: made[r], r]).all() for r in range(n))
 
