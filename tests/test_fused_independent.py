@@ -176,7 +176,7 @@ def _pair():
 
 @st.composite
 def _batches(draw):
-    n = draw(st.integers(1, 4))
+    n = draw(st.integers(1, 3))  # and the companion every batch gets (_COMPANION): 4 streams at most
     rule = st.sampled_from(
         [
             dict(exit_mode="ouro", exit_threshold=0.3),
@@ -202,6 +202,11 @@ def _batches(draw):
     return prompts, sps
 
 
+# a request in every random batch, so that each example decodes fused (it has tokens left after
+# every other request: with no request waiting, every fused step may run): no example is vacuous
+_COMPANION = ([5, 9, 2], SamplingParams(max_tokens=7, ignore_eos=True, exit_mode="synthetic", synthetic_mean_loops=2.0))
+
+
 def _serve(llm, prompts, sps, ids):
     for i, p, sp in zip(ids, prompts, sps):
         llm.add_request(p, sp, request_id=i)
@@ -217,9 +222,11 @@ def _serve(llm, prompts, sps, ids):
 def test_random_batches_equal_lockstep_token_for_token_and_in_the_pools(case):
     """Independent and elastic rows against lock step on random batches."""
     prompts, sps = case
+    prompts, sps = prompts + [_COMPANION[0]], sps + [_COMPANION[1]]
     lock, ind, ela = _pair()
     ids = [next(_IDS) for _ in prompts]  # synthetic depths follow the request id: the same in all
     before = (lock.stats()["fused_loops"], ind.stats()["fused_loops"])
+    launches = [e.stats()["fused_launches"] for e in (lock, ind, ela)]
     want = _serve(lock, prompts, sps, ids)
     assert _serve(ind, prompts, sps, ids) == want
     assert _serve(ela, prompts, sps, ids) == want
@@ -228,15 +235,8 @@ def test_random_batches_equal_lockstep_token_for_token_and_in_the_pools(case):
         assert np.array_equal(ref, np.asarray(getattr(ind.runner, pool)))
     assert ind.stats()["fused_loops"] - before[1] <= lock.stats()["fused_loops"] - before[0]
     assert ind.stats()["compilations"] == len(ind.executable_keys())
-    _PAIR["fused"] = _PAIR.get("fused", 0) + (ind.stats()["fused_loops"] - before[1] > 0)
-
-
-@pytest.mark.slow
-def test_random_batches_ran_fused_steps():
-    """The examples above are not vacuous: after them (same module, run in order) some ran fused."""
-    if not _PAIR:
-        pytest.skip("the random-batch test did not run in this session")
-    assert _PAIR.get("fused", 0) > 0
+    # every engine ran fused steps in this example (the companion's tokens at least)
+    assert all(e.stats()["fused_launches"] > n for e, n in zip((lock, ind, ela), launches))
 
 
 @pytest.mark.slow  # three engines on a CPU, ~20 s
