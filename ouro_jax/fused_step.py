@@ -35,7 +35,7 @@ from .exit_rule import decide_exit_rows, fold_gate
 from .model import dtype_of
 from .step_program import coda, packed_size, recurrent, unpack
 
-__all__ = ["FUSED_DECODE_ROWS", "lockstep", "independent", "elastic", "elastic_min_tokens", "program"]
+__all__ = ["FUSED_DECODE_ROWS", "lockstep", "independent", "elastic", "program"]
 
 
 def program(rows: str):

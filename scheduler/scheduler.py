@@ -87,6 +87,11 @@ POLICIES = ("fcfs", "priority")
 FUSED_GATED_MAX_ROWS = 32
 
 
+def _tokens_left(req: Request, done: int = 0) -> int:
+    """Tokens ``req`` may still make by ``max_tokens``, ``done`` tokens after its token in flight."""
+    return req.sampling_params.max_tokens - len(req.output_token_ids) - done
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -672,14 +677,14 @@ class Scheduler:
         left: a row with fewer left than the step holds stops at its last (``_schedule_fused``)."""
         k = self.config.fused_decode_tokens
         if self.config.fused_decode_rows == "elastic" and k > 1:
-            left = [req.sampling_params.max_tokens - len(req.output_token_ids) - done for req in rows]
+            left = [_tokens_left(req, done) for req in rows]
             if min(left) >= elastic_min_tokens(k) and all(
                 self._grow_to(req, req.position_in_flight + done + min(k, n)) for req, n in zip(rows, left)
             ):
                 return k
         for want in sorted({k, 1}, reverse=True):
             if all(
-                req.sampling_params.max_tokens - len(req.output_token_ids) - done >= want
+                _tokens_left(req, done) >= want
                 and self._grow_to(req, req.position_in_flight + done + want)  # blocks for every token
                 for req in rows
             ):
@@ -747,7 +752,7 @@ class Scheduler:
         # the tokens each row makes at most: all of them, but an elastic step's row with fewer left
         # (_tokens_that_fit) stops at its last: exit limit 0 marks a token it does not make, and
         # such a token's descriptors repeat the row's last position (they are never run)
-        cap = np.minimum(tokens, [r.sampling_params.max_tokens - len(r.output_token_ids) - done for r in rows])
+        cap = np.minimum(tokens, [_tokens_left(r, done) for r in rows])
         for i, r in enumerate(rows):
             for j in range(int(cap[i])):
                 target = None
