@@ -25,7 +25,7 @@ decides every row's exit after each loop with the host's rule and stops once all
 then finalizes, samples and feeds the sampled ids to the next token's prelude on the device: at
 small batches a loop is short next to the host's fixed cost per launch, upload and readback, and
 with early exit the host would otherwise wait for every loop's gate (docs/decisions.md, "Fused
-decode steps"). The depth loop compiles into CUDA-graph conditional nodes (``_compiler_options``),
+decode steps"). The depth loop compiles into CUDA-graph conditional nodes (``compiler_options.step_options``),
 so that no loop waits for the host; a fused step also takes the previous fused step's last samples
 and returns its own, so that the scheduler can launch the next step before the host has read this
 one (``scheduler/pipeline.py``).
@@ -41,7 +41,6 @@ bucket key) because every host-to-device transfer has a fixed cost.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +58,7 @@ from scheduler.buckets import BucketKey
 from scheduler.descriptor import StepResult
 
 from . import fused_step
+from .compiler_options import step_options
 from .config import OuroConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
 from .fused_layers import decode_weights, norms_option
@@ -118,63 +118,6 @@ def _count_cache_hit(name: str, **_) -> None:
 
 
 jax.monitoring.register_event_listener(_count_cache_hit)
-
-
-# XLA's default command-buffer kinds as its source sets them (debug_options_flags.cc; not read back
-# from jax 0.11.2's build, which accepts every name here) plus CONDITIONAL and WHILE: _compiler_options
-FUSED_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"
-
-
-# Extra XLA options for fused steps only, from the environment, for experiments on the device
-# (``"name=value;name=value"``; values ``true``/``false``, integers, else strings: enum names, comma
-# lists), e.g. ``xla_gpu_command_buffer_update_mode=SKIP_TEMP``. Part of the executable store's key.
-FUSED_XLA_OPTIONS_ENV = "OURO_JAX_FUSED_XLA_OPTIONS"
-
-
-def fused_option_overrides(text: Optional[str] = None) -> dict:
-    """``FUSED_XLA_OPTIONS_ENV`` (or ``text``) parsed into compiler options; ``ValueError`` names
-    an entry that is not ``name=value`` with an ``xla_`` name."""
-    text = os.environ.get(FUSED_XLA_OPTIONS_ENV, "") if text is None else text
-    out = {}
-    for entry in filter(None, (e.strip() for e in text.split(";"))):
-        name, sep, value = (x.strip() for x in entry.partition("="))
-        if not sep or not name.startswith("xla_") or not value:
-            raise ValueError(f"{FUSED_XLA_OPTIONS_ENV}: {entry!r} is not 'xla_name=value' (entries split by ';')")
-        low = value.lower()
-        if low in ("true", "false"):
-            out[name] = low == "true"
-        elif value.lstrip("-").isdigit():
-            out[name] = int(value)
-        else:
-            out[name] = value
-    return out
-
-
-def _compiler_options(fused: bool = False) -> dict:
-    """XLA options of a step executable. On the GPU the rematerialization pass is off: it
-    models each in-place K/V update of the donated pool as a new pool-sized buffer, estimates more
-    than twice the device's memory, warns that it cannot get under it, and can only slow compiles
-    (buffer assignment aliases the whole pool in place: docs/decisions.md, "Start-up").
-
-    ``fused``: a fused decode step's depth ``while_loop`` also goes into CUDA graphs (conditional
-    nodes). Without that, XLA copies the loop predicate to the host after every loop and the host
-    thread waits for it before launching the next: on the H200 a 1-row step of Ouro-1.4B lost
-    ~0.7 ms a token to it (docs/decisions.md, "What the engine's fused step loses").
-
-    Fused steps also keep XLA's own sort kernel instead of CUB's radix sort: from ~128 coda rows XLA
-    sorts the sampler's ``[C, vocab]`` logits with CUB, which does not go into a CUDA graph, so the
-    sampling ``lax.cond`` around it ran on the host: the launch copied the branch predicate back
-    and waited for the whole step (a 128-row step returned after 16.4 ms instead of 1.7 ms on the
-    H200) and asynchronous scheduling could not overlap the host's work with it (docs/decisions.md,
-    "Fused steps at large buckets"). ``FUSED_XLA_OPTIONS_ENV`` adds options to fused steps."""
-    if jax.default_backend() != "gpu":
-        return {}
-    opts = {"xla_disable_hlo_passes": "rematerialization"}
-    if fused:
-        opts["xla_gpu_enable_command_buffer"] = FUSED_COMMAND_BUFFER
-        opts["xla_gpu_enable_cub_radix_sort"] = False
-        opts.update(fused_option_overrides())
-    return opts
 
 
 def is_fused(key) -> bool:
@@ -426,8 +369,8 @@ class ModelRunner:
             rope_write_option(),
             self.tensor_parallel_size,
             tuple(d.id for d in self._store_devices),
-            tuple(sorted(_compiler_options().items())),
-            tuple(sorted(_compiler_options(fused=True).items())),
+            tuple(sorted(step_options().items())),
+            tuple(sorted(step_options(fused=True).items())),
             arrays,
             params,
         )
@@ -456,7 +399,7 @@ class ModelRunner:
             return self._exe[key]
         t = time.perf_counter()
         before = jax_cache_hits_in_thread()
-        exe = (lowered or self._lower(key)).compile(_compiler_options(is_fused(key)))
+        exe = (lowered or self._lower(key)).compile(step_options(is_fused(key)))
         dt = time.perf_counter() - t
         if self.store is not None:
             t = time.perf_counter()

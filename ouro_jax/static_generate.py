@@ -47,6 +47,7 @@ from pallas_kernels.dispatch import AttentionKernel, choose_attention
 
 from . import exit_rule
 from .attention import DenseCausalAttention
+from .compiler_options import step_options
 from .config import OuroConfig
 from .device_memory import device_memory
 from .model import OuroModel, dtype_of, fuse_layer_params
@@ -142,10 +143,23 @@ def fuse_params(params: dict, config: OuroConfig) -> dict:
     return {k: fuse_layer_params(v, config) if k.startswith("layers_") else v for k, v in params.items()}
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("config", "dtype_name", "max_new_tokens", "min_loops", "max_loops", "top_k", "kernel"),
-)
+_STATIC = ("config", "dtype_name", "max_new_tokens", "min_loops", "max_loops", "top_k", "kernel")
+
+
+@functools.cache
+def _jitted(options: tuple):
+    """``_generate`` jitted with the XLA options ``options`` (sorted items): one ``jax.jit`` per
+    option set, so its compilation cache is kept across calls."""
+    return jax.jit(_generate, static_argnames=_STATIC, compiler_options=dict(options) or None)
+
+
+def _top_level() -> bool:
+    """Whether this call runs outside any JAX trace (a nested ``jit`` refuses compiler options)."""
+    from jax._src import core  # jax 0.11.2 has no public form of this check
+
+    return core.trace_state_clean()
+
+
 def _generate(
     params,
     prompt_ids,
@@ -343,7 +357,12 @@ def generate(
     dtype_name = str(jax.tree.leaves(params)[0].dtype)
     kernel = decode_kernel(attention, config, b, dtype_name)
     check_cache_fits(config, b, p + max_new_tokens, dtype_name)
-    return _generate(
+    # the fused steps' options (compiler_options.step_options): on the GPU the token and depth
+    # while_loops become CUDA-graph conditional nodes instead of a host round trip per loop. JAX
+    # takes compiler options only at the top-level jit: under a caller's trace the caller's options
+    # hold (and theirs decide whether the loops wait for the host).
+    options = step_options(fused=True) if _top_level() else {}
+    return _jitted(tuple(sorted(options.items())))(
         params,
         prompt_ids,
         lengths,

@@ -119,7 +119,7 @@ def test_fused_early_exit_equals_loop_by_loop_float32(kv_layout, tokens, rows):
 
 def test_fused_128_rows_samples_with_xla_sort():
     """A 128-row fused step samples with XLA's sort, not CUB's (a CUB sort keeps the sampling branch,
-    and so the whole launch, off the CUDA graph: runner._compiler_options), and its sampled
+    and so the whole launch, off the CUDA graph: compiler_options.step_options), and its sampled
     tokens are those of the loop-by-loop engine, whose separate sampler does sort with CUB."""
     cfg = get_preset("ouro-small")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), random_params(cfg, 0))
@@ -150,3 +150,24 @@ def test_fused_128_rows_samples_with_xla_sort():
             for k in keys:
                 assert 'custom_call_target="xla.gpu.ext.cub_sort' not in llm.runner.executable(k).as_text()
     assert got[0] == got[128]
+
+
+def test_generate_in_cuda_graphs_equals_generate_without():
+    """``generate()`` at top level compiles its token and depth loops into CUDA-graph conditional
+    nodes (the fused steps' options) and its sampler keeps XLA's sort; under a caller's ``jit`` it
+    compiles with XLA's defaults. Both give the same sampled tokens and exit depths (gate rule,
+    top-k and top-p sampling, a batch padded to 8 rows)."""
+    from ouro_jax import generate
+
+    cfg = get_preset("ouro-small")
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), random_params(cfg, 0))
+    rng = np.random.default_rng(3)
+    lengths = np.array([17, 5, 40, 33, 9], np.int32)
+    ids = np.zeros((len(lengths), int(lengths.max())), np.int32)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = rng.integers(1, cfg.vocab_size, n)
+    kw = dict(exit_threshold=0.5, temperature=0.9, top_k=40, top_p=0.8, rng=jax.random.PRNGKey(7))
+    top = generate(params, cfg, ids, lengths, 12, **kw)
+    nested = jax.jit(lambda p, x, n: generate(p, cfg, x, n, 12, **kw))(params, jnp.asarray(ids), jnp.asarray(lengths))
+    np.testing.assert_array_equal(np.asarray(top.tokens), np.asarray(nested.tokens))
+    np.testing.assert_array_equal(np.asarray(top.exit_depths), np.asarray(nested.exit_depths))

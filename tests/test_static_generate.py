@@ -93,7 +93,7 @@ def test_generate_equals_reference(preset, lengths, new, kw):
 
 def test_generate_rejects_a_bad_attention_choice_before_tracing(monkeypatch):
     cfg, params, _ = _setup("tiny")
-    monkeypatch.setattr(sg, "_generate", lambda *a, **k: pytest.fail("traced before the choice was checked"))
+    monkeypatch.setattr(sg, "_jitted", lambda options: pytest.fail("traced before the choice was checked"))
     ids = np.ones((1, 4), np.int32)
     with pytest.raises(ValueError, match="attention must be one of"):
         generate(params, cfg, ids, [4], 2, attention="dense")
@@ -101,9 +101,27 @@ def test_generate_rejects_a_bad_attention_choice_before_tracing(monkeypatch):
         with pytest.raises(ValueError, match="no CPU interpret mode"):
             generate(params, cfg, ids, [4], 2, attention="mgpu")
     kernels = []
-    monkeypatch.setattr(sg, "_generate", lambda *a, **k: kernels.append(k["kernel"]))
+    monkeypatch.setattr(sg, "_jitted", lambda options: lambda *a, **k: kernels.append(k["kernel"]))
     generate(params, cfg, ids, [4], 2, attention="Reference")
     assert [(k.name, k.num_rows) for k in kernels] == [("reference", 8)]
+
+
+def test_generate_compiles_with_the_fused_steps_options_at_top_level_only(monkeypatch):
+    """At top level ``generate()`` compiles with the fused steps' XLA options (on the GPU: its
+    while_loops as CUDA-graph conditional nodes); under a caller's ``jit``, where JAX refuses
+    compiler options on a nested jit, it runs with none and gives the same tokens."""
+    cfg, params, _ = _setup("tiny")
+    ids = _prompts(cfg, [5, 3], seed=2)
+    # an option the CPU compiler accepts stands in for the GPU's command-buffer kinds
+    monkeypatch.setattr(sg, "step_options", lambda fused=False: {"xla_cpu_enable_fast_math": False} if fused else {})
+    seen = []
+    jitted = sg._jitted
+    monkeypatch.setattr(sg, "_jitted", lambda options: seen.append(dict(options)) or jitted(options))
+    top = generate(params, cfg, ids, [5, 3], 3)
+    nested = jax.jit(lambda p, x: generate(p, cfg, x, jnp.array([5, 3]), 3))(params, jnp.asarray(ids))
+    assert seen == [{"xla_cpu_enable_fast_math": False}, {}]
+    np.testing.assert_array_equal(nested.tokens, top.tokens)
+    np.testing.assert_array_equal(nested.exit_depths, top.exit_depths)
 
 
 @pytest.mark.slow  # ~20 s on a CPU: two compilations, one with the Triton kernel interpreted
