@@ -7,7 +7,8 @@ thread waits for it before launching the next (docs/decisions.md, "What the engi
 loses against `generate()`").
 
 Two environment variables add options for experiments on the device (``"name=value;name=value"``;
-values ``true``/``false``, integers, else strings: enum names, comma lists); both are part of the
+values ``true``/``false``, integers, else strings: enum names, comma lists, or nothing, as in
+``xla_gpu_enable_command_buffer=`` for no command buffers); both are part of the
 executable store's key through the options they produce:
 
 * ``OURO_JAX_FUSED_XLA_OPTIONS``: fused decode steps and ``generate()``, e.g.
@@ -46,7 +47,7 @@ def option_overrides(text: Optional[str] = None, env: str = FUSED_XLA_OPTIONS_EN
     out = {}
     for entry in filter(None, (e.strip() for e in text.split(";"))):
         name, sep, value = (x.strip() for x in entry.partition("="))
-        if not sep or not name.startswith("xla_") or not value:
+        if not sep or not name.startswith("xla_"):
             raise ValueError(f"{env}: {entry!r} is not 'xla_name=value' (entries split by ';')")
         low = value.lower()
         if low in ("true", "false"):

@@ -144,7 +144,8 @@ def test_fused_xla_option_overrides(monkeypatch):
         "xla_gpu_autotune_level": 2,
     }
     assert parse("xla_gpu_enable_command_buffer=FUSION,WHILE") == {"xla_gpu_enable_command_buffer": "FUSION,WHILE"}
-    for bad in ("xla_gpu_x", "gpu_x=1", "xla_gpu_x="):
+    assert parse("xla_gpu_enable_command_buffer=") == {"xla_gpu_enable_command_buffer": ""}
+    for bad in ("xla_gpu_x", "gpu_x=1", "=1"):
         with pytest.raises(ValueError, match=rmod.FUSED_XLA_OPTIONS_ENV):
             parse(bad)
     monkeypatch.setenv(rmod.FUSED_XLA_OPTIONS_ENV, "xla_gpu_command_buffer_update_mode=SKIP_TEMP")
