@@ -28,7 +28,6 @@ __all__ = [
     "FUSED_COMMAND_BUFFER",
     "FUSED_XLA_OPTIONS_ENV",
     "STEP_XLA_OPTIONS_ENV",
-    "CUBLAS_MIN_ROWS",
     "option_overrides",
     "step_options",
 ]
@@ -60,15 +59,7 @@ def option_overrides(text: Optional[str] = None, env: str = FUSED_XLA_OPTIONS_EN
     return out
 
 
-# One-loop steps of at least this many rows run their GEMMs on cuBLAS instead of XLA's Triton GEMM
-# fusions: on the H200 (docs/decisions.md, "cuBLAS GEMMs for prompt-sized steps") prefill steps of
-# 128 / 256 / 1024 rows at 4K context took 5 / 6 / 1-2% less time, the Q/K/V, O and gate/up
-# projections gaining most; at 8-64 decode rows cuBLAS was slower (one loop at 8 rows 1.90 ->
-# 2.83 ms), and fused decode steps (up to 128 rows) keep XLA's choice.
-CUBLAS_MIN_ROWS = 128
-
-
-def step_options(fused: bool = False, rows: Optional[int] = None) -> dict:
+def step_options(fused: bool = False) -> dict:
     """XLA options of a step executable (none off the GPU). On the GPU the rematerialization pass
     is off: it models each in-place K/V update of the donated pool as a new pool-sized buffer,
     estimates more than twice the device's memory, warns that it cannot get under it, and can
@@ -85,10 +76,7 @@ def step_options(fused: bool = False, rows: Optional[int] = None) -> dict:
     sampling ``lax.cond`` around it ran on the host: the launch copied the branch predicate back
     and waited for the whole step (a 128-row step returned after 16.4 ms instead of 1.7 ms on the
     H200) and asynchronous scheduling could not overlap the host's work with it (docs/decisions.md,
-    "Fused steps at large buckets").
-
-    ``rows``: a one-loop step's row bucket; from ``CUBLAS_MIN_ROWS`` rows its GEMMs go to cuBLAS
-    (``xla_gpu_enable_triton_gemm`` off; ``STEP_XLA_OPTIONS_ENV`` can set it back)."""
+    "Fused steps at large buckets")."""
     if jax.default_backend() != "gpu":
         return {}
     opts = {"xla_disable_hlo_passes": "rematerialization"}
@@ -97,7 +85,5 @@ def step_options(fused: bool = False, rows: Optional[int] = None) -> dict:
         opts["xla_gpu_enable_cub_radix_sort"] = False
         opts.update(option_overrides(env=FUSED_XLA_OPTIONS_ENV))
     else:
-        if rows is not None and rows >= CUBLAS_MIN_ROWS:
-            opts["xla_gpu_enable_triton_gemm"] = False
         opts.update(option_overrides(env=STEP_XLA_OPTIONS_ENV))
     return opts

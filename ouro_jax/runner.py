@@ -58,7 +58,7 @@ from scheduler.buckets import BucketKey
 from scheduler.descriptor import StepResult
 
 from . import fused_step
-from .compiler_options import CUBLAS_MIN_ROWS, step_options
+from .compiler_options import step_options
 from .config import OuroConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
 from .fused_layers import decode_weights, norms_option
@@ -118,13 +118,6 @@ def _count_cache_hit(name: str, **_) -> None:
 
 
 jax.monitoring.register_event_listener(_count_cache_hit)
-
-
-def _options(key) -> dict:
-    """XLA options of ``key``'s executable (``compiler_options.step_options``)."""
-    if is_fused(key):
-        return step_options(fused=True)
-    return step_options(rows=key.R if isinstance(key, BucketKey) else None)
 
 
 def is_fused(key) -> bool:
@@ -377,8 +370,6 @@ class ModelRunner:
             self.tensor_parallel_size,
             tuple(d.id for d in self._store_devices),
             tuple(sorted(step_options().items())),
-            tuple(sorted(step_options(rows=CUBLAS_MIN_ROWS).items())),
-            CUBLAS_MIN_ROWS,
             tuple(sorted(step_options(fused=True).items())),
             arrays,
             params,
@@ -408,7 +399,7 @@ class ModelRunner:
             return self._exe[key]
         t = time.perf_counter()
         before = jax_cache_hits_in_thread()
-        exe = (lowered or self._lower(key)).compile(_options(key))
+        exe = (lowered or self._lower(key)).compile(step_options(is_fused(key)))
         dt = time.perf_counter() - t
         if self.store is not None:
             t = time.perf_counter()

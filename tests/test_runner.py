@@ -155,17 +155,6 @@ def test_fused_xla_option_overrides(monkeypatch):
     assert fused["xla_gpu_command_buffer_update_mode"] == "SKIP_TEMP"
     assert fused["xla_gpu_enable_cub_radix_sort"] is False
     assert "xla_gpu_command_buffer_update_mode" not in plain and "xla_gpu_enable_cub_radix_sort" not in plain
-    # prompt-sized one-loop steps run their GEMMs on cuBLAS; decode-sized and fused steps do not
-    big = rmod.step_options(rows=rmod.CUBLAS_MIN_ROWS)
-    assert big["xla_gpu_enable_triton_gemm"] is False
-    assert "xla_gpu_enable_triton_gemm" not in rmod.step_options(rows=rmod.CUBLAS_MIN_ROWS // 2)
-    assert "xla_gpu_enable_triton_gemm" not in rmod.step_options(fused=True, rows=rmod.CUBLAS_MIN_ROWS)
-    from ouro_jax import runner
-    from scheduler.buckets import BucketKey
-
-    key = BucketKey(R=rmod.CUBLAS_MIN_ROWS, S=1, C=0, F=0, MB=4)
-    assert runner._options(key) == big
-    assert runner._options((key._replace(R=8), 2)) == fused  # a fused step's key: (bucket, tokens)
     # the one-loop steps' variable reaches those steps only
     monkeypatch.setenv(rmod.STEP_XLA_OPTIONS_ENV, "xla_gpu_enable_triton_gemm=false")
     assert rmod.step_options()["xla_gpu_enable_triton_gemm"] is False
