@@ -16,13 +16,19 @@ decode steps"). Three programs read the same descriptor and give the same tokens
 All take ``(params, kp, vp, ring, packed [n, words + exit words], previous [C])`` and return
 ``(kp, vp, ring, gates [n, R], out [tokens, C + R], last [C])``; the scheduler is told which one
 runs (``SchedulerConfig.fused_decode_rows``) because the loops that ran are counted differently
-and elastic steps are built and read differently. Only lock step is measured on the GPU so far
-(docs/decisions.md).
+and elastic steps are built and read differently. On the H200 (run 25, docs/decisions.md) the
+per-row programs ran 10-20% fewer loops than lock step with early exit, but each iteration in which
+a row exits cost ~0.5 ms more than a loop, so they gained little (independent) or lost (elastic).
+
+``OURO_JAX_FUSED_CODA`` (``exits``, default, or ``always``) says where the per-row programs run
+the lm_head: under a ``lax.cond`` only in iterations where some row exits, or unconditionally in
+every iteration; an A/B to find whether that conditional is what makes those iterations dear.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +41,19 @@ from .exit_rule import decide_exit_rows, fold_gate
 from .model import dtype_of
 from .step_program import coda, packed_size, recurrent, unpack
 
-__all__ = ["FUSED_DECODE_ROWS", "lockstep", "independent", "elastic", "program"]
+__all__ = ["FUSED_DECODE_ROWS", "lockstep", "independent", "elastic", "program", "FUSED_CODA_ENV", "coda_option"]
+
+FUSED_CODA_ENV = "OURO_JAX_FUSED_CODA"
+FUSED_CODAS = ("exits", "always")
+
+
+def coda_option() -> str:
+    """``$OURO_JAX_FUSED_CODA`` (default ``exits``), checked: when the per-row programs run the
+    lm_head (module docstring). Part of the executable store's key."""
+    value = os.environ.get(FUSED_CODA_ENV, "exits").strip().lower()
+    if value not in FUSED_CODAS:
+        raise ValueError(f"{FUSED_CODA_ENV} must be one of {', '.join(FUSED_CODAS)}, got {value!r}")
+    return value
 
 
 def program(rows: str):
@@ -226,6 +244,7 @@ def _rows(params, kp, vp, ring, packed, previous, *, elastic: bool, **kw):
     no_pairs = jnp.full((key.F,), -1, jnp.int32)
 
     least = elastic_min_tokens(ntok) if elastic else ntok
+    always = coda_option() == "always"
 
     def running(tok, d):
         """Rows that run a loop this iteration: real, on a token they make (exit limit above 0:
@@ -269,8 +288,10 @@ def _rows(params, kp, vp, ring, packed, previous, *, elastic: bool, **kw):
             hc = _fit(h.astype(h_dtype), C)  # coda entry i is row i
             return coda(params, hc[a["coda_row"]], a, **kw)
 
-        # the lm_head only in iterations where some row exits
-        toks = jax.lax.cond(jnp.any(exits), sample_exits, lambda h: jnp.zeros((C,), jnp.int32), h)
+        if always:  # tokens of rows that do not exit are dropped below
+            toks = sample_exits(h)
+        else:  # the lm_head only in iterations where some row exits
+            toks = jax.lax.cond(jnp.any(exits), sample_exits, lambda h: jnp.zeros((C,), jnp.int32), h)
         row_tok = _fit(toks, R)
         # rows that do not exit write nowhere (a row that exits is real, so r < n <= C)
         at = jnp.where(exits, t, ntok)

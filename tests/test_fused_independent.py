@@ -157,6 +157,34 @@ def test_engine_independent_equals_lockstep_and_loop_by_loop(layout):
         lock.runner.step(wrong)
 
 
+def test_coda_in_every_iteration_changes_nothing(monkeypatch):
+    """``OURO_JAX_FUSED_CODA=always`` (the lm_head and sampler run in every iteration of the
+    per-row program, the tokens of rows that do not exit dropped): the same tokens, exit depths and
+    finish reasons as loop by loop (sampled rows included: a row's key is its seed and token index,
+    never the iteration), the KV pools of lock step, another executable-store key; a bad value is
+    refused before anything is built."""
+    from ouro_jax import fused_step
+
+    sp = _early_params()
+    assert any(s.temperature > 0 for s in sp)
+    want = _run(_engine(fused_decode_max_rows=0), sp)
+    lock = _engine(fused_decode_max_rows=4, fused_decode_tokens=4)
+    assert _run(lock, sp) == want
+    default = _engine(fused_decode_max_rows=4, fused_decode_tokens=4, fused_decode_rows="independent")
+    default_key = default.runner._program_description()  # read from the environment when asked
+    monkeypatch.setenv(fused_step.FUSED_CODA_ENV, "Always")
+    assert fused_step.coda_option() == "always"
+    ind = _engine(fused_decode_max_rows=4, fused_decode_tokens=4, fused_decode_rows="independent")
+    assert _run(ind, sp) == want
+    assert ind.stats()["fused_launches"] > 0
+    for pool in ("k_pool", "v_pool"):
+        assert np.array_equal(np.asarray(getattr(lock.runner, pool)), np.asarray(getattr(ind.runner, pool)))
+    assert ind.runner._program_description() != default_key
+    monkeypatch.setenv(fused_step.FUSED_CODA_ENV, "sometimes")
+    with pytest.raises(ValueError, match=fused_step.FUSED_CODA_ENV):
+        fused_step.coda_option()
+
+
 # ------------------------------------------------------------------ random batches, one pair of engines
 _PAIR: dict = {}
 _IDS = iter(range(10**9))
