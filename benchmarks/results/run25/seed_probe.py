@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouro_jax import LLM, SamplingParams, forward, generate, get_preset
+from ouro_jax import LLM, SamplingParams, get_preset
 from weights.random_init import random_params
 
 pytestmark = [
@@ -69,5 +69,3 @@ def test_probe(model, seed):
         )
         got[attention] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got["mgpu"] == got["triton"], "mgpu vs triton kernel: " + _diff(got["mgpu"], got["triton"])
-
-
