@@ -17,8 +17,9 @@ All take ``(params, kp, vp, ring, packed [n, words + exit words], previous [C])`
 ``(kp, vp, ring, gates [n, R], out [tokens, C + R], last [C])``; the scheduler is told which one
 runs (``SchedulerConfig.fused_decode_rows``) because the loops that ran are counted differently
 and elastic steps are built and read differently. On the H200 (run 25, docs/decisions.md) the
-per-row programs ran 10-20% fewer loops than lock step with early exit, but each iteration in which
-a row exits cost ~0.5 ms more than a loop, so they gained little (independent) or lost (elastic).
+per-row programs ran 10-20% fewer loops than lock step with early exit, but every coda beyond lock
+step's one a token cost ~0.5 ms more than lock step's loop and coda times predict, so they gained
+little (independent) or lost (elastic, which also cannot be launched ahead).
 
 ``OURO_JAX_FUSED_CODA`` (``exits``, default, or ``always``) says where the per-row programs run
 the lm_head: under a ``lax.cond`` only in iterations where some row exits, or unconditionally in
