@@ -209,7 +209,9 @@ def test_prompts_as_jax_and_numpy_arrays_and_numpy_sampling_params(llm):
 def test_generate_checks_concrete_inputs_on_the_host(ids, lengths, match, monkeypatch):
     import ouro_jax.static_generate as sg
 
-    monkeypatch.setattr(sg, "_generate", lambda *a, **k: pytest.fail("traced before the inputs were checked"))
+    monkeypatch.setattr(
+        sg, "_jitted", lambda options: lambda *a, **k: pytest.fail("traced before the inputs were checked")
+    )
     with pytest.raises(ValueError, match=match):
         generate({"w": jnp.zeros(1)}, TINY, np.asarray(ids), np.asarray(lengths), 2)
 
@@ -218,7 +220,7 @@ def test_generate_ignores_ids_in_the_right_padding(monkeypatch):
     import ouro_jax.static_generate as sg
 
     called = []
-    monkeypatch.setattr(sg, "_generate", lambda *a, **k: called.append(a[1]))
+    monkeypatch.setattr(sg, "_jitted", lambda options: lambda *a, **k: called.append(a[1]))
     generate({"w": jnp.zeros(1)}, TINY, np.array([[1, 2, -1], [3, 4, 5]]), np.array([2, 3]), 2)
     assert len(called) == 1 and called[0].dtype == jnp.int32
 
@@ -234,13 +236,15 @@ def test_generate_refuses_a_batch_whose_kv_pools_cannot_fit(monkeypatch):
     assert need == 2 * 24 * 4 * 128 * 1152 * 16 * 128 * 2
     gib = 1 << 30
     monkeypatch.setattr(sg, "device_memory", lambda device=None: (139 * gib, 40 * gib))
-    monkeypatch.setattr(sg, "_generate", lambda *a, **k: pytest.fail("traced before the pools were checked"))
+    monkeypatch.setattr(
+        sg, "_jitted", lambda options: lambda *a, **k: pytest.fail("traced before the pools were checked")
+    )
     params = {"w": jnp.zeros(1, jnp.bfloat16)}
     ids = np.ones((128, 1024), np.int32)
     with pytest.raises(ValueError, match=r"KV pools need 108\.0 GiB .* 99\.0 GiB free"):
         generate(params, cfg, ids, np.full(128, 1024), 128)
     called = []
-    monkeypatch.setattr(sg, "_generate", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(sg, "_jitted", lambda options: lambda *a, **k: called.append(1))
     generate(params, cfg, ids[:1], np.full(1, 1024), 128)
     assert called == [1]
     monkeypatch.setattr(sg, "device_memory", lambda device=None: None)
