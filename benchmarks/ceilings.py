@@ -21,14 +21,20 @@ def _time(f, *args, reps=10):
 
 
 def measure(quick: bool = False) -> dict:
-    """On the GPU: 8192^3 bf16 matmul and a 2 GiB read+write copy. Elsewhere: the H200 defaults."""
+    """On the GPU: 8192^3 bf16 matmul and a 2 GiB read+write copy. Elsewhere: the H200 defaults.
+
+    ``quick``: fewer repetitions of the same matmul. It used to be a 4096^3 matmul, which read
+    640-680 TFLOP/s on the H200 against 777-787 for 8192^3 (run 25; likely because a 0.18 ms
+    kernel is timed with its launches), so FLOP floors priced with it came out ~15% longer and
+    fractions of floor ~15% higher than against the full peak (docs/decisions.md, "cuBLAS GEMMs
+    for prompt-sized steps")."""
     if jax.default_backend() != "gpu":
         return dict(H200_DEFAULTS, measured=False, device=str(jax.devices()[0]))
-    n = 4096 if quick else 8192
+    n = 8192
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.bfloat16)
     mm = jax.jit(lambda x, y: x @ y)
-    peak = 2 * n**3 / _time(mm, a, b)
+    peak = 2 * n**3 / _time(mm, a, b, reps=4 if quick else 10)
     del a, b
     return dict(peak_flops=peak, bandwidth=copy_bandwidth(), measured=True, device=jax.devices()[0].device_kind)
 
