@@ -16,10 +16,9 @@ decode steps"). Three programs read the same descriptor and give the same tokens
 All take ``(params, kp, vp, ring, packed [n, words + exit words], previous [C])`` and return
 ``(kp, vp, ring, gates [n, R], out [tokens, C + R], last [C])``; the scheduler is told which one
 runs (``SchedulerConfig.fused_decode_rows``) because the loops that ran are counted differently
-and elastic steps are built and read differently. On the H200 (run 25, docs/decisions.md) the
-per-row programs ran 10-20% fewer loops than lock step with early exit, but every coda beyond lock
-step's one a token cost ~0.5 ms more than lock step's loop and coda times predict, so they gained
-little (independent) or lost (elastic, which also cannot be launched ahead).
+and elastic steps are built and read differently. Lock step is the default: the per-row programs
+run fewer loops with early exit, but their iterations with exits are dearer, and elastic steps
+cannot be launched ahead (docs/decisions.md, "Early exit at a few streams pays the lock step").
 
 ``OURO_JAX_FUSED_CODA`` (``exits``, default, or ``always``) says where the per-row programs run
 the lm_head: under a ``lax.cond`` only in iterations where some row exits, or unconditionally in

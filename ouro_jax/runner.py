@@ -367,7 +367,7 @@ class ModelRunner:
             self.fused_decode_rows,
             (repr(default_tuning()), norms_option()) if self.decode_matmul == "fused" else None,
             rope_write_option(),
-            fused_step.coda_option(),
+            fused_step.coda_option() if self.fused_decode_rows != "lockstep" else None,
             self.tensor_parallel_size,
             tuple(d.id for d in self._store_devices),
             tuple(sorted(step_options().items())),
