@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.decode_matvec import default_tuning
 from pallas_kernels.dispatch import resolve_attention
+from pallas_kernels.skinny_matmul_mgpu import tuning_overrides as skinny_overrides
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import StepResult
 
@@ -366,6 +367,7 @@ class ModelRunner:
             self.decode_matmul,
             self.fused_decode_rows,
             (repr(default_tuning()), norms_option()) if self.decode_matmul == "fused" else None,
+            repr(skinny_overrides()) if self.decode_matmul in ("mgpu", "reference") else None,
             rope_write_option(),
             fused_step.coda_option() if self.fused_decode_rows != "lockstep" else None,
             self.tensor_parallel_size,

@@ -83,6 +83,47 @@ def supported(dtype, m: int, k: int, n: int) -> str | None:
     return None
 
 
+TUNING_ENV = "OURO_JAX_SKINNY_TUNING"
+_KNOBS = ("block_n", "block_k", "splits", "stages")
+
+
+def tuning_overrides(text: str | None = None) -> dict:
+    """``$OURO_JAX_SKINNY_TUNING`` (or ``text``) parsed: knobs of :func:`skinny_tuning` for the
+    engine's projections, for A/B runs on the device. Entries split by ``;``, each
+    ``[KxN:]knob=value,knob=value`` (``KxN`` limits it to that weight shape, else it applies to
+    every projection; a shape's own entry wins over the global one knob by knob), e.g.
+    ``2048x6144:block_n=64,splits=1;splits=4``. Returns ``{(K, N) or None: {knob: value}}``;
+    ``ValueError`` names the variable and the entry it cannot read."""
+    import os
+
+    text = os.environ.get(TUNING_ENV, "") if text is None else text
+    out: dict = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        shape, sep, knobs = entry.rpartition(":")
+        try:
+            key = tuple(int(d) for d in shape.lower().split("x")) if sep else None
+            if key is not None and len(key) != 2:
+                raise ValueError(shape)
+            kw = {}
+            for item in knobs.split(","):
+                name, eq, value = (x.strip() for x in item.partition("="))
+                if not eq or name not in _KNOBS:
+                    raise ValueError(item)
+                kw[name] = int(value)
+        except ValueError as e:
+            raise ValueError(
+                f"{TUNING_ENV}: cannot read {entry!r} ({e}); entries are '[KxN:]knob=value,...' with knobs {_KNOBS}"
+            ) from None
+        out.setdefault(key, {}).update(kw)
+    return out
+
+
+def knobs_for(k: int, n: int, overrides: dict | None = None) -> dict:
+    """The override knobs of a ``[K, N]`` weight: the global entry updated by the shape's own."""
+    overrides = tuning_overrides() if overrides is None else overrides
+    return {**overrides.get(None, {}), **overrides.get((k, n), {})}
+
+
 @dataclasses.dataclass(frozen=True)
 class SkinnyTuning:
     """Static knobs of one launch, normalised: ``splits`` is the number of non-empty K splits."""

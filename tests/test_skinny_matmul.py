@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch
+from pallas_kernels import skinny_matmul_mgpu as sk
 from pallas_kernels.skinny_matmul_mgpu import (
     SMEM_LIMIT,
     SMEM_TWO_CTAS,
@@ -373,3 +374,42 @@ def test_decode_matmul_option_checked():
     else:
         with pytest.raises(ValueError, match="unrolled"):
             check_decode_matmul("mgpu", "scan")
+
+
+def test_tuning_overrides_parse_and_merge(monkeypatch):
+    """``OURO_JAX_SKINNY_TUNING``: global and per-shape knobs, the shape's own winning knob by
+    knob; unreadable entries are refused naming the variable."""
+    ov = sk.tuning_overrides("splits=4, stages=3; 2048x6144:block_n=64,splits=1")
+    assert ov == {None: {"splits": 4, "stages": 3}, (2048, 6144): {"block_n": 64, "splits": 1}}
+    assert sk.knobs_for(2048, 6144, ov) == {"splits": 1, "stages": 3, "block_n": 64}
+    assert sk.knobs_for(2048, 2048, ov) == {"splits": 4, "stages": 3}
+    assert sk.tuning_overrides("") == {}
+    monkeypatch.setenv(sk.TUNING_ENV, "64x192:splits=2")
+    assert sk.knobs_for(64, 192) == {"splits": 2}
+    for bad in ("splits", "warps=2", "2048:splits=1", "axb:splits=1", "splits=x"):
+        with pytest.raises(ValueError, match=sk.TUNING_ENV):
+            sk.tuning_overrides(bad)
+
+
+def test_tuning_overrides_reach_the_projections(monkeypatch):
+    """The engine's projections take the override knobs (the twin's split decomposition changes
+    with ``splits``: partial sums of other K ranges, same product) and the store key names them."""
+    from ouro_jax import step_program as program
+
+    monkeypatch.setenv(sk.TUNING_ENV, "64x192:splits=2,block_k=64")
+    seen = []
+    real = sk.skinny_matmul_reference
+
+    def spy(x, w, **kw):
+        seen.append((w.shape, kw))
+        return real(x, w, **kw)
+
+    monkeypatch.setattr(sk, "skinny_matmul_reference", spy)
+    mm = program.decode_matmul_fn("reference")
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 192)), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+    np.testing.assert_allclose(mm(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    mm(x, w2)
+    assert seen == [((64, 192), {"splits": 2, "block_k": 64}), ((64, 64), {})]
