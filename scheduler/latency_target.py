@@ -5,22 +5,13 @@ fixed depth), so a stream's TPOT is ``L`` times the time of the invocations it r
 (mixed, wavefront) share invocations: the cap keeps ``t(decode + prompt rows) <= target / L``. Split
 alternates prefill and decode invocations one for one per loop: ``t(prompt) + t(decode) <= target / L``.
 
-``CostModel`` predicts an invocation's seconds as ``a + b * R + c * kv`` (``a`` per one-loop
-invocation, ``a_f`` per sub-step of a fused decode step, which launches no host work per loop; ``R`` the row bucket it
+``CostModel`` predicts an invocation's seconds as ``a + b * R + c * kv`` (``R`` the row bucket it
 runs, ``kv`` the context tokens its attention reads: a decode row reads its context, a prompt
 segment reads its context once per query tile of up to ``KV_TILE_ROWS`` rows, not once per row, as
 the attention kernels do), by non-negative least squares over a sliding
 window of measured runs. The engine reads device results only now and then (prompt-only plans never
 block), so one measurement is the time between two blocking reads and covers every plan launched
 in between: the model is fitted on their summed features, which a linear model allows.
-
-Token cycles (staged modes with fused decode steps): while every decoding stream fits one fused
-step, decode rows leave the shared invocations. Each token is then one fused step of all streams
-(its ``L`` loops in one launch, at the fused steps' lower cost per loop) followed by prompt-only
-invocations whose predicted times fill the rest of ``target`` (``start_cycle`` / ``cycle_prompt_cap``
-/ ``spend``); at least one chunk runs per cycle, and at most ``max_cycle_invocations``, so neither
-side starves. Streams still at a depth > 0 (from a shared invocation) finish their token the usual
-way first.
 
 Never starving: decode rows are never capped; with no decode stream running prompts are not capped
 either; waiting prompts always get at least ``min_prompt_share`` of the predicted invocation time
@@ -40,7 +31,7 @@ import numpy as np
 
 from .plan import Phase
 
-__all__ = ["CostModel", "LatencyTarget", "plan_features", "make_latency_target", "KV_TILE_ROWS", "NUM_FEATURES"]
+__all__ = ["CostModel", "LatencyTarget", "plan_features", "make_latency_target", "KV_TILE_ROWS"]
 
 # Query rows that share one pass over their segment's K/V in the attention kernels (the Mosaic
 # kernel's 128-row tiles; the Triton kernel's tiles are 16-128 rows, one per short segment).
@@ -59,9 +50,9 @@ def kv_tokens(token_start: int, token_count: int) -> float:
     return total
 
 
-def plan_features(plan) -> tuple[float, float, float, float]:
-    """``(one-loop invocations, fused sub-steps, bucket rows, context tokens read by attention)`` of
-    one plan (a fused plan: of the sub-steps that ran, once ``update`` has seen them)."""
+def plan_features(plan) -> tuple[float, float, float]:
+    """``(invocations, bucket rows, context tokens read by attention)`` of one plan (a fused plan:
+    of the sub-steps that ran, once ``update`` has seen them)."""
     subs = plan.sub_plans if plan.sub_plans is not None else [plan]
     runs = getattr(plan.descriptor, "loops_run", None)
     if plan.sub_plans is not None and runs is not None:
@@ -74,15 +65,11 @@ def plan_features(plan) -> tuple[float, float, float, float]:
         for r in sub.ranges:
             if r.phase is not Phase.PRELUDE:
                 ctx += kv_tokens(r.token_start, r.token_count)
-    return (0.0, n, rows, ctx) if plan.sub_plans is not None else (n, 0.0, rows, ctx)
-
-
-NUM_FEATURES = 4  # plan_features
+    return n, rows, ctx
 
 
 class CostModel:
-    """``seconds = a * invocations + a_f * fused_substeps + b * rows + c * ctx``, all coefficients
-    >= 0, over the last ``window`` runs."""
+    """``seconds = a * invocations + b * rows + c * ctx``, all coefficients >= 0, over the last ``window`` runs."""
 
     def __init__(self, window: int = 256, min_observations: int = 8):
         if not (isinstance(window, int) and window >= 3):
@@ -96,11 +83,11 @@ class CostModel:
         self.num_observations = 0
 
     def observe(self, features: Sequence[float], seconds: float) -> None:
-        if len(features) != NUM_FEATURES or not all(math.isfinite(f) and f >= 0 for f in features):
-            raise ValueError(f"CostModel.observe: features must be {NUM_FEATURES} finite values >= 0, got {features!r}")
+        if len(features) != 3 or not all(math.isfinite(f) and f >= 0 for f in features):
+            raise ValueError(f"CostModel.observe: features must be 3 finite values >= 0, got {features!r}")
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"CostModel.observe: seconds must be finite and >= 0, got {seconds!r}")
-        if features[0] + features[1] <= 0:
+        if features[0] <= 0:
             return  # nothing ran
         self._obs.append((*features, seconds))
         self.num_observations += 1
@@ -111,7 +98,7 @@ class CostModel:
         return len(self._obs) >= self.min_observations
 
     @property
-    def coefficients(self) -> Optional[tuple[float, float, float, float]]:
+    def coefficients(self) -> Optional[tuple[float, float, float]]:
         if not self.fitted:
             return None
         if self._dirty:
@@ -120,37 +107,27 @@ class CostModel:
         return tuple(float(x) for x in self._coef)
 
     def _fit(self) -> np.ndarray:
-        """Non-negative least squares by trying every subset of the features (the best feasible
-        one). A feature never seen (no fused step yet) gets the coefficient of its one-loop twin:
-        until fused steps are measured they are predicted at the one-loop invocations' cost."""
-        nf = NUM_FEATURES
+        """Non-negative least squares by trying every subset of the 3 features (the best feasible one)."""
         data = np.asarray(self._obs, np.float64)
-        x, y = data[:, :nf], data[:, nf]
+        x, y = data[:, :3], data[:, 3]
         scale = np.maximum(x.max(axis=0), 1e-12)  # columns of very different sizes: solve on [0, 1] columns
         xs = x / scale
-        best, best_err = np.zeros(nf), float(np.sum(y * y))
-        for k in range(1, nf + 1):
-            for cols in itertools.combinations(range(nf), k):
-                if any(x[:, j].max() <= 0 for j in cols):
-                    continue  # an unseen feature: its column is all zeros
+        best, best_err = np.zeros(3), float(np.sum(y * y))
+        for k in (1, 2, 3):
+            for cols in itertools.combinations(range(3), k):
                 sol, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
                 if (sol < 0).any():
                     continue
-                coef = np.zeros(nf)
+                coef = np.zeros(3)
                 coef[list(cols)] = sol
                 err = float(np.sum((xs @ coef - y) ** 2))
                 if err < best_err - 1e-18:
                     best, best_err = coef, err
-        coef = best / scale
-        if x[:, 0].max() <= 0:
-            coef[0] = coef[1]
-        if x[:, 1].max() <= 0:
-            coef[1] = coef[0]
-        return coef
+        return best / scale
 
-    def predict(self, rows: float, ctx: float, invocations: float = 1.0, fused_substeps: float = 0.0) -> float:
-        a, a_f, b, c = self.coefficients
-        return a * invocations + a_f * fused_substeps + b * rows + c * ctx
+    def predict(self, rows: float, ctx: float, invocations: float = 1.0) -> float:
+        a, b, c = self.coefficients
+        return a * invocations + b * rows + c * ctx
 
 
 class LatencyTarget:
@@ -190,18 +167,13 @@ class LatencyTarget:
         self.forced = 0  # invocations given a chunk by the starvation rule
         self.capped = 0  # invocations whose prompt rows the target limited
         self.relaxed = 0  # invocations whose target decode alone would miss: prompts got the minimum share
-        # token cycles (module docstring): prompt seconds left in the current cycle (None: none open)
-        self.max_cycle_invocations = 4 * num_loops
-        self.cycle_left: Optional[float] = None
-        self.cycle_invocations = 0  # prompt-only invocations of the current cycle
-        self.cycles = 0  # fused decode steps that opened a cycle
 
     # ------------------------------------------------------------------ measure
     def observe(self, plans, seconds: float) -> None:
         """``plans`` (one plan or a list) ran in ``seconds`` together."""
         plans = plans if isinstance(plans, (list, tuple)) else [plans]
         feats = [plan_features(p) for p in plans]
-        self.model.observe(tuple(sum(f[i] for f in feats) for i in range(NUM_FEATURES)), seconds)
+        self.model.observe(tuple(sum(f[i] for f in feats) for i in range(3)), seconds)
 
     def observe_loops(self, loops: int) -> None:
         """A decode token left after ``loops`` loops."""
@@ -242,71 +214,6 @@ class LatencyTarget:
             return max(1, min(self.prompt_chunk, budget - (0 if split else n_d)))
         return cap
 
-    # ------------------------------------------------------------------ token cycles
-    def cycle_wants_decode(self) -> bool:
-        """Whether the next invocation of a cycle is the streams' fused step (no cycle open, or the
-        open one has no prompt time or invocations left after its first prompt invocation)."""
-        if self.cycle_left is None:
-            return True
-        if self.cycle_invocations == 0:
-            return False  # at least one prompt invocation per token
-        return self.cycle_left <= 0 or self.cycle_invocations >= self.max_cycle_invocations
-
-    def start_cycle(self, n_rows: int, ctx_d: float) -> None:
-        """A fused step of ``n_rows`` streams reading ``ctx_d`` context tokens a loop opens a cycle:
-        the prompt time left is the target less its predicted time (at least the prompts' minimum
-        share of the cycle; ``relaxed`` counts the cycles that needed it)."""
-        self.cycles += 1
-        self.cycle_invocations = 0
-        if not self.model.fitted:
-            self.cycle_left = 0.0  # explore: one prompt chunk per token until the model has data
-            return
-        L = self.mean_loops
-        t_f = self.model.predict(L * self._bucket(n_rows), L * ctx_d, invocations=0.0, fused_substeps=L)
-        left = self.headroom * self.target_s - t_f
-        least = t_f * self.min_prompt_share / (1.0 - self.min_prompt_share)
-        if left < least:
-            left = least
-            self.relaxed += 1
-        self.cycle_left = left
-
-    def cycle_prompt_cap(self, prefilling: list, budget: int) -> int:
-        """Prompt rows of the cycle's next prompt-only invocation: the most whose predicted time fits
-        the cycle's time left; one chunk when nothing fits and the cycle has run none yet."""
-        first = min(budget, self.prompt_chunk)
-        if not self.model.fitted or not prefilling:
-            return first if self.cycle_invocations == 0 else 0
-        a, _, b, c = self.model.coefficients
-        pos = max(min(r.prefill_len, r.prefill_depth_frontiers[0] + r.prefill_chunk_size) for r in prefilling)
-        per_row = c * pos / min(self.prompt_chunk, KV_TILE_ROWS)
-        best, prev = 0, 0
-        for r_bucket in self.row_buckets:
-            hi, lo = min(r_bucket, budget), prev
-            prev = r_bucket
-            slack = self.cycle_left - a - b * r_bucket
-            if hi <= lo or slack < 0:
-                continue
-            p = hi if per_row <= 0 else min(hi, int(slack // per_row))
-            if p > lo:
-                best = max(best, p)
-        if best == 0 and self.cycle_invocations == 0:
-            return first
-        if best < budget:
-            self.capped += 1
-        return best
-
-    def spend(self, plan) -> None:
-        """A prompt-only invocation of the open cycle was scheduled: its predicted time is spent."""
-        self.cycle_invocations += 1
-        if self.model.fitted and self.cycle_left is not None:
-            n, f, rows, ctx = plan_features(plan)
-            self.cycle_left -= self.model.predict(rows, ctx, invocations=n, fused_substeps=f)
-
-    def end_cycle(self) -> None:
-        """The streams left the cycle (a shared invocation runs them, or nothing is prefilling)."""
-        self.cycle_left = None
-        self.cycle_invocations = 0
-
     def note_selection(self, prompt_waiting: bool, ran_prompt: bool) -> None:
         """What the invocation just scheduled did: the starvation count is of invocations in which
         prompt work waited and got no row, whatever the reason (cap, policy, a group in flight)."""
@@ -318,7 +225,7 @@ class LatencyTarget:
             return 0
         if not self.model.fitted:  # explore: one chunk until the model has data
             return min(room, self.prompt_chunk)
-        a, _, b, c = self.model.coefficients
+        a, b, c = self.model.coefficients
         limit = self.headroom * self.target_s / self.mean_loops
         decode_alone = a + b * self._bucket(n_d) + c * ctx_d
         # the least time prompts get: share s of (decode + prompt) time, i.e. decode / (1 - s) in all
@@ -357,7 +264,6 @@ class LatencyTarget:
             latency_capped=self.capped,
             latency_forced=self.forced,
             latency_relaxed=self.relaxed,
-            latency_cycles=self.cycles,
         )
 
 

@@ -482,7 +482,6 @@ class Scheduler:
         t0 = time.perf_counter()
         cfg, T = self.config, self.num_loops
         finalize: list[int] = []  # flat (src, dst) pairs: numpy converts flat int lists fastest
-        cycle = None  # "decode" / "prompt": a step of a latency target's token cycle (_latency_cycle_select)
         if sum(len(r.pending_finalize) for r in self.running) > 2 * self._max_finalize_pairs:
             # more copies than one invocation holds (a rebuild finalizing a whole chunk at once):
             # copy-only invocations first, so that every copy still lands before anything reads it
@@ -500,9 +499,8 @@ class Scheduler:
             self._stats["max_running"] = max(self._stats["max_running"], len(self.running))
             cap = None
             if self.latency is not None:
-                cycle, sel = self._latency_cycle_select()
-            else:
-                sel = self.policy.select(self.running, cfg.max_num_batched_tokens, T, cap)
+                cap = self.latency.prompt_cap(self.running, cfg.max_num_batched_tokens, cfg.prefill_mode == "split")
+            sel = self.policy.select(self.running, cfg.max_num_batched_tokens, T, cap)
             if self.latency is not None:
                 waiting = any(r.is_prefilling for r in self.running)
                 self.latency.note_selection(waiting, sel is not None and bool(sel.prompt))
@@ -510,13 +508,6 @@ class Scheduler:
                 if req.pending_finalize:
                     finalize.extend(req.pending_finalize)
                     req.pending_finalize = []
-            if cycle == "decode":
-                rows = sel.decode
-                self.latency.start_cycle(len(rows), float(sum(r.position_in_flight + 1 for r in rows)))
-                self._stats["cycle_fused_steps"] += 1
-                plan = self._inflight = self._schedule_fused(rows, finalize, 1)
-                self._stats["schedule_time_s"] += time.perf_counter() - t0
-                return plan
         if sel is None and not finalize:
             self._stats["schedule_time_s"] += time.perf_counter() - t0
             return None
@@ -609,8 +600,6 @@ class Scheduler:
 
         self._count_loop(plan, len(decode))
         self._stats["launches"] += 1
-        if cycle == "prompt":
-            self.latency.spend(plan)
         self._stats["schedule_time_s"] += time.perf_counter() - t0
         return plan
 
@@ -628,67 +617,6 @@ class Scheduler:
         st["finalize_pairs"] += len(plan.finalize)
         st[f"{plan.kind}_invocations"] += 1
         self._keys_used[desc.key.R] += 1
-
-    # ------------------------------------------------------------ latency target: token cycles
-    def _cycle_streams(self) -> tuple[Optional[list[Request]], bool]:
-        """``(decoding requests, all at depth 0)`` when a latency target's token cycles apply
-        (``scheduler/latency_target.py``): a staged prefill mode with fused decode steps, streams
-        decoding and prompts prefilling at once, every stream fitting one fused step (within
-        ``fused_decode_max_rows``) and every stream at the same known depth (fixed-depth exits of
-        one ``max_loops``); ``(None, False)`` otherwise. Early-exit streams stay in the shared
-        invocations: a fused step runs every row to the deepest row's exit, while the shared
-        invocations' budget follows the loops the tokens actually run (``mean_loops``), and with
-        synthetic depths of mean 2.5 the cycles gave the prompts less time (tests/test_latency_target.py)."""
-        cfg, T = self.config, self.num_loops
-        if not cfg.fused_decode_max_rows or cfg.prefill_mode == "split":
-            return None, False
-        decoding = [r for r in self.running if r.is_decoding]
-        if not decoding or len(decoding) == len(self.running) or len(decoding) > cfg.fused_decode_max_rows:
-            return None, False
-        depths = {
-            r.sampling_params.resolved_max_loops(T)
-            if r.sampling_params.exit_mode == "fixed"
-            or (r.sampling_params.exit_mode in ("ouro", "delayed") and r.sampling_params.exit_threshold >= 1.0)
-            else None
-            for r in decoding
-        }
-        if len(depths) != 1 or None in depths:
-            return None, False
-        return decoding, not any(r.decode_depth for r in decoding)
-
-    def _cycle_fused_fits(self, rows: list[Request]) -> bool:
-        """One fused token of ``rows`` fits its bucket (with every finalize pair pending) and gets
-        its blocks."""
-        pairs = sum(len(r.pending_finalize) for r in self.running) // 2
-        need = descriptor_rows(len(rows), len(rows), len(rows), pairs, self.num_loops)
-        if self.bucket_spec.key_for(need).R > self.bucket_spec.key_for(self.config.fused_decode_max_rows).R:
-            return False
-        return all(_tokens_left(r) >= 1 and self._grow_to(r, r.position_in_flight + 1) for r in rows)
-
-    def _latency_cycle_select(self) -> tuple[Optional[str], Optional[Selection]]:
-        """The next invocation's selection under a latency target: a token cycle's fused step of
-        every stream (``"decode"``) or prompt-only invocation (``"prompt"``), else (``None``) the
-        shared invocations capped by ``LatencyTarget.prompt_cap``. Streams caught mid-token when
-        cycles start finish it in shared invocations while the streams at depth 0 wait for them
-        (at most ``T - 1`` invocations, once), as ``_align_for_fusion`` does."""
-        cfg, T, lt = self.config, self.num_loops, self.latency
-        budget = cfg.max_num_batched_tokens
-        streams, aligned = self._cycle_streams()
-        if streams is not None and aligned:
-            prefilling = [r for r in self.running if not r.is_decoding]
-            if not lt.cycle_wants_decode():
-                cap = lt.cycle_prompt_cap([r for r in prefilling if r.is_prefilling], budget)
-                sel = self.policy.select(prefilling, budget, T, cap) if cap else None
-                if sel is not None and sel.prompt:
-                    return "prompt", sel
-            if self._cycle_fused_fits(streams):
-                return "decode", Selection("decode", streams, [], T)
-        lt.end_cycle()
-        running = self.running
-        if streams is not None and not aligned:  # hold the streams at depth 0 until the rest catch up
-            running = [r for r in running if not (r.is_decoding and r.decode_depth == 0)]
-        cap = lt.prompt_cap(running, budget, cfg.prefill_mode == "split")
-        return None, self.policy.select(running, budget, T, cap)
 
     # ------------------------------------------------------------ fused decode
     def _fusion_candidates(self, sel) -> bool:

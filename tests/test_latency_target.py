@@ -19,14 +19,12 @@ from scheduler import Phase, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.latency_target import CostModel, LatencyTarget, plan_features
 
 
-def linear_cost(a, b, c, a_fused=None):
-    """Seconds of one plan under ``a + b * R + c * ctx`` per invocation (``a_fused`` instead of
-    ``a`` per sub-step of a fused decode step; default ``a``)."""
-    a_fused = a if a_fused is None else a_fused
+def linear_cost(a, b, c):
+    """Seconds of one plan under ``a + b * R + c * ctx`` per invocation."""
 
     def cost(plan):
-        n, f, rows, ctx = plan_features(plan)
-        return a * n + a_fused * f + b * rows + c * ctx
+        n, rows, ctx = plan_features(plan)
+        return a * n + b * rows + c * ctx
 
     return cost
 
@@ -83,33 +81,20 @@ def drive(cfg, reqs, cost):
 def test_cost_model_recovers_a_linear_cost_from_summed_runs():
     rng = np.random.default_rng(0)
     m = CostModel(window=64, min_observations=4)
-    a, a_f, b, c = 1e-3, 4e-4, 5e-5, 2e-7
+    a, b, c = 1e-3, 5e-5, 2e-7
     for _ in range(40):
-        n, f = int(rng.integers(0, 5)), int(rng.integers(0, 9))  # several invocations per measured run
-        rows, ctx = float(rng.integers(8, 512) * (n + f)), float(rng.integers(0, 100_000))
-        m.observe((n, f, rows, ctx), a * n + a_f * f + b * rows + c * ctx)
+        n = int(rng.integers(1, 5))  # several invocations per measured run
+        rows, ctx = float(rng.integers(8, 512) * n), float(rng.integers(0, 100_000))
+        m.observe((n, rows, ctx), a * n + b * rows + c * ctx)
     assert m.fitted
-    np.testing.assert_allclose(m.coefficients, (a, a_f, b, c), rtol=1e-6)
+    np.testing.assert_allclose(m.coefficients, (a, b, c), rtol=1e-6)
     assert m.predict(256, 4096) == pytest.approx(a + b * 256 + c * 4096)
-    assert m.predict(256, 4096, invocations=0, fused_substeps=4) == pytest.approx(4 * a_f + b * 256 + c * 4096)
-
-
-def test_cost_model_predicts_an_unseen_kind_at_the_other_kinds_cost():
-    """Before any fused step ran its sub-steps cost what one-loop invocations do (and back)."""
-    for col in (0, 1):
-        m = CostModel(window=16, min_observations=3)
-        for r in (8, 16, 32, 64):
-            feats = [0.0, 0.0, float(r), 0.0]
-            feats[col] = 1.0
-            m.observe(tuple(feats), 1e-3 + 1e-5 * r)
-        a, a_f, b, _ = m.coefficients
-        assert a == pytest.approx(1e-3) and a_f == pytest.approx(1e-3) and b == pytest.approx(1e-5)
 
 
 def test_cost_model_keeps_coefficients_non_negative():
     m = CostModel(window=16, min_observations=3)
     for r in (8, 16, 32, 64):  # time falls with rows: no non-negative slope explains it
-        m.observe((1, 0, r, 0), 1.0 / r)
+        m.observe((1, r, 0), 1.0 / r)
     assert all(x >= 0 for x in m.coefficients)
 
 
@@ -137,9 +122,9 @@ def test_config_rejects_bad_target(bad):
 def test_cost_model_rejects_bad_observations():
     m = CostModel()
     with pytest.raises(ValueError):
-        m.observe((1, 0, 8), 0.1)
+        m.observe((1, 8), 0.1)
     with pytest.raises(ValueError):
-        m.observe((1, 0, 8, 0), -1.0)
+        m.observe((1, 8, 0), -1.0)
 
 
 # --------------------------------------------------------------- meets the target
@@ -191,7 +176,7 @@ def test_fitted_model_keeps_decode_under_the_target(mode):
     h, objs, aborted = drive(config(mode, target * 1e3), reqs, COST)
     lt = h.s.latency
     assert lt.model.fitted and lt.forced == 0 and lt.capped > 0
-    np.testing.assert_allclose(lt.model.coefficients, (1e-3, 1e-3, 5e-5, 1e-7), rtol=1e-3, atol=1e-9)
+    np.testing.assert_allclose(lt.model.coefficients, (1e-3, 5e-5, 1e-7), rtol=1e-3, atol=1e-9)
     # once the model has its observations, every token of every stream is on time
     gaps = stream_intervals(h, h.fitted_at)
     assert gaps and max(gaps) <= target * (1 + 1e-9), max(gaps)
@@ -243,94 +228,6 @@ def test_infeasible_target_gives_prompts_their_minimum_share():
     assert h0.s.latency.forced > 0 and h0.max_no_prompt_run > 1
 
 
-# fused sub-steps launch no host work per loop: much cheaper than a one-loop invocation, whose
-# fixed cost dominates small invocations (as on the GPU: docs/decisions.md, "Decode latency target")
-COST_FUSED = linear_cost(2e-3, 5e-5, 1e-7, a_fused=5e-4)
-
-
-def long_prompts_done_at(h, cost) -> float:
-    """Synthetic time at which the long prompts ran their last prompt row."""
-    clock, done = 0.0, 0.0
-    for p in h.plans:
-        clock += cost(p)
-        subs = p.sub_plans if p.sub_plans is not None else [p]
-        if any(str(r.request_id).startswith("L") for q in subs for r in q.ranges_of(Phase.RECURRENT)):
-            done = clock
-    return done
-
-
-@pytest.mark.parametrize("mode", ["mixed", "wavefront"])
-def test_token_cycles_run_streams_fused_between_prompt_invocations(mode):
-    """With fused decode steps the streams leave the shared invocations while prompts prefill: a
-    token is one fused step of every stream, then prompt-only invocations fill the target's rest.
-    Tokens and depths are unchanged, the median token is on time once the model is fitted, and the
-    prompts finish sooner than under the per-invocation cap (the fused loops cost less)."""
-    target = 16e-3
-    reqs = streams_and_long_prompts("fixed", long_len=300)
-    cfg = config(mode, target * 1e3, fused_decode_max_rows=8)
-    h, objs, aborted = drive(cfg, reqs, COST_FUSED)
-    lt = h.s.latency
-    st = h.s.stats()
-    assert lt.cycles > 0 and st["cycle_fused_steps"] == lt.cycles
-    assert st["latency_cycles"] == lt.cycles
-    check_against_reference(cfg, objs, aborted)
-    # the fused steps' own cost was learned apart from the one-loop invocations'
-    np.testing.assert_allclose(lt.model.coefficients, (2e-3, 5e-4, 5e-5, 1e-7), rtol=1e-3, atol=1e-9)
-    gaps = stream_intervals(h, h.fitted_at)
-    assert gaps and np.median(gaps) <= target * (1 + 1e-9), np.median(gaps)
-    # a fused token plus at least one prompt chunk per cycle: prompts keep moving, streams too
-    assert h.max_no_prompt_run <= 2 * cfg.num_loops, h.max_no_prompt_run
-    assert h.max_decode_gap <= lt.max_cycle_invocations + cfg.num_loops, h.max_decode_gap
-    # against the per-invocation cap (no fused steps, same costs): the prompts are done sooner
-    h_cap, objs_cap, aborted_cap = drive(config(mode, target * 1e3), reqs, COST_FUSED)
-    assert h_cap.s.latency.cycles == 0
-    check_against_reference(cfg, objs_cap, aborted_cap)
-    got, base = long_prompts_done_at(h, COST_FUSED), long_prompts_done_at(h_cap, COST_FUSED)
-    assert got < base, (got, base)
-
-
-def test_token_cycles_off_without_fused_steps_in_split_mode_or_with_early_exit():
-    """No cycles without fused steps, in split mode (its own alternation), or with streams whose
-    depth varies: with synthetic depths of mean 2.5 cycles finished the long prompts later than
-    the per-invocation cap (0.31 against 0.26 s of this test's clock when they were allowed)."""
-    fixed, early = streams_and_long_prompts(long_len=160), streams_and_long_prompts("synthetic", long_len=160)
-    for cfg, reqs in (
-        (config("split", 16.0, fused_decode_max_rows=8), fixed),
-        (config("wavefront", 16.0), fixed),
-        (config("wavefront", 16.0, fused_decode_max_rows=8), early),
-    ):
-        h, objs, aborted = drive(cfg, reqs, COST_FUSED)
-        assert h.s.latency.cycles == 0
-        check_against_reference(cfg, objs, aborted)
-
-
-def test_cycle_prompt_cap_fits_the_time_left():
-    """Unit: the cap takes the most prompt rows whose predicted time fits the cycle's time left;
-    nothing fits -> one chunk for the cycle's first invocation, none after it."""
-    lt = LatencyTarget(10e-3, 4, [8, 16, 32, 64], 16, min_observations=1)
-    lt.model.observe((1, 0, 64, 0), 1e-3 + 64 * 1e-5)
-    lt.model.observe((1, 0, 8, 0), 1e-3 + 8 * 1e-5)
-    lt.model.observe((0, 4, 32, 0), 4 * 2e-4 + 32 * 1e-5)
-
-    class P:  # a prefilling request's fields the cap reads
-        prefill_len, prefill_depth_frontiers, prefill_chunk_size = 100, [0], 16
-
-    lt.start_cycle(8, 0.0)
-    # fused token: 4 sub-steps of the 8-row bucket = 0.8 + 0.32 ms; 0.95 * 10 ms less that is left
-    assert lt.cycle_left == pytest.approx(0.95 * 10e-3 - 4 * 2e-4 - 4 * 8 * 1e-5)
-    assert lt.cycle_prompt_cap([P()], 64) == 64 and not lt.cycle_wants_decode()
-    lt.cycle_left, lt.cycle_invocations = 1.2e-3, 1  # room for the 16-row bucket only (1.16 ms)
-    assert lt.cycle_prompt_cap([P()], 64) == 16
-    lt.cycle_left = 0.5e-3  # nothing fits: no prompt rows (the scheduler runs the next token)
-    assert lt.cycle_prompt_cap([P()], 64) == 0 and not lt.cycle_wants_decode()
-    lt.cycle_left = 0.0
-    assert lt.cycle_wants_decode()
-    lt.cycle_invocations = 0  # the first prompt invocation of a cycle always gets a chunk
-    assert lt.cycle_prompt_cap([P()], 64) == 16 and not lt.cycle_wants_decode()
-    lt.end_cycle()
-    assert lt.cycle_left is None and lt.cycle_wants_decode()
-
-
 def test_min_prompt_share_is_checked():
     for bad in (-0.1, 1.0, 2, "x"):
         with pytest.raises(ValueError, match="min_prompt_share"):
@@ -357,9 +254,7 @@ def test_target_never_starves_prompts_nor_decode_and_keeps_tokens(wl, target_ms,
     # (split); with fused decode steps, rows held at depth 0 for fusion wait up to T - 1 more
     # invocations once (Scheduler._align_for_fusion)
     hold = T - 1 if cfg.fused_decode_max_rows else 0
-    # token cycles (fused steps under the target): a cycle's prompt-only invocations between tokens
-    cycle = lt.max_cycle_invocations if cfg.fused_decode_max_rows and cfg.prefill_mode != "split" else 0
-    assert h.max_decode_gap <= (T + 2 if cfg.prefill_mode == "split" else 2) + hold + cycle, h.max_decode_gap
+    assert h.max_decode_gap <= (T + 2 if cfg.prefill_mode == "split" else 2) + hold, h.max_decode_gap
     check_against_reference(cfg, objs, aborted)
 
 
@@ -467,42 +362,6 @@ def test_llm_plumbs_target_and_measures_invocations():
     assert outs[None] == outs[50.0]
     with pytest.raises(ValueError, match="target_tpot_ms"):
         LLM(cfg, target_tpot_ms=-1, **kw)
-
-
-def test_llm_token_cycles_keep_tokens():
-    """The engine under a target with fused decode steps: streams run as fused tokens between
-    prompt-only invocations (token cycles) and give the tokens and depths of the untargeted run."""
-    from ouro_jax.config import get_preset
-    from ouro_jax.llm import LLM
-    from weights.random_init import random_params
-
-    cfg = get_preset("tiny")
-    kw = dict(
-        params=random_params(cfg, 0),
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        prefill_chunk_size=8,
-        block_size=4,
-        max_model_len=96,
-        buckets=[8, 32],
-        fused_decode_max_rows=4,
-        prefill_mode="wavefront",
-        progress=False,
-    )
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (3, 4, 60)]
-    sp = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=3)
-    outs, exes = {}, None
-    for target in (None, 1e4):
-        llm = LLM(cfg, target_tpot_ms=target, warmup=exes is None, **kw)
-        if exes is None:
-            exes = llm.runner.executables()
-        else:
-            llm.runner.adopt(exes)
-        outs[target] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
-        if target is not None:
-            assert llm.stats()["latency_cycles"] > 0
-    assert outs[None] == outs[1e4]
 
 
 # ------------------------------------------------------------------------ benchmarks
