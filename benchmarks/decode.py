@@ -298,7 +298,7 @@ class EngineRunner:
             tpot_p90_ms=tp["p90"] * 1e3 if tp else None,
             mean_loops_per_token=loops,
             # loops the device ran per token a fused step made for a row (lock step: each token's
-            # deepest row; independent / elastic rows: the slowest row's), next to the tokens' own mean
+            # deepest row; independent rows: the slowest row's), next to the tokens' own mean
             fused_loops_per_token=(
                 stats["fused_loops"] / stats["fused_row_tokens"] if stats.get("fused_row_tokens") else None
             ),

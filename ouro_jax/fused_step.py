@@ -1,64 +1,44 @@
 """Fused decode steps: ``tokens`` tokens of the same decode rows in one executable, every exit
 decided on the device (``scheduler.descriptor.StackedDescriptor``; docs/contracts.md, "Fused
-decode steps"). Three programs read the same descriptor and give the same tokens and exit depths:
+decode steps"). Two programs read the same descriptor and give the same tokens and exit depths:
 
 * :func:`lockstep` runs, per token, loop ``d`` of every row at once until the deepest row has
   exited, so a token costs the batch's deepest exit;
 * :func:`independent` lets every row run one loop per iteration at its own depth and token: a row
   that exits samples at once and its next token's first loop joins the next iteration, so the
   step costs the slowest row's loops over all its tokens, not the sum of each token's deepest exit
-  (docs/decisions.md, "Early exit at a few streams pays the lock step");
-* :func:`elastic` does the same but returns once every row has made at least half the step's
-  tokens and stands at a token boundary, so that fast rows need not idle while the slowest row
-  makes all its tokens: rows make different numbers of tokens a step (no step can then be
-  scheduled before the previous one is read: the host must learn each row's count first).
+  (docs/decisions.md, "Early exit at a few streams pays the lock step").
 
-All take ``(params, kp, vp, ring, packed [n, words + exit words], previous [C])`` and return
+Both take ``(params, kp, vp, ring, packed [n, words + exit words], previous [C])`` and return
 ``(kp, vp, ring, gates [n, R], out [tokens, C + R], last [C])``; the scheduler is told which one
-runs (``SchedulerConfig.fused_decode_rows``) because the loops that ran are counted differently
-and elastic steps are built and read differently. Lock step is the default: the per-row programs
-run fewer loops with early exit, but their iterations with exits are dearer, and elastic steps
-cannot be launched ahead (docs/decisions.md, "Early exit at a few streams pays the lock step").
-
-``OURO_JAX_FUSED_CODA`` (``exits``, default, or ``always``) says where the per-row programs run
-the lm_head: under a ``lax.cond`` only in iterations where some row exits, or unconditionally in
-every iteration; an A/B to find whether that conditional is what makes those iterations dear.
+runs (``SchedulerConfig.fused_decode_rows``) because the loops that ran are counted differently.
+Lock step is the default: independent rows run fewer loops with early exit, but their
+iterations with exits are dearer (docs/decisions.md, "Early exit at a few streams pays the lock
+step"). A third program, *elastic* steps (returning once every row made half the tokens), was
+measured slower in every configuration and removed (docs/decisions.md, same entry).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import copy_kv_slots
 from scheduler.buckets import BucketKey
-from scheduler.descriptor import EXIT_FIELDS, FUSED_DECODE_ROWS, HEADER, descriptor_layout, elastic_min_tokens
+from scheduler.descriptor import EXIT_FIELDS, FUSED_DECODE_ROWS, HEADER, descriptor_layout
 
 from .exit_rule import decide_exit_rows, fold_gate
 from .model import dtype_of
 from .step_program import coda, packed_size, recurrent, unpack
 
-__all__ = ["FUSED_DECODE_ROWS", "lockstep", "independent", "elastic", "program", "FUSED_CODA_ENV", "coda_option"]
-
-FUSED_CODA_ENV = "OURO_JAX_FUSED_CODA"
-FUSED_CODAS = ("exits", "always")
-
-
-def coda_option() -> str:
-    """``$OURO_JAX_FUSED_CODA`` (default ``exits``), checked: when the per-row programs run the
-    lm_head (module docstring). Part of the executable store's key."""
-    value = os.environ.get(FUSED_CODA_ENV, "exits").strip().lower()
-    if value not in FUSED_CODAS:
-        raise ValueError(f"{FUSED_CODA_ENV} must be one of {', '.join(FUSED_CODAS)}, got {value!r}")
-    return value
+__all__ = ["FUSED_DECODE_ROWS", "lockstep", "independent", "program"]
 
 
 def program(rows: str):
     """The fused step of ``fused_decode_rows=rows`` (one of ``FUSED_DECODE_ROWS``)."""
-    return {"lockstep": lockstep, "independent": independent, "elastic": elastic}[rows]
+    return {"lockstep": lockstep, "independent": independent}[rows]
 
 
 def lockstep(params, kp, vp, ring, packed, previous, **kw):
@@ -194,21 +174,7 @@ def _fit(x, n: int):
 
 
 def independent(params, kp, vp, ring, packed, previous, **kw):
-    """A fused decode step whose rows advance independently (the module docstring): every row
-    makes all the step's tokens (``_rows``)."""
-    return _rows(params, kp, vp, ring, packed, previous, elastic=False, **kw)
-
-
-def elastic(params, kp, vp, ring, packed, previous, **kw):
-    """As :func:`independent`, but the step ends once every row has made at least
-    ``elastic_min_tokens`` of its tokens and stands at a token boundary: a row never waits for the
-    slowest one beyond finishing the token it is on, and makes between that many tokens and all of
-    them. The exit depth of a token not made is -1 (``scheduler.Scheduler`` reads each row's count)."""
-    return _rows(params, kp, vp, ring, packed, previous, elastic=True, **kw)
-
-
-def _rows(params, kp, vp, ring, packed, previous, *, elastic: bool, **kw):
-    """The program of :func:`independent` and :func:`elastic`.
+    """A fused decode step whose rows advance independently (the module docstring).
 
     Each iteration of one ``while_loop`` runs one loop of the stack for the bucket: row ``r`` at
     its token ``t[r]`` and depth ``d[r]`` reads the fields of sub-step ``t[r] * T + d[r]`` (one
@@ -218,13 +184,7 @@ def _rows(params, kp, vp, ring, packed, previous, *, elastic: bool, **kw):
     into the planes above, samples from this loop's hidden state (one coda of every row, run only
     when some row exits) and moves to its next token at depth 0. A row done with its ``tokens``
     tokens writes no K/V (slot -1) and rides along until the last row is done. Rows run exactly
-    the loops they run loop by loop, so tokens and exit depths are those of ``lockstep``.
-
-    ``elastic``: once every real row has made ``elastic_min_tokens`` tokens, a row at a token
-    boundary starts no more tokens (it idles, as a row done with all of them); the loop ends when
-    no row is left mid-token. A row also stops at a token whose exit limit is 0 (the scheduler's
-    mark for a row with fewer tokens left than the step holds). A row's tokens not made keep exit
-    depth -1 in ``out``."""
+    the loops they run loop by loop, so tokens and exit depths are those of ``lockstep``."""
     key, T = kw["key"], kw["config"].num_loops
     n = packed.shape[0]
     R, C = key.R, key.C
@@ -243,25 +203,13 @@ def _rows(params, kp, vp, ring, packed, previous, *, elastic: bool, **kw):
     kp, vp = copy_kv_slots(kp, vp, first["fin_src"], first["fin_dst"])
     no_pairs = jnp.full((key.F,), -1, jnp.int32)
 
-    least = elastic_min_tokens(ntok) if elastic else ntok
-    always = coda_option() == "always"
-
-    def running(tok, d):
-        """Rows that run a loop this iteration: real, on a token they make (exit limit above 0:
-        an elastic step's row with fewer tokens left stops at its last), and (elastic) mid-token
-        or not yet past the point where every row has made ``least`` tokens."""
-        t = jnp.minimum(tok, ntok - 1)
-        makes = (tok < ntok) & (packed[t * T, words + rows] > 0)
-        done = jnp.all(~real | (tok >= least))
-        return real & makes & ~(done & (d == 0))
-
     def more(c):
-        i, tok, d = c[0], c[4], c[5]
-        return (i < n) & jnp.any(running(tok, d))
+        i, tok = c[0], c[4]
+        return (i < n) & jnp.any(real & (tok < ntok))
 
     def loop(c):
         i, kp, vp, ring, tok, d, rem, prev, gates, out = c
-        active = running(tok, d)
+        active = real & (tok < ntok)  # rows still making tokens
         t = jnp.minimum(tok, ntok - 1)
         sub = t * T + jnp.where(active, d, T - 1)
         a = unpack(key, packed[_word_sources(key, sub, t * T + T - 1), cols])
@@ -288,10 +236,9 @@ def _rows(params, kp, vp, ring, packed, previous, *, elastic: bool, **kw):
             hc = _fit(h.astype(h_dtype), C)  # coda entry i is row i
             return coda(params, hc[a["coda_row"]], a, **kw)
 
-        if always:  # tokens of rows that do not exit are dropped below
-            toks = sample_exits(h)
-        else:  # the lm_head only in iterations where some row exits
-            toks = jax.lax.cond(jnp.any(exits), sample_exits, lambda h: jnp.zeros((C,), jnp.int32), h)
+        # the lm_head only in iterations where some row exits (running it in every iteration was
+        # no faster on the H200: docs/decisions.md, "Early exit at a few streams pays the lock step")
+        toks = jax.lax.cond(jnp.any(exits), sample_exits, lambda h: jnp.zeros((C,), jnp.int32), h)
         row_tok = _fit(toks, R)
         # rows that do not exit write nowhere (a row that exits is real, so r < n <= C)
         at = jnp.where(exits, t, ntok)
@@ -313,7 +260,7 @@ def _rows(params, kp, vp, ring, packed, previous, *, elastic: bool, **kw):
         jnp.ones((R,), jnp.float32),
         _fit(previous.astype(jnp.int32), R),  # each row's last sample: the previous step's at first
         jnp.zeros((n, R), jnp.float32),
-        # exit depths -1 until made (a token an elastic step does not make keeps it)
+        # exit depths -1 until made (padding rows keep it)
         jnp.concatenate([jnp.zeros((ntok, C), jnp.int32), jnp.full((ntok, R), -1, jnp.int32)], axis=1),
     )
     _, kp, vp, ring, _, _, _, prev, gates, out = jax.lax.while_loop(more, loop, init)

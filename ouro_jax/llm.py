@@ -281,8 +281,8 @@ class LLM:
             fused_decode_max_rows=fused_decode_max_rows,
             fused_decode_tokens=fused_decode_tokens,
             # "independent": each row of a fused step runs its own tokens' depths instead of every
-            # token waiting for its deepest row; "elastic": also returns once every row made half
-            # its tokens (ouro_jax/fused_step.py); tokens and exit depths do not change
+            # token waiting for its deepest row (ouro_jax/fused_step.py); tokens and exit depths
+            # do not change
             fused_decode_rows=fused_decode_rows,
             # on_demand: blocks as tokens need them, preemption when the pool runs out; reserve:
             # prompt + max_tokens at admission (docs/decisions.md, "KV allocation")

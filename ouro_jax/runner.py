@@ -153,9 +153,8 @@ class ModelRunner:
     H200 (docs/decisions.md, "Decode matvec kernels").
 
     ``fused_decode_rows``: which fused step program runs (``fused_step.py``): ``"lockstep"``
-    (default), ``"independent"`` or ``"elastic"``; the scheduler must be told the same (it counts
-    the loops that ran from the exit depths, and builds elastic steps differently): ``step``
-    refuses a fused step built for another program.
+    (default) or ``"independent"``; the scheduler must be told the same (it counts the loops that
+    ran from the exit depths differently): ``step`` refuses a fused step built for another program.
 
     ``devices``: the ``N`` devices this runner owns (default: the first ``N`` of ``jax.devices()``);
     data-parallel replicas each get a disjoint set (``ouro_jax/server/replicas.py``).
@@ -369,7 +368,6 @@ class ModelRunner:
             (repr(default_tuning()), norms_option()) if self.decode_matmul == "fused" else None,
             repr(skinny_overrides()) if self.decode_matmul in ("mgpu", "reference") else None,
             rope_write_option(),
-            fused_step.coda_option() if self.fused_decode_rows != "lockstep" else None,
             self.tensor_parallel_size,
             tuple(d.id for d in self._store_devices),
             tuple(sorted(step_options().items())),

@@ -41,7 +41,6 @@ __all__ = [
     "StackedDescriptor",
     "EXIT_FIELDS",
     "FUSED_DECODE_ROWS",
-    "elastic_min_tokens",
     "exit_words",
     "split_fused_output",
     "StepResult",
@@ -187,16 +186,9 @@ class BatchDescriptor:
 EXIT_FIELDS = ("exit_limit", "exit_min_loops", "exit_delay", "exit_threshold")
 
 # How a fused decode step's rows advance (ouro_jax/fused_step.py): every row a loop at a time until
-# the token's deepest exit; each row through its own tokens and depths; or so, returning once every
-# row has made half its tokens (rows then make different numbers of tokens a step). It changes the
-# loops that run, never a token or an exit depth
-FUSED_DECODE_ROWS = ("lockstep", "independent", "elastic")
-
-
-def elastic_min_tokens(tokens: int) -> int:
-    """The tokens every row of an elastic fused step of ``tokens`` tokens makes at least: half,
-    rounded up (the device program, ``ouro_jax/fused_step.py``, stops on the same rule)."""
-    return (tokens + 1) // 2
+# the token's deepest exit, or each row through its own tokens and depths. It changes the loops
+# that run, never a token or an exit depth
+FUSED_DECODE_ROWS = ("lockstep", "independent")
 
 
 def exit_words(key: BucketKey) -> int:
@@ -221,16 +213,15 @@ class StackedDescriptor:
     each token, 4 arrays ``[tokens, rows]`` in ``EXIT_FIELDS`` order (padded to ``R`` here).
 
     ``pack()`` is ``[n, words + exit_words]`` int32: each sub-step's descriptor, then its token's
-    exit words. An exit limit of 0 marks a token the row does not make (an elastic step's row with
-    fewer tokens left than the step holds: its sub-steps give it no slot). ``rows``: the program
-    the step is built for (``FUSED_DECODE_ROWS``); the runner checks it runs that one.
+    exit words (an exit limit of 0 for padding rows). ``rows``: the program the step is built for
+    (``FUSED_DECODE_ROWS``); the runner checks it runs that one.
 
     In lock step the device runs, per token, loops ``0, 1, ...`` of every row until every row has
     exited (``exit_rule.decide_exit_rows``), a row that exited writing no K/V and keeping its exit
     hidden state; then LAST_EXITED finalize copies (exit plane -> planes above) and one coda of the
     exit states (the other programs: ``ouro_jax/fused_step.py``). It returns ``gates [n, R]`` (0
     for loops not run) and one int32 ``[tokens, C + R]``: sampled tokens and exit depths
-    (``split_fused_output``; -1 for a token an elastic step's row did not make); the scheduler's
+    (``split_fused_output``; -1 for padding rows); the scheduler's
     ``update`` records the loops that ran in ``loops_run``.
     """
 

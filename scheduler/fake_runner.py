@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .descriptor import StepResult, elastic_min_tokens
+from .descriptor import StepResult
 from .exit_policy import decide_exit, decide_exit_rows, fold_gate, fold_gate_rows, gates_needed_at, synthetic_exit_loops
 from .sampling_params import SamplingParams
 from .sizes import blocks_per_plane, kv_planes
@@ -73,26 +73,6 @@ def sample_token(h, temperature, seed, step, vocab_size: int) -> np.ndarray:
         key = _mix(np.asarray(seed, np.uint64) * np.uint64(1_000_003) + np.asarray(step, np.uint64))
     drawn = _mix(h ^ key) % np.uint64(vocab_size)
     return np.where(np.asarray(temperature) > 0, drawn, greedy).astype(np.int32)
-
-
-def elastic_depths(depths: np.ndarray, n: int, caps: Optional[np.ndarray] = None) -> np.ndarray:
-    """Exit depths ``[tokens, R]`` of a step whose rows made all their tokens, as an elastic step
-    (``ouro_jax/fused_step.py``) reports them: every row runs its loops back to back from iteration
-    0; once every real row has made ``elastic_min_tokens`` tokens (at iteration ``stop``, the most
-    loops any real row needs for that many), a row starts no more tokens, so row ``r`` makes the
-    tokens that start before ``stop`` and lie below its cap ``caps[r]`` (at least that minimum;
-    default: all); -1 for the others (and for padding rows)."""
-    tokens = depths.shape[0]
-    out = np.full_like(depths, -1)
-    if not n:
-        return out
-    caps = np.full(n, tokens) if caps is None else np.asarray(caps)[:n]
-    loops = np.cumsum(depths[:, :n] + 1, axis=0)  # [tokens, n]: loops through each token
-    starts = np.vstack([np.zeros((1, n), loops.dtype), loops[:-1]])  # iteration each token starts at
-    stop = loops[elastic_min_tokens(tokens) - 1].max()
-    made = (starts < stop) & (np.arange(tokens)[:, None] < caps[None, :])
-    out[:, :n] = np.where(made, depths[:, :n], -1)
-    return out
 
 
 class FakeRunner:
@@ -172,8 +152,7 @@ class FakeRunner:
 
     def _run_fused(self, desc) -> tuple[np.ndarray, np.ndarray]:
         # Every row's tokens are those of lock step whatever the row program (each row's loops are
-        # the same); an elastic step then reports only the tokens its rows made (-1 after them).
-        # The K/V the fake wrote for the tokens not made is written again, the same, by a later step.
+        # the same).
         """A fused decode step with its exits decided here, as the device does (``StackedDescriptor``):
         per token, loops of every row in lock step until all exited (float32 rule), an exited row
         writing no K/V; then the LAST_EXITED finalize of planes above each exit, the coda of the
@@ -186,7 +165,7 @@ class FakeRunner:
         for j in range(desc.num_tokens):
             subs = desc.steps[j * T : (j + 1) * T]
             args = (desc.exit_limit[j], desc.exit_min_loops[j], desc.exit_delay[j], desc.exit_threshold[j])
-            # exit limit 0: a token the row does not make (an elastic step's row with fewer left)
+            # exit limit 0: a row that makes no token (padding)
             active = (np.arange(R) < subs[0].num_rows) & (desc.exit_limit[j] > 0)
             rem = np.ones(R, np.float32)
             exit_h = np.zeros(R, np.uint64)
@@ -214,9 +193,6 @@ class FakeRunner:
             result[j, :C] = prev
             result[j, C:] = depth
         self.last_fused_tokens = prev
-        if desc.rows == "elastic":
-            caps = (desc.exit_limit > 0).sum(axis=0)
-            result[:, C : C + R] = elastic_depths(result[:, C : C + R], desc.steps[0].num_rows, caps)
         return gates, result
 
     def _check_padding(self, desc, makes=None) -> None:

@@ -50,7 +50,6 @@ from .descriptor import (
     StackedDescriptor,
     build_decode_loops,
     build_descriptor,
-    elastic_min_tokens,
     split_fused_output,
 )
 from .exit_policy import (
@@ -115,7 +114,7 @@ class SchedulerConfig:
     enable_prefix_caching: Optional[bool] = None  # None: DEFAULT_ENABLE_PREFIX_CACHING under LAST_EXITED
     fused_decode_max_rows: int = 0  # fused decode steps for up to this many rows; 0 = off
     fused_decode_tokens: int = 1  # tokens per fused decode step (each T loops)
-    fused_decode_rows: str = "lockstep"  # "lockstep" | "independent" | "elastic" (FUSED_DECODE_ROWS)
+    fused_decode_rows: str = "lockstep"  # "lockstep" | "independent" (FUSED_DECODE_ROWS)
     target_tpot_ms: Optional[float] = None  # decode TPOT the prompt share is sized for (latency_target.py); None = off
 
     def __post_init__(self):
@@ -672,16 +671,8 @@ class Scheduler:
 
     def _tokens_that_fit(self, rows: list[Request], done: int = 0) -> int:
         """``fused_decode_tokens``, or else 1, or else 0: the most tokens every row has left by
-        ``max_tokens`` and gets the blocks of, ``done`` tokens after its token in flight. Elastic
-        steps take ``fused_decode_tokens`` as long as every row has ``elastic_min_tokens`` of them
-        left: a row with fewer left than the step holds stops at its last (``_schedule_fused``)."""
+        ``max_tokens`` and gets the blocks of, ``done`` tokens after its token in flight."""
         k = self.config.fused_decode_tokens
-        if self.config.fused_decode_rows == "elastic" and k > 1:
-            left = [_tokens_left(req, done) for req in rows]
-            if min(left) >= elastic_min_tokens(k) and all(
-                self._grow_to(req, req.position_in_flight + done + min(k, n)) for req, n in zip(rows, left)
-            ):
-                return k
         for want in sorted({k, 1}, reverse=True):
             if all(
                 _tokens_left(req, done) >= want
@@ -708,8 +699,6 @@ class Scheduler:
         plan = self._inflight
         if plan is None or plan.sub_plans is None or self._ahead is not None or self.latency is not None:
             return None
-        if self.config.fused_decode_rows == "elastic":
-            return None  # where each row stands after the step in flight is known only once it is read
         t0 = time.perf_counter()
         rows = [self._requests.get(r.request_id) for r in plan.sub_plans[0].ranges]
         if any(r is None or r.status is not RequestStatus.RUNNING or r.pending_finalize for r in rows):
@@ -749,12 +738,8 @@ class Scheduler:
         seed = np.array([x.seed for x in p], np.uint32)
         empty = np.zeros(0, np.int64)
         exits = np.zeros((4, tokens, n), np.float64)  # device_exit_params per token and row
-        # the tokens each row makes at most: all of them, but an elastic step's row with fewer left
-        # (_tokens_that_fit) stops at its last: exit limit 0 marks a token it does not make, and
-        # such a token's descriptors repeat the row's last position (they are never run)
-        cap = np.minimum(tokens, [_tokens_left(r, done) for r in rows])
-        for i, r in enumerate(rows):
-            for j in range(int(cap[i])):
+        for i, r in enumerate(rows):  # every row makes every token (_tokens_that_fit)
+            for j in range(tokens):
                 target = None
                 if p[i].exit_mode == "synthetic":
                     target = (
@@ -767,7 +752,7 @@ class Scheduler:
         last = np.array([r.output_token_ids[-1] for r in rows]) if not done else None
         planes = [plane(d) for d in range(T)]
         for j in range(tokens):
-            pos = np.minimum(pos0 + j, pos0 + cap - 1)  # a token a row does not make: its last position
+            pos = pos0 + j
             fed = j > 0 or done > 0  # loop 0 embeds the token sampled on the device
             token_descs = build_decode_loops(
                 self.bucket_spec,
@@ -791,15 +776,12 @@ class Scheduler:
                 key=key,
             )
             key = token_descs[0].key
-            makes = [i for i in range(n) if j < cap[i]]  # the rows that make token j (the plan names no other)
             for d, desc in enumerate(token_descs):
-                if len(makes) < n:
-                    desc.row_slot[:n][j >= cap] = -1  # never run; and would write nothing
                 ranges = [
                     ScheduledRange(rows[i].request_id, Phase.DECODE, d, int(pos[i]), 1, int(pos[i]), int(bases[i]), i)
-                    for i in makes
+                    for i in range(n)
                 ]
-                coda = [CodaRow(rows[i].request_id, i, k0[i] + j, False) for i in makes] if d == T - 1 else []
+                coda = [CodaRow(rows[i].request_id, i, k0[i] + j, False) for i in range(n)] if d == T - 1 else []
                 first = j == 0 and d == 0
                 descs.append(desc)
                 subs.append(
@@ -843,11 +825,9 @@ class Scheduler:
         the counters of the loops that ran (every row rides along until the last one exits).
 
         The loops that ran, per token (``loops_run``): in lock step the token's deepest exit; with
-        ``fused_decode_rows="independent"`` or ``"elastic"`` the device ran as many loops as the row
-        with the most loops over its tokens, and each of that row's tokens is counted with its
-        loops (so that the sub-steps counted are one per loop the device ran). An elastic step's
-        rows make from ``elastic_min_tokens`` to all of its tokens: exit depth -1 marks a token a
-        row did not make; the row goes on from its last token made in the next step."""
+        ``fused_decode_rows="independent"`` the device ran as many loops as the row with the most
+        loops over its tokens, and each of that row's tokens is counted with its loops (so that the
+        sub-steps counted are one per loop the device ran)."""
         T, n, key = self.num_loops, plan.num_rows, plan.descriptor.key
         subs = plan.sub_plans
         tokens = len(subs) // T
@@ -857,28 +837,18 @@ class Scheduler:
                 f"exit depths, got shape {out.shape}"
             )
         depths_all = out[:tokens, key.C : key.C + n]
-        rows_mode = self.config.fused_decode_rows
-        made = (depths_all >= 0).sum(axis=0) if rows_mode == "elastic" else np.full(n, tokens)
-        made_all = np.arange(tokens)[:, None] < made[None, :]
-        if depths_all.size and (
-            (depths_all[made_all].min(initial=0) < 0) or depths_all.max() >= T or (depths_all[~made_all] != -1).any()
-        ):
-            raise ValueError(
-                f"Scheduler.update: fused step exit depths outside [0, {T - 1}]"
-                + (" (or -1 after a row's last token made)" if rows_mode == "elastic" else "")
-            )
-        if n and made.min() < (elastic_min_tokens(tokens) if rows_mode == "elastic" else tokens):
-            raise ValueError(f"Scheduler.update: an elastic step's row made {made.min()} of {tokens} tokens")
+        if depths_all.size and (depths_all.min() < 0 or depths_all.max() >= T):
+            raise ValueError(f"Scheduler.update: fused step exit depths outside [0, {T - 1}]")
         st = self._stats
-        if rows_mode != "lockstep" and n:
-            slowest = int(np.argmax(np.where(made_all, depths_all + 1, 0).sum(axis=0)))
-            runs = (depths_all[: made[slowest], slowest] + 1).tolist()
+        if self.config.fused_decode_rows != "lockstep" and n:
+            slowest = int(np.argmax((depths_all + 1).sum(axis=0)))
+            runs = (depths_all[:, slowest] + 1).tolist()
         else:
             runs = (depths_all.max(axis=1, initial=0) + 1).tolist()
         plan.descriptor.loops_run = runs
-        # tokens a row made, on average over the step's rows: the loops per token of a stream are
-        # fused_loops / fused_row_tokens (elastic rows make different numbers of tokens)
-        st["fused_row_tokens"] += float(made.mean()) if n else 0.0
+        # tokens a row made (every row makes every token): the loops per token of a stream are
+        # fused_loops / fused_row_tokens
+        st["fused_row_tokens"] += float(tokens) if n else 0.0
         now = time.monotonic()
         for j in range(tokens):
             toks, depths = split_fused_output(out[j], key)
@@ -894,8 +864,6 @@ class Scheduler:
                 if req is None or req.status is not RequestStatus.RUNNING:
                     continue  # aborted while in flight, or ended by an earlier token of this step
                 i = r.row_start
-                if j >= made[i]:
-                    continue  # an elastic step's row stopped before this token
                 if self.latency is not None:
                     self.latency.observe_loops(depths[i] + 1)
                 self._emit(req, int(toks[i]), depths[i], now, deltas)

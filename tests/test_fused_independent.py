@@ -1,11 +1,9 @@
-"""Fused decode steps whose rows advance independently (``fused_decode_rows="independent"`` and
-``"elastic"``).
+"""Fused decode steps whose rows advance independently (``fused_decode_rows="independent"``).
 
 Each row runs its own tokens' depths inside the step instead of every token waiting for its
-deepest row (``ouro_jax/fused_step.py``); an elastic step also returns once every row has made half
-its tokens. Nothing a user sees may change: token ids, exit depths and finish reasons equal the
-loop-by-loop engine's and the lock-step engine's, and with independent rows so does every K/V
-value written (the same slots, finalize copies included). What changes is the loops the device
+deepest row (``ouro_jax/fused_step.py``). Nothing a user sees may change: token ids, exit
+depths and finish reasons equal the loop-by-loop engine's and the lock-step engine's, and so does
+every K/V value written (the same slots, finalize copies included). What changes is the loops the device
 runs: the scheduler counts, per step, the loops of the row with the most of them (``loops_run``),
 never more than lock step, and fewer when rows exit at different depths.
 """
@@ -22,8 +20,7 @@ from hypothesis import strategies as st
 from benchmarks.metrics import ScheduleRecorder
 from ouro_jax import LLM, SamplingParams, get_preset
 from scheduler import SchedulerConfig
-from scheduler.descriptor import FUSED_DECODE_ROWS, BatchDescriptor, StackedDescriptor, elastic_min_tokens
-from scheduler.fake_runner import elastic_depths
+from scheduler.descriptor import FUSED_DECODE_ROWS, BatchDescriptor, StackedDescriptor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_fused_decode import CFG, _engine  # noqa: E402
@@ -103,6 +100,9 @@ def test_option_is_checked():
     )
     with pytest.raises(ValueError, match="fused_decode_rows"):
         LLM("tiny", fused_decode_rows="per_row", warmup=False, progress=False)
+    # elastic steps were removed (slower on the H200 in every configuration measured)
+    with pytest.raises(ValueError, match="fused_decode_rows"):
+        SchedulerConfig(num_loops=T, num_blocks=16, fused_decode_rows="elastic")
 
 
 # ------------------------------------------------------------------------ the JAX engine
@@ -119,8 +119,7 @@ def test_engine_independent_equals_lockstep_and_loop_by_loop(layout):
     """The JAX program: tokens, exit depths and finish reasons of the loop-by-loop engine with a
     stop token met mid-step; the KV pools bit for bit those of the lock-step program after the same
     requests (same slots written with the same values, finalize copies included); fewer loops run;
-    nothing compiled after start-up. Elastic steps too (tokens and depths: their steps end
-    elsewhere, so blocks are taken in another order), fewer loops a token, none launched ahead."""
+    nothing compiled after start-up."""
     plain = _engine(kv_layout=layout, fused_decode_max_rows=0)
     first = _run(plain, _early_params())
     sp = _early_params({1: (first[1][0][4],)})
@@ -145,44 +144,12 @@ def test_engine_independent_equals_lockstep_and_loop_by_loop(layout):
     assert si["free_blocks"] == ind.scheduler_config.num_blocks - 1
     # a different program: the executable store keeps the two apart
     assert lock.runner._program_description() != ind.runner._program_description()
-    se = engines["elastic"].stats()
-    assert se["ahead_launches"] == 0 and se["fused_launches"] > 0
-    assert se["fused_row_tokens"] < 4 * se["fused_launches"]  # some rows made fewer than 4 tokens
-    assert se["fused_loops"] / se["fused_row_tokens"] < sl["fused_loops"] / sl["fused_row_tokens"]
     # a runner refuses a step built for another program, before anything runs
     bucket, n = next(k for k in lock.executable_keys() if isinstance(k, tuple) and len(k) == 2)
     steps = [BatchDescriptor(bucket) for _ in range(n)]
-    wrong = StackedDescriptor(steps, T, tuple(np.zeros((n // T, 0)) for _ in range(4)), rows="elastic")
-    with pytest.raises(ValueError, match="fused_decode_rows='elastic' on a runner compiled for 'lockstep'"):
+    wrong = StackedDescriptor(steps, T, tuple(np.zeros((n // T, 0)) for _ in range(4)), rows="independent")
+    with pytest.raises(ValueError, match="fused_decode_rows='independent' on a runner compiled for 'lockstep'"):
         lock.runner.step(wrong)
-
-
-def test_coda_in_every_iteration_changes_nothing(monkeypatch):
-    """``OURO_JAX_FUSED_CODA=always`` (the lm_head and sampler run in every iteration of the
-    per-row program, the tokens of rows that do not exit dropped): the same tokens, exit depths and
-    finish reasons as loop by loop (sampled rows included: a row's key is its seed and token index,
-    never the iteration), the KV pools of lock step, another executable-store key; a bad value is
-    refused before anything is built."""
-    from ouro_jax import fused_step
-
-    sp = _early_params()
-    assert any(s.temperature > 0 for s in sp)
-    want = _run(_engine(fused_decode_max_rows=0), sp)
-    lock = _engine(fused_decode_max_rows=4, fused_decode_tokens=4)
-    assert _run(lock, sp) == want
-    default = _engine(fused_decode_max_rows=4, fused_decode_tokens=4, fused_decode_rows="independent")
-    default_key = default.runner._program_description()  # read from the environment when asked
-    monkeypatch.setenv(fused_step.FUSED_CODA_ENV, "Always")
-    assert fused_step.coda_option() == "always"
-    ind = _engine(fused_decode_max_rows=4, fused_decode_tokens=4, fused_decode_rows="independent")
-    assert _run(ind, sp) == want
-    assert ind.stats()["fused_launches"] > 0
-    for pool in ("k_pool", "v_pool"):
-        assert np.array_equal(np.asarray(getattr(lock.runner, pool)), np.asarray(getattr(ind.runner, pool)))
-    assert ind.runner._program_description() != default_key
-    monkeypatch.setenv(fused_step.FUSED_CODA_ENV, "sometimes")
-    with pytest.raises(ValueError, match=fused_step.FUSED_CODA_ENV):
-        fused_step.coda_option()
 
 
 # ------------------------------------------------------------------ random batches, one pair of engines
@@ -191,11 +158,9 @@ _IDS = iter(range(10**9))
 
 
 def _pair():
-    """A lock-step, an independent and an elastic engine of the same shapes, built once for every
-    example: they see the same requests in the same order. Lock step and independent rows run the
-    same steps, so their pools must stay equal throughout (no stop tokens here: nothing runs past
-    a request's end); elastic steps end elsewhere, so blocks are taken in another order and only
-    tokens and depths compare."""
+    """A lock-step and an independent engine of the same shapes, built once for every example:
+    they see the same requests in the same order and run the same steps, so their pools must stay
+    equal throughout (no stop tokens here: nothing runs past a request's end)."""
     if not _PAIR:
         for rows in FUSED_DECODE_ROWS:
             _PAIR[rows] = _engine(fused_decode_max_rows=4, fused_decode_tokens=3, fused_decode_rows=rows)
@@ -248,23 +213,22 @@ def _serve(llm, prompts, sps, ids):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_batches())
 def test_random_batches_equal_lockstep_token_for_token_and_in_the_pools(case):
-    """Independent and elastic rows against lock step on random batches."""
+    """Independent rows against lock step on random batches."""
     prompts, sps = case
     prompts, sps = prompts + [_COMPANION[0]], sps + [_COMPANION[1]]
-    lock, ind, ela = _pair()
+    lock, ind = _pair()
     ids = [next(_IDS) for _ in prompts]  # synthetic depths follow the request id: the same in all
     before = (lock.stats()["fused_loops"], ind.stats()["fused_loops"])
-    launches = [e.stats()["fused_launches"] for e in (lock, ind, ela)]
+    launches = [e.stats()["fused_launches"] for e in (lock, ind)]
     want = _serve(lock, prompts, sps, ids)
     assert _serve(ind, prompts, sps, ids) == want
-    assert _serve(ela, prompts, sps, ids) == want
     for pool in ("k_pool", "v_pool"):
         ref = np.asarray(getattr(lock.runner, pool))
         assert np.array_equal(ref, np.asarray(getattr(ind.runner, pool)))
     assert ind.stats()["fused_loops"] - before[1] <= lock.stats()["fused_loops"] - before[0]
     assert ind.stats()["compilations"] == len(ind.executable_keys())
     # every engine ran fused steps in this example (the companion's tokens at least)
-    assert all(e.stats()["fused_launches"] > n for e, n in zip((lock, ind, ela), launches))
+    assert all(e.stats()["fused_launches"] > n for e, n in zip((lock, ind), launches))
 
 
 @pytest.mark.slow  # three engines on a CPU, ~20 s
@@ -296,89 +260,3 @@ def test_async_arrivals_aborts_and_stops_with_independent_rows():
     assert st["ahead_launches"] > 0 and st["fused_launches"] > st["ahead_launches"]
     assert st["free_blocks"] == llm.scheduler_config.num_blocks - 1
     assert not llm._pipeline.pending and llm.scheduler._inflight is None
-
-
-# ------------------------------------------------------------------------------ elastic steps
-def _iterate(depths: np.ndarray, n: int, caps: np.ndarray) -> np.ndarray:
-    """The elastic program's loop, iteration by iteration, on known exit depths ``[tokens, R]``
-    and the rows' caps (``fused_step._rows``): the exit depths it reports, -1 for tokens not made."""
-    tokens, R = depths.shape
-    least = elastic_min_tokens(tokens)
-    caps = np.concatenate([caps[:n], np.full(R - n, tokens)])
-    tok, d = np.zeros(R, int), np.zeros(R, int)
-    real = np.arange(R) < n
-    out = np.full_like(depths, -1)
-    for _ in range(tokens * T):
-        done = np.all(~real | (tok >= least))
-        running = real & (tok < np.minimum(tokens, caps)) & ~(done & (d == 0))
-        if not running.any():
-            break
-        t = np.minimum(tok, tokens - 1)
-        exits = running & (d == depths[t, np.arange(R)])
-        out[t[exits], np.arange(R)[exits]] = d[exits]
-        tok = tok + exits
-        d = np.where(exits, 0, np.where(running, d + 1, d))
-    return out
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    st.integers(1, 8).flatmap(
-        lambda tokens: st.tuples(
-            st.just(tokens),
-            st.integers(1, 6),
-            st.lists(st.integers(0, T - 1), min_size=tokens * 6, max_size=tokens * 6),
-        )
-    ),
-    st.integers(0, 6),
-    st.lists(st.integers(0, 8), min_size=6, max_size=6),
-)
-def test_elastic_rule_twin_equals_the_iterations(case, n, extra):
-    """The stopping rule's numpy twin (``fake_runner.elastic_depths``) against the program's loop
-    run iteration by iteration, rows capped anywhere from the minimum to all of the tokens."""
-    tokens, R, flat = case
-    n = min(n, R)
-    least = elastic_min_tokens(tokens)
-    caps = np.minimum(tokens, least + np.asarray(extra[:R]))
-    depths = np.asarray(flat[: tokens * R]).reshape(tokens, R)
-    got = elastic_depths(depths, n, caps)
-    assert np.array_equal(got, _iterate(depths, n, caps))
-    made = (got[:, :n] >= 0).sum(axis=0)
-    assert (made >= least).all() and (made <= caps[:n]).all()
-    # each row's tokens made are its first ones, with the depths it would have had
-    assert all((got[: made[r], r] == depths[: made[r], r]).all() for r in range(n))
-
-
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_elastic_steps_change_no_token_and_run_no_straggler_loops(layout):
-    """Scheduler and fake runner: an elastic step's rows make between half and all of its tokens;
-    tokens and depths are lock step's; no step is launched ahead; the device loops per token made
-    are fewer than lock step's and no more than independent rows'."""
-    reqs = [
-        dict(r, sp=SamplingParams(max_tokens=17, seed=r["rid"], **EARLY[r["rid"] % len(EARLY)]))
-        for r in _mixed_requests()
-    ]
-    runs = {}
-    for rows in FUSED_DECODE_ROWS:
-        h = Recorder(_cfg(layout, 4, fused_decode_rows=rows))
-        h, objs, aborted = run_workload(h.cfg, reqs, harness=h)
-        check_against_reference(h.cfg, objs, aborted)
-        runs[rows] = (h, objs, h.s.stats())
-    assert _outputs(runs["elastic"][1]) == _outputs(runs["lockstep"][1])
-    he, _, se = runs["elastic"]
-    assert se["ahead_launches"] == 0 and se["fused_launches"] > 0
-    made_fewer = False
-    for p, deltas in he.fused_deltas:
-        k = p.descriptor.num_tokens
-        for dl in deltas:
-            if not dl.finished:
-                assert elastic_min_tokens(k) <= len(dl.new_token_ids) <= k
-                made_fewer |= len(dl.new_token_ids) < k
-    assert made_fewer, "every elastic step made all its tokens: a weak test"
-
-    def per_token(s):  # device loops per token a step made for a row
-        return s["fused_loops"] / s["fused_row_tokens"]
-
-    assert per_token(se) < per_token(runs["lockstep"][2])
-    assert per_token(se) <= per_token(runs["independent"][2]) + 1e-9
-    assert se["invocations"] == se["launches"] - se["fused_launches"] + se["fused_loops"]

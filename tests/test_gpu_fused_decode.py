@@ -43,7 +43,6 @@ CASES = [
     ("shared", 2, "lockstep"),
     ("last_exited", 4, "independent"),
     ("shared", 3, "independent"),
-    ("last_exited", 4, "elastic"),
 ]
 
 

@@ -105,10 +105,9 @@ class Harness:
         for i, sub in enumerate(plan.sub_plans):
             assert sub.descriptor is stacked.steps[i] and sub.descriptor.key == stacked.key
             assert sub.descriptor.feed_previous_tokens == (i % T == 0 and (i > 0 or ahead))
-            # exit limit 0: a row that does not make this token (an elastic step's row with fewer
-            # tokens left); the sub-plan names only the others, and the row writes no K/V there
+            # every row makes every token of the step (exit limit 0 only for padding rows)
             makes = stacked.exit_limit[i // T][: plan.num_rows] > 0
-            assert makes.all() or stacked.rows == "elastic"
+            assert makes.all()
             assert (sub.descriptor.row_slot[: plan.num_rows][~makes] == -1).all()
             assert sorted(r.row_start for r in sub.ranges) == list(np.flatnonzero(makes))
             self.check_plan(sub, decode_at=(done + i // T, i % T), rows_making=int(makes.sum()))

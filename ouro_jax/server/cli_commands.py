@@ -43,7 +43,7 @@ _ENGINE_FLAGS = {
         "fused_decode_rows",
         str,
         FUSED_DECODE_ROWS,
-        "fused step rows: lock step per token, each at its own depth, or elastic (each row at least half the tokens)",
+        "fused step rows: lock step per token, or each at its own depth",
     ),
     "--tensor-parallel-size": ("tensor_parallel_size", int, None, "split the model over this many local devices"),
 }
