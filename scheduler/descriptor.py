@@ -221,7 +221,7 @@ class StackedDescriptor:
     hidden state; then LAST_EXITED finalize copies (exit plane -> planes above) and one coda of the
     exit states (the other programs: ``ouro_jax/fused_step.py``). It returns ``gates [n, R]`` (0
     for loops not run) and one int32 ``[tokens, C + R]``: sampled tokens and exit depths
-    (``split_fused_output``; -1 for padding rows); the scheduler's
+    (``split_fused_output``; padding rows' entries are never read); the scheduler's
     ``update`` records the loops that ran in ``loops_run``.
     """
 
