@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -94,8 +95,6 @@ def tuning_overrides(text: str | None = None) -> dict:
     every projection; a shape's own entry wins over the global one knob by knob), e.g.
     ``2048x6144:block_n=64,splits=1;splits=4``. Returns ``{(K, N) or None: {knob: value}}``;
     ``ValueError`` names the variable and the entry it cannot read."""
-    import os
-
     text = os.environ.get(TUNING_ENV, "") if text is None else text
     out: dict = {}
     for entry in filter(None, (e.strip() for e in text.split(";"))):

@@ -846,9 +846,10 @@ class Scheduler:
         else:
             runs = (depths_all.max(axis=1, initial=0) + 1).tolist()
         plan.descriptor.loops_run = runs
-        # tokens a row made (every row makes every token): the loops per token of a stream are
+        # tokens each row made, counted when applied like fused_loops (fused_tokens counts them when
+        # scheduled, a step ahead included): the loops per token of a stream are
         # fused_loops / fused_row_tokens
-        st["fused_row_tokens"] += float(tokens) if n else 0.0
+        st["fused_row_tokens"] += tokens
         now = time.monotonic()
         for j in range(tokens):
             toks, depths = split_fused_output(out[j], key)

@@ -133,9 +133,9 @@ def test_fused_xla_option_overrides(monkeypatch):
     """``OURO_JAX_FUSED_XLA_OPTIONS`` adds typed XLA options to fused steps only (GPU),
     ``OURO_JAX_STEP_XLA_OPTIONS`` to one-loop steps only, and a malformed entry is refused with
     the variable's name."""
-    from ouro_jax import compiler_options as rmod
+    from ouro_jax import compiler_options as co
 
-    parse = rmod.option_overrides
+    parse = co.option_overrides
     assert parse("") == {} and parse(" ; ") == {}
     got = parse("xla_gpu_command_buffer_update_mode=SKIP_TEMP; xla_gpu_enable_cublaslt=false;xla_gpu_autotune_level=2")
     assert got == {
@@ -146,19 +146,19 @@ def test_fused_xla_option_overrides(monkeypatch):
     assert parse("xla_gpu_enable_command_buffer=FUSION,WHILE") == {"xla_gpu_enable_command_buffer": "FUSION,WHILE"}
     assert parse("xla_gpu_enable_command_buffer=") == {"xla_gpu_enable_command_buffer": ""}
     for bad in ("xla_gpu_x", "gpu_x=1", "=1"):
-        with pytest.raises(ValueError, match=rmod.FUSED_XLA_OPTIONS_ENV):
+        with pytest.raises(ValueError, match=co.FUSED_XLA_OPTIONS_ENV):
             parse(bad)
-    monkeypatch.setenv(rmod.FUSED_XLA_OPTIONS_ENV, "xla_gpu_command_buffer_update_mode=SKIP_TEMP")
-    assert rmod.step_options(fused=True) == {}  # off the GPU: no XLA options at all
-    monkeypatch.setattr(rmod.jax, "default_backend", lambda: "gpu")
-    fused, plain = rmod.step_options(fused=True), rmod.step_options()
+    monkeypatch.setenv(co.FUSED_XLA_OPTIONS_ENV, "xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+    assert co.step_options(fused=True) == {}  # off the GPU: no XLA options at all
+    monkeypatch.setattr(co.jax, "default_backend", lambda: "gpu")
+    fused, plain = co.step_options(fused=True), co.step_options()
     assert fused["xla_gpu_command_buffer_update_mode"] == "SKIP_TEMP"
     assert fused["xla_gpu_enable_cub_radix_sort"] is False
     assert "xla_gpu_command_buffer_update_mode" not in plain and "xla_gpu_enable_cub_radix_sort" not in plain
     # the one-loop steps' variable reaches those steps only
-    monkeypatch.setenv(rmod.STEP_XLA_OPTIONS_ENV, "xla_gpu_enable_triton_gemm=false")
-    assert rmod.step_options()["xla_gpu_enable_triton_gemm"] is False
-    assert "xla_gpu_enable_triton_gemm" not in rmod.step_options(fused=True)
-    monkeypatch.setenv(rmod.STEP_XLA_OPTIONS_ENV, "triton_gemm=false")
-    with pytest.raises(ValueError, match=rmod.STEP_XLA_OPTIONS_ENV):
-        rmod.step_options()
+    monkeypatch.setenv(co.STEP_XLA_OPTIONS_ENV, "xla_gpu_enable_triton_gemm=false")
+    assert co.step_options()["xla_gpu_enable_triton_gemm"] is False
+    assert "xla_gpu_enable_triton_gemm" not in co.step_options(fused=True)
+    monkeypatch.setenv(co.STEP_XLA_OPTIONS_ENV, "triton_gemm=false")
+    with pytest.raises(ValueError, match=co.STEP_XLA_OPTIONS_ENV):
+        co.step_options()
