@@ -593,7 +593,10 @@ def _targets(results: dict) -> str:
             return None
         cs = sorted({r["concurrency"] for r in recs})
         c = cs[0] if fixed_c == "min" else cs[-1]
-        return next(r for r in recs if r["concurrency"] == c)
+        # Several variants at the same concurrency (fused steps, layer loops, runs): the target is
+        # judged on the best one measured, which the row names; the first found was arbitrary.
+        at_c = [r for r in recs if r["concurrency"] == c]
+        return max(at_c, key=lambda r: r.get("tpot_fraction_of_floor") or 0.0)
 
     for what, pick, goal in (
         ("decode, batch 1 (serve1k c=1, fixed depth)", "min", 0.90),
@@ -715,6 +718,29 @@ def _targets(results: dict) -> str:
         rows.append(
             ["recompiles during a run", "0", f"{comp} over {len(eng)} runs", "", "met" if comp == 0 else "not met"]
         )
+    rows += _startup_rows(results)
+    return _table(["figure", "target", "measured", "of floor", "status"], rows)
+
+
+def _startup_rows(results: dict) -> list:
+    """The start-up target from ``startup.json`` (``benchmarks.startup``: the default ``LLM``'s cold
+    and cached starts, timed for that purpose) where it exists; otherwise from the start-ups that
+    workload runs record (their engines have other bucket sets, and older runs predate the
+    executable store, so they are a fallback, not the measurement)."""
+    target = "all buckets < 60 s cold, < 10 s with the persistent cache"
+    bench = results.get("startup") or {}
+    if bench.get("workload") == "startup" and bench.get("starts"):
+        starts = bench["starts"]
+        cold = [s["ready_s"] for s in starts if s.get("kind") == "cold" and s.get("ready_s")]
+        warm = [s["ready_s"] for s in starts if s.get("kind") == "cached" and s.get("ready_s")]
+        n = max(len(s.get("executables") or []) for s in starts)
+        status = "–" if not (cold and warm) else "met" if max(cold) < 60 and max(warm) < 10 else "not met"
+        measured = (
+            f"startup.json (`{bench.get('preset', '?')}`, {n} executables, ready to serve): cold "
+            f"{', '.join(_f(x) + ' s' for x in cold) or 'not seen'}; cached "
+            f"{', '.join(_f(x) + ' s' for x in warm) or 'not seen'}"
+        )
+        return [["start-up", target, measured, "", status]]
     seen, starts = set(), []
     for res in results.values():
         if res.get("benchmark") != "workload":
@@ -732,11 +758,12 @@ def _targets(results: dict) -> str:
         if "persistent cache" in (s.get("source") or "")
         and (s.get("persistent_cache_hits") or 0) >= (s.get("executables") or 1)
     ]
+    rows = []
     if starts:
         rows.append(
             [
                 "start-up",
-                "all buckets < 60 s cold, < 10 s with the persistent cache",
+                target,
                 f"cold: {', '.join(_f(s['warmup_s']) + ' s' for s in cold) or 'not seen'} "
                 f"({cold[0]['executables'] if cold else '–'} executables); cached: "
                 f"{', '.join(_f(s['warmup_s']) + ' s' for s in warm) or 'not seen'}",
@@ -748,7 +775,7 @@ def _targets(results: dict) -> str:
                 else "not met",
             ]
         )
-    return _table(["figure", "target", "measured", "of floor", "status"], rows)
+    return rows
 
 
 def _bucket_section(bs: dict, pad_only: Optional[dict]) -> str:

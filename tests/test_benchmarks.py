@@ -365,3 +365,56 @@ def test_decode_matmul_flag_matches_the_engine_choices():
 
     assert DECODE_MATMUL_CHOICES == DECODE_MATMULS
     assert run_parser().parse_args(["--workload", "long4", "--decode-matmul", "mgpu"]).decode_matmul == "mgpu"
+
+
+# ------------------------------------------------------------------------------------ report targets
+def _serve_record(label, tpot_s, floor_s):
+    return dict(
+        label=label,
+        mode="split",
+        exit="fixed",
+        concurrency=1,
+        headline=dict(value=1.0 / tpot_s, floor=1.0 / floor_s, fraction=floor_s / tpot_s, bound="bandwidth"),
+        latency=dict(tpot=dict(p50=tpot_s)),
+        tpot_floor=dict(floor_s=floor_s, bound="bandwidth"),
+        tpot_fraction_of_floor=floor_s / tpot_s,
+        fraction_of_floor=floor_s / tpot_s,
+    )
+
+
+def test_report_targets_judge_the_best_variant_at_a_concurrency():
+    """Two serve1k c=1 variants: the target row names and judges the better one, whichever order
+    the records come in (the first found used to decide)."""
+    slow, fast = _serve_record("c=1 loop by loop", 0.0088, 0.0026), _serve_record("c=1 fused", 0.0065, 0.0026)
+    for recs in ([slow, fast], [fast, slow]):
+        text = report._targets({"serve1k": {"records": recs}})
+        row = next(line for line in text.splitlines() if "decode, batch 1" in line)
+        assert "c=1 fused" in row and "6.50 ms" in row and "40.0%" in row
+
+
+def test_report_start_up_target_reads_the_start_up_benchmark_first():
+    starts = [
+        dict(kind="cold", ready_s=34.1, executables=[{}] * 12),
+        dict(kind="cached", ready_s=5.2, executables=[{}] * 12),
+    ]
+    # a workload run's older start-up (JAX's cache only) that alone would fail the cached target
+    old = dict(
+        benchmark="workload",
+        records=[],
+        startup=[
+            dict(source="compiled", warmup_s=40.0, executables=7, elapsed_s=1),
+            dict(
+                source="compiled + persistent cache", warmup_s=12.1, executables=7, persistent_cache_hits=7, elapsed_s=2
+            ),
+        ],
+    )
+    rows = report._startup_rows(
+        {"serve1k": old, "startup": dict(workload="startup", preset="ouro-1.4b", starts=starts)}
+    )
+    assert len(rows) == 1 and rows[0][-1] == "met" and "cold 34.1 s; cached 5.2 s" in rows[0][2]
+    assert "12 executables" in rows[0][2]
+    rows = report._startup_rows({"serve1k": old})  # no start-up benchmark: the workload runs decide
+    assert rows[0][-1] == "not met" and "12.1 s" in rows[0][2]
+    starts[1]["ready_s"] = 10.5
+    rows = report._startup_rows({"startup": dict(workload="startup", starts=starts)})
+    assert rows[0][-1] == "not met"
