@@ -54,7 +54,6 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.decode_matvec import default_tuning
 from pallas_kernels.dispatch import resolve_attention
-from pallas_kernels.ragged_paged_attention import fold_combine_option
 from pallas_kernels.skinny_matmul_mgpu import tuning_overrides as skinny_overrides
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import StepResult
@@ -369,7 +368,6 @@ class ModelRunner:
             (repr(default_tuning()), norms_option()) if self.decode_matmul == "fused" else None,
             repr(skinny_overrides()) if self.decode_matmul in ("mgpu", "reference") else None,
             rope_write_option(),
-            fold_combine_option(),
             self.tensor_parallel_size,
             tuple(d.id for d in self._store_devices),
             tuple(sorted(step_options().items())),

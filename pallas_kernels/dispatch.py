@@ -256,7 +256,6 @@ class AttentionKernel:
             num_rows=self.num_rows,
             num_q_per_kv=self.num_heads // self.num_kv_heads,
             tuning=tuning,
-            num_kv_heads=self.num_kv_heads,
         )
 
     def plan(self, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table) -> Any:

@@ -38,16 +38,6 @@ Design (everything shape-static in ``(R, S, MB)``, no host sync):
 * **Kernel 2** (grid ``(R,)``): per output row, combine its tile's items by log-sum-exp
   (``fori_loop`` over a dynamic count) and write all H heads of the row; rows of no segment get
   zeros.
-* **Folded combine** (``Tuning.fold_combine``, not with ``merge``): no kernel 2. A program that
-  wrote a split item's partials counts itself in ``counters[first item of the tile, KV head]``
-  (an atomic add after a barrier of its threads: acquire-release at GPU scope, so the partials
-  are visible to whoever sees the count); the program that brings the count to the tile's item
-  count combines that tile's items for its KV head's query heads, writes the rows, and puts the
-  counter back to 0. The counters are all zero before and after every launch (one zeroed array
-  per plan serves every layer: nothing is written per layer). Kernel 1's programs also write the
-  zeros of rows of no segment (program ``p`` the rows ``p, p + P, ...``). One launch a layer
-  instead of two: at one to eight decode rows the combine was a launch of ~2.6-3.5 us for a few
-  KB of partials (docs/decisions.md).
 
 ``ragged_paged_attention_reference`` is the pure-jnp twin (also the engine's CPU path).
 """
@@ -57,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import jax
@@ -89,21 +78,6 @@ def _next_pow2(x: int) -> int:
 # programs than a 1024-row S = R bucket's grid, whose launch is mostly empty items.
 MAX_PROGRAMS = 4096
 
-# Where the combine is folded into kernel 1 (``Tuning.fold_combine``) unless a launch says
-# otherwise: ``off``, ``decode`` (decode-like buckets: <= 2 rows a segment) or ``all``. Read when a
-# launch is traced; part of the executable store's key (``ouro_jax.runner``).
-FOLD_COMBINE_ENV = "OURO_JAX_FOLD_COMBINE"
-FOLD_COMBINE_CHOICES = ("off", "decode", "all")
-FOLD_COMBINE_DEFAULT = "off"
-
-
-def fold_combine_option() -> str:
-    """``$OURO_JAX_FOLD_COMBINE`` (default ``FOLD_COMBINE_DEFAULT``), checked."""
-    value = os.environ.get(FOLD_COMBINE_ENV, FOLD_COMBINE_DEFAULT).strip().lower()
-    if value not in FOLD_COMBINE_CHOICES:
-        raise ValueError(f"{FOLD_COMBINE_ENV} must be one of {', '.join(FOLD_COMBINE_CHOICES)}, got {value!r}")
-    return value
-
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
@@ -118,7 +92,6 @@ class Tuning:
     prefetch: bool = True  # one-row path: load block j+1 while reducing block j
     combine_warps: int = 4
     max_programs: int = MAX_PROGRAMS  # kernel 1's grid cap (items x KV heads); beyond it programs loop
-    fold_combine: bool = False  # the last program of a tile's items combines them (no kernel 2)
 
 
 def programs_per_kv_head(num_items: int, num_kv_heads: int, max_programs: int) -> int:
@@ -143,12 +116,10 @@ def default_tuning(
     target_programs=None,
     prefetch=None,
     max_programs=None,
-    fold_combine=None,
 ) -> Tuning:
     """Heuristic defaults for a bucket ``(R, S)``; any knob given overrides it.
 
     Decode buckets: 16-row MMA tiles (one decode row padded to 16), 64-token blocks, ~512 programs.
-    ``fold_combine`` defaults from ``$OURO_JAX_FOLD_COMBINE``.
     Prompt segments: the tile height follows the rows per segment (16 / 64 / 128 rows); 128-row
     tiles use 8 warps with 32-token blocks. The sweep behind them: docs/decisions.md, "Triton
     kernel tuning".
@@ -188,9 +159,6 @@ def default_tuning(
         max_programs = MAX_PROGRAMS
     if int(max_programs) < 1:
         raise ValueError(f"max_programs must be >= 1, got {max_programs}")
-    if fold_combine is None:
-        option = fold_combine_option()
-        fold_combine = option == "all" or (option == "decode" and decode_like)
     return Tuning(
         block_q=int(block_q),
         block_k=int(block_k),
@@ -200,7 +168,6 @@ def default_tuning(
         num_stages=int(num_stages),
         prefetch=bool(prefetch),
         max_programs=int(max_programs),
-        fold_combine=bool(fold_combine),
     )
 
 
@@ -278,38 +245,20 @@ def query_tiles(
     return Tiles(seg=seg, row0=row0, nrows=nrows, pos0=pos0)
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=("items", "rows", "counters"), meta_fields=("block_q", "block_k")
-)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("items", "rows"), meta_fields=("block_q", "block_k"))
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    # [W, 9] int32: seg, row0, nrows, pos0, k0, k1, n_split of tile, real items (every row), first
-    # item of the tile
-    items: jax.Array
+    items: jax.Array  # [W, 8] int32: seg, row0, nrows, pos0, k0, k1, n_split of tile, real items (every row)
     rows: jax.Array  # [R, 4] int32: first item of the row's tile, item count, m-index, 0
     block_q: int  # static: the tiling the plan was built for (checked at launch)
     block_k: int
-    # [W, KVH] int32 zeros: the folded combine's arrival counts (``Tuning.fold_combine``), shared by
-    # every layer's launch (each leaves them zero); None when the plan was built without a fold
-    counters: jax.Array | None = None
 
 
-def make_plan(
-    seg_q_start,
-    seg_q_len,
-    seg_ctx_len,
-    *,
-    num_rows: int,
-    num_q_per_kv: int,
-    tuning: Tuning,
-    num_kv_heads: int | None = None,
-) -> Plan:
+def make_plan(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, num_q_per_kv: int, tuning: Tuning) -> Plan:
     """Work list for ``ragged_paged_attention`` (depends only on the segment arrays).
 
     Items come tile by tile in segment order, every item of a tile holding context, so the real
     items are ``items[:n]`` with ``n = items[0, 7]``; the rest are empty (``n_split == 0``).
-    With ``tuning.fold_combine`` and ``num_kv_heads`` the plan carries the zeroed counters the
-    launches share (without ``num_kv_heads`` each launch makes its own).
     """
     bq, bk = tuning.block_q, tuning.block_k
     tiles = query_tiles(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=bq)
@@ -340,7 +289,6 @@ def make_plan(
             jnp.where(valid, k1, 0),
             jnp.where(valid, n_split[tile], 0),
             n_items,
-            jnp.where(valid, first[tile], 0),
         ],
         axis=1,
     ).astype(jnp.int32)
@@ -362,10 +310,7 @@ def make_plan(
         ],
         axis=1,
     ).astype(jnp.int32)
-    counters = None
-    if tuning.fold_combine and num_kv_heads is not None:
-        counters = jnp.zeros((w_max, int(num_kv_heads)), jnp.int32)
-    return Plan(items=items, rows=rows, block_q=bq, block_k=bk, counters=counters)
+    return Plan(items=items, rows=rows, block_q=bq, block_k=bk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,19 +319,7 @@ def make_plan(
 
 
 def _attn_kernel(
-    items_ref,
-    bt_ref,
-    layer_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    out_ref,
-    o_ref,
-    lse_ref,
-    *,
-    num_programs: int | None,
-    fold: tuple | None = None,
-    **kw,
+    items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, *, num_programs: int | None, **kw
 ):
     """An empty work item (``n_split == 0``: padding past the plan's last item, or a tile of no
     rows) returns at once. Its partial output is never read (the combine reads only a row's own
@@ -395,144 +328,23 @@ def _attn_kernel(
 
     ``num_programs`` None: one program per item, partials through per-program blocks. Otherwise
     program ``p`` runs items ``p, p + num_programs, ...`` below the plan's real count (all real, in
-    the same order of accumulation as one program each) and writes partials at ``[w, h]``.
-
-    ``fold`` ``(rows_ref, cnt_ref, grid_programs, interpret)``: the folded combine (module
-    docstring); partials are then whole arrays written at ``[w, h]`` in both cases, and every
-    program also writes the zeros of its share of the rows of no segment."""
+    the same order of accumulation as one program each) and writes partials at ``[w, h]``."""
     p, h = pl.program_id(0), pl.program_id(1)  # outside the branch: interpret mode needs it there
     args = (items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref)
-    tail = None if fold is None else (fold[1], fold[3])
     if num_programs is None:
 
         @pl.when(items_ref[p, 6] > 0)
         def _():
-            _attn_item(p, h, *args, part=() if fold is None else (p, h), fold=tail, **kw)
+            _attn_item(p, h, *args, part=(), **kw)
 
-    else:
-
-        def body(i, carry):
-            w = p + i * num_programs
-            _attn_item(w, h, *args, part=(w, h), fold=tail, **kw)
-            return carry
-
-        lax.fori_loop(0, _cdiv(jnp.maximum(items_ref[0, 7] - p, 0), num_programs), body, jnp.int32(0))
-    if fold is not None:
-        _zero_free_rows(p, h, fold[0], out_ref, programs=fold[2], g=kw["g"])
-
-
-def _zero_free_rows(p, h, rows_ref, out_ref, *, programs: int, g: int):
-    """The folded combine's stand-in for kernel 2's zeros: program ``p`` writes KV head ``h``'s
-    query heads of rows ``p, p + programs, ...`` that no segment covers (item count 0)."""
-    num_rows, _, head_dim = out_ref.shape
-    dr = jnp.arange(head_dim, dtype=jnp.int32)
-    g_pad = _next_pow2(g)
-    gi = jnp.arange(g_pad, dtype=jnp.int32)
+        return
 
     def body(i, carry):
-        r = p + i * programs
-
-        @pl.when(rows_ref[r, 1] == 0)
-        def _():
-            if g == 1:
-                out_ref[r, h, :] = jnp.zeros((head_dim,), out_ref.dtype)
-            else:
-                idx = (r, (h * g + gi)[:, None], dr[None, :])
-                plgpu.store(out_ref.at[idx], jnp.zeros((g_pad, head_dim), out_ref.dtype), mask=(gi < g)[:, None])
-
+        w = p + i * num_programs
+        _attn_item(w, h, *args, part=(w, h), **kw)
         return carry
 
-    lax.fori_loop(0, _cdiv(jnp.maximum(num_rows - p, 0), programs), body, jnp.int32(0))
-
-
-def _fold_tail(w, h, items_ref, out_ref, o_ref, lse_ref, cnt_ref, *, interpret: bool, g: int, m_valid: int, m_pad: int):
-    """After item ``w``'s partials for KV head ``h`` are stored: count this program in its tile's
-        counter; the program that completes the count combines the tile's items (as kernel 2 does a
-        row's, for this KV head's query heads only), writes the tile's rows and zeroes the counter.
-
-        Ordering: the barrier puts every thread's partial stores before the atomic (Triton runs a
-        scalar atomic on one thread), whose acquire-release at GPU scope publishes them to the program
-        that reads the final count; that program's loads come after the atomic's result is shared with
-        its threads and are volatile (not served from this SM's L1; jax 0.11.2 cannot lower ``.cg``:
-    its table holds ``cg``, it looks up ``.cg``). The interpreter
-        runs programs one after another and has no barrier rule, so it skips the barrier."""
-    if not interpret:
-        plgpu.debug_barrier()
-    first = items_ref[w, 8]
-    n = items_ref[w, 6]
-    arrived = plgpu.atomic_add(cnt_ref, (first, h), jnp.int32(1))
-
-    @pl.when(arrived == n - 1)
-    def _():
-        row0 = items_ref[w, 1]
-        head_dim = out_ref.shape[-1]
-        dr = jnp.arange(head_dim, dtype=jnp.int32)
-        chunk = combine_chunk(m_pad, head_dim)
-        jj = jnp.arange(chunk, dtype=jnp.int32)
-
-        def items(c):
-            j = c * chunk + jj
-            ok = j < n
-            item = first + jnp.where(ok, j, 0)
-            return ok, item, jnp.zeros_like(item) + h
-
-        if m_pad == 1:  # the one-row path: partials [hd] at [w, h, 0]
-
-            def body(c, carry):
-                acc, m_i, l_i = carry
-                ok, item, hh = items(c)
-                zero = jnp.zeros_like(item)
-                lse = plgpu.load(lse_ref.at[item, hh, zero], mask=ok, other=NEG, volatile=True)
-                o = plgpu.load(
-                    o_ref.at[item[:, None], hh[:, None], zero[:, None], dr[None, :]],
-                    mask=ok[:, None],
-                    other=0.0,
-                    volatile=True,
-                )  # [chunk, hd]
-                m_new = jnp.maximum(m_i, jnp.max(lse))
-                a = jnp.exp2(m_i - m_new)
-                b = jnp.where(ok, jnp.exp2(lse - m_new), 0.0)
-                return acc * a + jnp.sum(o * b[:, None], axis=0), m_new, l_i * a + jnp.sum(b)
-
-            init = (jnp.zeros((head_dim,), jnp.float32), jnp.float32(NEG), jnp.float32(0.0))
-            acc, _, l_i = lax.fori_loop(0, _cdiv(n, chunk), body, init)
-            out_ref[row0, h, :] = jnp.where(l_i > 0, acc / jnp.where(l_i > 0, l_i, 1.0), 0.0).astype(out_ref.dtype)
-        else:
-            mi = jnp.arange(m_pad, dtype=jnp.int32)
-            qi = lax.div(mi, g)
-            row_ok = (mi < m_valid) & (qi < items_ref[w, 2])
-
-            def body(c, carry):
-                acc, m_i, l_i = carry
-                ok, item, hh = items(c)
-                lse = plgpu.load(
-                    lse_ref.at[item[:, None], hh[:, None], mi[None, :]],
-                    mask=ok[:, None],
-                    other=NEG,
-                    volatile=True,
-                )  # [chunk, Mp]
-                o = plgpu.load(
-                    o_ref.at[item[:, None, None], hh[:, None, None], mi[None, :, None], dr[None, None, :]],
-                    mask=ok[:, None, None],
-                    other=0.0,
-                    volatile=True,
-                )  # [chunk, Mp, hd]
-                m_new = jnp.maximum(m_i, jnp.max(lse, axis=0))
-                a = jnp.exp2(m_i - m_new)
-                b = jnp.where(ok[:, None], jnp.exp2(lse - m_new[None, :]), 0.0)
-                acc = acc * a[:, None] + jnp.sum(o * b[:, :, None], axis=0)
-                return acc, m_new, l_i * a + jnp.sum(b, axis=0)
-
-            init = (
-                jnp.zeros((m_pad, head_dim), jnp.float32),
-                jnp.full((m_pad,), NEG, jnp.float32),
-                jnp.zeros((m_pad,), jnp.float32),
-            )
-            acc, _, l_i = lax.fori_loop(0, _cdiv(n, chunk), body, init)
-            o = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-            st_idx = ((row0 + qi)[:, None], (h * g + lax.rem(mi, g))[:, None], dr[None, :])
-            plgpu.store(out_ref.at[st_idx], o.astype(out_ref.dtype), mask=row_ok[:, None])
-        cnt_ref[first, h] = jnp.int32(0)
+    lax.fori_loop(0, _cdiv(jnp.maximum(items_ref[0, 7] - p, 0), num_programs), body, jnp.int32(0))
 
 
 def _attn_item(
@@ -549,7 +361,6 @@ def _attn_item(
     lse_ref,
     *,
     part: tuple,
-    fold: tuple | None = None,
     g: int,
     m_valid: int,
     m_pad: int,
@@ -569,7 +380,6 @@ def _attn_item(
     direct = items_ref[w, 6] == 1
     head_dim = q_ref.shape[-1]
     kv_prefix = (layer_ref[0], h) if layer_ref is not None else (h,)
-    tail_kw = dict(g=g, m_valid=m_valid, m_pad=m_pad)
 
     n_blocks = _cdiv(jnp.maximum(k1 - k0, 0), block_k)
     n_full = jnp.clip((jnp.minimum(k1, pos0 + 1) - k0) // block_k, 0, n_blocks)
@@ -641,8 +451,6 @@ def _attn_item(
         def _():
             o_ref[(*part, 0, slice(None))] = o
             lse_ref[(*part, slice(None))] = jnp.full((1,), jnp.where(ok, m_i + jnp.log2(l_safe), NEG), jnp.float32)
-            if fold is not None:
-                _fold_tail(w, h, items_ref, out_ref, o_ref, lse_ref, fold[0], interpret=fold[1], **tail_kw)
 
         return
 
@@ -694,8 +502,6 @@ def _attn_item(
     def _():
         o_ref[(*part, slice(None), slice(None))] = o
         lse_ref[(*part, slice(None))] = jnp.where(ok, m_i + jnp.log2(l_safe), NEG)
-        if fold is not None:
-            _fold_tail(w, h, items_ref, out_ref, o_ref, lse_ref, fold[0], interpret=fold[1], **tail_kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -816,8 +622,6 @@ def _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_bl
         "target_programs",
         "prefetch",
         "max_programs",
-        "fold_combine",
-        "keep_counters",
     ),
 )
 def ragged_paged_attention(
@@ -841,10 +645,8 @@ def ragged_paged_attention(
     target_programs=None,
     prefetch=None,
     max_programs=None,
-    fold_combine=None,
     plan: Plan | None = None,
     merge=None,
-    keep_counters: bool = False,
 ):
     """Ragged paged attention (see module docstring). Tuning knobs default by bucket.
 
@@ -853,9 +655,6 @@ def ragged_paged_attention(
     ``merge`` (optional) ``(rows [R] int32, other [N, H, hd])``: a row of no segment here takes
     ``other[rows[r]]`` (zeros where ``rows[r]`` is outside ``[0, N)``), written by the combine
     kernel, which writes such rows anyway: the hybrid split's merge costs no pass of its own.
-    ``fold_combine`` (default from ``$OURO_JAX_FOLD_COMBINE``): one launch, no kernel 2 (module
-    docstring; ignored with ``merge``). ``keep_counters`` (tests): with the fold, return ``(out,
-    counters)``, the counters as the launch left them (all zero when it worked).
     """
     _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, layer)
     if plan is not None:  # the plan fixes the tiling it was built for
@@ -880,12 +679,9 @@ def ragged_paged_attention(
         target_programs=target_programs,
         prefetch=prefetch,
         max_programs=max_programs,
-        fold_combine=fold_combine,
     )
     if plan is None:
-        plan = make_plan(
-            seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=g, tuning=tuning, num_kv_heads=kvh
-        )
+        plan = make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=g, tuning=tuning)
     if merge is not None:
         rows, other = merge
         if rows.shape != (num_rows,) or other.ndim != 3 or other.shape[1:] != q.shape[1:]:
@@ -901,7 +697,6 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         interpret=interpret,
         merge=merge,
-        keep_counters=keep_counters,
     )
 
 
@@ -917,7 +712,6 @@ def _launch(
     sm_scale: float,
     interpret: bool,
     merge=None,
-    keep_counters: bool = False,
 ):
     num_rows, num_heads, head_dim = q.shape
     kvh, _, block_size, _ = k_pages.shape[-4:]
@@ -937,8 +731,6 @@ def _launch(
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
     has_layer = layer is not None
 
-    fold = tuning.fold_combine and merge is None
-    whole = looped or fold  # partials as whole arrays, written at [w, h] by the kernel
     kernel = functools.partial(
         _attn_kernel,
         g=g,
@@ -951,49 +743,30 @@ def _launch(
         prefetch=tuning.prefetch,
         num_programs=n_prog if looped else None,
     )
-    operands = [plan.items]
-    if fold:
-        operands.append(plan.rows)
-    operands.append(seg_block_table.astype(jnp.int32))
+    operands = [plan.items, seg_block_table.astype(jnp.int32)]
     if has_layer:
         operands.append(jnp.asarray(layer, jnp.int32).reshape(1))
+    else:
+        kernel = functools.partial(_no_layer, kernel)
     operands += [q, k_pages, v_pages]
-    if fold:
-        counters = plan.counters
-        if counters is None or counters.shape != (w_max, kvh):
-            counters = jnp.zeros((w_max, kvh), jnp.int32)
-        # An input the kernel writes and leaves as it found it (all zero): see _fold_tail.
-        operands.append(counters)
-    out_specs = [
-        pl.BlockSpec(),  # whole array: rows are scattered by the kernel
-        pl.BlockSpec() if whole else pl.BlockSpec((None, None, m_pad, head_dim), lambda w, h: (w, h, 0, 0)),
-        pl.BlockSpec() if whole else pl.BlockSpec((None, None, m_pad), lambda w, h: (w, h, 0)),
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((w_max, kvh, m_pad, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((w_max, kvh, m_pad), jnp.float32),
-    ]
-    # Tests only: the counters aliased to a fourth output, to see that a launch leaves them zero.
-    keep = fold and keep_counters
-    if keep:
-        out_specs.append(pl.BlockSpec())
-        out_shape.append(jax.ShapeDtypeStruct((w_max, kvh), jnp.int32))
-    outs = pl.pallas_call(
-        functools.partial(
-            _unpack_refs, kernel, fold=fold, has_layer=has_layer, programs=n_prog, interpret=interpret, keep=keep
-        ),
+    out, o_part, lse_part = pl.pallas_call(
+        kernel,
         grid=(n_prog, kvh),
-        out_specs=out_specs,
-        out_shape=out_shape,
-        input_output_aliases={len(operands) - 1: 3} if keep else {},
+        out_specs=[
+            pl.BlockSpec(),  # whole array: rows are scattered by the kernel
+            # looped programs write each item's partials at [w, h] themselves
+            pl.BlockSpec() if looped else pl.BlockSpec((None, None, m_pad, head_dim), lambda w, h: (w, h, 0, 0)),
+            pl.BlockSpec() if looped else pl.BlockSpec((None, None, m_pad), lambda w, h: (w, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((w_max, kvh, m_pad, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((w_max, kvh, m_pad), jnp.float32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_bq{tuning.block_q}_bk{tuning.block_k}" + ("_fold" if fold else ""),
+        name=f"ragged_paged_attention_bq{tuning.block_q}_bk{tuning.block_k}",
     )(*operands)
-    out, o_part, lse_part = outs[:3]
-    if fold:
-        return (out, outs[3]) if keep else out
 
     extra = () if merge is None else (merge[0].astype(jnp.int32), merge[1])
     return pl.pallas_call(
@@ -1007,23 +780,8 @@ def _launch(
     )(plan.rows, o_part, lse_part, out, *extra)
 
 
-def _unpack_refs(kernel, *refs, fold: bool, has_layer: bool, programs: int, interpret: bool, keep: bool = False):
-    """Kernel 1's refs in launch order (items, [rows], block table, [layer], q, k, v, [counters];
-    out, o_part, lse_part, [counters again when ``keep``: the aliased output is the one written])
-    to ``_attn_kernel``'s arguments."""
-    refs = list(refs)
-    items_ref = refs.pop(0)
-    rows_ref = refs.pop(0) if fold else None
-    bt_ref = refs.pop(0)
-    layer_ref = refs.pop(0) if has_layer else None
-    q_ref, k_ref, v_ref = refs[:3]
-    rest = refs[3:]
-    cnt_ref = rest.pop(0) if fold else None
-    if keep:
-        cnt_ref = rest.pop()
-    out_ref, o_ref, lse_ref = rest
-    fold_args = (rows_ref, cnt_ref, programs, interpret) if fold else None
-    return kernel(items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, fold=fold_args)
+def _no_layer(kernel, items_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref):
+    return kernel(items_ref, bt_ref, None, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref)
 
 
 # ----------------------------------------------------------------------------------------------

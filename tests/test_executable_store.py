@@ -140,20 +140,6 @@ def test_store_key_changes_with_the_program(tmp_path):
     assert base.runner.store_key(base.executable_keys()[1]) != k0  # another executable (the fused step)
 
 
-def test_store_key_covers_the_attention_options(tmp_path, monkeypatch):
-    """Options read from the environment when a step is traced change its program, so its key."""
-    from ouro_jax.paged_attention import ROPE_WRITE_ENV
-    from pallas_kernels.ragged_paged_attention import FOLD_COMBINE_ENV
-
-    base = _llm(tmp_path, warmup=False)
-    key = base.executable_keys()[0]
-    k0 = base.runner.store_key(key)
-    for env, value in ((FOLD_COMBINE_ENV, "decode"), (ROPE_WRITE_ENV, "xla")):
-        monkeypatch.setenv(env, value)
-        assert _llm(tmp_path, warmup=False).runner.store_key(key) != k0, env
-        monkeypatch.delenv(env)
-
-
 def test_store_key_covers_the_environment(tmp_path, monkeypatch):
     k0 = ExecutableStore(tmp_path).key("program", 1)
     assert ExecutableStore(tmp_path).key("program", 1) == k0

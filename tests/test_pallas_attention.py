@@ -267,7 +267,6 @@ TUNINGS = st.fixed_dictionaries(
         extra_items=st.sampled_from([1, 3, 8]),
         prefetch=st.booleans(),
         max_programs=st.sampled_from([1, 5, MAX_PROGRAMS]),  # small caps: programs loop over items
-        fold_combine=st.booleans(),  # the last program of a tile's items combines them (no kernel 2)
     )
 )
 
@@ -293,10 +292,10 @@ def test_kernel_interpret_fixed_mixed_batch():
     b = make_batch(rng, num_heads=4, kv_heads=4, head_dim=64, block_size=8, seg_specs=specs, extra_rows=2, num_layers=2)
     want = oracle(b, 0.125)
     for bq in (1, 16):
-        kw = dict(block_q=bq, block_k=16, min_split_tokens=16, extra_items=6)
-        for fold in (False, True):
-            got = run(ragged_paged_attention, b, 0.125, interpret=True, fold_combine=fold, **kw)
-            assert_close(got, want, b, np.float32, f"block_q={bq} fold={fold}")
+        got = run(
+            ragged_paged_attention, b, 0.125, interpret=True, block_q=bq, block_k=16, min_split_tokens=16, extra_items=6
+        )
+        assert_close(got, want, b, np.float32, f"block_q={bq}")
 
 
 def test_all_padding_gives_zeros():
@@ -329,7 +328,7 @@ def test_plan_bounds_and_reuse():
     assert (k1[real] > k0[real]).all() and (k1[~real] == k0[~real]).all()
     # every (tile, position) pair covered exactly once
     cover = {}
-    for seg, row0, n, pos0, a, z, _, _, _ in items[real]:
+    for seg, row0, n, pos0, a, z, _, _ in items[real]:
         for p in range(a, z):
             cover[(row0, p)] = cover.get((row0, p), 0) + 1
     assert all(c == 1 for c in cover.values())
@@ -379,11 +378,8 @@ def test_default_grid_one_item_per_program_in_decode_buckets(h, kvh, hd):
     for r in (8, 16, 32, 64, 128, 1024, 2048):
         t = default_tuning(r, r, h, kvh, hd)
         w = num_tiles(r, r, t.block_q) + t.extra_items
-        args = _bucket_args(r, h, kvh, hd)
-        grids = _grids(ragged_paged_attention, *args, layer=1, sm_scale=0.1, interpret=True, fold_combine=False)
+        grids = _grids(ragged_paged_attention, *_bucket_args(r, h, kvh, hd), layer=1, sm_scale=0.1, interpret=True)
         assert grids[1] == (r,), grids
-        # folded: the same kernel 1 grid and no combine launch
-        assert _grids(ragged_paged_attention, *args, layer=1, sm_scale=0.1, fold_combine=True) == grids[:1]
         p, heads = grids[0]
         assert heads == kvh
         if r <= 128:
@@ -481,26 +477,13 @@ def test_triton_lowering_on_cpu():
             ta = jax.ShapeDtypeStruct((s, mb), jnp.int32)
             la = jax.ShapeDtypeStruct((), jnp.int32) if layered else None
 
-            def f(q, k, v, a, b_, c, d, lyr, bq=bq, cap=cap, fold_combine=False):
+            def f(q, k, v, a, b_, c, d, lyr, bq=bq, cap=cap):
                 return ragged_paged_attention(
-                    q,
-                    k,
-                    v,
-                    a,
-                    b_,
-                    c,
-                    d,
-                    layer=lyr,
-                    sm_scale=0.1,
-                    block_q=bq,
-                    max_programs=cap,
-                    fold_combine=fold_combine,
+                    q, k, v, a, b_, c, d, layer=lyr, sm_scale=0.1, block_q=bq, max_programs=cap
                 )
 
-            for fold in (False, True):
-                g = functools.partial(f, fold_combine=fold)
-                text = jax.jit(g).trace(qa, ka, ka, ia, ia, ia, ta, la).lower(lowering_platforms=("cuda",)).as_text()
-                assert text.count("xla.gpu.triton") == (1 if fold else 2), fold
+            text = jax.jit(f).trace(qa, ka, ka, ia, ia, ia, ta, la).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("xla.gpu.triton") == 2
     finally:
         pcr.gpu_info_lib.get_gpu_info = old
 
@@ -550,56 +533,8 @@ def test_kernel_gpu_ouro_shapes(bq):
         dtype=jnp.bfloat16,
     )
     want = run(ragged_paged_attention_reference, b, 128**-0.5)
-    for fold in (False, True):
-        got = run(ragged_paged_attention, b, 128**-0.5, block_q=bq, fold_combine=fold)
-        assert_close(got, want, b, jnp.bfloat16, f"ouro bq={bq} fold={fold}")
-
-
-@gpu
-@skip_no_gpu
-@pytest.mark.parametrize("h,kvh,bq", [(16, 16, 1), (16, 16, None), (8, 2, None), (16, 16, 64)])
-def test_kernel_gpu_fold_combine_repeated_launches(h, kvh, bq):
-    """The folded combine on the device, where programs really race: many launches over one plan
-    (its counters shared, as the layers of a step share them) give the same output as the
-    two-launch kernel each time (bitwise: the combine's arithmetic is the same, only who runs it
-    differs), and the counters are zero after every launch. Decode rows split 8-190 ways, a
-    prompt chunk split along its context, rows of no segment."""
-    rng = np.random.default_rng(5)
-    specs = [(1, 3000), (1, 1024), (1, 129), (1, 16), (0, 0), (1, 777), (48, 2000)]
-    b = make_batch(
-        rng,
-        num_heads=h,
-        kv_heads=kvh,
-        head_dim=128,
-        block_size=16,
-        seg_specs=specs,
-        extra_rows=3,
-        num_layers=2,
-        dtype=jnp.bfloat16,
-    )
-    kw = dict(block_q=bq, min_split_tokens=16)
-    segs = [jnp.asarray(b[k]) for k in ("q_start", "q_len", "ctx_len")]
-    r = b["q"].shape[0]
-    t = default_tuning(r, len(specs), h, kvh, 128, dtype=jnp.bfloat16, fold_combine=True, **kw)
-    plan = make_plan(*segs, num_rows=r, num_q_per_kv=h // kvh, tuning=t, num_kv_heads=kvh)
-    want = run(ragged_paged_attention, b, 128**-0.5, fold_combine=False, **kw)
-    assert_close(want, run(ragged_paged_attention_reference, b, 128**-0.5), b, jnp.bfloat16, "two launches")
-    for i in range(20):
-        got, counters = ragged_paged_attention(
-            *[jnp.asarray(b[k]) for k in ("q", "k", "v")],
-            *segs,
-            jnp.asarray(b["tables"]),
-            layer=jnp.int32(b["layer"]),
-            sm_scale=128**-0.5,
-            fold_combine=True,
-            plan=plan,
-            keep_counters=True,
-            **kw,
-        )
-        np.testing.assert_array_equal(np.asarray(counters), 0, err_msg=f"launch {i}")
-        np.testing.assert_array_equal(np.asarray(got, np.float32), want, err_msg=f"launch {i}")
-        got = run(ragged_paged_attention, b, 128**-0.5, fold_combine=True, plan=plan, **kw)
-        np.testing.assert_array_equal(got, want, err_msg=f"launch {i}, counters not kept")
+    got = run(ragged_paged_attention, b, 128**-0.5, block_q=bq)
+    assert_close(got, want, b, jnp.bfloat16, f"ouro bq={bq}")
 
 
 def test_kernel_interpret_combine_many_items():
@@ -622,125 +557,3 @@ def test_kernel_interpret_combine_many_items():
         assert counts[-2:] == [9, 37], counts
         got = run(ragged_paged_attention, b, 0.125, interpret=True, **kw)
         assert_close(got, want, b, np.float32, f"block_q={bq}")
-
-
-@pytest.mark.parametrize(
-    "h,kvh,bq,programs",
-    [
-        (4, 4, 1, None),  # MHA one-row path (partials [hd])
-        (6, 2, 16, None),  # GQA MMA path
-        (4, 4, 4, 5),  # capped: programs loop over items, then zero their rows
-        pytest.param(8, 1, 2, 1, marks=pytest.mark.slow),  # one program per KV head does everything
-    ],
-)
-def test_fold_combine_equals_two_launches_and_leaves_counters_zero(h, kvh, bq, programs):
-    """The folded combine (interpret mode: programs run one after another, so the last one to
-    arrive is the last in grid order) writes what kernel 2 writes: combined split rows, direct
-    rows, zeros for rows of no segment; and it puts every counter back to zero, which is what lets
-    one zeroed array serve every layer of a step."""
-    specs = [(1, 16), (1, 17), (0, 0), (12, 40), (1, 1), (5, 5), (1, 33), (0, 0), (3, 50)]
-    rng = np.random.default_rng(200 + h + kvh + bq)
-    b = make_batch(
-        rng, num_heads=h, kv_heads=kvh, head_dim=64, block_size=8, seg_specs=specs, extra_rows=3, num_layers=2
-    )
-    kw = dict(block_q=bq, block_k=16, min_split_tokens=16, extra_items=48)
-    if programs is not None:
-        kw["max_programs"] = programs * kvh
-    two = run(ragged_paged_attention, b, 0.125, interpret=True, fold_combine=False, **kw)
-    assert_close(two, oracle(b, 0.125), b, np.float32, "two launches")
-    r = b["q"].shape[0]
-    segs = [jnp.asarray(b[k]) for k in ("q_start", "q_len", "ctx_len")]
-    t = default_tuning(r, len(specs), h, kvh, 64, fold_combine=True, **kw)
-    plan = make_plan(*segs, num_rows=r, num_q_per_kv=h // kvh, tuning=t, num_kv_heads=kvh)
-    assert plan.counters.shape == (plan.items.shape[0], kvh) and not np.asarray(plan.counters).any()
-    assert (np.asarray(plan.rows)[:, 1] > 1).sum() >= 4  # several rows are combined
-    got, counters = ragged_paged_attention(
-        *[jnp.asarray(b[k]) for k in ("q", "k", "v")],
-        *segs,
-        jnp.asarray(b["tables"]),
-        layer=jnp.int32(b["layer"]),
-        sm_scale=0.125,
-        interpret=True,
-        fold_combine=True,
-        plan=plan,
-        keep_counters=True,
-        **kw,
-    )
-    np.testing.assert_array_equal(np.asarray(counters), 0)
-    np.testing.assert_allclose(np.asarray(got), two, rtol=1e-6, atol=1e-6)
-    assert_close(np.asarray(got), oracle(b, 0.125), b, np.float32, "folded")
-
-
-def test_fold_combine_option(monkeypatch):
-    """``$OURO_JAX_FOLD_COMBINE`` picks the default per bucket; a launch's own knob wins; a hybrid
-    launch (``merge``) keeps kernel 2, which does the merge."""
-    from pallas_kernels.ragged_paged_attention import FOLD_COMBINE_ENV
-
-    for value, decode, prompt in (("off", False, False), ("decode", True, False), ("all", True, True)):
-        monkeypatch.setenv(FOLD_COMBINE_ENV, value)
-        assert default_tuning(8, 8, 16, 16, 128).fold_combine is decode  # decode bucket: a row a segment
-        assert default_tuning(1024, 8, 16, 16, 128).fold_combine is prompt
-        assert default_tuning(8, 8, 16, 16, 128, fold_combine=not decode).fold_combine is (not decode)
-    monkeypatch.setenv(FOLD_COMBINE_ENV, "sometimes")
-    with pytest.raises(ValueError, match=FOLD_COMBINE_ENV):
-        default_tuning(8, 8, 16, 16, 128)
-    monkeypatch.delenv(FOLD_COMBINE_ENV)
-    args = _bucket_args(8, 4, 4, 64)
-    merge = (jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((4, 4, 64), jnp.bfloat16))
-
-    def merged(q, k, v, a, b_, c, d, rows, other, **kw):
-        return ragged_paged_attention(q, k, v, a, b_, c, d, merge=(rows, other), **kw)
-
-    assert len(_grids(merged, *args, *merge, layer=1, sm_scale=0.1, fold_combine=True)) == 2
-
-
-@pytest.mark.slow  # ~1 min on a CPU: the engine's buckets compiled twice with interpreted kernels
-def test_engine_same_tokens_and_depths_with_the_folded_combine(monkeypatch):
-    """The engine with the Triton attention interpreted (prefill chunks, fused decode steps, the
-    model's exit rule, float32): the folded combine in every bucket gives the two-launch kernel's
-    tokens and exit depths, and is really traced. Contexts this short are one work item each, so
-    what runs here is the fold's zeros and direct rows inside the engine's steps; the combine
-    itself is checked by the kernel tests above (and on the device, where programs race)."""
-    from ouro_jax import LLM, SamplingParams, get_preset
-    from ouro_jax import runner as runner_mod
-    from pallas_kernels import ragged_paged_attention as rpa
-    from weights.random_init import random_params
-
-    real_init = runner_mod.ModelRunner.__init__
-    monkeypatch.setattr(
-        runner_mod.ModelRunner, "__init__", lambda self, *a, **k: real_init(self, *a, **k, interpret=True)
-    )
-    traced = []
-    real_tail = rpa._fold_tail
-    monkeypatch.setattr(rpa, "_fold_tail", lambda *a, **k: traced.append(k["m_pad"]) or real_tail(*a, **k))
-    cfg = get_preset("tiny-gqa")
-    params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
-    rng = np.random.default_rng(4)
-    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (5, 40, 13)]
-    sampling = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
-
-    def run(option):
-        monkeypatch.setenv(rpa.FOLD_COMBINE_ENV, option)
-        llm = LLM(
-            cfg,
-            params=params,
-            attention="triton",
-            kv_cache_bytes=1 << 22,
-            max_num_seqs=4,
-            max_num_batched_tokens=32,
-            prefill_chunk_size=8,
-            block_size=4,
-            max_model_len=64,
-            buckets=[8, 32],
-            fused_decode_max_rows=4,
-            progress=False,
-            executable_store=False,
-        )
-        outs = llm.generate(prompts, sampling, use_tqdm=False)
-        return [(o.token_ids, o.exit_depths) for o in outs]
-
-    base = run("off")
-    assert not traced
-    assert len({d for _, depths in base for d in depths}) > 1  # the exit rule picked several depths
-    assert run("all") == base
-    assert traced  # the fold was in the traced kernels
