@@ -140,6 +140,17 @@ def test_store_key_changes_with_the_program(tmp_path):
     assert base.runner.store_key(base.executable_keys()[1]) != k0  # another executable (the fused step)
 
 
+def test_store_key_covers_the_rope_write_option(tmp_path, monkeypatch):
+    """An option read from the environment when a step is traced changes its program, so its key
+    (the runner reads it when it is built)."""
+    from ouro_jax.paged_attention import ROPE_WRITE_ENV
+
+    key = _llm(tmp_path, warmup=False).executable_keys()[0]
+    k0 = _llm(tmp_path, warmup=False).runner.store_key(key)
+    monkeypatch.setenv(ROPE_WRITE_ENV, "xla")
+    assert _llm(tmp_path, warmup=False).runner.store_key(key) != k0
+
+
 def test_store_key_covers_the_environment(tmp_path, monkeypatch):
     k0 = ExecutableStore(tmp_path).key("program", 1)
     assert ExecutableStore(tmp_path).key("program", 1) == k0
