@@ -145,8 +145,9 @@ def test_store_key_covers_the_rope_write_option(tmp_path, monkeypatch):
     (the runner reads it when it is built)."""
     from ouro_jax.paged_attention import ROPE_WRITE_ENV
 
-    key = _llm(tmp_path, warmup=False).executable_keys()[0]
-    k0 = _llm(tmp_path, warmup=False).runner.store_key(key)
+    base = _llm(tmp_path, warmup=False)
+    key = base.executable_keys()[0]
+    k0 = base.runner.store_key(key)
     monkeypatch.setenv(ROPE_WRITE_ENV, "xla")
     assert _llm(tmp_path, warmup=False).runner.store_key(key) != k0
 
