@@ -195,9 +195,18 @@ def _batches(draw):
     return prompts, sps
 
 
-# a request in every random batch, so that each example decodes fused (it has tokens left after
-# every other request: with no request waiting, every fused step may run): no example is vacuous
-_COMPANION = ([5, 9, 2], SamplingParams(max_tokens=7, ignore_eos=True, exit_mode="synthetic", synthetic_mean_loops=2.0))
+# A request in every random batch, so that each example decodes fused: no example is vacuous. It
+# must still have tokens once no prompt is waiting (then every step may be fused), whatever the
+# synthetic depths its request id draws. The batch's prompts are at most 3 x 20 tokens, 9 chunks
+# of at most 8, so 36 chunk-loops of prefill; every invocation while a prompt waits runs one of
+# them at least, and at most one decode invocation comes between two of them (split), so the
+# companion gets at most 36 loops, hence 36 tokens, before the last prompt is in, and 44 leave it
+# 8 (3 + 44 <= max_model_len 48). With 7 it could finish first: CI drew two 1-token requests
+# behind long prompts, and the example had no fused step.
+_COMPANION = (
+    [5, 9, 2],
+    SamplingParams(max_tokens=44, ignore_eos=True, exit_mode="synthetic", synthetic_mean_loops=2.0),
+)
 
 
 def _serve(llm, prompts, sps, ids):
