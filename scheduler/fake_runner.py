@@ -103,14 +103,13 @@ class FakeRunner:
     def _coda(self, desc, h) -> np.ndarray:
         return sample_token(h, desc.coda_temperature, desc.coda_seed, desc.coda_step, self.vocab_size)
 
-    def _loop(self, desc, previous_tokens=None, active=None, makes=None) -> tuple[np.ndarray, np.ndarray]:
+    def _loop(self, desc, previous_tokens=None, active=None) -> tuple[np.ndarray, np.ndarray]:
         """Steps 1-3 of one descriptor: ``(h [R], gates [R])``. ``active [R]`` (fused steps): rows
-        that have not exited; the others write no K/V and read nothing (their output is unused).
-        ``makes [R]`` (fused steps): rows that make this token (the others hold no slot)."""
+        that have not exited; the others write no K/V and read nothing (their output is unused)."""
         bs = self.block_size
         nseg, npre, nfin = desc.num_segments, desc.num_prelude, desc.num_finalize
         if self.check:
-            self._check_padding(desc, makes)
+            self._check_padding(desc)
         # 1. finalize
         for src, dst in zip(desc.fin_src[:nfin], desc.fin_dst[:nfin]):
             if self.check:
@@ -151,12 +150,11 @@ class FakeRunner:
         return out, gate_logit(out)
 
     def _run_fused(self, desc) -> tuple[np.ndarray, np.ndarray]:
-        # Every row's tokens are those of lock step whatever the row program (each row's loops are
-        # the same).
         """A fused decode step with its exits decided here, as the device does (``StackedDescriptor``):
         per token, loops of every row in lock step until all exited (float32 rule), an exited row
         writing no K/V; then the LAST_EXITED finalize of planes above each exit, the coda of the
-        exit states, and the sampled tokens fed to the next token's prelude."""
+        exit states, and the sampled tokens fed to the next token's prelude. Every row's tokens are
+        those of lock step whatever the row program (each row runs the same loops)."""
         T, key = desc.num_loops, desc.key
         R, C = key.R, key.C
         gates = np.zeros((desc.n, R), np.float32)
@@ -165,25 +163,22 @@ class FakeRunner:
         for j in range(desc.num_tokens):
             subs = desc.steps[j * T : (j + 1) * T]
             args = (desc.exit_limit[j], desc.exit_min_loops[j], desc.exit_delay[j], desc.exit_threshold[j])
-            # exit limit 0: a row that makes no token (padding)
-            active = (np.arange(R) < subs[0].num_rows) & (desc.exit_limit[j] > 0)
+            active = np.arange(R) < subs[0].num_rows  # real rows, as on the device; every one makes every token
             rem = np.ones(R, np.float32)
             exit_h = np.zeros(R, np.uint64)
             depth = np.zeros(R, np.int64)
             for d in range(T):
                 if not active.any():
                     break
-                h, g = self._loop(subs[d], prev, active, desc.exit_limit[j] > 0)
+                h, g = self._loop(subs[d], prev, active)
                 gates[j * T + d] = g
                 nxt = fold_gate_rows(rem, g)
                 out = active & decide_exit_rows(d + 1, nxt, rem, *args)
                 exit_h[out], depth[out] = h[out], d
                 active &= ~out
                 rem = nxt
-            if key.F:  # LAST_EXITED: plane e -> planes e+1..T-1 of every real row that made the token
+            if key.F:  # LAST_EXITED: plane e -> planes e+1..T-1 of every real row
                 for r in range(subs[0].num_rows):
-                    if desc.exit_limit[j][r] == 0:
-                        continue
                     src = subs[depth[r]].row_slot[r]
                     for p in range(depth[r] + 1, T):
                         self.kv[subs[p].row_slot[r]] = self.kv[src]
@@ -195,7 +190,7 @@ class FakeRunner:
         self.last_fused_tokens = prev
         return gates, result
 
-    def _check_padding(self, desc, makes=None) -> None:
+    def _check_padding(self, desc) -> None:
         k = desc.key
         nrows, nseg, npre, ncoda, nfin = (
             desc.num_rows,
@@ -205,8 +200,7 @@ class FakeRunner:
             desc.num_finalize,
         )
         assert (desc.row_slot[nrows:] == -1).all() and (desc.row_ring[nrows:] == 0).all(), "padding row touches state"
-        real = desc.row_slot[:nrows] if makes is None else desc.row_slot[:nrows][makes[:nrows]]
-        assert (real >= self.block_size).all(), "real row without a slot, or in the trash page"
+        assert (desc.row_slot[:nrows] >= self.block_size).all(), "real row without a slot, or in the trash page"
         assert (desc.row_ring[:nrows] > 0).all(), "real row uses the scratch ring row"
         assert len(set(desc.row_ring[:nrows].tolist())) == nrows, "two rows of one invocation share a ring row"
         assert (desc.seg_q_len[nseg:] == 0).all() and (desc.seg_q_len[:nseg] > 0).all()
