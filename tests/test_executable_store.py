@@ -152,6 +152,25 @@ def test_store_key_covers_the_rope_write_option(tmp_path, monkeypatch):
     assert _llm(tmp_path, warmup=False).runner.store_key(key) != k0
 
 
+def test_store_key_covers_the_skinny_tuning(tmp_path, monkeypatch):
+    """``OURO_JAX_SKINNY_TUNING`` changes the programs of engines whose projections take it (the
+    kernel's jnp twin here, let through the LLM's check as test_skinny_matmul does)."""
+    import functools
+
+    from ouro_jax import llm as llm_mod
+    from ouro_jax import step_program
+    from pallas_kernels.skinny_matmul_mgpu import TUNING_ENV
+
+    monkeypatch.setattr(
+        llm_mod, "check_decode_matmul", functools.partial(step_program.check_decode_matmul, internal=True)
+    )
+    base = _llm(tmp_path, warmup=False, decode_matmul="reference")
+    key = base.executable_keys()[0]
+    k0 = base.runner.store_key(key)
+    monkeypatch.setenv(TUNING_ENV, "splits=2")
+    assert _llm(tmp_path, warmup=False, decode_matmul="reference").runner.store_key(key) != k0
+
+
 def test_store_key_covers_the_environment(tmp_path, monkeypatch):
     k0 = ExecutableStore(tmp_path).key("program", 1)
     assert ExecutableStore(tmp_path).key("program", 1) == k0
