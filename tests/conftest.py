@@ -1,5 +1,5 @@
 """Test session setup. The jax part runs only where jax is installed, so that the scheduler tests
-(``tests/test_scheduler_*.py``) also run in an environment with only numpy, pytest and hypothesis."""
+(``tests/scheduler/``) also run in an environment with only numpy, pytest and hypothesis."""
 
 import importlib.util
 import os

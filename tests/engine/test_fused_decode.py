@@ -8,9 +8,6 @@ prompt work is pending or a request waits for admission. Rows that may exit earl
 tests/test_fused_exit.py.
 """
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,10 +17,8 @@ from ouro_jax import LLM, SamplingParams, get_preset
 from ouro_jax.reference import from_param_tree, reference_greedy_generate
 from scheduler import SchedulerConfig
 from scheduler.descriptor import StackedDescriptor, build_descriptor
+from tests.scheduler.test_invariants import VOCAB, check_against_reference, run_workload  # noqa: E402
 from weights.random_init import random_params
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_scheduler_invariants import VOCAB, check_against_reference, run_workload  # noqa: E402
 
 
 # ------------------------------------------------------------------ scheduler + fake runner
@@ -212,9 +207,8 @@ def test_fused_step_updates_the_pool_in_place():
     """The fused step carries the KV pools through a ``fori_loop``: no copy of the pool in the
     compiled step, and the donated buffers come back at the same address (a copy of a 120 GB pool
     would not even fit on the H200)."""
-    from test_kv_cache import _pool_copies
-
     from ouro_jax.runner import ModelRunner
+    from tests.kernels.test_kv_cache import _pool_copies
 
     llm = _engine(fused_decode_max_rows=4, fused_decode_tokens=2, warmup=False)
     r = llm.runner

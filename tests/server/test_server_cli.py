@@ -15,10 +15,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from serve_process import ServeProcess, free_port  # noqa: E402
-from test_server import ENGINE, TEXT_PROMPT, write_checkpoint  # noqa: E402
-
 from scheduler import SamplingParams  # noqa: E402
+from tests.server.serve_process import ServeProcess, free_port  # noqa: E402
+from tests.server.test_server import ENGINE, TEXT_PROMPT, write_checkpoint  # noqa: E402
 
 FLAGS = [
     "--max-num-seqs", str(ENGINE["max_num_seqs"]),
@@ -29,7 +28,7 @@ FLAGS = [
     "--buckets", ",".join(map(str, ENGINE["buckets"])),
     "--fused-decode-max-rows", str(ENGINE["fused_decode_max_rows"]),
 ]  # fmt: skip
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from ouro_jax.distributed import distributed_config
 from ouro_jax.model import fuse_layer_params
 from ouro_jax.parallel import check_tensor_parallel, param_specs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PRELUDE = """
 import os

@@ -17,7 +17,7 @@ import numpy as np
 
 from pallas_kernels import dispatch
 
-SWEEP = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "attention_sweep.json")
+SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "attention_sweep.json")
 
 
 def _records():

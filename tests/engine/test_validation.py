@@ -295,7 +295,7 @@ def test_tokenizer_larger_than_the_vocabulary_warns(hf_tiny, tmp_path, recwarn):
 def test_tokenizers_is_a_main_dependency():
     import tomllib
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
     assert any(d.startswith("tokenizers") for d in deps)

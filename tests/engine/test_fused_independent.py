@@ -9,8 +9,6 @@ never more than lock step, and fewer when rows exit at different depths.
 """
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,11 +19,9 @@ from benchmarks.metrics import ScheduleRecorder
 from ouro_jax import LLM, SamplingParams, get_preset
 from scheduler import SchedulerConfig
 from scheduler.descriptor import FUSED_DECODE_ROWS, BatchDescriptor, StackedDescriptor
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_fused_decode import CFG, _engine  # noqa: E402
-from test_fused_exit import MIXED, PROMPTS, Recorder, _cfg, _mixed_requests, _outputs, _run  # noqa: E402
-from test_scheduler_invariants import check_against_reference, run_workload  # noqa: E402
+from tests.engine.test_fused_decode import CFG, _engine  # noqa: E402
+from tests.engine.test_fused_exit import MIXED, PROMPTS, Recorder, _cfg, _mixed_requests, _outputs, _run  # noqa: E402
+from tests.scheduler.test_invariants import check_against_reference, run_workload  # noqa: E402
 
 T = 4
 # test_fused_exit's early-exit rules without the fixed-depth row and the 0.9 threshold (on the tiny
@@ -245,7 +241,7 @@ def test_async_arrivals_aborts_and_stops_with_independent_rows():
     """Steps of two tokens launched ahead of the host's reads, with a request arriving mid-run, one
     aborted and a stop token met mid-step: the tokens, exit depths and finish reasons of the
     synchronous lock-step engine; nothing in flight and every block free at the end."""
-    from test_fused_decode import _drive
+    from tests.engine.test_fused_decode import _drive
 
     sp = [
         SamplingParams(max_tokens=9, ignore_eos=True, exit_mode="synthetic", synthetic_mean_loops=2.0),

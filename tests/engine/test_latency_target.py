@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler_invariants import VOCAB, Harness, check_against_reference, run_workload, workloads
 
 from scheduler import Phase, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.latency_target import CostModel, LatencyTarget, plan_features
+from tests.scheduler.test_invariants import VOCAB, Harness, check_against_reference, run_workload, workloads
 
 
 def linear_cost(a, b, c):

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler_invariants import VOCAB, Harness, check_against_reference, run_workload
 
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.descriptor import FUSED_DECODE_ROWS
 from scheduler.fake_runner import FakeRunner
+from tests.scheduler.test_invariants import VOCAB, Harness, check_against_reference, run_workload
 
 T = 4
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_preemption import T, config, engine_parts, make_llm, tokens
-from test_scheduler_invariants import VOCAB, check_against_reference, run_workload
 
 from scheduler import DEFAULT_ENABLE_PREFIX_CACHING, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.fake_runner import FakeRunner
+from tests.engine.test_preemption import T, config, engine_parts, make_llm, tokens
+from tests.scheduler.test_invariants import VOCAB, check_against_reference, run_workload
 
 RNG = np.random.default_rng(7)
 PREFIX = RNG.integers(0, VOCAB, 22).tolist()

@@ -9,9 +9,6 @@ loop-by-loop scheduler (numpy), and against the loop-by-loop engine (the JAX run
 The rule's twins are checked against the host rule first.
 """
 
-import sys
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,10 +27,8 @@ from scheduler.exit_policy import (
     synthetic_exit_loops,
 )
 from scheduler.fake_runner import FakeRunner, reference_generate
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_exit_rule import _too_close  # noqa: E402
-from test_scheduler_invariants import VOCAB, Harness, check_against_reference, run_workload  # noqa: E402
+from tests.model.test_exit_rule import _too_close  # noqa: E402
+from tests.scheduler.test_invariants import VOCAB, Harness, check_against_reference, run_workload  # noqa: E402
 
 T = 4
 
@@ -316,7 +311,7 @@ def test_random_exit_batches_match_reference(case):
 
 # ------------------------------------------------------------------------------ the JAX engine
 # the engines of test_fused_decode (same shapes: the session's compilation cache serves both)
-from test_fused_decode import CFG, _engine  # noqa: E402
+from tests.engine.test_fused_decode import CFG, _engine  # noqa: E402
 
 PROMPTS = [list(map(int, np.random.default_rng(2).integers(1, CFG.vocab_size, n))) for n in (3, 9, 17, 5, 12, 2, 7)]
 

@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 
 from benchmarks import multi_gpu  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _result(tpot1, tpot2, dp1, dp2):

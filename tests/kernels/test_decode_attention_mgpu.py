@@ -29,7 +29,7 @@ from pallas_kernels.decode_attention_mgpu import (
     supported,
 )
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from tests.test_pallas_attention import assert_close, make_batch, run
+from tests.kernels.test_pallas_attention import assert_close, make_batch, run
 
 ON_HOPPER = dispatch.hopper_available()
 gpu = pytest.mark.gpu

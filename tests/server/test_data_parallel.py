@@ -22,9 +22,9 @@ import time
 
 import pytest
 
-from tests.serve_process import ServeProcess, free_port
+from tests.server.serve_process import ServeProcess, free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = dict(
     max_num_seqs=4,
     max_num_batched_tokens=16,
