@@ -33,7 +33,8 @@ from typing import Optional
 import numpy as np
 
 from benchmarks.metrics import percentiles
-from ouro_jax.server.cli_commands import add_engine_args, engine_kwargs
+from ouro_jax.engine_config import add_arguments, from_arguments
+from ouro_jax.server.cli_commands import ENGINE_SECTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -238,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
         "--out", default=None, help="JSON path (default: results/serve_http.json, --overhead: serve_http_overhead.json)"
     )
     p.add_argument("--plot", default=None, help="PNG path (default: next to --out)")
-    add_engine_args(p)
+    add_arguments(p, ENGINE_SECTIONS)
     return p
 
 
@@ -312,7 +313,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         raise ValueError(f"--rates must be positive numbers, got {args.rates!r}")
     if min(args.num_requests, args.prompt_len, args.output_len, args.overhead_requests) < 1:
         raise ValueError("--num-requests, --prompt-len, --output-len and --overhead-requests must be >= 1")
-    ekw = engine_kwargs(args)
+    ekw = from_arguments(args)
     ekw.setdefault("max_model_len", args.prompt_len + args.output_len)
     if args.engine_max_model_len is None:
         args.engine_max_model_len = ekw["max_model_len"]  # the subprocess gets the same engine

@@ -5,7 +5,8 @@ Subcommands (each a ``_cmd_*`` handler registered by an ``_add_*`` function in :
 - ``convert SRC DST [--dtype bfloat16|float32] [--overwrite] [--no-progress]``
 - ``random-checkpoint DST --preset NAME [--seed N] [--layout hf|orbax] [--dtype ...]
   [--max-shard-bytes N] [--overwrite] [--no-progress]``: the weights ``LLM(NAME, seed=N)`` builds
-- ``demo [--model PRESET|DIR] [--seed N] [--batch N] [--prompt-len N] [--max-tokens N] [--exit-threshold Q]``:
+- ``demo [--model PRESET|DIR] [--batch N] [--prompt-len N] [--max-tokens N] [--exit-threshold Q]
+  [--prompt-seed N] [engine flags]``:
   the jitted ``generate()`` and the engine on a preset (random weights) or a checkpoint, with tokens,
   exit depths, tok/s (and text when the checkpoint has a tokenizer)
 - ``serve MODEL [--host] [--port] [engine flags]``: the OpenAI-compatible HTTP server (``ouro_jax/server``)
@@ -131,8 +132,11 @@ def _add_demo(sub) -> None:
         default=0.5,
         help="early exit: stop a token's loops once this much exit probability has accumulated",
     )
-    p.add_argument("--prefill-mode", type=str.lower, choices=("split", "mixed", "wavefront"), default="wavefront")
-    p.add_argument("--seed", type=_int_at_least(0), default=0, help="random weights of a preset, and the prompts")
+    p.add_argument("--prompt-seed", type=_int_at_least(0), default=0, help="seed of the random prompts")
+    from .engine_config import add_arguments
+    from .server.cli_commands import ENGINE_SECTIONS
+
+    add_arguments(p, ENGINE_SECTIONS)
     p.set_defaults(handler=_cmd_demo)
 
 
@@ -144,25 +148,18 @@ def _cmd_demo(args) -> int:
     import numpy as np
 
     from . import LLM, SamplingParams, generate
+    from .engine_config import from_arguments
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
-    llm = LLM(
-        args.model,
-        max_num_seqs=max(args.batch, 1),
-        max_num_batched_tokens=256,
-        prefill_chunk_size=16,
-        max_model_len=max(256, args.prompt_len + args.max_tokens),
-        prefill_mode=args.prefill_mode,
-        seed=args.seed,
-        buckets=[8, 32, 64, 256],
-    )
-    cfg = llm.config
+    # the engine's own defaults, but room for the whole batch at once
+    llm = LLM(args.model, **from_arguments(args, max_num_seqs=args.batch))
+    cfg = llm.model_config
     print(
         f"model {args.model}: {cfg.num_hidden_layers} layers x T={cfg.num_loops} loops, "
         f"hidden {cfg.hidden_size}, {cfg.num_params / 1e6:.1f}M params"
     )
-    print(f"weights: {_demo_weights(args.model, args.seed)}")
-    rng = np.random.default_rng(args.seed)
+    print(f"weights: {_demo_weights(args.model, llm.config.seed)}")
+    rng = np.random.default_rng(args.prompt_seed)
     prompts = [list(map(int, rng.integers(1, cfg.vocab_size, args.prompt_len))) for _ in range(args.batch)]
 
     # 1. the jitted static-batch generate()
@@ -188,7 +185,7 @@ def _cmd_demo(args) -> int:
     outs = llm.generate(prompts, sp)
     dt = time.perf_counter() - t
     print(
-        f"\nLLM.generate ({args.prefill_mode} prefill): {args.batch} x {args.max_tokens} tokens in "
+        f"\nLLM.generate ({llm.config.prefill_mode} prefill): {args.batch} x {args.max_tokens} tokens in "
         f"{dt * 1e3:.1f} ms = {args.batch * args.max_tokens / dt:.1f} tok/s"
     )
     for o in outs[:2]:

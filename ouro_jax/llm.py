@@ -26,19 +26,57 @@ from typing import Iterator, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from pallas_kernels.dispatch import check_attention
-from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from pallas_kernels.dispatch import resolve_attention
+from scheduler import DEFAULT_ENABLE_PREFIX_CACHING, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.pipeline import StepPipeline
 from scheduler.sizes import pool_blocks
 
 from .config import PRESETS, OuroConfig
 from .device_memory import device_memory
+from .engine_config import EngineConfig, from_overrides
 from .executable_store import ExecutableStore
-from .options import LAYER_LOOPS, choice, dtype_option
 from .parallel import check_devices, check_tensor_parallel
-from .runner import ModelRunner, check_decode_matmul
+from .runner import ModelRunner
 
-__all__ = ["LLM", "RequestOutput", "RequestMetrics"]
+__all__ = [
+    "LLM",
+    "RequestOutput",
+    "RequestMetrics",
+    "check_request",
+    "encode_prompt",
+    "load_tokenizer",
+    "resolve_model",
+]
+
+# EngineConfig fields that SchedulerConfig takes as they are (the model gives num_loops and eos)
+_SCHEDULER_FIELDS = (
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "prefill_chunk_size",
+    "max_model_len",
+    "kv_layout",
+    "prefill_mode",
+    "policy",
+    "buckets",
+    "fused_decode_max_rows",
+    "fused_decode_tokens",
+    "kv_allocation",
+    "enable_prefix_caching",
+    "watermark",
+    "target_tpot_ms",
+)
+DEFAULT_COMPILE_CACHE = "~/.cache/ouro_jax/xla"
+
+
+class _NewRequest:
+    """The id of the request ``check_request`` builds: equal to no caller's id."""
+
+    def __repr__(self) -> str:
+        return "(new)"
+
+
+_PROBE_ID = _NewRequest()
 
 Prompt = Union[str, Sequence[int]]
 
@@ -83,11 +121,6 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
-def _plain(v):
-    """A numpy integer as a Python int; anything else unchanged (and checked where it is used)."""
-    return int(v) if isinstance(v, np.integer) else v
-
-
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -101,7 +134,7 @@ def _is_single_prompt(prompts) -> bool:
     return len(prompts) > 0 and not isinstance(prompts[0], str) and np.ndim(prompts[0]) == 0
 
 
-def _load_tokenizer(folder: str, config: OuroConfig):
+def load_tokenizer(folder: str, config: OuroConfig):
     """The folder's ``tokenizer.json`` (None without one); warns when it can produce ids the model has
     no embedding for."""
     path = os.path.join(folder, "tokenizer.json")
@@ -121,6 +154,66 @@ def _load_tokenizer(folder: str, config: OuroConfig):
             stacklevel=3,
         )
     return tok
+
+
+def resolve_model(model) -> tuple[OuroConfig, Optional[str]]:
+    """``(config, checkpoint folder or None)``, reading no weights: the folder's config.json only."""
+    if isinstance(model, OuroConfig):
+        return model, None
+    if isinstance(model, str) and model in PRESETS:
+        return PRESETS[model], None
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(
+            f"model must be a preset ({', '.join(sorted(PRESETS))}), an OuroConfig or a checkpoint folder; "
+            f"got {model!r}"
+        )
+    folder = os.path.expanduser(os.fspath(model))
+    if not os.path.exists(folder):
+        raise ValueError(
+            f"model {os.fspath(model)!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing "
+            f"path: no checkpoint folder {os.path.abspath(folder)}"
+        )
+    from weights import detect_format
+    from weights._common import read_config
+
+    detect_format(folder)  # a folder with config.json (Hugging Face) or an ouro-jax marker
+    return read_config(folder), folder
+
+
+def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> np.ndarray:
+    """Token ids of one prompt: text through ``tokenizer``, or a flat sequence/array of integer ids
+    (lists, numpy and jax arrays), each inside ``[0, vocab_size)``. Floats, strings and bools are
+    refused, not truncated or parsed."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(
+                "text prompts need a tokenizer (tokenizer.json in the checkpoint folder); pass token ids instead"
+            )
+        prompt = tokenizer.encode(prompt).ids
+    try:
+        ids = np.asarray(prompt)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"a prompt must be a string or a flat sequence of integer token ids: {e}") from None
+    if ids.ndim != 1:
+        raise ValueError(
+            f"a prompt must be a string or a flat sequence of integer token ids, got an array of shape {ids.shape}"
+        )
+    if ids.size == 0:
+        return ids.astype(np.int32)  # the scheduler refuses it with its own message
+    if not np.issubdtype(ids.dtype, np.integer):
+        sample = [x for x in ids.tolist() if not _is_int(x)][:3]
+        raise ValueError(f"token ids must be integers, got {ids.dtype} values such as {sample}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"token ids {bad[:5].tolist()} are outside the vocabulary [0, {vocab_size})")
+    return ids.astype(np.int32)
+
+
+def check_request(scheduler: Scheduler, ids: np.ndarray, sampling_params: Optional[SamplingParams]) -> np.ndarray:
+    """``ids`` if ``scheduler`` would queue them with ``sampling_params``, else its ``ValueError``
+    (naming the request ``(new)``); queues nothing."""
+    scheduler.check_request(Request(_PROBE_ID, ids, sampling_params or SamplingParams()))
+    return ids
 
 
 # Rows per invocation when the caller names none. On a GPU 2048 rows read the weights once for
@@ -170,184 +263,78 @@ class LLM:
         self,
         model: Union[str, OuroConfig] = "ouro-small",
         *,
+        config: Optional[EngineConfig] = None,
         params: Optional[dict] = None,
-        dtype: Optional[str] = None,
-        seed: int = 0,
-        max_num_seqs: int = 32,
-        max_num_batched_tokens: Optional[int] = None,
-        prefill_chunk_size: int = 64,
-        block_size: int = 16,
-        max_model_len: Optional[int] = None,
-        kv_layout: str = "last_exited",
-        prefill_mode: str = "split",
-        policy: str = "fcfs",
-        num_blocks: Optional[int] = None,
-        kv_cache_bytes: Optional[int] = None,
-        gpu_memory_utilization: float = 0.85,
-        buckets: Optional[Sequence[int]] = None,
-        attention: str = "auto",
-        layer_loop: str = "unrolled",
-        decode_matmul: str = "xla",
-        compile_cache_dir: Optional[str] = None,
-        executable_store: bool = True,
-        compile_threads: Optional[int] = None,
-        num_ring_rows: Optional[int] = None,
-        fused_decode_max_rows: Optional[int] = None,
-        fused_decode_tokens: int = 1,
-        fused_decode_rows: str = "lockstep",
-        async_scheduling: bool = True,
-        kv_allocation: str = "on_demand",
-        enable_prefix_caching: Optional[bool] = None,
-        watermark: float = 0.01,
-        target_tpot_ms: Optional[float] = None,
-        warmup: bool = True,
-        progress: bool = True,
-        tensor_parallel_size: int = 1,
-        devices: Optional[Sequence] = None,
+        **overrides,
     ):
-        # Every option is checked before any weight is read or built: a typo fails in milliseconds.
-        # numpy integers count as integers (sizes often come out of numpy arithmetic)
-        block_size, max_num_seqs, max_num_batched_tokens, prefill_chunk_size, max_model_len, num_blocks = map(
-            _plain, (block_size, max_num_seqs, max_num_batched_tokens, prefill_chunk_size, max_model_len, num_blocks)
-        )
-        kv_cache_bytes, num_ring_rows, fused_decode_max_rows, fused_decode_tokens, seed = map(
-            _plain, (kv_cache_bytes, num_ring_rows, fused_decode_max_rows, fused_decode_tokens, seed)
-        )
-        if not isinstance(async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
-        if not (isinstance(gpu_memory_utilization, (int, float)) and 0.0 < gpu_memory_utilization <= 1.0):
-            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization!r}")
-        for name, v in (("kv_cache_bytes", kv_cache_bytes), ("num_ring_rows", num_ring_rows)):
-            if v is not None and not (_is_int(v) and v >= 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
-        if not _is_int(seed):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        if not isinstance(executable_store, bool):
-            raise ValueError(f"executable_store must be True or False, got {executable_store!r}")
-        compile_threads = _plain(compile_threads)
-        if compile_threads is not None and not (_is_int(compile_threads) and compile_threads >= 1):
-            raise ValueError(f"compile_threads must be a positive integer or None, got {compile_threads!r}")
-        dtype = dtype_option(dtype)
-        attention = check_attention(attention)
-        layer_loop = choice("layer_loop", layer_loop, LAYER_LOOPS)
-        decode_matmul = check_decode_matmul(decode_matmul, layer_loop)
-        c, folder = self._resolve_model(model)
-        # tensor parallel: checked against the config before any weight is read, and the weights
+        """``model``: a preset name (random weights), an ``OuroConfig`` or a checkpoint folder.
+        ``config`` (default ``EngineConfig()``) with ``overrides`` (any ``EngineConfig`` field by
+        name) says how to run it; ``params`` replaces the weights. Every option is checked before
+        any weight is read or built: a typo fails in milliseconds."""
+        cfg = from_overrides(config, **overrides)
+        if cfg.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size={cfg.data_parallel_size}: LLM runs one engine; `ouro-jax serve "
+                "--data-parallel-size N` runs N of them behind one server"
+            )
+        c, folder = resolve_model(model)
+        # tensor parallel: checked against the model before any weight is read, and the weights
         # then read to the host, so that the runner places each leaf straight into its shards
-        if decode_matmul != "xla" and _is_int(tensor_parallel_size) and tensor_parallel_size > 1:
-            # the kernel on weight shards inside shard_map was never run or tested
-            raise ValueError(f"decode_matmul={decode_matmul!r} is not supported with tensor_parallel_size > 1")
-        tp = check_tensor_parallel(c, tensor_parallel_size)
-        self.tensor_parallel_size = tp
+        tp = check_tensor_parallel(c, cfg.tensor_parallel_size)
         # the devices this engine owns (a data-parallel replica): weights are read to the host and
         # placed there by the runner, never staged on the process's default device
-        devices = check_devices(devices, tp)
-        self.devices = devices
-        if max_model_len is None:
-            max_model_len = min(c.max_position_embeddings, 4096)
-        elif _is_int(max_model_len) and max_model_len > c.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
-                f"({c.max_position_embeddings})"
-            )
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = default_max_num_batched_tokens(jax.default_backend(), max_num_seqs)
-        # XLA (jax 0.11.2) segfaults compiling the fused decode step's while_loop under shard_map on
-        # the GPU; on the CPU it compiles and matches one device (docs/decisions.md)
-        fused_tp_broken = tp > 1 and jax.default_backend() == "gpu"
-        if fused_tp_broken and fused_decode_max_rows:
-            raise ValueError(
-                "fused_decode_max_rows must be 0 with tensor_parallel_size > 1 on the GPU: XLA crashes "
-                "compiling the fused decode step under shard_map (docs/decisions.md, 'Fused decode steps')"
-            )
-        if fused_decode_max_rows is None and _is_int(max_num_seqs):
-            # one executable per row bucket up to the default; several tokens per step hand tokens
-            # out in bursts, so that stays opt-in (docs/decisions.md, "Fused decode steps")
-            fused_decode_max_rows = (
-                0 if fused_tp_broken else default_fused_decode_max_rows(jax.default_backend(), max_num_seqs)
-            )
+        devices = check_devices(cfg.devices, tp)
+        cfg = self._resolve(cfg, c, tp)
         sched = dict(
             num_loops=c.num_loops,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            prefill_chunk_size=prefill_chunk_size,
-            max_model_len=max_model_len,
-            kv_layout=kv_layout,
-            prefill_mode=prefill_mode,
-            policy=policy,
             eos_token_id=c.eos_token_id,
-            buckets=buckets,
-            fused_decode_max_rows=fused_decode_max_rows,
-            fused_decode_tokens=fused_decode_tokens,
-            # "independent": each row of a fused step runs its own tokens' depths instead of every
-            # token waiting for its deepest row (ouro_jax/fused_step.py); tokens and exit depths
-            # do not change
-            fused_decode_rows=fused_decode_rows,
-            # on_demand: blocks as tokens need them, preemption when the pool runs out; reserve:
-            # prompt + max_tokens at admission (docs/decisions.md, "KV allocation")
-            kv_allocation=kv_allocation,
-            enable_prefix_caching=enable_prefix_caching,  # None: scheduler.DEFAULT_ENABLE_PREFIX_CACHING
-            watermark=watermark,
-            # decode TPOT target: prompt rows per invocation sized by a cost model fitted online
-            # from the times step() measures (scheduler/latency_target.py); None = off
-            target_tpot_ms=target_tpot_ms,
+            **{f: getattr(cfg, f) for f in _SCHEDULER_FIELDS},
         )
         # validated with the pool's smallest legal size when the pool is sized from memory later
-        self.scheduler_config = SchedulerConfig(num_blocks=2 if num_blocks is None else num_blocks, **sched)
+        self.scheduler_config = SchedulerConfig(num_blocks=cfg.num_blocks or 2, **sched)
         sc = self.scheduler_config
-        planes = sc.num_planes
-        need = pool_blocks(1, sc.max_model_len, planes, sc.block_size)
-        if num_blocks is not None:
-            self._check_pool(num_blocks, need)
+        need = pool_blocks(1, sc.max_model_len, sc.num_planes, sc.block_size)
+        if cfg.num_blocks is not None:
+            self._check_pool(cfg.num_blocks, need)
         # A larger ring than the scheduler needs is allowed: engines of different chunk sizes and
         # modes then share executables (same shapes), which benchmark sweeps use to compile once.
-        need_rows = sc.num_ring_rows
-        if num_ring_rows is not None and num_ring_rows < need_rows:
-            raise ValueError(f"num_ring_rows={num_ring_rows} is too small: this configuration needs {need_rows}")
+        if cfg.num_ring_rows is not None and cfg.num_ring_rows < sc.num_ring_rows:
+            raise ValueError(
+                f"num_ring_rows={cfg.num_ring_rows} is too small: this configuration needs {sc.num_ring_rows}"
+            )
 
         t_start = time.perf_counter()
-        cache = self._enable_compile_cache(compile_cache_dir)
+        cache = self._enable_compile_cache(cfg.compile_cache_dir)
         # our own store of compiled executables, inside JAX's cache folder (docs/decisions.md, "Start-up")
         self.executable_store = (
-            ExecutableStore(os.path.join(cache, "ouro_executables")) if executable_store and cache else None
+            ExecutableStore(os.path.join(cache, "ouro_executables")) if cfg.executable_store and cache else None
         )
-        self.config = c
+        self.model_config = c
+        self.tensor_parallel_size, self.devices = tp, devices
+        host = tp > 1 or devices is not None
         self.params, self.tokenizer = self._load(
-            c, folder, params, dtype, seed, host=tp > 1 or devices is not None, store=self.executable_store
+            c, folder, params, cfg.dtype, cfg.seed, host=host, store=self.executable_store
         )
         # seconds of each start-up phase (benchmarks/startup.py reports them)
         self.startup_times = {"weights": time.perf_counter() - t_start}
-        self.progress = progress
-        if num_blocks is None:
+        if cfg.num_blocks is None:
             itemsize = np.dtype(jax.tree.leaves(self.params)[0].dtype).itemsize
             block_bytes = c.kv_bytes_per_token_plane(itemsize) * sc.block_size
-            num_blocks = self._size_pool(
-                block_bytes,
-                kv_cache_bytes,
-                gpu_memory_utilization,
-                sc.max_num_seqs,
-                sc.max_model_len,
-                planes,
-                sc.block_size,
-                tp,
-                layer_copies=2 if decode_matmul == "fused" else 1,
-            )
+            num_blocks = self._size_pool(block_bytes, cfg.kv_cache_bytes, cfg.gpu_memory_utilization, sc, tp)
             self._check_pool(num_blocks, need)
+            cfg = dataclasses.replace(cfg, num_blocks=num_blocks)
             self.scheduler_config = SchedulerConfig(num_blocks=num_blocks, **sched)
+        cfg = dataclasses.replace(cfg, num_ring_rows=cfg.num_ring_rows or sc.num_ring_rows)
+        #: the resolved engine configuration: every ``None`` default made concrete for this model and device
+        self.config: EngineConfig = cfg
         self.scheduler = Scheduler(self.scheduler_config)
         self.runner = ModelRunner(
             c,
             self.params,
-            num_blocks=self.scheduler_config.num_blocks,
-            block_size=self.scheduler_config.block_size,
-            num_ring_rows=num_ring_rows or need_rows,
-            attention=attention,
-            layer_loop=layer_loop,
-            decode_matmul=decode_matmul,
-            fused_decode_rows=self.scheduler_config.fused_decode_rows,
-            tensor_parallel_size=tp,
-            devices=devices,
+            num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size,
+            num_ring_rows=cfg.num_ring_rows,
+            engine=cfg,
             executable_store=self.executable_store,
         )
         self.startup_times["runner"] = time.perf_counter() - t_start - self.startup_times["weights"]
@@ -357,12 +344,48 @@ class LLM:
         self._unreported: dict[object, RequestOutput] = {}
         # fused decode steps scheduled one ahead of the host's reads (scheduler/pipeline.py); the
         # latency target times every plan itself (_timed_step) and runs without it
-        self._pipeline = StepPipeline(self.scheduler, self.runner, ahead=async_scheduling)
+        self._pipeline = StepPipeline(self.scheduler, self.runner, ahead=cfg.async_scheduling)
         self._unsynced: list = []  # plans launched since the host last waited for a device result
         self._sync_t = 0.0
-        self.compile_threads = compile_threads
-        self.warmup_time = self.runner.warmup(self.executable_keys(), progress, compile_threads) if warmup else 0.0
+        self.warmup_time = (
+            self.runner.warmup(self.executable_keys(), cfg.progress, cfg.compile_threads) if cfg.warmup else 0.0
+        )
         self.startup_times["compile"] = self.warmup_time
+
+    @staticmethod
+    def _resolve(cfg: EngineConfig, c: OuroConfig, tp: int) -> EngineConfig:
+        """``cfg`` with the defaults that depend on the model and device made concrete (all but
+        the pool size, which needs the weights' memory)."""
+        backend = jax.default_backend()
+        changes: dict = {"attention": resolve_attention(cfg.attention)}
+        if cfg.max_model_len is None:
+            changes["max_model_len"] = min(c.max_position_embeddings, 4096)
+        elif cfg.max_model_len > c.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({cfg.max_model_len}) exceeds the model's max_position_embeddings "
+                f"({c.max_position_embeddings})"
+            )
+        if cfg.max_num_batched_tokens is None:
+            changes["max_num_batched_tokens"] = default_max_num_batched_tokens(backend, cfg.max_num_seqs)
+        # XLA (jax 0.11.2) segfaults compiling the fused decode step's while_loop under shard_map on
+        # the GPU; on the CPU it compiles and matches one device (docs/decisions.md)
+        fused_tp_broken = tp > 1 and backend == "gpu"
+        if fused_tp_broken and cfg.fused_decode_max_rows:
+            raise ValueError(
+                "fused_decode_max_rows must be 0 with tensor_parallel_size > 1 on the GPU: XLA crashes "
+                "compiling the fused decode step under shard_map (docs/decisions.md, 'Fused decode steps')"
+            )
+        if cfg.fused_decode_max_rows is None:
+            # one executable per row bucket up to the default; several tokens per step hand tokens
+            # out in bursts, so that stays opt-in (docs/decisions.md, "Fused decode steps")
+            changes["fused_decode_max_rows"] = (
+                0 if fused_tp_broken else default_fused_decode_max_rows(backend, cfg.max_num_seqs)
+            )
+        if cfg.compile_cache_dir is None:
+            changes["compile_cache_dir"] = os.path.expanduser(DEFAULT_COMPILE_CACHE)
+        if cfg.enable_prefix_caching is None:
+            changes["enable_prefix_caching"] = DEFAULT_ENABLE_PREFIX_CACHING and cfg.kv_layout == "last_exited"
+        return dataclasses.replace(cfg, **changes)
 
     def executable_keys(self) -> list:
         """Every executable a run can launch: one per row bucket, one per fused decode step shape
@@ -373,40 +396,15 @@ class LLM:
 
     # ------------------------------------------------------------------------------ setup
     @staticmethod
-    def _enable_compile_cache(path: Optional[str]) -> Optional[str]:
+    def _enable_compile_cache(path: str) -> Optional[str]:
         """Persistent XLA compilation cache (and autotune results with it): a restart compiles nothing.
         Returns its folder, None when it is off."""
-        path = path or os.environ.get("OURO_JAX_COMPILE_CACHE") or os.path.expanduser("~/.cache/ouro_jax/xla")
         if path.lower() in ("", "off", "none"):
             return None
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         return path
-
-    @staticmethod
-    def _resolve_model(model) -> tuple[OuroConfig, Optional[str]]:
-        """``(config, checkpoint folder or None)``, reading no weights: the folder's config.json only."""
-        if isinstance(model, OuroConfig):
-            return model, None
-        if isinstance(model, str) and model in PRESETS:
-            return PRESETS[model], None
-        if not isinstance(model, (str, os.PathLike)):
-            raise ValueError(
-                f"model must be a preset ({', '.join(sorted(PRESETS))}), an OuroConfig or a checkpoint folder; "
-                f"got {model!r}"
-            )
-        folder = os.path.expanduser(os.fspath(model))
-        if not os.path.exists(folder):
-            raise ValueError(
-                f"model {os.fspath(model)!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing "
-                f"path: no checkpoint folder {os.path.abspath(folder)}"
-            )
-        from weights import detect_format
-        from weights._common import read_config
-
-        detect_format(folder)  # a folder with config.json (Hugging Face) or an ouro-jax marker
-        return read_config(folder), folder
 
     @staticmethod
     def _load(config: OuroConfig, folder: Optional[str], params, dtype, seed, host: bool = False, store=None):
@@ -423,7 +421,7 @@ class LLM:
                 device = jax.devices("cpu")[0] if host else None
                 _, params = load_checkpoint(folder, dtype=dtype, device=device)  # the config read_config gave
                 dtype = None
-            tokenizer = _load_tokenizer(folder, config)
+            tokenizer = load_tokenizer(folder, config)
         if params is None:  # the same weights as `ouro-jax random-checkpoint --seed` writes
             from weights.random_init import random_params
 
@@ -439,26 +437,18 @@ class LLM:
             params = jax.tree.map(jax.numpy.asarray, params)
         return params, tokenizer
 
-    def _size_pool(
-        self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size, tp=1, layer_copies=1
-    ):
-        """KV blocks for the budget. ``layer_copies``: copies of the layer weights the runner lays
-        out (2 with ``decode_matmul="fused"``: the small buckets' transposed ones too)."""
+    def _size_pool(self, block_bytes: int, kv_cache_bytes, util: float, sc: SchedulerConfig, tp: int = 1) -> int:
+        """KV blocks for the budget: ``kv_cache_bytes``, else what is still free of the device's
+        ``util`` share (on a CPU: every sequence at full length, capped at 1 GiB)."""
         if kv_cache_bytes is None:
             mem = device_memory(self.devices[0] if self.devices else None)
-            if mem is None:  # CPU: enough for every sequence at full length, capped at 1 GiB
-                want = pool_blocks(max_num_seqs, max_model_len, planes, block_size)
+            if mem is None:
+                want = pool_blocks(sc.max_num_seqs, sc.max_model_len, sc.num_planes, sc.block_size)
                 return int(min(want, max(2, (1 << 30) // block_bytes)))
             limit, in_use = mem
             # what is still free of our share (another engine in this process keeps its own pool),
-            # less the runner's stacked copy of the layer weights and room for activations
+            # less the runner's copy of the layer weights and room for activations
             param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
-            param_bytes += (layer_copies - 1) * sum(
-                x.size * x.dtype.itemsize
-                for k, v in self.params.items()
-                if k.startswith("layers_")
-                for x in jax.tree.leaves(v)
-            )
             # tensor parallel: every device holds 1/tp of the weights and of each block
             kv_cache_bytes = tp * (int(limit * util) - in_use - param_bytes // tp - (2 << 30))
         if kv_cache_bytes < 2 * block_bytes:
@@ -478,32 +468,13 @@ class LLM:
 
     # ------------------------------------------------------------------- request API
     def encode(self, prompt: Prompt) -> np.ndarray:
-        """Token ids of one prompt: text through the tokenizer, or a flat sequence/array of integer ids
-        (lists, numpy and jax arrays), each inside the vocabulary. Floats, strings and bools are
-        refused, not truncated or parsed."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "text prompts need a tokenizer (tokenizer.json in the checkpoint folder); pass token ids instead"
-                )
-            prompt = self.tokenizer.encode(prompt).ids
-        try:
-            ids = np.asarray(prompt)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"a prompt must be a string or a flat sequence of integer token ids: {e}") from None
-        if ids.ndim != 1:
-            raise ValueError(
-                f"a prompt must be a string or a flat sequence of integer token ids, got an array of shape {ids.shape}"
-            )
-        if ids.size == 0:
-            return ids.astype(np.int32)  # the scheduler refuses it with its own message
-        if not np.issubdtype(ids.dtype, np.integer):
-            sample = [x for x in ids.tolist() if not _is_int(x)][:3]
-            raise ValueError(f"token ids must be integers, got {ids.dtype} values such as {sample}")
-        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
-        if bad.size:
-            raise ValueError(f"token ids {bad[:5].tolist()} are outside the vocabulary [0, {self.config.vocab_size})")
-        return ids.astype(np.int32)
+        """Token ids of one prompt (:func:`encode_prompt` with this engine's tokenizer and vocabulary)."""
+        return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
+
+    def check_request(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> np.ndarray:
+        """The prompt's token ids if ``add_request`` would take it with ``sampling_params``, else
+        the ``ValueError`` it would raise; queues nothing (front ends refuse bad requests with it)."""
+        return check_request(self.scheduler, self.encode(prompt), sampling_params)
 
     def add_request(
         self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None, request_id=None, priority: int = 0
@@ -647,7 +618,7 @@ class LLM:
         ids = self._add_all(prompts, sampling_params)
         left, final = set(ids), {}
         bar = None
-        if self.progress if use_tqdm is None else use_tqdm:
+        if self.config.progress if use_tqdm is None else use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
@@ -678,10 +649,7 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         # validate everything before queueing anything: a bad request leaves the engine untouched
-        encoded = [self.encode(p) for p in prompts]
-        probe = Scheduler(self.scheduler_config)
-        for i, (ids, sp) in enumerate(zip(encoded, sampling_params)):
-            probe.add_request(Request(("probe", i), ids, sp))
+        encoded = [self.check_request(p, sp) for p, sp in zip(prompts, sampling_params)]
         return [self.add_request(ids, sp) for ids, sp in zip(encoded, sampling_params)]
 
     # ---------------------------------------------------------------------------- stats

@@ -319,8 +319,10 @@ class Scheduler:
         self._keys_used = Counter()
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, request: Request) -> None:
-        """Queue ``request``; raises ``ValueError`` (changing nothing) if it can never run."""
+    def check_request(self, request: Request) -> None:
+        """``ValueError`` if ``request`` can never run here (its sampling values, an empty prompt,
+        its length, the pool's size, a duplicate id); changes nothing. ``add_request`` runs it, and
+        front ends run it to refuse a request before it reaches the engine."""
         cfg = self.config
         if not isinstance(request, Request):
             raise TypeError(f"add_request expects a Request, got {type(request).__name__}")
@@ -348,8 +350,12 @@ class Scheduler:
                 f"({request.max_kv_tokens} tokens x {cfg.num_planes} planes), the pool "
                 f"can give {cfg.num_blocks - 1}"
             )
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; raises ``ValueError`` (changing nothing) if it can never run."""
+        self.check_request(request)
         request.arrival_seq = next(self._arrivals)
-        self._requests[rid] = request
+        self._requests[request.request_id] = request
         self.waiting.add(request)
 
     def abort(self, request_id) -> Optional[RequestDelta]:

@@ -20,8 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from scheduler import Request as EngineRequest
-from scheduler import SamplingParams, Scheduler
+from scheduler import SamplingParams
 
 from . import protocol as P
 from .chat_template import ChatTemplate
@@ -51,9 +50,6 @@ class ServerState:
             self.metrics = ServerMetrics(self.model_name)
         if hasattr(self.engine, "on_route"):  # data-parallel replicas: routing decisions are counted
             self.engine.on_route = self.metrics.request_routed
-        # admission checks without touching the engine: the same Scheduler rules on a private copy
-        self._probe = Scheduler(self.llm.scheduler_config)
-        self._probe_ids = 0
 
     # --------------------------------------------------------------------- validation
     def check_model(self, name: str) -> None:
@@ -91,14 +87,11 @@ class ServerState:
 
     def admit_check(self, ids: list[int], sp: SamplingParams) -> None:
         """The scheduler's own admission rules (sampling values, empty prompt, length, pool size)."""
-        self._probe_ids += 1
-        rid = ("probe", self._probe_ids)
         try:
-            self._probe.add_request(EngineRequest(rid, ids, sp))
+            self.llm.check_request(ids, sp)
         except ValueError as e:
-            msg = str(e).replace(f"request {rid!r}: ", "").replace(f"request {rid!r} ", "the request ")
+            msg = str(e).replace("request (new): ", "").replace("request (new) ", "the request ")
             raise P.APIError(msg, param=_param_of(msg)) from None
-        self._probe.abort(rid)
 
     def sampling_params(self, req: P._Sampling, n_prompt: int, default_max_tokens: Optional[int]) -> SamplingParams:
         if req.n != 1:
@@ -140,7 +133,7 @@ class ServerState:
                 kw[f] = getattr(req, f)
         try:
             sp = SamplingParams(**kw)
-            sp.validate(self.llm.config.num_loops)
+            sp.validate(self.llm.model_config.num_loops)
         except (ValueError, TypeError) as e:
             msg = str(e)
             raise P.APIError(msg, param=_param_of(msg)) from None

@@ -82,14 +82,15 @@ def _stop_workers_at_exit() -> None:
 # ------------------------------------------------------------------------------ front model
 class FrontModel:
     """What the HTTP front needs of an ``LLM`` without weights or devices: the model config, the
-    tokenizer, ``encode`` (``LLM.encode`` itself), the scheduler config the workers report, and a
-    private ``Scheduler`` for prefix hashes (``ReplicaSet.route``)."""
+    tokenizer, ``encode`` and ``check_request`` (the engine's own rules, through the public
+    functions ``LLM`` uses), and a ``Scheduler`` of the workers' config for prefix hashes
+    (``ReplicaSet.route``) and admission checks."""
 
     def __init__(self, model, scheduler_config=None):
-        from ouro_jax.llm import LLM, _load_tokenizer
+        from ouro_jax.llm import load_tokenizer, resolve_model
 
-        self.config, folder = LLM._resolve_model(model)  # config.json only: no weights
-        self.tokenizer = _load_tokenizer(folder, self.config) if folder is not None else None
+        self.model_config, folder = resolve_model(model)  # config.json only: no weights
+        self.tokenizer = load_tokenizer(folder, self.model_config) if folder is not None else None
         self.scheduler_config = self.scheduler = None
         if scheduler_config is not None:
             self.set_scheduler_config(scheduler_config)
@@ -101,9 +102,14 @@ class FrontModel:
         self.scheduler = Scheduler(cfg)
 
     def encode(self, prompt):
-        from ouro_jax.llm import LLM
+        from ouro_jax.llm import encode_prompt
 
-        return LLM.encode(self, prompt)
+        return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
+
+    def check_request(self, prompt, sampling_params=None):
+        from ouro_jax.llm import check_request
+
+        return check_request(self.scheduler, self.encode(prompt), sampling_params)
 
 
 # ------------------------------------------------------------------------------- devices
