@@ -34,9 +34,9 @@ from scheduler.sizes import pool_blocks
 from .config import PRESETS, OuroConfig
 from .device_memory import device_memory
 from .executable_store import ExecutableStore
-from .options import LAYER_LOOPS, choice, dtype_option
+from .options import dtype_option
 from .parallel import check_devices, check_tensor_parallel
-from .runner import ModelRunner, check_decode_matmul
+from .runner import ModelRunner
 
 __all__ = ["LLM", "RequestOutput", "RequestMetrics"]
 
@@ -186,15 +186,12 @@ class LLM:
         gpu_memory_utilization: float = 0.85,
         buckets: Optional[Sequence[int]] = None,
         attention: str = "auto",
-        layer_loop: str = "unrolled",
-        decode_matmul: str = "xla",
         compile_cache_dir: Optional[str] = None,
         executable_store: bool = True,
         compile_threads: Optional[int] = None,
         num_ring_rows: Optional[int] = None,
         fused_decode_max_rows: Optional[int] = None,
         fused_decode_tokens: int = 1,
-        fused_decode_rows: str = "lockstep",
         async_scheduling: bool = True,
         kv_allocation: str = "on_demand",
         enable_prefix_caching: Optional[bool] = None,
@@ -229,14 +226,9 @@ class LLM:
             raise ValueError(f"compile_threads must be a positive integer or None, got {compile_threads!r}")
         dtype = dtype_option(dtype)
         attention = check_attention(attention)
-        layer_loop = choice("layer_loop", layer_loop, LAYER_LOOPS)
-        decode_matmul = check_decode_matmul(decode_matmul, layer_loop)
         c, folder = self._resolve_model(model)
         # tensor parallel: checked against the config before any weight is read, and the weights
         # then read to the host, so that the runner places each leaf straight into its shards
-        if decode_matmul != "xla" and _is_int(tensor_parallel_size) and tensor_parallel_size > 1:
-            # the kernel on weight shards inside shard_map was never run or tested
-            raise ValueError(f"decode_matmul={decode_matmul!r} is not supported with tensor_parallel_size > 1")
         tp = check_tensor_parallel(c, tensor_parallel_size)
         self.tensor_parallel_size = tp
         # the devices this engine owns (a data-parallel replica): weights are read to the host and
@@ -280,10 +272,6 @@ class LLM:
             buckets=buckets,
             fused_decode_max_rows=fused_decode_max_rows,
             fused_decode_tokens=fused_decode_tokens,
-            # "independent": each row of a fused step runs its own tokens' depths instead of every
-            # token waiting for its deepest row (ouro_jax/fused_step.py); tokens and exit depths
-            # do not change
-            fused_decode_rows=fused_decode_rows,
             # on_demand: blocks as tokens need them, preemption when the pool runs out; reserve:
             # prompt + max_tokens at admission (docs/decisions.md, "KV allocation")
             kv_allocation=kv_allocation,
@@ -331,7 +319,6 @@ class LLM:
                 planes,
                 sc.block_size,
                 tp,
-                layer_copies=2 if decode_matmul == "fused" else 1,
             )
             self._check_pool(num_blocks, need)
             self.scheduler_config = SchedulerConfig(num_blocks=num_blocks, **sched)
@@ -343,9 +330,6 @@ class LLM:
             block_size=self.scheduler_config.block_size,
             num_ring_rows=num_ring_rows or need_rows,
             attention=attention,
-            layer_loop=layer_loop,
-            decode_matmul=decode_matmul,
-            fused_decode_rows=self.scheduler_config.fused_decode_rows,
             tensor_parallel_size=tp,
             devices=devices,
             executable_store=self.executable_store,
@@ -439,11 +423,8 @@ class LLM:
             params = jax.tree.map(jax.numpy.asarray, params)
         return params, tokenizer
 
-    def _size_pool(
-        self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size, tp=1, layer_copies=1
-    ):
-        """KV blocks for the budget. ``layer_copies``: copies of the layer weights the runner lays
-        out (2 with ``decode_matmul="fused"``: the small buckets' transposed ones too)."""
+    def _size_pool(self, block_bytes, kv_cache_bytes, util, max_num_seqs, max_model_len, planes, block_size, tp=1):
+        """KV blocks for the budget."""
         if kv_cache_bytes is None:
             mem = device_memory(self.devices[0] if self.devices else None)
             if mem is None:  # CPU: enough for every sequence at full length, capped at 1 GiB
@@ -451,14 +432,8 @@ class LLM:
                 return int(min(want, max(2, (1 << 30) // block_bytes)))
             limit, in_use = mem
             # what is still free of our share (another engine in this process keeps its own pool),
-            # less the runner's stacked copy of the layer weights and room for activations
+            # less the runner's copy of the weights and room for activations
             param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
-            param_bytes += (layer_copies - 1) * sum(
-                x.size * x.dtype.itemsize
-                for k, v in self.params.items()
-                if k.startswith("layers_")
-                for x in jax.tree.leaves(v)
-            )
             # tensor parallel: every device holds 1/tp of the weights and of each block
             kv_cache_bytes = tp * (int(limit * util) - in_use - param_bytes // tp - (2 << 30))
         if kv_cache_bytes < 2 * block_bytes:

@@ -13,7 +13,6 @@ import sys
 import time
 
 from pallas_kernels.choices import ATTENTION
-from scheduler.descriptor import FUSED_DECODE_ROWS
 
 __all__ = ["add_engine_args", "engine_kwargs", "add_serve", "add_generate"]
 
@@ -34,17 +33,10 @@ _ENGINE_FLAGS = {
     "--kv-cache-bytes": ("kv_cache_bytes", int, None, "KV pool size in bytes"),
     "--gpu-memory-utilization": ("gpu_memory_utilization", float, None, "share of device memory to use"),
     "--attention": ("attention", str, ATTENTION, "attention"),
-    "--layer-loop": ("layer_loop", str, ("unrolled", "scan"), "how the layer stack is compiled"),
     "--policy": ("policy", str, ("fcfs", "priority"), "waiting-queue admission order"),
     "--compile-cache-dir": ("compile_cache_dir", str, None, "persistent XLA cache ('off' disables)"),
     "--fused-decode-max-rows": ("fused_decode_max_rows", int, None, "fuse decode steps up to this many rows"),
     "--fused-decode-tokens": ("fused_decode_tokens", int, None, "decode tokens per fused step"),
-    "--fused-decode-rows": (
-        "fused_decode_rows",
-        str,
-        FUSED_DECODE_ROWS,
-        "fused step rows: lock step per token, or each at its own depth",
-    ),
     "--tensor-parallel-size": ("tensor_parallel_size", int, None, "split the model over this many local devices"),
 }
 
