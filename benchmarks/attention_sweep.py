@@ -2,9 +2,7 @@
 
 ``ours_ms`` is the kernel the engine picks for the bucket (``pallas_kernels.dispatch``); prefill
 shapes also time both Pallas kernels (``triton_ms``, ``mgpu_ms``: Triton- and Mosaic-GPU-lowered),
-decode shapes the split-K Mosaic GPU decode kernel too (``mgpu_decode_ms``,
-``mgpu_decode_err_vs_reference``; Hopper only), and every shape records ``selected_kernel`` and
-``fastest_kernel``.
+and every shape records ``selected_kernel`` and ``fastest_kernel``.
 
 Ouro-1.4B heads: H = KVH = 16, head_dim 128, bf16, KV block 16, a stacked ``[L, KVH, NB, BS, hd]``
 pool read through the layer index (as the engine does), block tables over a shuffled pool.
@@ -29,17 +27,14 @@ before run 19 divided ``t(n)`` by ``n``: their small decode figures carry ~10-20
 
 Bucket mode (``--decode-bucket R[,R2]``): ``a`` active decode rows (``--decode-rows``) inside an
 engine bucket of ``R`` rows and ``R`` segment slots (the rest padding, as the scheduler emits them),
-at each ``--decode-ctx``: Triton with the engine's plan, ``mgpu_decode`` with its defaults, and
-each ``--decode-knobs`` variant of it (``;``-separated, each ``knob=value,...`` of
-``decode_attention_mgpu.decode_tuning``: block_kv, max_concurrent_steps, target_ctas,
-min_split_tokens, block_q), every call the whole attention (partials and merge), the plan built
-once per jit. Writes DIR/attention_decode_buckets_<R>[_<R2>].json (and .png), also copied to
-benchmarks/results/, instead of the sweep's files.
+at each ``--decode-ctx``: Triton with the engine's plan (built once per jit), every call the whole
+attention (partials and merge): what the padding rows of a bucket cost. Writes
+DIR/attention_decode_buckets_<R>[_<R2>].json (and .png), also copied to benchmarks/results/,
+instead of the sweep's files.
 
 Usage: PYTHONPATH=. python3 benchmarks/attention_sweep.py [--out DIR] [--quick] [--tune]
        [--decode-rows 1,8,32,128 --decode-ctx 512,1024,2048,4096,8192 --no-prefill]
-       [--decode-bucket 8,16 --decode-rows 1,2,4,8,16 --decode-ctx 1024,4096
-        --decode-knobs "block_kv=128;max_concurrent_steps=3;target_ctas=528"]
+       [--decode-bucket 8,16 --decode-rows 1,2,4,8,16 --decode-ctx 1024,4096]
 Writes DIR/attention_sweep.json (and .png), also copied to benchmarks/results/.
 """
 
@@ -64,7 +59,6 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks import ceilings as ceilings_mod  # noqa: E402
 from benchmarks.timing import per_call_s  # noqa: E402
-from pallas_kernels import decode_attention_mgpu as mgd  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (
     default_tuning,
@@ -142,11 +136,11 @@ def dense_kv(c):
 
 def ours_fn(n_calls, layers, tune, planned=True, kernel="triton"):
     tune = dict(tune or {})
-    if kernel != "triton":  # "mgpu", "hybrid", "mgpu_decode": through the dispatcher, as the engine runs them
+    if kernel != "triton":  # "mgpu", "hybrid": through the dispatcher, as the engine runs them
 
         @jax.jit
         def g(q, k, v, qs, ql, cl, bt):
-            attn = dispatch.AttentionKernel(kernel, q.shape[0], H, KVH, HD, block_size=BS)
+            attn = dispatch.AttentionKernel(kernel, q.shape[0], H, KVH, HD)
             plan = None
             if planned:
                 plan = attn.plan(qs, ql, cl, bt)
@@ -284,12 +278,11 @@ def run_shape(
         default_tuning=vars(default_tuning(n_seg * q_len, n_seg, H, KVH, HD)),
     )
     # Which Pallas kernel the engine would pick for this bucket; prefill shapes time both prefill
-    # kernels (decode rows never go to the prefill Mosaic kernel: one row per 128-row tile), decode
-    # shapes the split-K Mosaic decode kernel next to Triton.
+    # kernels (decode rows never go to the prefill Mosaic kernel: one row per 128-row tile).
     selected = "triton" if tune else dispatch.select_kernel(n_seg * q_len, n_seg, DT, HD, BS, num_heads=H)
     kernels = ["triton"]
-    if not tune and dispatch.hopper_available() and not os.environ.get("OURO_JAX_ATTENTION_KERNEL"):
-        kernels.append("mgpu" if kind == "prefill" else "mgpu_decode")
+    if not tune and kind == "prefill" and dispatch.hopper_available():
+        kernels.append("mgpu")
     if selected not in kernels:
         kernels.append(selected)
     rec["selected_kernel"] = selected
@@ -517,7 +510,7 @@ def plot(records, path):
 def table(records):
     lines = [
         f"{'kind':8} {'shape':22} {'ours ms':>9} {'cudnn ms':>9} {'ref ms':>9} "
-        f"{'ours':>10} {'cudnn':>10} {'ratio':>6} {'err':>8} {'triton ms':>9} {'mgpu_dec':>9} {'dec err':>8}"
+        f"{'ours':>10} {'cudnn':>10} {'ratio':>6} {'err':>8} {'triton ms':>9} {'mgpu ms':>9}"
     ]
     for r in records:
         s = r["shape"]
@@ -530,8 +523,7 @@ def table(records):
         lines.append(
             f"{r['kind']:8} {shp:22} {f(r['ours_ms'])} {f(r['cudnn_ms'])} "
             f"{f(r['reference_ms'])} {f(ours, 6, 0)} {unit} {f(cud, 6, 0)} {unit} "
-            f"{f(r['ratio_to_cudnn'], 6, 2)} {f(err, 8, 5)} {f(r.get('triton_ms'))} "
-            f"{f(r.get('mgpu_decode_ms'))} {f(r.get('mgpu_decode_err_vs_reference'), 8, 5)}"
+            f"{f(r['ratio_to_cudnn'], 6, 2)} {f(err, 8, 5)} {f(r.get('triton_ms'))} {f(r.get('mgpu_ms'))}"
         )
     return "\n".join(lines)
 
@@ -539,26 +531,6 @@ def table(records):
 # ----------------------------------------------------------------------------------------------
 # Bucket mode: a active decode rows in an R-row engine bucket
 # ----------------------------------------------------------------------------------------------
-
-KNOB_NAMES = ("block_q", "block_kv", "max_concurrent_steps", "target_ctas", "min_split_tokens")
-
-
-def parse_knobs(text):
-    """``"block_kv=128;max_concurrent_steps=3,target_ctas=528"`` -> {name: knobs}; a ValueError
-    for an unknown knob or a non-integer value, before any work."""
-    out = {}
-    for part in (p.strip() for p in (text or "").split(";")):
-        if not part:
-            continue
-        knobs = {}
-        for kv in part.split(","):
-            name, _, value = kv.partition("=")
-            name = name.strip()
-            if name not in KNOB_NAMES or not value.strip().isdigit():
-                raise ValueError(f"--decode-knobs: {kv!r} is not knob=integer with knob in {KNOB_NAMES}")
-            knobs[name] = int(value)
-        out[part.replace(" ", "")] = knobs
-    return out
 
 
 def bucket_case(key, bucket, active, ctx):
@@ -577,23 +549,7 @@ def bucket_case(key, bucket, active, ctx):
     return c
 
 
-def decode_knob_fn(n_calls, layers, knobs):
-    """``mgpu_decode`` with explicit knobs, the plan built once for all calls (as the engine does)."""
-
-    @jax.jit
-    def f(q, k, v, qs, ql, cl, bt):
-        t = mgd.decode_tuning(q.shape[0], ql.shape[0], H, KVH, bt.shape[1], BS, **knobs)
-        plan = mgd.make_decode_plan(qs, ql, cl, bt, num_rows=q.shape[0], tuning=t)
-        for i in range(n_calls):
-            q = mgd.decode_attention_mgpu(
-                q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers), sm_scale=SCALE, plan=plan
-            )
-        return q
-
-    return f
-
-
-def run_bucket(bucket, active, ctx, *, key, reps, knob_variants):
+def run_bucket(bucket, active, ctx, *, key, reps):
     c = bucket_case(key, bucket, active, ctx)
     args = (c["q"], c["k"], c["v"], c["seg"]["q_start"], c["seg"]["q_len"], c["seg"]["ctx_len"], c["seg"]["tables"])
     n_calls = max(c["layers"], 16)
@@ -604,27 +560,19 @@ def run_bucket(bucket, active, ctx, *, key, reps, knob_variants):
         layers_in_pool=c["layers"],
         n_calls=n_calls,
         kv_bytes=kv_bytes,
-        mgpu_decode_tuning=vars(mgd.decode_tuning(bucket, bucket, H, KVH, c["seg"]["tables"].shape[1], BS)),
     )
     layers = c["layers"]
     ref = ref_fn(1, layers)(*args)
     fns = {"triton": lambda n: ours_fn(n, layers, None, kernel="triton")}
-    if dispatch.hopper_available():
-        fns["mgpu_decode"] = lambda n: ours_fn(n, layers, None, kernel="mgpu_decode")
-        for name, knobs in knob_variants.items():
-            fns[f"mgpu_decode[{name}]"] = lambda n, kn=knobs: decode_knob_fn(n, layers, kn)
-    else:
-        rec["note"] = "no Hopper GPU: mgpu_decode not timed"
     rec["ms"], rec["err_vs_reference"], rec["errors"] = {}, {}, {}
     for name, make in fns.items():
         try:
             rec["err_vs_reference"][name] = rel_err(make(1)(*args)[:active], ref[:active])
             rec["ms"][name] = timeit(make, args, n_calls, reps)
-        except Exception as e:  # noqa: BLE001  (the record says so; the other kernels are still timed)
+        except Exception as e:  # noqa: BLE001  (the record says so)
             rec["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"  {name} failed: {rec['errors'][name]}")
     timed = {k: v for k, v in rec["ms"].items() if v}
-    rec["fastest"] = min(timed, key=timed.get) if timed else None
     rec["gbps"] = {k: kv_bytes / (v * 1e-3) / 1e9 for k, v in timed.items()}
     del c, args, ref
     gc.collect()
@@ -649,8 +597,7 @@ def plot_buckets(records, path):
                     key=lambda r: r["shape"]["active"])  # fmt: skip
         for name in sorted({k for r in rs for k in r["ms"]}):
             pts = [(r["shape"]["active"], r["ms"][name] * 1e3) for r in rs if r["ms"].get(name)]
-            style = "o-" if name in ("triton", "mgpu_decode") else ".--"
-            ax.plot(*zip(*pts), style, label=name, lw=2 if style == "o-" else 1)
+            ax.plot(*zip(*pts), "o-", label=name, lw=2)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("active rows")
         ax.set_ylabel("us per attention call")
@@ -662,7 +609,6 @@ def plot_buckets(records, path):
 
 
 def bucket_main(args, key, reps, dev, t_start):
-    knob_variants = parse_knobs(args.decode_knobs)
     rows = args.decode_rows or (1, 2, 4, 8, 16)
     ctxs = args.decode_ctx or (1024, 4096)
     todo = [(b, a, c) for b in args.decode_bucket for c in ctxs for a in rows if a <= b]
@@ -678,7 +624,6 @@ def bucket_main(args, key, reps, dev, t_start):
                     device=dev.device_kind,
                     jax_version=jax.__version__,
                     backend=jax.default_backend(),
-                    knob_variants=knob_variants,
                     complete=final,
                     records=records,
                     wall_s=time.time() - t_start,
@@ -690,14 +635,14 @@ def bucket_main(args, key, reps, dev, t_start):
     for b, a, c in todo:
         t0 = time.time()
         try:
-            rec = run_bucket(b, a, c, key=key, reps=reps, knob_variants=knob_variants)
+            rec = run_bucket(b, a, c, key=key, reps=reps)
         except Exception as e:  # noqa: BLE001
             log(f"bucket {b} active {a} @{c} FAILED: {type(e).__name__}: {str(e)[:500]}")
             traceback.print_exc()
             rec = dict(kind="decode_bucket", shape=dict(bucket=b, active=a, ctx=c), error=str(e)[:500], ms={})
         records.append(rec)
         times = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rec["ms"].items() if v)
-        log(f"bucket {b} active {a} @{c}: us {times} -> {rec.get('fastest')} ({time.time() - t0:.1f} s)")
+        log(f"bucket {b} active {a} @{c}: us {times} ({time.time() - t0:.1f} s)")
         dump(False)
     dump(True)
     plot_buckets([r for r in records if r.get("ms")], os.path.join(args.out, stem + ".png"))
@@ -726,11 +671,7 @@ def main():
     ap.add_argument(
         "--decode-bucket", type=ints, default=None, help="bucket mode: active rows (--decode-rows) in buckets of R rows"
     )
-    ap.add_argument(
-        "--decode-knobs", default="", help='bucket mode: mgpu_decode variants, e.g. "block_kv=128;target_ctas=528"'
-    )
     args = ap.parse_args()
-    parse_knobs(args.decode_knobs)  # a bad knob fails before any work
     global INTERPRET, SMOKE
     if args.smoke:
         INTERPRET = SMOKE = True
@@ -784,9 +725,7 @@ def main():
                 log(
                     "  variants: " + ", ".join(f"{k} {v:.4f}" if v else f"{k} -" for k, v in rec["variants_ms"].items())
                 )
-            others = ", ".join(
-                f"{k[:-3]} {rec[k]:.4f}" for k in ("triton_ms", "mgpu_ms", "mgpu_decode_ms") if rec.get(k)
-            )
+            others = ", ".join(f"{k[:-3]} {rec[k]:.4f}" for k in ("triton_ms", "mgpu_ms") if rec.get(k))
             log(
                 f"{kind} {n}x{q}@{c}: ours {rec['ours_ms']:.4f} ms ({others}), cudnn {rec['cudnn_ms']}, "
                 f"ratio {rec['ratio_to_cudnn']}, err {rec.get('err_vs_reference')}/"

@@ -66,8 +66,6 @@ from benchmarks.workloads import (
     DECODE_CONTEXTS,
     DECODE_EXITS,
     EngineShape,
-    add_decode_matmul_arg,
-    add_fused_rows_arg,
     decode_workload,
     exit_params,
     shape_from_args,
@@ -297,8 +295,8 @@ class EngineRunner:
             tpot_p50_ms=tp["p50"] * 1e3 if tp else None,
             tpot_p90_ms=tp["p90"] * 1e3 if tp else None,
             mean_loops_per_token=loops,
-            # loops the device ran per token a fused step made for a row (lock step: each token's
-            # deepest row; independent rows: the slowest row's), next to the tokens' own mean
+            # loops the device ran per token a fused step made for a row (each token's deepest
+            # row: lock step), next to the tokens' own mean
             fused_loops_per_token=(
                 stats["fused_loops"] / stats["fused_row_tokens"] if stats.get("fused_row_tokens") else None
             ),
@@ -479,17 +477,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-gb", type=float, default=None)
     ap.add_argument("--compile-cache", default=None)
     ap.add_argument("--attention", default="auto", choices=ATTENTION)
-    ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
-    add_decode_matmul_arg(ap)
     ap.add_argument("--fused-decode-max-rows", type=int, default=0, help="LLM(fused_decode_max_rows=...)")
     ap.add_argument(
         "--fused-decode-tokens",
         type=int,
         nargs="+",
         default=[1],
-        help="tokens per fused decode step; several values: an engine each (with each --fused-decode-rows)",
+        help="tokens per fused decode step; several values: an engine each",
     )
-    add_fused_rows_arg(ap, many=True)
     ap.add_argument(
         "--no-async-scheduling",
         dest="async_scheduling",
@@ -530,10 +525,9 @@ def _resolve(a) -> None:
         raise ValueError(f"--time-budget must be positive, got {a.time_budget}")
     if any(t < 1 for t in a.fused_decode_tokens):
         raise ValueError(f"--fused-decode-tokens takes positive integers, got {a.fused_decode_tokens}")
-    # one engine per (tokens, row program); the harness starts with the first
-    rows = dict.fromkeys(a.fused_decode_rows)
-    a.fused_variants = [(t, r) for t in dict.fromkeys(a.fused_decode_tokens) for r in rows]
-    a.fused_decode_tokens, a.fused_decode_rows = a.fused_variants[0]
+    # one engine per tokens per step; the harness starts with the first
+    a.fused_variants = list(dict.fromkeys(a.fused_decode_tokens))
+    a.fused_decode_tokens = a.fused_variants[0]
     a.concurrency = sorted(dict.fromkeys(a.concurrency))
     a.exit = list(dict.fromkeys(a.exit))
     a.context = list(dict.fromkeys(a.context))
@@ -587,7 +581,7 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
                 prefix_warm=not a.cold,
                 profile_steps=a.profile_steps,
                 generate_batch=gen_batches,
-                fused_variants=[list(v) for v in a.fused_variants] if a.fused_decode_max_rows else [],
+                fused_variants=list(a.fused_variants) if a.fused_decode_max_rows else [],
                 generate_context=a.generate_context,
                 generate_reps=a.generate_reps,
                 time_budget_s=a.time_budget,
@@ -612,11 +606,11 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
     gen = GenerateRunner(h, a)
     try:
         for kind, ctx, c, exit_kind, variant in plan:
-            if variant is not None and variant != (h.fused_decode_tokens, h.fused_decode_rows):
+            if variant is not None and variant != h.fused_decode_tokens:
                 if engine is not None:  # the next fused-step variant: an engine of its own
                     engine.close()
                     engine = None
-                h.fused_decode_tokens, h.fused_decode_rows = variant
+                h.fused_decode_tokens = variant
             label = f"decode c={c} {exit_kind} ctx={ctx}" if kind == "engine" else f"decode generate() b={c} ctx={ctx}"
             label += h.label_suffix if kind == "engine" else ""
             mode = MODE if kind == "engine" else GENERATE_MODE

@@ -2,10 +2,10 @@
 
 A configuration (label, mode, chunk) measured again replaces the older record, unless the newer
 one was cut short (``truncated``) and the older one was not: then the older stays and the newer
-is listed under ``skipped``. Records kept from the older file are tagged with that file's
-``layer_loop`` and ``run`` (``--old-tag``) so that a table never mixes engine versions silently.
+is listed under ``skipped``. Records kept from the older file are tagged with its ``run``
+(``--old-tag``) so that a table never mixes engine versions silently.
 
-    python -m benchmarks.merge_results OLD.json NEW.json --old-tag "run 1 (scan)" -o OUT.json
+    python -m benchmarks.merge_results OLD.json NEW.json --old-tag "run 1" -o OUT.json
 """
 
 from __future__ import annotations
@@ -68,15 +68,12 @@ def merge_lists(
 
 
 def merge(old: dict, new: dict, old_tag: str, new_tag: str) -> dict:
-    old_layer = old.get("config", {}).get("layer_loop", "scan")
-    new_layer = new.get("config", {}).get("layer_loop", "unrolled")
-    tagged = lambda recs, layer: [{"layer_loop": layer, **r} for r in recs]  # noqa: E731
     return dict(
         new,
         **merge_lists(
-            tagged(old.get("records", []), old_layer),
+            old.get("records", []),
             old.get("skipped", []),
-            tagged(new.get("records", []), new_layer),
+            new.get("records", []),
             new.get("skipped", []),
             old_tag,
             new_tag,

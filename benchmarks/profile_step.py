@@ -52,7 +52,7 @@ from benchmarks import fmt
 from benchmarks.floors import shape as model_shape
 from benchmarks.metrics import floor_of, interval_union, invocation_cost
 from benchmarks.sweep_buckets import synthetic_descriptor
-from benchmarks.workloads import EngineShape, add_decode_matmul_arg, shape_from_args
+from benchmarks.workloads import EngineShape, shape_from_args
 from pallas_kernels.choices import ATTENTION
 
 __all__ = [
@@ -690,8 +690,6 @@ def parser() -> argparse.ArgumentParser:
         choices=ATTENTION,
         help="the engine's attention (benchmarks.run --attention); a forced kernel compares kernels per bucket",
     )
-    ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
-    add_decode_matmul_arg(ap)
     ap.add_argument("--scale", type=float, default=1.0, help="suite_shape's scale (sets max_model_len)")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the largest R asked for")
@@ -732,7 +730,6 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
         preset=h.preset,
         dtype=h.dtype,
         attention=h.attention,
-        layer_loop=h.layer_loop,
         argv=sys.argv[1:] if argv is None else list(argv),
         ceilings=h.ceilings,
         engine_shape=h.shape.to_dict(),
@@ -745,8 +742,8 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
     )
     print(
         f"{h.device}: ceilings {h.peak / 1e12:.0f} TFLOP/s, {h.bw / 1e12:.2f} TB/s "
-        f"({'measured' if h.ceilings.get('measured') else 'H200 defaults'}); attention {h.attention}, "
-        f"layer loop {h.layer_loop}; row buckets {row_buckets}",
+        f"({'measured' if h.ceilings.get('measured') else 'H200 defaults'}); attention {h.attention}; "
+        f"row buckets {row_buckets}",
         flush=True,
     )
     llm, startup = h.engine("split", h.shape.ring_chunk)

@@ -309,7 +309,7 @@ def plot_bucket_sweep(result: dict, path: str) -> Optional[str]:
 
 def _engine_variant(r) -> str:
     """The engine options a decode record's label carries after its context (``Harness.
-    label_suffix``, e.g. ``"fused16x4 independent"``); "" for none."""
+    label_suffix``, e.g. ``"fused16x4 sync"``); "" for none."""
     label, at = r.get("label", ""), f"ctx={r.get('context')}"
     return label.split(at, 1)[1].strip() if at in label else ""
 
@@ -317,7 +317,7 @@ def _engine_variant(r) -> str:
 def _decode_series(records) -> dict:
     """(context, path, exit) -> records sorted by concurrency (those with a positive TPOT and a floor;
     a generate() TPOT is a difference of two timings, which noise can make negative on a CPU). An
-    engine's path names its fused-step variant ("engine fused16x4 independent"), so that variants
+    engine's path names its fused-step variant ("engine fused16x4 sync"), so that variants
     of one workload are series of their own."""
     s = defaultdict(list)
     for r in records:

@@ -58,8 +58,6 @@ from benchmarks.workloads import (
     WORKLOADS,
     EngineShape,
     Workload,
-    add_decode_matmul_arg,
-    add_fused_rows_arg,
     make,
     shape_from_args,
     suite_shape,
@@ -317,7 +315,6 @@ class Harness:
         shape: Optional[EngineShape] = None,
         compile_cache_dir: Optional[str] = None,
         attention: str = "auto",
-        layer_loop: str = "unrolled",
         gpu_memory_utilization: float = 0.9,
         kv_cache_bytes: Optional[int] = None,
         quick_ceilings: bool = False,
@@ -326,16 +323,12 @@ class Harness:
         seed: int = 0,
         fused_decode_max_rows: int = 0,
         fused_decode_tokens: int = 1,
-        decode_matmul: str = "xla",
         async_scheduling: bool = True,
-        fused_decode_rows: str = "lockstep",
     ):
         self.t_start = time.monotonic()
-        self.decode_matmul = decode_matmul
         # fused decode steps (scheduler): records of such engines carry a label suffix, so that
         # they sit next to the loop-by-loop records of the same workload instead of replacing them
         self.fused_decode_max_rows, self.fused_decode_tokens = fused_decode_max_rows, fused_decode_tokens
-        self.fused_decode_rows = fused_decode_rows
         self.async_scheduling = async_scheduling
         LLM._enable_compile_cache(compile_cache_dir)  # before anything compiles
         self.events = CompileEvents()
@@ -349,7 +342,7 @@ class Harness:
                 f"scale) exceeds {preset}'s max_position_embeddings "
                 f"{self.config.max_position_embeddings}: lower --scale or --max-model-len"
             )
-        self.attention, self.layer_loop = attention, layer_loop
+        self.attention = attention
         self.gpu_memory_utilization, self.kv_cache_bytes = gpu_memory_utilization, kv_cache_bytes
         self.compile_cache_dir = compile_cache_dir
         self.progress, self.warmup_requests = progress, warmup_requests
@@ -377,15 +370,12 @@ class Harness:
 
     @property
     def label_suffix(self) -> str:
-        """Records of fused-step engines carry a suffix (``" fused<rows>x<tokens>"``, then the row
-        program unless lock step, then ``" sync"`` without asynchronous scheduling: only fused
-        steps are launched ahead), so that they sit next to the loop-by-loop records of the same
-        workload instead of replacing them."""
+        """Records of fused-step engines carry a suffix (``" fused<rows>x<tokens>"``, then ``" sync"``
+        without asynchronous scheduling: only fused steps are launched ahead), so that they sit next
+        to the loop-by-loop records of the same workload instead of replacing them."""
         if not self.fused_decode_max_rows:
             return ""
         out = f" fused{self.fused_decode_max_rows}x{self.fused_decode_tokens}"
-        if self.fused_decode_rows != "lockstep":
-            out += f" {self.fused_decode_rows}"
         return out + ("" if self.async_scheduling else " sync")
 
     def describe(self) -> dict:
@@ -395,11 +385,8 @@ class Harness:
             model=self.config.to_dict(),
             engine_shape=self.shape.to_dict(),
             attention=self.attention,
-            layer_loop=self.layer_loop,
-            decode_matmul=self.decode_matmul,
             fused_decode_max_rows=self.fused_decode_max_rows,
             fused_decode_tokens=self.fused_decode_tokens,
-            fused_decode_rows=self.fused_decode_rows,
             async_scheduling=self.async_scheduling,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_bytes=self.kv_cache_bytes,
@@ -429,13 +416,10 @@ class Harness:
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_bytes=self.kv_cache_bytes,
             attention=self.attention,
-            layer_loop=self.layer_loop,
-            decode_matmul=self.decode_matmul,
             compile_cache_dir=self.compile_cache_dir,
             num_ring_rows=sh.num_ring_rows(c.num_loops, chunks),
             fused_decode_max_rows=self.fused_decode_max_rows,
             fused_decode_tokens=self.fused_decode_tokens,
-            fused_decode_rows=self.fused_decode_rows,
             async_scheduling=self.async_scheduling,
             warmup=False,
             progress=False,
@@ -450,7 +434,6 @@ class Harness:
             tuple(r.ring.shape),
             tuple(keys),
             r.attention,
-            r.layer_loop,
             r.dtype_name,
         )
         ev0 = self.events.snapshot()
@@ -1176,12 +1159,9 @@ def parser() -> argparse.ArgumentParser:
         choices=ATTENTION,
         help="attention of the engine: auto (pallas on GPU), pallas (kernel chosen per "
         "bucket, pallas_kernels/dispatch.py), a forced Pallas kernel (triton, "
-        "mgpu, or hybrid: segments of >= 128 rows on mgpu, the rest on triton; "
-        "mgpu_decode: the split-K Mosaic kernel on the buckets the rule gives to triton), "
+        "mgpu, or hybrid: segments of >= 128 rows on mgpu, the rest on triton), "
         "or the jnp reference",
     )
-    ap.add_argument("--layer-loop", default="unrolled", choices=["scan", "unrolled"])
-    add_decode_matmul_arg(ap)
     ap.add_argument(
         "--fused-decode-max-rows",
         type=int,
@@ -1190,7 +1170,6 @@ def parser() -> argparse.ArgumentParser:
         "decided on the device); 0 = loop by loop. Records get a ' fusedRxK' label suffix",
     )
     ap.add_argument("--fused-decode-tokens", type=int, default=1, help="tokens per fused decode step")
-    add_fused_rows_arg(ap)
     ap.add_argument(
         "--target-tpot-ms",
         nargs="+",
@@ -1222,9 +1201,7 @@ def harness_from_args(a, shape: Optional[EngineShape] = None) -> Harness:
         "seed",
         "fused_decode_max_rows",
         "fused_decode_tokens",
-        "decode_matmul",
         "async_scheduling",
-        "fused_decode_rows",
     )
     return Harness(
         a.preset,
@@ -1232,7 +1209,6 @@ def harness_from_args(a, shape: Optional[EngineShape] = None) -> Harness:
         shape or shape_from_args(a),
         a.compile_cache,
         a.attention,
-        a.layer_loop,
         a.gpu_memory_utilization,
         None if a.kv_cache_gb is None else int(a.kv_cache_gb * 1e9),
         a.quick_ceilings,

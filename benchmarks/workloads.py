@@ -39,7 +39,6 @@ import numpy as np
 
 from scheduler import SamplingParams
 from scheduler.buckets import next_power_of_two
-from scheduler.descriptor import FUSED_DECODE_ROWS
 from scheduler.sizes import ring_rows, ring_slots
 
 __all__ = [
@@ -479,35 +478,6 @@ def suite_shape(scale: float = 1.0, count_scale: float = 1.0, **overrides) -> En
     )
     shape = EngineShape(max_model_len=next_power_of_two(longest))
     return dataclasses.replace(shape, **{k: v for k, v in overrides.items() if v is not None})
-
-
-# ``ouro_jax.options.DECODE_MATMULS`` (not imported: this module stays free of jax; a test checks they agree)
-DECODE_MATMUL_CHOICES = ("xla", "mgpu", "fused")
-
-
-def add_decode_matmul_arg(ap) -> None:
-    """``--decode-matmul`` of every CLI built on the harness (``LLM(decode_matmul=...)``)."""
-    ap.add_argument(
-        "--decode-matmul",
-        default="xla",
-        choices=DECODE_MATMUL_CHOICES,
-        help="layer projections of buckets of <= 16 rows: xla (default), mgpu (the skinny Mosaic GPU kernel) "
-        "or fused (Triton matvec kernels without split-K, SiLU * up in the gate/up one)",
-    )
-
-
-def add_fused_rows_arg(ap, many: bool = False) -> None:
-    """``--fused-decode-rows`` of every CLI built on the harness (``LLM(fused_decode_rows=...)``);
-    ``many``: one or more values, an engine each."""
-    ap.add_argument(
-        "--fused-decode-rows",
-        default=["lockstep"] if many else "lockstep",
-        nargs="+" if many else None,
-        choices=FUSED_DECODE_ROWS,
-        help="rows of a fused decode step: in lock step per token (default) or each at its own depth "
-        "over the step's tokens; records of 'independent' get a label suffix"
-        + ("; several values: an engine each" if many else ""),
-    )
 
 
 def shape_from_args(a, **overrides) -> EngineShape:

@@ -23,7 +23,7 @@ called inside ``jax.jit``, so Flax's module traversal happens once, at trace tim
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import flax.linen as nn
 import jax
@@ -101,13 +101,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos[..., None, :] + rot * sin[..., None, :]).astype(x.dtype)
 
 
-def _dense(features: int, dtype, use_bias: bool = False, matmul: Optional[Callable] = None) -> nn.Module:
-    """``nn.Dense``, or with ``matmul`` a bias-free :class:`FusedDense` of the same ``kernel`` param
-    whose product ``matmul`` computes (the engine's small-bucket decode kernel)."""
-    if matmul is not None:
-        if use_bias:
-            raise ValueError("a matmul-injected projection has no bias")
-        return FusedDense((features,), dtype, matmul=matmul)
+def _dense(features: int, dtype, use_bias: bool = False) -> nn.Module:
     return nn.Dense(
         features,
         use_bias=use_bias,
@@ -119,14 +113,10 @@ def _dense(features: int, dtype, use_bias: bool = False, matmul: Optional[Callab
 
 class FusedDense(nn.Module):
     """``x @ kernel`` for a kernel ``[in, *out]`` that holds several projections side by side (one
-    GEMM, the outputs sliced after it), with ``nn.Dense``'s dtype rules.
-
-    ``matmul``: ``matmul(x [rows, in], kernel [in, *out]) -> [rows, *out]`` computes the product
-    instead of ``dot_general`` (static; the params are unchanged)."""
+    GEMM, the outputs sliced after it), with ``nn.Dense``'s dtype rules."""
 
     shape: tuple
     dtype: Any
-    matmul: Optional[Callable] = None
 
     @nn.compact
     def __call__(self, x):
@@ -134,9 +124,6 @@ class FusedDense(nn.Module):
             "kernel", nn.initializers.variance_scaling(1.0, "fan_in", "normal"), (x.shape[-1], *self.shape), self.dtype
         )
         x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
-        if self.matmul is not None:
-            lead = x.shape[:-1]
-            return self.matmul(x.reshape(-1, x.shape[-1]), kernel).reshape(*lead, *self.shape)
         return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
 
 
@@ -170,19 +157,17 @@ class OuroAttentionProjections(nn.Module):
     config: OuroConfig
     dtype: Any
     fused: bool = False
-    matmul: Optional[Callable] = None  # see FusedDense
 
     def setup(self):
         c = self.config
-        mm = self.matmul
         if self.fused:
             G, g = qkv_groups(c)
-            self.qkv_proj = FusedDense((G, g + 2, c.head_dim), self.dtype, matmul=mm)
+            self.qkv_proj = FusedDense((G, g + 2, c.head_dim), self.dtype)
         else:
-            self.q_proj = _dense(c.q_size, self.dtype, matmul=mm)
-            self.k_proj = _dense(c.kv_size, self.dtype, matmul=mm)
-            self.v_proj = _dense(c.kv_size, self.dtype, matmul=mm)
-        self.o_proj = _dense(c.hidden_size, self.dtype, matmul=mm)
+            self.q_proj = _dense(c.q_size, self.dtype)
+            self.k_proj = _dense(c.kv_size, self.dtype)
+            self.v_proj = _dense(c.kv_size, self.dtype)
+        self.o_proj = _dense(c.hidden_size, self.dtype)
 
     def __call__(self, x, cos, sin, layer: int, attention: Attention, cache):
         c = self.config
@@ -211,17 +196,15 @@ class OuroMLP(nn.Module):
     config: OuroConfig
     dtype: Any
     fused: bool = False
-    matmul: Optional[Callable] = None  # see FusedDense
 
     def setup(self):
         c = self.config
-        mm = self.matmul
         if self.fused:
-            self.gate_up_proj = FusedDense((2, c.intermediate_size), self.dtype, matmul=mm)
+            self.gate_up_proj = FusedDense((2, c.intermediate_size), self.dtype)
         else:
-            self.gate_proj = _dense(c.intermediate_size, self.dtype, matmul=mm)
-            self.up_proj = _dense(c.intermediate_size, self.dtype, matmul=mm)
-        self.down_proj = _dense(c.hidden_size, self.dtype, matmul=mm)
+            self.gate_proj = _dense(c.intermediate_size, self.dtype)
+            self.up_proj = _dense(c.intermediate_size, self.dtype)
+        self.down_proj = _dense(c.hidden_size, self.dtype)
 
     def __call__(self, x):
         if self.fused:
@@ -241,13 +224,11 @@ class OuroDecoderLayer(nn.Module):
     tp_axis: Optional[str] = None
     # params laid out by ``fuse_layer_params`` (the engine's runner); the checkpoint layout otherwise
     fused_projections: bool = False
-    # computes the four projections' products (FusedDense); None: XLA's dot, bit-identical to before
-    matmul: Optional[Callable] = None
 
     def setup(self):
         c = self.config
-        self.self_attn = OuroAttentionProjections(c, self.dtype, fused=self.fused_projections, matmul=self.matmul)
-        self.mlp = OuroMLP(c, self.dtype, fused=self.fused_projections, matmul=self.matmul)
+        self.self_attn = OuroAttentionProjections(c, self.dtype, fused=self.fused_projections)
+        self.mlp = OuroMLP(c, self.dtype, fused=self.fused_projections)
         self.input_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.input_layernorm_2 = RMSNorm(c.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)

@@ -7,15 +7,9 @@ import numpy as np
 
 from scheduler.options import choice
 
-__all__ = ["choice", "dtype_option", "LAYER_LOOPS", "DTYPES", "DECODE_MATMULS"]
+__all__ = ["choice", "dtype_option", "DTYPES"]
 
 # ``attention`` is checked by ``pallas_kernels.dispatch.check_attention`` (its choices live there).
-LAYER_LOOPS = ("unrolled", "scan")
-# Who computes the layer projections of small buckets: XLA's dot, the Mosaic GPU skinny kernel
-# (pallas_kernels/skinny_matmul_mgpu.py; Hopper only), or Triton matvec kernels without split-K
-# (pallas_kernels/decode_matvec.py, ouro_jax/fused_layers.py; interpret mode off a GPU).
-# The runner also takes "reference" (tests).
-DECODE_MATMULS = ("xla", "mgpu", "fused")
 DTYPES = ("bfloat16", "float32", "float16")
 
 

@@ -10,7 +10,6 @@ straight out of the stacked pool, so nothing slices the pool and the update stay
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -19,28 +18,14 @@ from pallas_kernels import write_kv
 from pallas_kernels.dispatch import AttentionKernel
 from pallas_kernels.rope_write_kv import rope_write_kv
 
-__all__ = ["PagedAttention", "ROPE_WRITE_ENV", "fuses_rope", "rope_write_option"]
-
-# Who applies RoPE and writes K/V: "kernel" (``pallas_kernels.rope_write_kv``, one launch a layer,
-# the default wherever attention runs a Pallas kernel) or "xla" (RoPE fusion and two scatters, as
-# before; for A/B measurements). Part of the executable store's key.
-ROPE_WRITE_ENV = "OURO_JAX_ROPE_WRITE"
-ROPE_WRITES = ("kernel", "xla")
-
-
-def rope_write_option() -> str:
-    """``$OURO_JAX_ROPE_WRITE`` (default ``kernel``), checked."""
-    value = os.environ.get(ROPE_WRITE_ENV, "kernel").strip().lower()
-    if value not in ROPE_WRITES:
-        raise ValueError(f"{ROPE_WRITE_ENV} must be one of {', '.join(ROPE_WRITES)}, got {value!r}")
-    return value
+__all__ = ["PagedAttention", "fuses_rope"]
 
 
 def fuses_rope(kernel: AttentionKernel) -> bool:
-    """Whether layers with fused Q/K/V weights use the ``rope_write_kv`` kernel with ``kernel``:
-    wherever attention is a Pallas kernel (interpret mode too: the CPU tests), unless the option
-    says ``xla``. The ``reference`` attention (the CPU engine) keeps XLA's RoPE and scatters."""
-    return kernel.name != "reference" and rope_write_option() == "kernel"
+    """Whether layers with fused Q/K/V weights use the ``rope_write_kv`` kernel (one launch a layer
+    where XLA runs three) with ``kernel``: wherever attention is a Pallas kernel (interpret mode
+    too: the CPU tests). The ``reference`` attention (the CPU engine) keeps XLA's RoPE and scatters."""
+    return kernel.name != "reference"
 
 
 @dataclasses.dataclass(frozen=True)

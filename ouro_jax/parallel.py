@@ -99,28 +99,27 @@ def kv_spec() -> P:
     return P(None, TP_AXIS)
 
 
-def _leaf_spec(path: tuple[str, ...], ndim: int) -> P:
-    """Spec of one leaf from its names; leading axes (the scan layout's ``[L, ...]``) stay whole."""
+def _leaf_spec(path: tuple[str, ...]) -> P:
+    """Spec of one leaf from its names."""
     names = [getattr(k, "key", str(k)) for k in path]
-    lead = (None,) * (ndim - 2)
     if "embed_tokens" in names:
-        return P(*lead, TP_AXIS, None)  # [V, D] by vocabulary rows
+        return P(TP_AXIS, None)  # [V, D] by vocabulary rows
     if "lm_head" in names:
-        return P(*lead, None, TP_AXIS)  # [D, V] by vocabulary columns
+        return P(None, TP_AXIS)  # [D, V] by vocabulary columns
     if names[-1] == "kernel" and "qkv_proj" in names:  # [D, G, g + 2, hd]: by KV-head group
-        return P(*(None,) * (ndim - 4), None, TP_AXIS, None, None)
+        return P(None, TP_AXIS, None, None)
     if names[-1] == "kernel" and "gate_up_proj" in names:  # [D, 2, I]: by intermediate column
-        return P(*(None,) * (ndim - 3), None, None, TP_AXIS)
+        return P(None, None, TP_AXIS)
     if names[-1] == "kernel" and any(n in names for n in _COLUMN):
-        return P(*lead, None, TP_AXIS)
+        return P(None, TP_AXIS)
     if names[-1] == "kernel" and any(n in names for n in _ROW):
-        return P(*lead, TP_AXIS, None)
+        return P(TP_AXIS, None)
     return P()  # norms, exit gate: replicated
 
 
 def param_specs(params) -> Any:
-    """A ``PartitionSpec`` per leaf of a param tree (any nesting, stacked or not)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: _leaf_spec(p, np.ndim(x)), params)
+    """A ``PartitionSpec`` per leaf of a param tree (any nesting)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: _leaf_spec(p), params)
 
 
 def place_params(params, mesh: Mesh) -> Any:

@@ -31,8 +31,8 @@ and returns its own, so that the scheduler can launch the next step before the h
 one (``scheduler/pipeline.py``).
 
 The traced programs live in ``step_program.py`` (one loop, the separate sampler) and
-``fused_step.py`` (fused decode steps: rows in lock step or each at its own depth,
-``fused_decode_rows``); this module compiles, stores and launches them.
+``fused_step.py`` (fused decode steps, rows in lock step); this module compiles, stores and
+launches them.
 
 The descriptor travels as one packed int32 array (``scheduler/descriptor.py`` fixes its layout per
 bucket key) because every host-to-device transfer has a fixed cost.
@@ -52,9 +52,7 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.decode_matvec import default_tuning
 from pallas_kernels.dispatch import resolve_attention
-from pallas_kernels.skinny_matmul_mgpu import tuning_overrides as skinny_overrides
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import StepResult
 
@@ -62,10 +60,7 @@ from . import fused_step
 from .compiler_options import step_options
 from .config import OuroConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
-from .fused_layers import decode_weights, norms_option
 from .model import fuse_layer_params
-from .options import choice
-from .paged_attention import rope_write_option
 from .parallel import (
     check_devices,
     check_tensor_parallel,
@@ -74,25 +69,9 @@ from .parallel import (
     param_specs,
     place_params,
 )
-from .step_program import (
-    DECODE_MATMUL_MAX_ROWS,
-    SamplerKey,
-    check_decode_matmul,
-    one_loop,
-    packed_shape,
-    packed_size,
-    sample_coda,
-)
+from .step_program import SamplerKey, one_loop, packed_shape, packed_size, sample_coda
 
-__all__ = [
-    "ModelRunner",
-    "SamplerKey",
-    "packed_size",
-    "packed_shape",
-    "DECODE_MATMUL_MAX_ROWS",
-    "check_decode_matmul",
-    "is_fused",
-]
+__all__ = ["ModelRunner", "SamplerKey", "packed_size", "packed_shape", "is_fused"]
 
 
 # XLA compile threads of a cold start (``ModelRunner.warmup``): more made the GPU autotuner warn
@@ -133,28 +112,12 @@ def samples(desc) -> bool:
 
 
 class ModelRunner:
-    """Device state + one executable per bucket. See the module docstring.
-
-    ``layer_loop``: ``"unrolled"`` (default) writes the ``L`` layers out in the step; ``"scan"``
-    runs one layer body over stacked weights, faster to compile but slower to run (docs/decisions.md,
-    "Layer loop"). Both read the stacked KV pool in place.
+    """Device state + one executable per bucket. See the module docstring. The step writes the
+    ``L`` layers out (unrolled); each reads the stacked KV pool in place.
 
     ``tensor_parallel_size=N > 1``: the step runs under ``jax.shard_map`` on a 1-D ``"tp"`` mesh of
     the first ``N`` devices (``ouro_jax/parallel.py``): params and the KV pools' head axis split,
     the ring, descriptor, gates and tokens replicated. ``N = 1`` builds no mesh and no shard_map.
-
-    ``decode_matmul``: ``"xla"`` (default), ``"mgpu"`` or ``"fused"``. ``"mgpu"``: buckets of at most
-    ``DECODE_MATMUL_MAX_ROWS`` rows compute the four layer projections with the skinny Mosaic GPU
-    kernel (Hopper, unrolled layers); ``"reference"`` runs its jnp twin there (CPU tests). Not the
-    default: in the engine its split-K partial sums cost a fusion per projection, more than the
-    kernel saves (docs/decisions.md, "Mosaic GPU paths for small decode buckets"). ``"fused"``:
-    those buckets run their layers on the Triton matvec kernels (``fused_layers.py``; transposed
-    copies of the layer weights are laid out at load time), also slower than XLA's GEMMs on the
-    H200 (docs/decisions.md, "Decode matvec kernels").
-
-    ``fused_decode_rows``: which fused step program runs (``fused_step.py``): ``"lockstep"``
-    (default) or ``"independent"``; the scheduler must be told the same (it counts the loops that
-    ran from the exit depths differently): ``step`` refuses a fused step built for another program.
 
     ``devices``: the ``N`` devices this runner owns (default: the first ``N`` of ``jax.devices()``);
     data-parallel replicas each get a disjoint set (``ouro_jax/server/replicas.py``).
@@ -169,19 +132,12 @@ class ModelRunner:
         block_size: int,
         num_ring_rows: int,
         attention: str = "auto",
-        layer_loop: str = "unrolled",
         interpret: bool = False,
         tensor_parallel_size: int = 1,
         devices=None,
         executable_store: Optional[ExecutableStore] = None,
-        decode_matmul: str = "xla",
-        fused_decode_rows: str = "lockstep",
     ):
         attention = resolve_attention(attention)
-        self.fused_decode_rows = choice("fused_decode_rows", fused_decode_rows, fused_step.FUSED_DECODE_ROWS)
-        if layer_loop not in ("scan", "unrolled"):
-            raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
-        decode_matmul = check_decode_matmul(decode_matmul, layer_loop, internal=True)
         tp = check_tensor_parallel(config, tensor_parallel_size)
         self.tensor_parallel_size = tp
         devices = check_devices(devices, tp)
@@ -191,8 +147,7 @@ class ModelRunner:
         self._device = devices[0] if devices is not None else jax.devices()[0]
         self.mesh = make_mesh(tp, devices) if tp > 1 else None
         self.config = config
-        self.attention, self.layer_loop, self.interpret = attention, layer_loop, interpret
-        self.decode_matmul = decode_matmul
+        self.attention, self.interpret = attention, interpret
         leaves = jax.tree.leaves(params)
         self.dtype = leaves[0].dtype
         self.dtype_name = str(self.dtype)
@@ -208,10 +163,8 @@ class ModelRunner:
             dtype_name=self.dtype_name,
             attention=attention,
             interpret=interpret,
-            layer_loop=layer_loop,
-            decode_matmul=decode_matmul,
         )
-        fused = functools.partial(fused_step.program(self.fused_decode_rows), **step.keywords)
+        fused = functools.partial(fused_step.lockstep, **step.keywords)
         # one-loop steps leave sampling to a separate small executable, launched only when a coda
         # row samples: a lax.cond in the step made the GPU host wait for its predicate at the end
         # of every invocation (docs/decisions.md, "Sampling on the host's word"); under tensor
@@ -269,9 +222,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------- setup
     def _arrange(self, params: dict) -> dict:
-        """Split the tree into ``top`` (embed, norm, gate, lm_head) and ``layers``: a dict of
-        ``layers_i`` (unrolled) or one stacked ``[L, ...]`` tree (scan). With a mesh every leaf goes
-        straight into its shards (host leaves are stacked on the host, never on one device)."""
+        """Split the tree into ``top`` (embed, norm, gate, lm_head) and ``layers`` (a dict of
+        ``layers_i``). With a mesh every leaf goes straight into its shards."""
         L = self.config.num_hidden_layers
         top = {k: v for k, v in params.items() if not k.startswith("layers_")}
         layers = {f"layers_{i}": params[f"layers_{i}"] for i in range(L)}
@@ -279,22 +231,11 @@ class ModelRunner:
         on_host = all(isinstance(x, np.ndarray) for x in jax.tree.leaves(layers))
         cat = np.concatenate if on_host else None
         layers = {k: fuse_layer_params(v, self.config, cat) for k, v in layers.items()}
-        if self.layer_loop == "scan":
-            host = (self.mesh is not None or self._pinned) and all(
-                isinstance(x, np.ndarray) for x in jax.tree.leaves(layers)
-            )
-            stack = np.stack if host else jnp.stack
-            layers = jax.tree.map(lambda *xs: stack(xs), *[layers[f"layers_{i}"] for i in range(L)])
         if self.mesh is not None:
             return place_params({"top": top, "layers": layers}, self.mesh)
         if self._pinned:
-            out = jax.device_put({"top": top, "layers": layers}, self._device)
-        else:
-            out = {"top": jax.tree.map(jnp.asarray, top), "layers": jax.tree.map(jnp.asarray, layers)}
-        if self.decode_matmul == "fused":
-            # the small buckets' transposed copies (fused_layers.py), transposed on the device
-            out["decode"] = {k: decode_weights(v) for k, v in out["layers"].items()}
-        return out
+            return jax.device_put({"top": top, "layers": layers}, self._device)
+        return {"top": jax.tree.map(jnp.asarray, top), "layers": jax.tree.map(jnp.asarray, layers)}
 
     def _sharded(self, fn, tp: int, extra: int = 0):
         """``fn`` (a step) as the body of a ``shard_map`` over ``"tp"``: each shard sees its slice
@@ -362,12 +303,6 @@ class ModelRunner:
             self.dtype_name,
             self.attention,
             self.interpret,
-            self.layer_loop,
-            self.decode_matmul,
-            self.fused_decode_rows,
-            (repr(default_tuning()), norms_option()) if self.decode_matmul == "fused" else None,
-            repr(skinny_overrides()) if self.decode_matmul in ("mgpu", "reference") else None,
-            rope_write_option(),
             self.tensor_parallel_size,
             tuple(d.id for d in self._store_devices),
             tuple(sorted(step_options().items())),
@@ -467,11 +402,6 @@ class ModelRunner:
         gates and tokens start copying back at once and are waited for only when read."""
         key = self.executable_key(desc)
         single = isinstance(key, BucketKey)
-        if not single and getattr(desc, "rows", self.fused_decode_rows) != self.fused_decode_rows:
-            raise ValueError(
-                f"a fused step built for fused_decode_rows={desc.rows!r} on a runner compiled for "
-                f"{self.fused_decode_rows!r}: the scheduler and the runner must be given the same option"
-            )
         if key not in self._exe:
             self._compile(key)  # not warmed up: counted in `compilations`, not in `dispatch_time`
         t = time.perf_counter()

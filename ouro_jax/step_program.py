@@ -15,7 +15,6 @@ static offsets of ``scheduler.descriptor.descriptor_layout``.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -28,21 +27,16 @@ from scheduler.buckets import BucketKey
 from scheduler.descriptor import HEADER, descriptor_layout, exit_words
 
 from .config import OuroConfig
-from .fused_layers import fused_layers_supported, norms_option, run_fused_layers
 from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
-from .options import DECODE_MATMULS, choice
 from .paged_attention import PagedAttention, fuses_rope
 from .parallel import TP_AXIS, local_config, vocab_parallel_embed, vocab_parallel_logits
 from .sampling import greedy, row_keys, sample, sample_stochastic
 
 __all__ = [
     "CODA_FIELDS",
-    "DECODE_MATMUL_MAX_ROWS",
     "SamplerKey",
-    "check_decode_matmul",
     "coda",
     "coda_words",
-    "decode_matmul_fn",
     "finish_loop",
     "one_loop",
     "packed_shape",
@@ -50,7 +44,6 @@ __all__ = [
     "recurrent",
     "sample_coda",
     "unpack",
-    "uses_fused_layers",
 ]
 
 
@@ -105,49 +98,6 @@ def packed_shape(key) -> tuple[int, ...]:
     return (n, packed_size(bucket) + exit_words(bucket))
 
 
-# Buckets of at most this many rows compute the four layer projections with the ``decode_matmul``
-# kernel: where a GEMM only streams its weight (issue 13's 8- and 16-row decode buckets).
-DECODE_MATMUL_MAX_ROWS = 16
-
-
-def decode_matmul_fn(name: str):
-    """The ``matmul`` of the model's projections for ``decode_matmul=name`` (None: XLA's dot).
-
-    ``"mgpu"``: the skinny Mosaic GPU kernel, ``"reference"``: its jnp twin (CPU tests of the
-    plumbing). A projection the kernel cannot serve (``skinny_matmul_mgpu.supported``: dims not
-    multiples of 64) keeps XLA's dot."""
-    if name in ("xla", "fused"):  # "fused" replaces whole layers (fused_layers.py), not the dot
-        return None
-    from pallas_kernels import skinny_matmul_mgpu as sk
-
-    f = sk.skinny_matmul_mgpu if name == "mgpu" else sk.skinny_matmul_reference
-    overrides = sk.tuning_overrides()  # read once per trace; part of the executable store's key
-
-    def matmul(x, w):
-        m, k = x.shape
-        n = math.prod(w.shape[1:])
-        if sk.supported(x.dtype if name == "mgpu" else jnp.bfloat16, m, k, n) is None:
-            return f(x, w, **sk.knobs_for(k, n, overrides))
-        return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))
-
-    return matmul
-
-
-def check_decode_matmul(name, layer_loop: str = "unrolled", *, internal: bool = False) -> str:
-    """The ``decode_matmul`` option checked: a name of ``DECODE_MATMULS`` (any case; ``internal``
-    also "reference"), "mgpu" only on a Hopper GPU; "mgpu" and "fused" only with unrolled layers
-    (a scan's per-layer weight slice would be copied before every kernel call)."""
-    name = choice("decode_matmul", name, DECODE_MATMULS + (("reference",) if internal else ()))
-    if name == "mgpu":
-        from pallas_kernels.dispatch import hopper_available
-
-        if not hopper_available():
-            raise ValueError("decode_matmul='mgpu' needs a Hopper (sm90+) GPU (Mosaic GPU kernel)")
-    if name in ("mgpu", "fused") and layer_loop != "unrolled":
-        raise ValueError(f"decode_matmul={name!r} needs layer_loop='unrolled'")
-    return name
-
-
 def recurrent(
     params,
     kp,
@@ -161,9 +111,7 @@ def recurrent(
     dtype_name: str,
     attention: str,
     interpret: bool,
-    layer_loop: str,
     tp_size: int = 1,
-    decode_matmul: str = "xla",
 ):
     """Steps 1-3 of one descriptor (``a``: its unpacked fields): returns ``(kp, vp, ring, h, g)``.
 
@@ -207,44 +155,18 @@ def recurrent(
     attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg), fuses_rope(kernel))
     cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
     x = x.astype(jnp.float32)
-    if uses_fused_layers(decode_matmul, key, c, tp_size):
-        # the interpreter off a GPU: the CPU tests of the kernels' plumbing
-        x, (kp, vp) = run_fused_layers(
-            params["layers"],
-            params["decode"],
-            x,
-            cos,
-            sin,
-            attn,
-            (kp, vp),
-            a["num_rows"],
-            config=c,
-            interpret=interpret or jax.default_backend() != "gpu",
-            norms=norms_option(),
-        )
-        return finish_loop(params, model, kp, vp, ring, a, x)
-    matmul = decode_matmul_fn(decode_matmul) if key.R <= DECODE_MATMUL_MAX_ROWS else None
-    layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True, matmul=matmul)
+    layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True)
 
     def one_layer(p, x, pools, i):
         return layer.apply({"params": p}, x, cos, sin, attn, pools, layer=i)
 
-    if layer_loop == "unrolled":
-        # L calls of one nested jit: traced and lowered once, not L times (start-up time), and inlined
-        # by XLA into the same straight-line program as writing the layers out
-        one_layer = jax.jit(one_layer)
-        pools = (kp, vp)
-        for i in range(c.num_hidden_layers):
-            x, pools = one_layer(params["layers"][f"layers_{i}"], x, pools, jnp.int32(i))
-        kp, vp = pools
-    else:
-
-        def body(carry, xs):
-            x, pools = carry
-            i, p = xs
-            return one_layer(p, x, pools, i), None
-
-        (x, (kp, vp)), _ = jax.lax.scan(body, (x, (kp, vp)), (jnp.arange(c.num_hidden_layers), params["layers"]))
+    # L calls of one nested jit: traced and lowered once, not L times (start-up time), and inlined
+    # by XLA into the same straight-line program as writing the layers out
+    one_layer = jax.jit(one_layer)
+    pools = (kp, vp)
+    for i in range(c.num_hidden_layers):
+        x, pools = one_layer(params["layers"][f"layers_{i}"], x, pools, jnp.int32(i))
+    kp, vp = pools
     return finish_loop(params, model, kp, vp, ring, a, x)
 
 
@@ -253,13 +175,6 @@ def finish_loop(params, model, kp, vp, ring, a, x):
     h, g = model.apply({"params": params["top"]}, x, method=OuroModel.finish_loop)
     ring = ring.at[a["row_ring"]].set(h.astype(ring.dtype))
     return kp, vp, ring, h, g.astype(jnp.float32)
-
-
-def uses_fused_layers(decode_matmul: str, key: BucketKey, config: OuroConfig, tp_size: int = 1) -> bool:
-    """Whether bucket ``key`` runs its layers on the decode matvec kernels (``fused_layers.py``):
-    ``decode_matmul="fused"``, at most ``decode_matvec.MAX_ROWS`` rows, one device, shapes the
-    kernels serve."""
-    return decode_matmul == "fused" and tp_size == 1 and fused_layers_supported(config, key.R) is None
 
 
 def coda(params, h, a: dict, *, config: OuroConfig, dtype_name: str, tp_size: int = 1, greedy_only: bool = False, **_):

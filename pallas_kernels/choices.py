@@ -8,7 +8,7 @@ from __future__ import annotations
 __all__ = ["KERNELS", "ATTENTION", "check_attention"]
 
 #: The Pallas kernels a bucket can run.
-KERNELS = ("triton", "mgpu", "hybrid", "mgpu_decode")
+KERNELS = ("triton", "mgpu", "hybrid")
 #: Values of the ``attention`` option.
 ATTENTION = ("auto", "pallas", *KERNELS, "reference")
 

@@ -31,29 +31,17 @@ tile's second warpgroup, with no rows, skips its steps) against once per 16 rows
 prompts in chunks of 32 and 64 rows gained 12% and 38% (docs/decisions.md, "Hybrid split
 threshold"). The split itself is not gated at run time: a CTA gate would keep small-head models off the
 Mosaic kernel altogether.
-
-``OURO_JAX_ATTENTION_KERNEL=triton|mgpu|hybrid`` forces the rule's answer (benchmarks, debugging).
-
-``mgpu_decode`` (the ``attention`` option or the variable) asks for the split-K Mosaic GPU kernel
-(pallas_kernels/decode_attention_mgpu.py) on the buckets it serves: those the rule gives to
-``triton`` (decode rows and short segments), on Hopper, when :func:`decode_attention_mgpu.supported`
-accepts the bucket; every other bucket keeps the rule's answer. Under ``pallas`` the rule itself
-gives it the buckets of at most ``MGPU_DECODE_MAX_ROWS`` rows that it would serve when forced
-(:func:`decode_serves`); the constant is 0 (off): in the engine the Mosaic decode path was slower
-than Triton at 1 and 8 streams (docs/decisions.md, "Mosaic GPU paths for small decode buckets").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import decode_attention_mgpu as mgd
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.choices import ATTENTION, KERNELS, check_attention
 from pallas_kernels.ragged_paged_attention import (
@@ -71,7 +59,6 @@ __all__ = [
     "HybridPlan",
     "check_attention",
     "choose_attention",
-    "decode_serves",
     "hybrid_attention",
     "hybrid_tiles",
     "resolve_attention",
@@ -89,9 +76,6 @@ MGPU_MIN_CTAS = 64
 HYBRID_MIN_ROWS = 256
 # Rows of one segment from which the hybrid split gives it to the Mosaic kernel (module docstring).
 HYBRID_MIN_SEGMENT_ROWS = 32
-# Buckets of at most this many rows that the rule gives to Triton go to the split-K Mosaic decode
-# kernel where it can serve them (:func:`decode_serves`). 0: off, Triton keeps decode.
-MGPU_DECODE_MAX_ROWS = 0
 _NO_INTERPRET = "the Mosaic GPU kernel has no CPU interpret mode (wgmma); use attention='triton'"
 
 
@@ -129,57 +113,9 @@ def select_kernel(
     block_size: int,
     *,
     num_heads: int = 16,
-    num_kv_heads: int | None = None,
     hopper: bool | None = None,
 ) -> str:
-    """``"triton"``, ``"mgpu"``, ``"hybrid"`` or ``"mgpu_decode"`` for a bucket (see the module
-    docstring): ``"mgpu_decode"`` where :func:`decode_serves` says so, forced or for buckets of at
-    most ``MGPU_DECODE_MAX_ROWS`` rows."""
-    forced = os.environ.get("OURO_JAX_ATTENTION_KERNEL", "")
-    if forced.strip():
-        value = check_attention(forced, KERNELS, "OURO_JAX_ATTENTION_KERNEL")
-        if value != "mgpu_decode":
-            return value
-        args = (num_rows, num_segments, dtype, head_dim, block_size)
-        kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, hopper=hopper)
-        return "mgpu_decode" if decode_serves(*args, **kw) else _rule(*args, num_heads=num_heads, hopper=hopper)
-    if num_rows <= MGPU_DECODE_MAX_ROWS and decode_serves(
-        num_rows,
-        num_segments,
-        dtype,
-        head_dim,
-        block_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        hopper=hopper,
-    ):
-        return "mgpu_decode"
-    return _rule(num_rows, num_segments, dtype, head_dim, block_size, num_heads=num_heads, hopper=hopper)
-
-
-def decode_serves(
-    num_rows: int,
-    num_segments: int,
-    dtype,
-    head_dim: int,
-    block_size: int,
-    *,
-    num_heads: int = 16,
-    num_kv_heads: int | None = None,
-    hopper: bool | None = None,
-) -> bool:
-    """Whether a forced ``mgpu_decode`` serves the bucket: the rule gives it to Triton (decode
-    rows, short segments) and the split-K Mosaic kernel can run it (Hopper, dtype, shapes)."""
-    if hopper is None:
-        hopper = hopper_available()
-    g = num_heads // (num_kv_heads or num_heads)
-    if not hopper or mgd.supported(dtype, head_dim, block_size, g) is not None:
-        return False
-    rule = _rule(num_rows, num_segments, dtype, head_dim, block_size, num_heads=num_heads, hopper=hopper)
-    return rule == "triton"
-
-
-def _rule(num_rows, num_segments, dtype, head_dim, block_size, *, num_heads, hopper) -> str:
+    """``"triton"``, ``"mgpu"`` or ``"hybrid"`` for a bucket (see the module docstring)."""
     if hopper is None:
         hopper = hopper_available()
     if not hopper or mgpu.supported(dtype, head_dim, block_size) is not None:
@@ -222,30 +158,20 @@ class AttentionKernel:
 
     ``plan(...)`` builds an invocation's work list once (``None`` for ``reference``; for
     ``hybrid`` both kernels' work lists and the row mask that merges their outputs); calling the
-    object runs the kernel on one layer with that plan. ``block_size`` (the pool's page size) is
-    needed by ``mgpu_decode``'s plan only (its split lengths are whole K/V steps of pages).
+    object runs the kernel on one layer with that plan.
     """
 
-    name: str  # "triton" | "mgpu" | "hybrid" | "mgpu_decode" | "reference"
+    name: str  # "triton" | "mgpu" | "hybrid" | "reference"
     num_rows: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     interpret: bool = False
-    block_size: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "name", check_attention(self.name, (*KERNELS, "reference")))
-        if self.interpret and self.name in ("mgpu", "hybrid", "mgpu_decode"):
+        if self.interpret and self.name in ("mgpu", "hybrid"):
             raise ValueError(_NO_INTERPRET)
-        if self.name == "mgpu_decode" and self.block_size is None:
-            raise ValueError("AttentionKernel('mgpu_decode') needs block_size (the pool's page size)")
-
-    def decode_tuning(self, num_segments: int, max_blocks: int) -> mgd.DecodeTuning:
-        """``mgpu_decode``'s static knobs for this bucket (segment slots, block-table width)."""
-        return mgd.decode_tuning(
-            self.num_rows, num_segments, self.num_heads, self.num_kv_heads, max_blocks, self.block_size
-        )
 
     def _triton_plan(self, seg_q_start, seg_q_len, seg_ctx_len) -> Plan:
         tuning = default_tuning(self.num_rows, seg_q_len.shape[0], self.num_heads, self.num_kv_heads, self.head_dim)
@@ -264,11 +190,6 @@ class AttentionKernel:
             return None
         if self.name == "mgpu":
             return mgpu.make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, num_rows=self.num_rows)
-        if self.name == "mgpu_decode":
-            tuning = self.decode_tuning(*seg_block_table.shape)
-            return mgd.make_decode_plan(
-                seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, num_rows=self.num_rows, tuning=tuning
-            )
         if self.name == "hybrid":
             triton_q_len, mgpu_q_len = split_segments(seg_q_len)
             packing = mgpu.make_packing(
@@ -305,8 +226,6 @@ class AttentionKernel:
             return ragged_paged_attention_reference(*args, layer=layer, sm_scale=sm_scale)
         if self.name == "mgpu":
             return mgpu.ragged_paged_attention_mgpu(*args, layer=layer, sm_scale=sm_scale, packing=plan)
-        if self.name == "mgpu_decode":
-            return mgd.decode_attention_mgpu(*args, layer=layer, sm_scale=sm_scale, plan=plan)
         if self.name == "hybrid":
             if plan is None:
                 plan = self.plan(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table)
@@ -327,15 +246,11 @@ def choose_attention(
     interpret: bool = False,
 ) -> AttentionKernel:
     """The kernel of one bucket: ``pallas`` (or ``auto`` on a GPU) asks :func:`select_kernel`,
-    ``mgpu_decode`` takes the buckets :func:`decode_serves` gives it and the rule's answer
-    elsewhere, any other ``attention`` value forces its kernel."""
+    any other ``attention`` value forces its kernel."""
     name = resolve_attention(attention)
-    bucket = (num_rows, num_segments, dtype, head_dim, block_size)
     if name == "pallas":
-        name = select_kernel(*bucket, num_heads=num_heads, num_kv_heads=num_kv_heads)
-    elif name == "mgpu_decode" and not decode_serves(*bucket, num_heads=num_heads, num_kv_heads=num_kv_heads):
-        name = _rule(*bucket, num_heads=num_heads, hopper=None)
-    return AttentionKernel(name, num_rows, num_heads, num_kv_heads, head_dim, interpret, block_size)
+        name = select_kernel(num_rows, num_segments, dtype, head_dim, block_size, num_heads=num_heads)
+    return AttentionKernel(name, num_rows, num_heads, num_kv_heads, head_dim, interpret)
 
 
 def hybrid_attention(

@@ -40,7 +40,6 @@ __all__ = [
     "BatchDescriptor",
     "StackedDescriptor",
     "EXIT_FIELDS",
-    "FUSED_DECODE_ROWS",
     "exit_words",
     "split_fused_output",
     "StepResult",
@@ -185,11 +184,6 @@ class BatchDescriptor:
 #: descriptor words): ``scheduler.exit_policy.device_exit_params``; the threshold is float32 bits.
 EXIT_FIELDS = ("exit_limit", "exit_min_loops", "exit_delay", "exit_threshold")
 
-# How a fused decode step's rows advance (ouro_jax/fused_step.py): every row a loop at a time until
-# the token's deepest exit, or each row through its own tokens and depths. It changes the loops
-# that run, never a token or an exit depth
-FUSED_DECODE_ROWS = ("lockstep", "independent")
-
 
 def exit_words(key: BucketKey) -> int:
     """Int32 words a fused step's sub-step row carries after its descriptor: the exit words."""
@@ -213,22 +207,18 @@ class StackedDescriptor:
     each token, 4 arrays ``[tokens, rows]`` in ``EXIT_FIELDS`` order (padded to ``R`` here).
 
     ``pack()`` is ``[n, words + exit_words]`` int32: each sub-step's descriptor, then its token's
-    exit words (an exit limit of 0 for padding rows). ``rows``: the program the step is built for
-    (``FUSED_DECODE_ROWS``); the runner checks it runs that one.
+    exit words (an exit limit of 0 for padding rows).
 
-    In lock step the device runs, per token, loops ``0, 1, ...`` of every row until every row has
+    The device runs, per token, loops ``0, 1, ...`` of every row in lock step until every row has
     exited (``exit_rule.decide_exit_rows``), a row that exited writing no K/V and keeping its exit
     hidden state; then LAST_EXITED finalize copies (exit plane -> planes above) and one coda of the
-    exit states (the other programs: ``ouro_jax/fused_step.py``). It returns ``gates [n, R]`` (0
+    exit states (``ouro_jax/fused_step.py``). It returns ``gates [n, R]`` (0
     for loops not run) and one int32 ``[tokens, C + R]``: sampled tokens and exit depths
     (``split_fused_output``; padding rows' entries are never read); the scheduler's
     ``update`` records the loops that ran in ``loops_run``.
     """
 
-    def __init__(self, steps: list[BatchDescriptor], num_loops: int, exits: tuple, rows: str = "lockstep"):
-        if rows not in FUSED_DECODE_ROWS:
-            raise ValueError(f"StackedDescriptor: rows must be one of {FUSED_DECODE_ROWS}, got {rows!r}")
-        self.rows = rows  # the program it is built for (the runner checks it runs that one)
+    def __init__(self, steps: list[BatchDescriptor], num_loops: int, exits: tuple):
         if not steps or any(d.key != steps[0].key for d in steps):
             raise ValueError("StackedDescriptor: needs one or more descriptors of one key")
         if num_loops < 1 or len(steps) % num_loops:

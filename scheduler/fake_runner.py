@@ -153,8 +153,7 @@ class FakeRunner:
         """A fused decode step with its exits decided here, as the device does (``StackedDescriptor``):
         per token, loops of every row in lock step until all exited (float32 rule), an exited row
         writing no K/V; then the LAST_EXITED finalize of planes above each exit, the coda of the
-        exit states, and the sampled tokens fed to the next token's prelude. Every row's tokens are
-        those of lock step whatever the row program (each row runs the same loops)."""
+        exit states, and the sampled tokens fed to the next token's prelude."""
         T, key = desc.num_loops, desc.key
         R, C = key.R, key.C
         gates = np.zeros((desc.n, R), np.float32)

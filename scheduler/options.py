@@ -1,5 +1,5 @@
 """One rule for enum-like options (``kv_layout``, ``prefill_mode``, ``policy``, ``exit_mode``,
-``attention``, ``layer_loop``, dtypes): any case is accepted, anything else is a ``ValueError``
+``attention``, dtypes): any case is accepted, anything else is a ``ValueError``
 naming the option and its choices. It lives here, in the jax-free bottom layer, so that every layer
 can use it."""
 

@@ -46,7 +46,6 @@ import numpy as np
 from .block_manager import DEFAULT_ENABLE_PREFIX_CACHING, KVBlockManager, prefix_block_hashes
 from .buckets import BucketKey, BucketSpec
 from .descriptor import (
-    FUSED_DECODE_ROWS,
     StackedDescriptor,
     build_decode_loops,
     build_descriptor,
@@ -114,7 +113,6 @@ class SchedulerConfig:
     enable_prefix_caching: Optional[bool] = None  # None: DEFAULT_ENABLE_PREFIX_CACHING under LAST_EXITED
     fused_decode_max_rows: int = 0  # fused decode steps for up to this many rows; 0 = off
     fused_decode_tokens: int = 1  # tokens per fused decode step (each T loops)
-    fused_decode_rows: str = "lockstep"  # "lockstep" | "independent" (FUSED_DECODE_ROWS)
     target_tpot_ms: Optional[float] = None  # decode TPOT the prompt share is sized for (latency_target.py); None = off
 
     def __post_init__(self):
@@ -123,7 +121,6 @@ class SchedulerConfig:
             ("prefill_mode", PREFILL_MODES),
             ("policy", POLICIES),
             ("kv_allocation", KV_ALLOCATIONS),
-            ("fused_decode_rows", FUSED_DECODE_ROWS),
         ):
             try:
                 object.__setattr__(self, name, choice(name, getattr(self, name), choices))
@@ -814,7 +811,7 @@ class Scheduler:
             needs_tokens=True,
             loop_count=1,
             num_rows=n,
-            descriptor=StackedDescriptor(descs, T, tuple(exits), rows=cfg.fused_decode_rows),
+            descriptor=StackedDescriptor(descs, T, tuple(exits)),
             sub_plans=subs,
         )
         self._step += 1
@@ -828,12 +825,8 @@ class Scheduler:
         """Apply a fused step token after token, as the loop-by-loop path would have: each row's
         token and exit depth as the device decided them (its finalize copies already made there),
         stop tokens and ``max_tokens`` ending a row mid-step (its later tokens are dropped), and
-        the counters of the loops that ran (every row rides along until the last one exits).
-
-        The loops that ran, per token (``loops_run``): in lock step the token's deepest exit; with
-        ``fused_decode_rows="independent"`` the device ran as many loops as the row with the most
-        loops over its tokens, and each of that row's tokens is counted with its loops (so that the
-        sub-steps counted are one per loop the device ran)."""
+        the counters of the loops that ran (every row rides along until the last one exits): per
+        token (``loops_run``), the token's deepest exit."""
         T, n, key = self.num_loops, plan.num_rows, plan.descriptor.key
         subs = plan.sub_plans
         tokens = len(subs) // T
@@ -846,11 +839,7 @@ class Scheduler:
         if depths_all.size and (depths_all.min() < 0 or depths_all.max() >= T):
             raise ValueError(f"Scheduler.update: fused step exit depths outside [0, {T - 1}]")
         st = self._stats
-        if self.config.fused_decode_rows != "lockstep" and n:
-            slowest = int(np.argmax((depths_all + 1).sum(axis=0)))
-            runs = (depths_all[:, slowest] + 1).tolist()
-        else:
-            runs = (depths_all.max(axis=1, initial=0) + 1).tolist()
+        runs = (depths_all.max(axis=1, initial=0) + 1).tolist()
         plan.descriptor.loops_run = runs
         # tokens each row made, counted when applied like fused_loops (fused_tokens counts them when
         # scheduled, a step ahead included): the loops per token of a stream are

@@ -11,9 +11,9 @@ from hypothesis import settings
 
 # Property tests draw the same examples on every run by default (``derandomize``: a seed from each
 # test's own code), so that a run's result, CI's included, is reproducible: a stop's CI once failed
-# on an example no earlier run had drawn, a real test bug (test_fused_independent's companion),
-# which then had to be recovered from the printed blob. ``HYPOTHESIS_PROFILE=explore`` draws new
-# examples each run, to look for such cases on purpose.
+# on an example no earlier run had drawn, a real test bug, which then had to be recovered from the
+# printed blob. ``HYPOTHESIS_PROFILE=explore`` draws new examples each run, to look for such cases
+# on purpose.
 settings.register_profile("reproducible", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "reproducible"))

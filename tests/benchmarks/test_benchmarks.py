@@ -357,16 +357,6 @@ def test_suite_refuses_unknown_stage(tmp_path):
         suite_mod.Suite("h200-core", ["report"], str(tmp_path), str(tmp_path), 0, [], None)
 
 
-def test_decode_matmul_flag_matches_the_engine_choices():
-    """The benchmarks' ``--decode-matmul`` choices (kept jax-free in workloads.py) are the engine's."""
-    from benchmarks.run import parser as run_parser
-    from benchmarks.workloads import DECODE_MATMUL_CHOICES
-    from ouro_jax.options import DECODE_MATMULS
-
-    assert DECODE_MATMUL_CHOICES == DECODE_MATMULS
-    assert run_parser().parse_args(["--workload", "long4", "--decode-matmul", "mgpu"]).decode_matmul == "mgpu"
-
-
 # ------------------------------------------------------------------------------------ report targets
 def _serve_record(label, tpot_s, floor_s):
     return dict(

@@ -207,29 +207,25 @@ def test_partial_traces_of_fused_steps_report_no_kernel_figures():
 
 
 @pytest.mark.slow  # two engine compiles on the tiny preset
-def test_decode_records_fused_loops_per_token_of_both_row_programs(tmp_path):
-    """One run, fused steps of two tokens with rows in lock step and independent (an engine each):
-    the records carry the loops the device ran per token step (never more with independent rows:
-    same depths, same steps) and the independent ones are labelled apart."""
+def test_decode_records_fused_loops_per_token_of_each_variant(tmp_path):
+    """One run, fused steps of one and of two tokens (an engine each): the records carry the loops
+    the device ran per token step, are labelled apart, and exit at the same depths."""
     out = str(tmp_path)
     argv = TINY + ["--concurrency", "2", "--context", "1024", "--exit", "synthetic2.5", "--profile-steps", "0"]
-    argv += ["--fused-decode-max-rows", "2", "--fused-decode-tokens", "2", "--fused-decode-rows", "lockstep"]
-    dec.main(argv + ["independent", "--generate-batch", "--out", out])
+    argv += ["--fused-decode-max-rows", "2", "--fused-decode-tokens", "1", "2"]
+    dec.main(argv + ["--generate-batch", "--out", out])
     with open(os.path.join(out, "decode.json")) as f:
         d = json.load(f)
-    assert d["config"]["fused_variants"] == [[2, "lockstep"], [2, "independent"]]
+    assert d["config"]["fused_variants"] == [1, 2]
     recs = [r for r in d["records"] if r.get("path") == "engine"]
     assert [r["label"] for r in recs] == [
+        "decode c=2 synthetic2.5 ctx=1024 fused2x1",
         "decode c=2 synthetic2.5 ctx=1024 fused2x2",
-        "decode c=2 synthetic2.5 ctx=1024 fused2x2 independent",
     ]
-    got = {}
     for r in recs:
         assert "error" not in r, r.get("error")
         assert 1 <= r["fused_loops_per_token"] <= get_preset("tiny").num_loops
-        got["independent" if r["label"].endswith("independent") else "lockstep"] = r
-    assert got["independent"]["exit_histogram"] == got["lockstep"]["exit_histogram"]
-    assert got["independent"]["fused_loops_per_token"] <= got["lockstep"]["fused_loops_per_token"]
+    assert recs[0]["exit_histogram"] == recs[1]["exit_histogram"]
 
 
 def test_report_keeps_fused_variants_apart():
@@ -253,21 +249,21 @@ def test_report_keeps_fused_variants_apart():
 
     res = dict(
         benchmark="decode",
-        records=[rec(" fused16x1", 3.69, 1.98), rec(" fused16x8 independent", 2.9, 1.55), rec("", 4.1)],
+        records=[rec(" fused16x1", 3.69, 1.98), rec(" fused16x8", 2.9, 1.55), rec("", 4.1)],
     )
     series = report._decode_series(res["records"])
     assert set(series) == {
         (1024, "engine", "ouro0.5"),
         (1024, "engine fused16x1", "ouro0.5"),
-        (1024, "engine fused16x8 independent", "ouro0.5"),
+        (1024, "engine fused16x8", "ouro0.5"),
     }
     md = report.decode_section(res)
-    assert "| 1024 | engine fused16x8 independent | ouro0.5 | 8 | 2.90 | 1.35 | 46.6% | 1.29 | 1.55 |" in md
+    assert "| 1024 | engine fused16x8 | ouro0.5 | 8 | 2.90 | 1.35 | 46.6% | 1.29 | 1.55 |" in md
     assert "| 1024 | engine | ouro0.5 | 8 | 4.10 |" in md
     res["records"] = [dict(r, concurrency=1) for r in res["records"]]
     rows = [r for r in report._decode_targets({"decode": res}) if r[2] != "not run"]
     assert [r[0] for r in rows] == [
         "decode.json engine c=1, early exit, context 1024 (ouro0.5) [fused16x1]",
-        "decode.json engine c=1, early exit, context 1024 (ouro0.5) [fused16x8 independent]",
+        "decode.json engine c=1, early exit, context 1024 (ouro0.5) [fused16x8]",
         "decode.json engine c=1, early exit, context 1024 (ouro0.5)",
     ]

@@ -22,18 +22,15 @@ def test_merge_records_rule():
     assert [(s["label"], "truncated" in s["reason"]) for s in lost] == [("b", True)]
 
 
-def test_merge_tags_layer_loop_from_each_file():
-    old = dict(config=dict(layer_loop="scan"), records=[rec("a", "split", 16, 1)], skipped=[])
+def test_merge_tags_the_run_of_each_file():
+    old = dict(config=dict(), records=[rec("a", "split", 16, 1)], skipped=[])
     new = dict(
-        config=dict(layer_loop="unrolled"),
+        config=dict(),
         records=[rec("b", "wavefront", 16, 2)],
         skipped=[dict(label="c", mode="mixed", chunk=16, reason="time budget")],
     )
     res = merge(old, new, "run 1", "run 2")
-    assert [(r["label"], r["layer_loop"], r["run"]) for r in res["records"]] == [
-        ("a", "scan", "run 1"),
-        ("b", "unrolled", "run 2"),
-    ]
+    assert [(r["label"], r["run"]) for r in res["records"]] == [("a", "run 1"), ("b", "run 2")]
     assert [s["label"] for s in res["skipped"]] == ["c"]
 
 

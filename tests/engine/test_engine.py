@@ -79,8 +79,7 @@ def assert_matches(got, want, ok):
     ],
 )
 def test_fixed_depth_equals_reference(chunk, buckets, fixed_oracle):
-    # the scan-over-stacked-layers runner gets one configuration, the default (unrolled) the rest
-    llm = make_llm(prefill_chunk_size=chunk, buckets=buckets, layer_loop="scan" if chunk == 16 else "unrolled")
+    llm = make_llm(prefill_chunk_size=chunk, buckets=buckets)
     assert_matches(run(llm), *fixed_oracle)
     st = llm.stats()
     # everything was compiled at start-up (buckets, the default fused decode step, one separate

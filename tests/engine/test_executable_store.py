@@ -136,39 +136,7 @@ def test_store_key_changes_with_the_program(tmp_path):
     other_cfg = _llm(tmp_path, dataclasses.replace(CFG, rope_theta=CFG.rope_theta * 2), warmup=False)
     assert other_cfg.runner.store_key(key) != k0
     assert _llm(tmp_path, warmup=False, dtype="bfloat16").runner.store_key(key) != k0
-    assert _llm(tmp_path, warmup=False, layer_loop="scan").runner.store_key(key) != k0
     assert base.runner.store_key(base.executable_keys()[1]) != k0  # another executable (the fused step)
-
-
-def test_store_key_covers_the_rope_write_option(tmp_path, monkeypatch):
-    """An option read from the environment when a step is traced changes its program, so its key
-    (the runner reads it when it is built)."""
-    from ouro_jax.paged_attention import ROPE_WRITE_ENV
-
-    base = _llm(tmp_path, warmup=False)
-    key = base.executable_keys()[0]
-    k0 = base.runner.store_key(key)
-    monkeypatch.setenv(ROPE_WRITE_ENV, "xla")
-    assert _llm(tmp_path, warmup=False).runner.store_key(key) != k0
-
-
-def test_store_key_covers_the_skinny_tuning(tmp_path, monkeypatch):
-    """``OURO_JAX_SKINNY_TUNING`` changes the programs of engines whose projections take it (the
-    kernel's jnp twin here, let through the LLM's check as test_skinny_matmul does)."""
-    import functools
-
-    from ouro_jax import llm as llm_mod
-    from ouro_jax import step_program
-    from pallas_kernels.skinny_matmul_mgpu import TUNING_ENV
-
-    monkeypatch.setattr(
-        llm_mod, "check_decode_matmul", functools.partial(step_program.check_decode_matmul, internal=True)
-    )
-    base = _llm(tmp_path, warmup=False, decode_matmul="reference")
-    key = base.executable_keys()[0]
-    k0 = base.runner.store_key(key)
-    monkeypatch.setenv(TUNING_ENV, "splits=2")
-    assert _llm(tmp_path, warmup=False, decode_matmul="reference").runner.store_key(key) != k0
 
 
 def test_store_key_covers_the_environment(tmp_path, monkeypatch):

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from benchmarks.metrics import ScheduleRecorder
 from ouro_jax import SamplingParams, exit_rule, get_preset
 from scheduler import Phase, Request, Scheduler, SchedulerConfig
-from scheduler.descriptor import FUSED_DECODE_ROWS
 from scheduler.exit_policy import (
     decide_exit_rows,
     device_exit_params,
@@ -280,14 +279,13 @@ def exit_batches(draw):
     arrivals = [draw(st.integers(0, 6)) for _ in range(n)]
     layout = draw(st.sampled_from(["last_exited", "shared"]))
     tokens = draw(st.integers(1, 3))
-    rows = draw(st.sampled_from(FUSED_DECODE_ROWS))
-    return sps, prompts, arrivals, layout, tokens, rows
+    return sps, prompts, arrivals, layout, tokens
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(exit_batches())
 def test_random_exit_batches_match_reference(case):
-    sps, prompts, arrivals, layout, tokens, rows = case
+    sps, prompts, arrivals, layout, tokens = case
     reqs = [
         dict(rid=i, prompt=p, sp=sp, arrival=a, abort_at=None, priority=0)
         for i, (sp, p, a) in enumerate(zip(sps, prompts, arrivals))
@@ -303,7 +301,6 @@ def test_random_exit_batches_match_reference(case):
         kv_layout=layout,
         fused_decode_max_rows=5,
         fused_decode_tokens=tokens,
-        fused_decode_rows=rows,
     )
     h, objs, aborted = run_workload(cfg, reqs)
     check_against_reference(cfg, objs, aborted)

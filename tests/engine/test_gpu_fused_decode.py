@@ -17,9 +17,8 @@ pytestmark = [
 ]
 
 
-def _engine(cfg, params, max_num_seqs, kv_layout, fused, tokens, rows="lockstep"):
-    """The engine both tests compare with fused steps on (``fused`` rows) and off (0); ``rows``:
-    ``fused_decode_rows``."""
+def _engine(cfg, params, max_num_seqs, kv_layout, fused, tokens):
+    """The engine both tests compare with fused steps on (``fused`` rows) and off (0)."""
     return LLM(
         cfg,
         params=params,
@@ -32,22 +31,15 @@ def _engine(cfg, params, max_num_seqs, kv_layout, fused, tokens, rows="lockstep"
         kv_cache_bytes=1 << 30,
         fused_decode_max_rows=fused,
         fused_decode_tokens=tokens,
-        fused_decode_rows=rows,
         progress=False,
     )
 
 
-CASES = [
-    ("last_exited", 1, "lockstep"),
-    ("last_exited", 4, "lockstep"),
-    ("shared", 2, "lockstep"),
-    ("last_exited", 4, "independent"),
-    ("shared", 3, "independent"),
-]
+CASES = [("last_exited", 1), ("last_exited", 4), ("shared", 2)]
 
 
-@pytest.mark.parametrize("kv_layout,tokens,rows", CASES)
-def test_fused_engine_equals_loop_by_loop_engine(kv_layout, tokens, rows):
+@pytest.mark.parametrize("kv_layout,tokens", CASES)
+def test_fused_engine_equals_loop_by_loop_engine(kv_layout, tokens):
     cfg = get_preset("ouro-small")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), random_params(cfg, 0))
     rng = np.random.default_rng(0)
@@ -59,7 +51,7 @@ def test_fused_engine_equals_loop_by_loop_engine(kv_layout, tokens, rows):
     ]
     got = {}
     for fused in (0, 4):
-        llm = _engine(cfg, params, 4, kv_layout, fused, tokens, rows)
+        llm = _engine(cfg, params, 4, kv_layout, fused, tokens)
         got[fused] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
         st = llm.stats()
         assert st["compilations"] == len(llm.executable_keys())
@@ -77,11 +69,10 @@ def _run(llm, prompts, sp):
     return [(final[i].token_ids, final[i].exit_depths, final[i].finish_reason) for i in range(len(sp))]
 
 
-@pytest.mark.parametrize("kv_layout,tokens,rows", CASES)
-def test_fused_early_exit_equals_loop_by_loop_float32(kv_layout, tokens, rows):
+@pytest.mark.parametrize("kv_layout,tokens", CASES)
+def test_fused_early_exit_equals_loop_by_loop_float32(kv_layout, tokens):
     """Exits decided on the device (ouro at three thresholds, delayed, synthetic, fixed, min/max
-    loops), float32: tokens, exit depths and finish reasons of the loop-by-loop engine, rows in
-    lock step or independent."""
+    loops), float32: tokens, exit depths and finish reasons of the loop-by-loop engine."""
     cfg = get_preset("ouro-small")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), random_params(cfg, 0))
     rng = np.random.default_rng(1)
@@ -98,7 +89,7 @@ def test_fused_early_exit_equals_loop_by_loop_float32(kv_layout, tokens, rows):
     sp = [SamplingParams(max_tokens=12, ignore_eos=True, seed=i, **m) for i, m in enumerate(modes)]
     got = {}
     for fused in (0, 8):
-        llm = _engine(cfg, params, 8, kv_layout, fused, tokens, rows)
+        llm = _engine(cfg, params, 8, kv_layout, fused, tokens)
         got[fused] = _run(llm, prompts, sp)
         if fused:  # one stream: only the loops its tokens need
             one = [SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=0.5)]

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.descriptor import FUSED_DECODE_ROWS
 from scheduler.fake_runner import FakeRunner
 from tests.scheduler.test_invariants import VOCAB, Harness, check_against_reference, run_workload
 
@@ -215,7 +214,6 @@ def tight_workloads(draw):
         watermark=draw(st.sampled_from([0.0, 0.05])),
         fused_decode_max_rows=draw(st.sampled_from([0, seqs])),
         fused_decode_tokens=draw(st.integers(1, 3)),
-        fused_decode_rows=draw(st.sampled_from(FUSED_DECODE_ROWS)),
     )
     return cfg, reqs
 

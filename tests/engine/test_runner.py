@@ -40,14 +40,14 @@ def _slot(table, pos):
     return table[pos // BS] * BS + pos % BS
 
 
-@pytest.mark.parametrize("preset,layer_loop", [("tiny", "scan"), ("tiny-gqa", "unrolled")])
-def test_runner_reproduces_dense_forward(preset, layer_loop):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gqa"])
+def test_runner_reproduces_dense_forward(preset):
     cfg = get_preset(preset)
     T = cfg.num_loops
     params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 7)
     full = forward(params, cfg, ids[None])
-    runner = ModelRunner(cfg, params, num_blocks=NB, block_size=BS, num_ring_rows=16, layer_loop=layer_loop)
+    runner = ModelRunner(cfg, params, num_blocks=NB, block_size=BS, num_ring_rows=16)
     key = BucketKey(R=8, S=8, C=8, F=24, MB=3)
     runner.warmup([key], progress=False)
     tables = [[1 + 3 * d, 2 + 3 * d, 3 + 3 * d] for d in range(T)]  # one block table per plane

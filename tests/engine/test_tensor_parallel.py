@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import numpy as np
 import pytest
 
@@ -103,9 +102,7 @@ def test_param_specs_follow_megatron_layout():
             "norm": {"scale": np.zeros(d)},
             "early_exit_gate": {"kernel": np.zeros((d, 1)), "bias": np.zeros(1)},
         },
-        # the scan layout: stacked [L, ...] leaves keep their layer axis whole
-        "layers": {"stacked": jax.tree.map(lambda x: np.zeros((3, *x.shape)), layer)},
-        "unrolled": layer,
+        "layers": {"layers_0": layer},
     }
     s = param_specs(tree)
     t = ("tp",)
@@ -114,24 +111,20 @@ def test_param_specs_follow_megatron_layout():
     assert tuple(s["top"]["norm"]["scale"]) == ()
     assert tuple(s["top"]["early_exit_gate"]["kernel"]) == ()
     for name in ("q_proj", "k_proj", "v_proj"):
-        assert tuple(s["unrolled"]["self_attn"][name]["kernel"]) == (None, *t)
-        assert tuple(s["layers"]["stacked"]["self_attn"][name]["kernel"]) == (None, None, *t)
-    assert tuple(s["unrolled"]["self_attn"]["o_proj"]["kernel"]) == (*t, None)
-    assert tuple(s["layers"]["stacked"]["self_attn"]["o_proj"]["kernel"]) == (None, *t, None)
-    assert tuple(s["unrolled"]["mlp"]["gate_proj"]["kernel"]) == (None, *t)
-    assert tuple(s["unrolled"]["mlp"]["down_proj"]["kernel"]) == (*t, None)
-    assert tuple(s["unrolled"]["input_layernorm"]["scale"]) == ()
+        assert tuple(s["layers"]["layers_0"]["self_attn"][name]["kernel"]) == (None, *t)
+    assert tuple(s["layers"]["layers_0"]["self_attn"]["o_proj"]["kernel"]) == (*t, None)
+    assert tuple(s["layers"]["layers_0"]["mlp"]["gate_proj"]["kernel"]) == (None, *t)
+    assert tuple(s["layers"]["layers_0"]["mlp"]["down_proj"]["kernel"]) == (*t, None)
+    assert tuple(s["layers"]["layers_0"]["input_layernorm"]["scale"]) == ()
     # the runner's fused kernels: Q/K/V [D, G, g + 2, hd] by KV-head group, gate/up [D, 2, F] by F
     cfg = dataclasses.replace(
         get_preset("tiny"), hidden_size=d, num_attention_heads=2, num_key_value_heads=2, head_dim=4
     )
     fused = fuse_layer_params(layer, cfg, np.concatenate)
-    fs = param_specs({"unrolled": fused, "stacked": jax.tree.map(lambda x: np.zeros((3, *x.shape)), fused)})
-    assert tuple(fs["unrolled"]["self_attn"]["qkv_proj"]["kernel"]) == (None, *t, None, None)
-    assert tuple(fs["stacked"]["self_attn"]["qkv_proj"]["kernel"]) == (None, None, *t, None, None)
-    assert tuple(fs["unrolled"]["mlp"]["gate_up_proj"]["kernel"]) == (None, None, *t)
-    assert tuple(fs["stacked"]["mlp"]["gate_up_proj"]["kernel"]) == (None, None, None, *t)
-    assert "q_proj" not in fs["unrolled"]["self_attn"] and "up_proj" not in fs["unrolled"]["mlp"]
+    fs = param_specs({"layers": {"layers_0": fused}})
+    assert tuple(fs["layers"]["layers_0"]["self_attn"]["qkv_proj"]["kernel"]) == (None, *t, None, None)
+    assert tuple(fs["layers"]["layers_0"]["mlp"]["gate_up_proj"]["kernel"]) == (None, None, *t)
+    assert "q_proj" not in fs["layers"]["layers_0"]["self_attn"] and "up_proj" not in fs["layers"]["layers_0"]["mlp"]
 
 
 # ----------------------------------------------------------------------- shards (subprocess)
@@ -144,44 +137,40 @@ def test_shards_hold_their_slice():
         from weights.random_init import random_params
         cfg = get_preset("tiny")
         p = random_params(cfg, 0)
-        res = {}
-        for loop in ("unrolled", "scan"):
-            r = ModelRunner(cfg, p, num_blocks=8, block_size=4, num_ring_rows=16, tensor_parallel_size=2,
-                            layer_loop=loop)
-            shapes = lambda x: sorted({tuple(s.data.shape) for s in x.addressable_shards})
-            devs = lambda x: sorted(d.id for d in x.sharding.device_set)
-            layer = r.params["layers"]["layers_0"] if loop == "unrolled" else r.params["layers"]
-            res[loop] = dict(
-                kv=shapes(r.k_pool), kv_devices=devs(r.k_pool), v=shapes(r.v_pool), ring=shapes(r.ring),
-                qkv=shapes(layer["self_attn"]["qkv_proj"]["kernel"]), o=shapes(layer["self_attn"]["o_proj"]["kernel"]),
-                gate_up=shapes(layer["mlp"]["gate_up_proj"]["kernel"]),
-                down=shapes(layer["mlp"]["down_proj"]["kernel"]),
-                norm=shapes(layer["input_layernorm"]["scale"]),
-                embed=shapes(r.params["top"]["embed_tokens"]["embedding"]),
-                head=shapes(r.params["top"]["lm_head"]["kernel"]),
-                gate=shapes(r.params["top"]["early_exit_gate"]["kernel"]),
-            )
+        r = ModelRunner(cfg, p, num_blocks=8, block_size=4, num_ring_rows=16, tensor_parallel_size=2)
+        shapes = lambda x: sorted({tuple(s.data.shape) for s in x.addressable_shards})
+        devs = lambda x: sorted(d.id for d in x.sharding.device_set)
+        layer = r.params["layers"]["layers_0"]
+        res = dict(
+            kv=shapes(r.k_pool), kv_devices=devs(r.k_pool), v=shapes(r.v_pool), ring=shapes(r.ring),
+            qkv=shapes(layer["self_attn"]["qkv_proj"]["kernel"]), o=shapes(layer["self_attn"]["o_proj"]["kernel"]),
+            gate_up=shapes(layer["mlp"]["gate_up_proj"]["kernel"]),
+            down=shapes(layer["mlp"]["down_proj"]["kernel"]),
+            norm=shapes(layer["input_layernorm"]["scale"]),
+            embed=shapes(r.params["top"]["embed_tokens"]["embedding"]),
+            head=shapes(r.params["top"]["lm_head"]["kernel"]),
+            gate=shapes(r.params["top"]["early_exit_gate"]["kernel"]),
+        )
         print(json.dumps(res))
         """,
         timeout=120,
     )
     c = get_preset("tiny")  # L=2, H=KVH=4, hd=16, D=64, F=96, V=128
     L, D, F, V, hd = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
-    for loop, lead in (("unrolled", ()), ("scan", (L,))):
-        r = {k: [tuple(s) for s in v] if k != "kv_devices" else v for k, v in out[loop].items()}
-        assert r["kv"] == r["v"] == [(L, c.num_key_value_heads // 2, 8, 4, hd)]  # half the KV heads each
-        assert r["kv_devices"] == [0, 1]  # the first N devices of 4
-        assert r["ring"] == [(16, D)]  # replicated
-        # the runner's fused Q/K/V kernel [D, G, g + 2, hd] splits by KV-head group, gate/up [D, 2, F] by F
-        G, g = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads
-        assert r["qkv"] == [(*lead, D, G // 2, g + 2, hd)]
-        assert r["o"] == [(*lead, c.q_size // 2, D)]
-        assert r["gate_up"] == [(*lead, D, 2, F // 2)]
-        assert r["down"] == [(*lead, F // 2, D)]
-        assert r["norm"] == [(*lead, D)]
-        assert r["embed"] == [(V // 2, D)]
-        assert r["head"] == [(D, V // 2)]
-        assert r["gate"] == [(D, 1)]
+    r = {k: [tuple(s) for s in v] if k != "kv_devices" else v for k, v in out.items()}
+    assert r["kv"] == r["v"] == [(L, c.num_key_value_heads // 2, 8, 4, hd)]  # half the KV heads each
+    assert r["kv_devices"] == [0, 1]  # the first N devices of 4
+    assert r["ring"] == [(16, D)]  # replicated
+    # the runner's fused Q/K/V kernel [D, G, g + 2, hd] splits by KV-head group, gate/up [D, 2, F] by F
+    G, g = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads
+    assert r["qkv"] == [(D, G // 2, g + 2, hd)]
+    assert r["o"] == [(c.q_size // 2, D)]
+    assert r["gate_up"] == [(D, 2, F // 2)]
+    assert r["down"] == [(F // 2, D)]
+    assert r["norm"] == [(D,)]
+    assert r["embed"] == [(V // 2, D)]
+    assert r["head"] == [(D, V // 2)]
+    assert r["gate"] == [(D, 1)]
 
 
 # -------------------------------------------------------------------- equivalence (subprocess)
@@ -201,9 +190,9 @@ sps = dict(
     sampled=SamplingParams(max_tokens=5, ignore_eos=True, exit_threshold=0.6, temperature=0.8, top_p=0.9, seed=3),
 )
 res, diverged = {{}}, []
-for mode, loop in {cases}:
+for mode in {modes}:
     for tp in (1, 2):
-        llm = LLM(cfg, prefill_mode=mode, layer_loop=loop, tensor_parallel_size=tp, **base)
+        llm = LLM(cfg, prefill_mode=mode, tensor_parallel_size=tp, **base)
         if tp == 2:  # every shard's copy of the replicated results must agree (one decision, not N)
             launch = llm.runner.launch
 
@@ -218,7 +207,7 @@ for mode, loop in {cases}:
             llm.runner.launch = checked
         for name, sp in sps.items():
             outs = llm.generate(prompts, sp, use_tqdm=False)
-            res[f"{{mode}}/{{loop}}/{{name}}/{{tp}}"] = [[o.token_ids, o.exit_depths] for o in outs]
+            res[f"{{mode}}/{{name}}/{{tp}}"] = [[o.token_ids, o.exit_depths] for o in outs]
 print(json.dumps(dict(res=res, diverged=diverged)))
 """
 
@@ -238,26 +227,23 @@ def _check_equivalence(out):
 
 @pytest.mark.slow  # ~50 s on a shared 2-core CPU: two engines compiled in a fresh interpreter
 def test_tp2_matches_one_device_gqa():
-    """GQA preset (KVH=2: one KV head per shard), split prefill, both layer loops' default."""
-    body = EQUIVALENCE.format(preset="tiny-gqa", cases=[("split", "unrolled")], extra={})
+    """GQA preset (KVH=2: one KV head per shard), split prefill."""
+    body = EQUIVALENCE.format(preset="tiny-gqa", modes=["split"], extra={})
     _check_equivalence(run_script(body, timeout=300))
 
 
 @pytest.mark.slow
 def test_tp2_matches_one_device_every_prefill_mode():
-    cases = [("split", "scan"), ("mixed", "unrolled"), ("wavefront", "unrolled")]
-    body = EQUIVALENCE.format(preset="tiny", cases=cases, extra={})
+    body = EQUIVALENCE.format(preset="tiny", modes=["split", "mixed", "wavefront"], extra={})
     _check_equivalence(run_script(body, timeout=900))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows", ["independent"])
-def test_tp2_matches_one_device_independent_fused_rows(rows):
-    """Fused decode steps of two tokens whose rows advance independently (``fused_step.independent``:
-    the coda's vocabulary-parallel lm_head runs inside a ``lax.cond``), under shard_map on CPU
-    devices."""
-    extra = dict(fused_decode_max_rows=4, fused_decode_tokens=2, fused_decode_rows=rows)
-    body = EQUIVALENCE.format(preset="tiny-gqa", cases=[("split", "unrolled")], extra=extra)
+def test_tp2_matches_one_device_fused_two_tokens():
+    """Fused decode steps of two tokens (``fused_step.lockstep``: the previous token's samples fed
+    to the next token's prelude on the device), under shard_map on CPU devices."""
+    extra = dict(fused_decode_max_rows=4, fused_decode_tokens=2)
+    body = EQUIVALENCE.format(preset="tiny-gqa", modes=["split"], extra=extra)
     out = run_script(body, timeout=300)
     _check_equivalence(out)
 

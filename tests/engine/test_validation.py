@@ -50,7 +50,6 @@ def hf_tiny(tmp_path_factory):
         (dict(prefill_mode="chunked"), "prefill_mode must be one of"),
         (dict(policy="lifo"), "policy must be one of"),
         (dict(attention="cuda"), "attention must be one of"),
-        (dict(layer_loop="while"), "layer_loop must be one of"),
         (dict(dtype="int8"), "dtype must be one of"),
         (dict(dtype=np.int32), "dtype must be one of"),
         (dict(seed="0"), "seed must be an integer"),
@@ -81,12 +80,11 @@ def test_enum_options_accept_any_case():
         prefill_mode="Split",
         policy="FCFS",
         attention="Reference",
-        layer_loop="Scan",
         dtype="Float32",
     )
     sc = llm.scheduler_config
     assert (sc.kv_layout, sc.prefill_mode, sc.policy) == ("shared", "split", "fcfs")
-    assert (llm.runner.attention, llm.runner.layer_loop) == ("reference", "scan")
+    assert llm.runner.attention == "reference"
     assert jnp.asarray(llm.params["embed_tokens"]["embedding"]).dtype == jnp.float32
     assert [dtype_option(d) for d in ("BFLOAT16", jnp.bfloat16, np.float16, None)] == [
         "bfloat16",
@@ -328,12 +326,3 @@ def test_default_fused_rows_follow_the_backend():
     assert default_fused_decode_max_rows("cpu", 4) == 4
     llm = LLM("tiny", max_num_seqs=16, max_model_len=64, warmup=False, progress=False)
     assert llm.scheduler.config.fused_decode_max_rows == 8
-
-
-def test_decode_matmul_mgpu_refused_with_tensor_parallel(monkeypatch):
-    """The skinny kernel has never run on weight shards: asked for with TP it is refused up front."""
-    import pallas_kernels.dispatch as dispatch
-
-    monkeypatch.setattr(dispatch, "hopper_available", lambda: True)
-    with pytest.raises(ValueError, match="decode_matmul='mgpu' is not supported with tensor_parallel_size > 1"):
-        LLM("tiny", tensor_parallel_size=2, decode_matmul="mgpu")

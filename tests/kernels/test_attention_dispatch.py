@@ -38,9 +38,7 @@ def _serving_kernel(pick: str, n_seg: int, q_len: int) -> str:
     return "mgpu" if on_mgpu.all() else "triton"
 
 
-def test_rule_picks_the_faster_kernel_on_the_h200_sweep(monkeypatch):
-    monkeypatch.delenv("OURO_JAX_ATTENTION_KERNEL", raising=False)
-    monkeypatch.setattr(dispatch, "MGPU_DECODE_MAX_ROWS", 0)  # the prefill sweep times Triton vs mgpu only
+def test_rule_picks_the_faster_kernel_on_the_h200_sweep():
     recs = _records()
     assert len(recs) >= 6, "the sweep should time both kernels on its prefill shapes"
     picks = set()
@@ -58,39 +56,16 @@ def test_rule_picks_the_faster_kernel_on_the_h200_sweep(monkeypatch):
     assert picks == {"triton", "mgpu", "hybrid"}, picks  # every branch of the rule is exercised
 
 
-def test_small_buckets_go_to_the_mosaic_decode_kernel_when_enabled(monkeypatch):
-    """``MGPU_DECODE_MAX_ROWS`` on: buckets of at most that many rows, on Hopper in bf16/f16 with
-    shapes the split-K kernel accepts, get ``mgpu_decode`` under ``pallas``; everything else keeps
-    the rule's answer. Off (the committed 0): no bucket does."""
-    monkeypatch.delenv("OURO_JAX_ATTENTION_KERNEL", raising=False)
+def test_small_buckets_go_to_triton():
+    """Decode buckets go to Triton under ``pallas`` (on Hopper too); a forced kernel stays forced."""
     sel = dispatch.select_kernel
-    ouro = dict(num_heads=16, num_kv_heads=16, hopper=True)
-    monkeypatch.setattr(dispatch, "MGPU_DECODE_MAX_ROWS", 0)
-    assert {sel(r, r, jnp.bfloat16, 128, 16, **ouro) for r in (1, 8, 16)} == {"triton"}
-    monkeypatch.setattr(dispatch, "MGPU_DECODE_MAX_ROWS", 16)
     for r in (1, 8, 16):
-        assert sel(r, r, jnp.bfloat16, 128, 16, **ouro) == "mgpu_decode"
-        assert sel(r, r, jnp.float16, 128, 16, **ouro) == "mgpu_decode"
-    assert sel(32, 32, jnp.bfloat16, 128, 16, **ouro) == "triton"  # above the constant
-    for g in (2, 4, 8):
-        assert sel(8, 8, jnp.bfloat16, 64, 16, num_heads=8 * g, num_kv_heads=8, hopper=True) == "mgpu_decode"
-    # fallbacks: the rule's answer where the kernel cannot serve the bucket
-    assert sel(8, 8, jnp.float32, 128, 16, **ouro) == "triton"  # dtype
-    assert sel(8, 8, jnp.bfloat16, 128, 16, num_heads=32, num_kv_heads=2, hopper=True) == "triton"  # g = 16
-    assert sel(16, 16, jnp.bfloat16, 128, 16, num_heads=16, num_kv_heads=1, hopper=True) == "triton"  # g = 16
-    assert sel(8, 8, jnp.bfloat16, 128, 16, num_heads=16, num_kv_heads=16, hopper=False) == "triton"  # not Hopper
-    assert sel(8, 8, jnp.bfloat16, 96, 16, **ouro) == "triton"  # head_dim
-    assert sel(8, 8, jnp.bfloat16, 128, 12, **ouro) == "triton"  # page size
+        assert sel(r, r, jnp.bfloat16, 128, 16, num_heads=16, hopper=True) == "triton"
     kw = dict(num_rows=8, num_segments=8, num_heads=16, num_kv_heads=16, head_dim=128, block_size=16)
-    on_hopper = dispatch.hopper_available()
-    assert dispatch.choose_attention("pallas", dtype=jnp.bfloat16, **kw).name == (
-        "mgpu_decode" if on_hopper else "triton"
-    )
+    assert dispatch.choose_attention("pallas", dtype=jnp.bfloat16, **kw).name == "triton"
     assert dispatch.choose_attention("pallas", dtype=jnp.float32, **kw).name == "triton"
-    assert dispatch.choose_attention("triton", dtype=jnp.bfloat16, **kw).name == "triton"  # forced stays forced
-    # the variable still forces its kernel over the constant
-    monkeypatch.setenv("OURO_JAX_ATTENTION_KERNEL", "triton")
-    assert sel(8, 8, jnp.bfloat16, 128, 16, **ouro) == "triton"
+    assert dispatch.choose_attention("triton", dtype=jnp.bfloat16, **kw).name == "triton"
+    assert dispatch.choose_attention("Hybrid", dtype=jnp.bfloat16, **kw).name == "hybrid"
 
 
 def test_every_cli_offers_the_attention_choices_of_dispatch():

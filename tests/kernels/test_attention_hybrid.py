@@ -385,9 +385,7 @@ def test_hybrid_lowering_on_cpu(r):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_select_kernel_hybrid_rule(monkeypatch):
-    monkeypatch.delenv("OURO_JAX_ATTENTION_KERNEL", raising=False)
-
+def test_select_kernel_hybrid_rule():
     def sel(r, s, dtype=jnp.bfloat16, hd=128, bs=16, heads=16, hopper=True):
         return dispatch.select_kernel(r, s, dtype, hd, bs, num_heads=heads, hopper=hopper)
 
@@ -407,11 +405,11 @@ def test_select_kernel_hybrid_rule(monkeypatch):
     # few segment slots: the per-bucket rule as before
     assert sel(1024, 1) == "mgpu" and sel(1024, 8) == "mgpu"
     assert sel(1024, 64) == "triton" and sel(256, 1) == "triton"
-    monkeypatch.setenv("OURO_JAX_ATTENTION_KERNEL", "hybrid")
-    assert sel(8, 8, hopper=False) == "hybrid"
-    monkeypatch.setenv("OURO_JAX_ATTENTION_KERNEL", "bogus")
+    # the attention option forces the kernel whatever the rule says; unknown names list "hybrid"
+    kw = dict(num_rows=8, num_segments=8, num_heads=16, num_kv_heads=16, head_dim=128, block_size=16)
+    assert dispatch.choose_attention("hybrid", dtype=jnp.bfloat16, **kw).name == "hybrid"
     with pytest.raises(ValueError, match="hybrid"):
-        sel(1024, 1024)
+        dispatch.choose_attention("bogus", dtype=jnp.bfloat16, **kw)
 
 
 def test_interpret_mode_refuses_hybrid():

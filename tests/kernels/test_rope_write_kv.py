@@ -173,29 +173,24 @@ def test_triton_lowering_on_cpu():
         pcr.gpu_info_lib.get_gpu_info = old
 
 
-def test_option_checked(monkeypatch):
+def test_kernel_wherever_attention_is_pallas():
     from ouro_jax import paged_attention as pa
     from pallas_kernels.dispatch import AttentionKernel
 
     triton = AttentionKernel("triton", 8, 4, 2, 16, interpret=True)
     reference = AttentionKernel("reference", 8, 4, 2, 16)
     assert pa.fuses_rope(triton) and not pa.fuses_rope(reference)
-    monkeypatch.setenv(pa.ROPE_WRITE_ENV, "XLA")
-    assert not pa.fuses_rope(triton)
-    monkeypatch.setenv(pa.ROPE_WRITE_ENV, "scatter")
-    with pytest.raises(ValueError, match=pa.ROPE_WRITE_ENV):
-        pa.fuses_rope(triton)
 
 
 @pytest.mark.slow  # ~1 min on a CPU: the engine's buckets compiled twice with interpreted kernels
 def test_engine_same_tokens_and_depths_with_and_without_kernel(monkeypatch):
     """The engine with the Triton attention kernel interpreted (prefill chunks across buckets,
     fused decode steps, the model's exit rule, float32): ``rope_write_kv`` gives XLA's RoPE +
-    scatter path's tokens and exit depths, and is really called (once per layer of every step);
-    the store key tells the two programs apart."""
+    scatter path's tokens and exit depths (that path forced here by patching ``fuses_rope``), and
+    is really called (once per layer of every step)."""
     import jax
 
-    from ouro_jax import LLM, SamplingParams, get_preset
+    from ouro_jax import LLM, SamplingParams, get_preset, step_program
     from ouro_jax import paged_attention as pa
     from ouro_jax import runner as runner_mod
     from weights.random_init import random_params
@@ -237,17 +232,16 @@ def test_engine_same_tokens_and_depths_with_and_without_kernel(monkeypatch):
             executable_store=False,
         )
         outs = llm.generate(prompts, sampling, use_tqdm=False)
-        return [(o.token_ids, o.exit_depths) for o in outs], llm.runner._program_description()
+        return [(o.token_ids, o.exit_depths) for o in outs]
 
-    monkeypatch.setenv(pa.ROPE_WRITE_ENV, "xla")
-    base, key_xla = run()
+    with monkeypatch.context() as m:
+        m.setattr(step_program, "fuses_rope", lambda kernel: False)  # XLA's RoPE and scatters
+        base = run()
     assert not calls
     assert len({d for _, depths in base for d in depths}) > 1  # the exit rule picked several depths
-    monkeypatch.setenv(pa.ROPE_WRITE_ENV, "kernel")
-    got, key_kernel = run()
+    got = run()
     assert got == base
     assert {s[0] for s in calls} == {8, 32}  # traced once per bucket's layer: decode and prefill
-    assert key_kernel != key_xla
 
 
 ON_GPU = __import__("jax").default_backend() == "gpu"

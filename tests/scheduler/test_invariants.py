@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler import Phase, Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.descriptor import FUSED_DECODE_ROWS
 from scheduler.fake_runner import FakeRunner, reference_generate
 from scheduler.pipeline import StepPipeline
 
@@ -291,7 +290,6 @@ def workloads(draw):
         buckets=None if buckets is None else tuple(range(1, budget + 1)),
         fused_decode_max_rows=draw(st.sampled_from([0, 0, max_seqs])),
         fused_decode_tokens=draw(st.integers(1, 3)),
-        fused_decode_rows=draw(st.sampled_from(FUSED_DECODE_ROWS)),
         kv_allocation=draw(st.sampled_from(["on_demand", "on_demand", "reserve"])),
         enable_prefix_caching=layout == "last_exited" and draw(st.booleans()),
         watermark=draw(st.sampled_from([0.0, 0.01, 0.1])),
