@@ -141,14 +141,14 @@ def time_executables(llm, keys, reps: int, context: int) -> dict:
     out = {}
     for key in keys:
         if isinstance(key, SamplerKey):  # the separate sampler, on zero hidden states and words
-            h = jax.device_put(np.zeros((key.C, llm.config.hidden_size), r.dtype), r._upload_to)
+            h = jax.device_put(np.zeros((key.C, llm.model_config.hidden_size), r.dtype), r._upload_to)
             words = jax.device_put(np.zeros(packed_shape(key), np.int32), r._upload_to)
             out[str(key)] = _best_of_3(lambda: r.executable(key)(r._top_leaves, h, words), reps)
             continue
         bucket, n = (key, None) if not isinstance(key, tuple) or hasattr(key, "R") else key
         desc = synthetic_descriptor(spec, bucket.R, "decode", context, 128, r.num_blocks)
         if n is not None:  # a fused step: n sub-steps of whole tokens, every row at fixed full depth
-            T = llm.config.num_loops
+            T = llm.model_config.num_loops
             full = np.zeros((n // T, bucket.R), np.int64)
             exits = (full + T, full + 1, full, np.ones((n // T, bucket.R), np.float32))  # EXIT_FIELDS
             desc = StackedDescriptor([desc] * n, T, exits)

@@ -7,8 +7,8 @@ thread waits for it before launching the next (docs/decisions.md, "What the engi
 loses against `generate()`").
 
 Extra options for experiments on the device come from the engine config
-(``EngineConfig.fused_xla_options`` / ``step_xla_options``, whose defaults are
-``$OURO_JAX_FUSED_XLA_OPTIONS`` / ``$OURO_JAX_STEP_XLA_OPTIONS``): ``"name=value;name=value"``, values
+(``EngineConfig.fused_xla_options`` / ``step_xla_options``, whose defaults are environment
+variables declared in ``envs.py``): ``"name=value;name=value"``, values
 ``true``/``false``, integers, else strings (enum names, comma lists, or nothing, as in
 ``xla_gpu_enable_command_buffer=`` for no command buffers). They enter the executable store's key
 through the config's hash. ``generate()`` has no engine config and takes the fused steps' extras

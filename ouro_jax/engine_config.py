@@ -12,7 +12,8 @@ Everything else derives from these declarations:
 * :meth:`EngineConfig.compile_hash`, over every field not declared ``compile_free``: the executable
   store's key holds it, so a changed option can never reuse a stale compiled step.
 
-``OURO_JAX_*`` variables that set options are the defaults of their fields (``ouro_jax/envs.py``).
+The environment variables that set options are the defaults of their fields (``ouro_jax/envs.py``
+declares them; the help of such a field names its variable).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def _as_int(v):
 def _positive_int(name, v, lo: int = 1):
     v = _as_int(v)
     if not (_is_int(v) and v >= lo):
-        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        what = {0: "a non-negative integer", 1: "a positive integer"}.get(lo, f"an integer >= {lo}")
+        raise ValueError(f"{name} must be {what}, got {v!r}")
     return v
 
 
@@ -84,7 +86,8 @@ def _choice(choices: Sequence[str]) -> Callable:
     return lambda name, v: choice(name, v, choices)
 
 
-def _dtype(name, v):
+def dtype_option(name, v):
+    """``None``, a dtype name in any case, or a numpy/jax dtype -> ``None`` or one of ``DTYPES``."""
     if v is None or isinstance(v, str):
         return None if v is None else choice(name, v, DTYPES)
     import numpy as np  # a numpy / jax dtype object
@@ -185,7 +188,7 @@ class EngineConfig:
     dtype: Optional[str] = _field(
         section="model",
         help="cast the weights to bfloat16 | float32 | float16 (default: the checkpoint's or preset's dtype)",
-        check=_dtype,
+        check=dtype_option,
         choices=DTYPES,
     )
     seed: int = _field(
@@ -307,7 +310,7 @@ class EngineConfig:
     compile_cache_dir: Optional[str] = _field(
         section="compile",
         help="JAX's persistent compilation cache and the executable store ('off' disables both; default "
-        "$OURO_JAX_COMPILE_CACHE or ~/.cache/ouro_jax/xla)",
+        f"${envs.variable('COMPILE_CACHE').name} or ~/.cache/ouro_jax/xla)",
         check=_optional(_text),
         compile_free=True,
         factory=lambda: envs.COMPILE_CACHE,
@@ -339,14 +342,16 @@ class EngineConfig:
     )
     fused_xla_options: str = _field(
         section="compile",
-        help="extra XLA options of fused decode steps, 'xla_name=value;...' (default $OURO_JAX_FUSED_XLA_OPTIONS)",
+        help="extra XLA options of fused decode steps, 'xla_name=value;...' "
+        f"(default ${envs.variable('FUSED_XLA_OPTIONS').name})",
         check=_xla_options,
         factory=lambda: envs.FUSED_XLA_OPTIONS,
         metavar="OPTIONS",
     )
     step_xla_options: str = _field(
         section="compile",
-        help="extra XLA options of one-loop steps, 'xla_name=value;...' (default $OURO_JAX_STEP_XLA_OPTIONS)",
+        help="extra XLA options of one-loop steps, 'xla_name=value;...' "
+        f"(default ${envs.variable('STEP_XLA_OPTIONS').name})",
         check=_xla_options,
         factory=lambda: envs.STEP_XLA_OPTIONS,
         metavar="OPTIONS",

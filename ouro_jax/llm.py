@@ -31,6 +31,7 @@ from scheduler import DEFAULT_ENABLE_PREFIX_CACHING, Request, SamplingParams, Sc
 from scheduler.pipeline import StepPipeline
 from scheduler.sizes import pool_blocks
 
+from . import envs
 from .config import PRESETS, OuroConfig
 from .device_memory import device_memory
 from .engine_config import EngineConfig, from_overrides
@@ -272,6 +273,11 @@ class LLM:
         name) says how to run it; ``params`` replaces the weights. Every option is checked before
         any weight is read or built: a typo fails in milliseconds."""
         cfg = from_overrides(config, **overrides)
+        unknown = envs.unknown_variables()
+        if unknown:  # a retired or misspelt option would otherwise do nothing, silently
+            warnings.warn(
+                f"{', '.join(unknown)}: not an ouro-jax variable, ignored (ouro_jax/envs.py lists them)", stacklevel=2
+            )
         if cfg.data_parallel_size != 1:
             raise ValueError(
                 f"data_parallel_size={cfg.data_parallel_size}: LLM runs one engine; `ouro-jax serve "

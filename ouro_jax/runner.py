@@ -59,6 +59,7 @@ from scheduler.descriptor import StepResult
 from . import fused_step
 from .compiler_options import step_options
 from .config import OuroConfig
+from .engine_config import EngineConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
 from .model import fuse_layer_params
 from .parallel import (
@@ -115,12 +116,16 @@ class ModelRunner:
     """Device state + one executable per bucket. See the module docstring. The step writes the
     ``L`` layers out (unrolled); each reads the stacked KV pool in place.
 
-    ``tensor_parallel_size=N > 1``: the step runs under ``jax.shard_map`` on a 1-D ``"tp"`` mesh of
+    ``engine.tensor_parallel_size=N > 1``: the step runs under ``jax.shard_map`` on a 1-D ``"tp"`` mesh of
     the first ``N`` devices (``ouro_jax/parallel.py``): params and the KV pools' head axis split,
     the ring, descriptor, gates and tokens replicated. ``N = 1`` builds no mesh and no shard_map.
 
     ``devices``: the ``N`` devices this runner owns (default: the first ``N`` of ``jax.devices()``);
     data-parallel replicas each get a disjoint set (``ouro_jax/server/replicas.py``).
+
+    ``engine``: the engine's options (``EngineConfig``: attention, tensor parallelism, devices, XLA
+    options); the executable store's key holds its ``compile_hash``. ``interpret``: Pallas kernels
+    in interpret mode (CPU tests).
     """
 
     def __init__(
@@ -131,16 +136,15 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         num_ring_rows: int,
-        attention: str = "auto",
+        engine: Optional[EngineConfig] = None,
         interpret: bool = False,
-        tensor_parallel_size: int = 1,
-        devices=None,
         executable_store: Optional[ExecutableStore] = None,
     ):
-        attention = resolve_attention(attention)
-        tp = check_tensor_parallel(config, tensor_parallel_size)
+        self.engine = engine = engine or EngineConfig()
+        attention = resolve_attention(engine.attention)
+        tp = check_tensor_parallel(config, engine.tensor_parallel_size)
         self.tensor_parallel_size = tp
-        devices = check_devices(devices, tp)
+        devices = check_devices(engine.devices, tp)
         # pinned: a device set was given (a data-parallel replica); every array and executable is
         # placed on it explicitly, since jax's default device is the first of the process
         self._pinned = devices is not None
@@ -288,7 +292,10 @@ class ModelRunner:
 
     def _program_description(self) -> tuple:
         """Everything of this runner that decides a step's program, bar the bucket key: the store
-        key's part from the runner (``executable_store.environment`` adds versions and source)."""
+        key's part from the runner (``executable_store.environment`` adds versions and source).
+        The options are the engine config's ``compile_hash`` (every field that is not declared
+        compile-free), never a list kept by hand; the rest is what the options and the model made:
+        the model, the weights' and pools' shapes, dtypes and shardings, the devices."""
         mesh = self.mesh is not None or self._pinned  # as `_lower`: shardings are part of the program
         leaves, _ = jax.tree_util.tree_flatten_with_path(self.params)
         params = tuple(
@@ -299,14 +306,12 @@ class ModelRunner:
         )
         return (
             "ouro_jax.runner step",
+            self.engine.compile_hash(),
             repr(self.config),
             self.dtype_name,
             self.attention,
             self.interpret,
-            self.tensor_parallel_size,
             tuple(d.id for d in self._store_devices),
-            tuple(sorted(step_options().items())),
-            tuple(sorted(step_options(fused=True).items())),
             arrays,
             params,
         )
@@ -335,7 +340,7 @@ class ModelRunner:
             return self._exe[key]
         t = time.perf_counter()
         before = jax_cache_hits_in_thread()
-        exe = (lowered or self._lower(key)).compile(step_options(is_fused(key)))
+        exe = (lowered or self._lower(key)).compile(self.compiler_options(key))
         dt = time.perf_counter() - t
         if self.store is not None:
             t = time.perf_counter()
@@ -345,6 +350,12 @@ class ModelRunner:
         with self._compile_lock:  # warmup compiles in threads
             self._record_compile(key, exe, dt)
         return exe
+
+    def compiler_options(self, key) -> dict:
+        """XLA options of ``key``'s executable: ``compiler_options.step_options`` with the engine's
+        extra options for its kind (fused decode step or one loop)."""
+        fused = is_fused(key)
+        return step_options(fused, self.engine.fused_xla_options if fused else self.engine.step_xla_options)
 
     def _record_compile(self, key, exe, dt: float) -> None:
         self._exe[key] = exe

@@ -2,7 +2,7 @@
 hits) / ready.
 
 The engine's own warm-up compiles every executable a run can launch, through the persistent
-compilation cache that ``LLM`` enables (``~/.cache/ouro_jax/xla`` or ``$OURO_JAX_COMPILE_CACHE``);
+compilation cache that ``LLM`` enables (``EngineConfig.compile_cache_dir``);
 here the cache hits are counted from jax's own monitoring events
 (``/jax/compilation_cache/cache_hits``), and each executable's compile (or cache load) time is logged.
 """

@@ -130,12 +130,13 @@ def test_model_and_fake_runner_share_step():
 
 
 def test_fused_xla_option_overrides(monkeypatch):
-    """``OURO_JAX_FUSED_XLA_OPTIONS`` adds typed XLA options to fused steps only (GPU),
-    ``OURO_JAX_STEP_XLA_OPTIONS`` to one-loop steps only, and a malformed entry is refused with
-    the variable's name."""
+    """``EngineConfig.fused_xla_options`` (default ``$OURO_JAX_FUSED_XLA_OPTIONS``) adds typed XLA
+    options to fused steps only (GPU), ``step_xla_options`` to one-loop steps only, and a malformed
+    entry is refused by the config, naming the field."""
     from ouro_jax import compiler_options as co
+    from ouro_jax.engine_config import EngineConfig
 
-    parse = co.option_overrides
+    parse = lambda text: co.parse_options(text, "fused_xla_options")  # noqa: E731
     assert parse("") == {} and parse(" ; ") == {}
     got = parse("xla_gpu_command_buffer_update_mode=SKIP_TEMP; xla_gpu_enable_cublaslt=false;xla_gpu_autotune_level=2")
     assert got == {
@@ -146,19 +147,26 @@ def test_fused_xla_option_overrides(monkeypatch):
     assert parse("xla_gpu_enable_command_buffer=FUSION,WHILE") == {"xla_gpu_enable_command_buffer": "FUSION,WHILE"}
     assert parse("xla_gpu_enable_command_buffer=") == {"xla_gpu_enable_command_buffer": ""}
     for bad in ("xla_gpu_x", "gpu_x=1", "=1"):
-        with pytest.raises(ValueError, match=co.FUSED_XLA_OPTIONS_ENV):
-            parse(bad)
-    monkeypatch.setenv(co.FUSED_XLA_OPTIONS_ENV, "xla_gpu_command_buffer_update_mode=SKIP_TEMP")
-    assert co.step_options(fused=True) == {}  # off the GPU: no XLA options at all
+        with pytest.raises(ValueError, match="fused_xla_options"):
+            EngineConfig(fused_xla_options=bad)
+        with pytest.raises(ValueError, match="step_xla_options"):
+            EngineConfig(step_xla_options=bad)
+    # the variables are the fields' defaults, read when a config is built
+    monkeypatch.setenv("OURO_JAX_FUSED_XLA_OPTIONS", "xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+    monkeypatch.setenv("OURO_JAX_STEP_XLA_OPTIONS", "xla_gpu_enable_triton_gemm=false")
+    engine = EngineConfig()
+    assert engine.fused_xla_options == "xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    assert engine.step_xla_options == "xla_gpu_enable_triton_gemm=false"
+    cfg = get_preset("tiny")
+    runner = ModelRunner(cfg, random_params(cfg, 0), num_blocks=NB, block_size=BS, num_ring_rows=8, engine=engine)
+    step_key = BucketKey(R=8, S=8, C=8, F=24, MB=2)
+    fused_key = (step_key, 4)
+    assert runner.compiler_options(fused_key) == {}  # off the GPU: no XLA options at all
     monkeypatch.setattr(co.jax, "default_backend", lambda: "gpu")
-    fused, plain = co.step_options(fused=True), co.step_options()
+    fused, plain = runner.compiler_options(fused_key), runner.compiler_options(step_key)
     assert fused["xla_gpu_command_buffer_update_mode"] == "SKIP_TEMP"
     assert fused["xla_gpu_enable_cub_radix_sort"] is False
     assert "xla_gpu_command_buffer_update_mode" not in plain and "xla_gpu_enable_cub_radix_sort" not in plain
-    # the one-loop steps' variable reaches those steps only
-    monkeypatch.setenv(co.STEP_XLA_OPTIONS_ENV, "xla_gpu_enable_triton_gemm=false")
-    assert co.step_options()["xla_gpu_enable_triton_gemm"] is False
-    assert "xla_gpu_enable_triton_gemm" not in co.step_options(fused=True)
-    monkeypatch.setenv(co.STEP_XLA_OPTIONS_ENV, "triton_gemm=false")
-    with pytest.raises(ValueError, match=co.STEP_XLA_OPTIONS_ENV):
-        co.step_options()
+    assert plain["xla_gpu_enable_triton_gemm"] is False and "xla_gpu_enable_triton_gemm" not in fused
+    # generate() has no engine config: it reads the fused steps' variable
+    assert co.step_options(fused=True)["xla_gpu_command_buffer_update_mode"] == "SKIP_TEMP"

@@ -137,7 +137,8 @@ def test_shards_hold_their_slice():
         from weights.random_init import random_params
         cfg = get_preset("tiny")
         p = random_params(cfg, 0)
-        r = ModelRunner(cfg, p, num_blocks=8, block_size=4, num_ring_rows=16, tensor_parallel_size=2)
+        tp2 = EngineConfig(tensor_parallel_size=2)
+        r = ModelRunner(cfg, p, num_blocks=8, block_size=4, num_ring_rows=16, engine=tp2)
         shapes = lambda x: sorted({tuple(s.data.shape) for s in x.addressable_shards})
         devs = lambda x: sorted(d.id for d in x.sharding.device_set)
         layer = r.params["layers"]["layers_0"]

@@ -14,7 +14,7 @@ import pytest
 
 from ouro_jax import LLM, SamplingParams, generate, get_preset
 from ouro_jax.config import OuroConfig
-from ouro_jax.options import dtype_option
+from ouro_jax.engine_config import dtype_option
 from weights import CheckpointError, load_checkpoint, save_random
 
 TINY = get_preset("tiny")
@@ -52,7 +52,7 @@ def hf_tiny(tmp_path_factory):
         (dict(attention="cuda"), "attention must be one of"),
         (dict(dtype="int8"), "dtype must be one of"),
         (dict(dtype=np.int32), "dtype must be one of"),
-        (dict(seed="0"), "seed must be an integer"),
+        (dict(seed="0"), "seed must be a non-negative integer"),
         (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
         (dict(kv_cache_bytes=-1), "kv_cache_bytes must be a positive integer"),
         (dict(num_ring_rows=1), "num_ring_rows=1 is too small"),
@@ -86,7 +86,7 @@ def test_enum_options_accept_any_case():
     assert (sc.kv_layout, sc.prefill_mode, sc.policy) == ("shared", "split", "fcfs")
     assert llm.runner.attention == "reference"
     assert jnp.asarray(llm.params["embed_tokens"]["embedding"]).dtype == jnp.float32
-    assert [dtype_option(d) for d in ("BFLOAT16", jnp.bfloat16, np.float16, None)] == [
+    assert [dtype_option("dtype", d) for d in ("BFLOAT16", jnp.bfloat16, np.float16, None)] == [
         "bfloat16",
         "bfloat16",
         "float16",

@@ -417,6 +417,7 @@ def test_interpret_mode_refuses_hybrid():
     in interpret mode) fail with the same clear error as "mgpu"; unknown names list "hybrid", and
     names are taken in any case."""
     from ouro_jax import get_preset
+    from ouro_jax.engine_config import EngineConfig
     from ouro_jax.runner import ModelRunner
     from scheduler.buckets import BucketKey
     from weights.random_init import random_params
@@ -433,8 +434,16 @@ def test_interpret_mode_refuses_hybrid():
     cfg = get_preset("tiny")
     params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
     with pytest.raises(ValueError, match="'hybrid'"):
-        ModelRunner(cfg, params, num_blocks=8, block_size=4, num_ring_rows=8, attention="bogus")
-    runner = ModelRunner(cfg, params, num_blocks=8, block_size=4, num_ring_rows=8, attention="Hybrid", interpret=True)
+        EngineConfig(attention="bogus")
+    runner = ModelRunner(
+        cfg,
+        params,
+        num_blocks=8,
+        block_size=4,
+        num_ring_rows=8,
+        engine=EngineConfig(attention="Hybrid"),
+        interpret=True,
+    )
     assert runner.attention == "hybrid"
     with pytest.raises(ValueError, match="no CPU interpret mode"):
         runner.warmup([BucketKey(R=8, S=8, C=8, F=24, MB=2)], progress=False)
