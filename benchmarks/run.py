@@ -390,7 +390,7 @@ class Harness:
             async_scheduling=self.async_scheduling,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_bytes=self.kv_cache_bytes,
-            compile_cache_dir=self.compile_cache_dir or os.environ.get("OURO_JAX_COMPILE_CACHE"),
+            compile_cache_dir=self.compile_cache_dir,
             warmup_requests=self.warmup_requests,
             params_init_s=self.params_s,
             ceilings_s=self.ceilings_s,
