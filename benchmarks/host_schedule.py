@@ -1,0 +1,91 @@
+"""Host time of one fused decode step's schedule: ``Scheduler._schedule_fused`` and the
+descriptor's ``pack()``, best of N, at c decoding rows (the scheduler and the fake runner only: no
+device, so it runs anywhere and isolates the scheduler's share of a fused launch's host time).
+
+    python -m benchmarks.host_schedule                          # c = 1 / 8 / 64, best of 300
+    python -m benchmarks.host_schedule --concurrency 1 8 --reps 1000 --out /tmp/host_schedule.json
+
+Each of c requests (``--prompt-len`` random token ids, the gate rule at ``--exit-threshold``) is
+admitted and prefilled through the asynchronous pipeline, then the fused step of one token for all
+running rows is built ``--reps`` times. Compare two trees by running it in each (e.g. around a
+``git stash``) on the same machine: best-of times on a shared machine still move by ~10-30%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.fake_runner import FakeRunner
+from scheduler.pipeline import StepPipeline
+
+__all__ = ["measure", "main"]
+
+
+def measure(concurrency: int, reps: int = 300, prompt_len: int = 1024, exit_threshold: float = 0.5) -> dict:
+    """Best-of-``reps`` host seconds of ``_schedule_fused`` (one token) and of ``pack()`` at
+    ``concurrency`` decoding rows."""
+    cfg = SchedulerConfig(
+        num_loops=4,
+        num_blocks=20000,
+        block_size=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        prefill_chunk_size=2048,
+        max_model_len=4096,
+        fused_decode_max_rows=128,
+    )
+    s = Scheduler(cfg)
+    pipe = StepPipeline(s, FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, 1000, check=False), ahead=True)
+    rng = np.random.default_rng(0)
+    max_tokens = cfg.max_model_len - prompt_len  # no row finishes before the last one decodes
+    for i in range(concurrency):
+        ids = list(map(int, rng.integers(1, 1000, prompt_len)))
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_threshold=exit_threshold)
+        s.add_request(Request(f"r{i}", ids, params))
+    for _ in range(10_000):  # until every row has its first token: all decode from here
+        if len(s.running) == concurrency and all(r.output_token_ids for r in s.running):
+            break
+        pipe.advance()
+    rows = list(s.running)
+    if len(rows) != concurrency or not all(r.output_token_ids for r in rows):
+        raise RuntimeError(f"{len(rows)} of {concurrency} rows decoding: raise num_blocks or shorten the prompts")
+    best_schedule = best_pack = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        plan = s._schedule_fused(rows, [], 1, 1)
+        best_schedule = min(best_schedule, time.perf_counter() - t)
+        t = time.perf_counter()
+        plan.descriptor.pack()
+        best_pack = min(best_pack, time.perf_counter() - t)
+    return dict(concurrency=concurrency, rows=len(rows), schedule_fused_s=best_schedule, pack_s=best_pack)
+
+
+def main(argv=None) -> list:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64], help="decoding rows (<= 128)")
+    ap.add_argument("--reps", type=int, default=300, help="schedules built per c; the best counts")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--exit-threshold", type=float, default=0.5, help="the gate rule of every request")
+    ap.add_argument("--out", default=None, help="also write the records as JSON here")
+    a = ap.parse_args(argv)
+    if a.reps < 1 or not all(1 <= c <= 128 for c in a.concurrency) or not 1 <= a.prompt_len < 4096:
+        ap.error("--reps >= 1, 1 <= --concurrency <= 128 (the largest fused bucket), 1 <= --prompt-len < 4096")
+    records = []
+    for c in a.concurrency:
+        r = measure(c, a.reps, a.prompt_len, a.exit_threshold)
+        records.append(r)
+        us = {k: f"{r[k] * 1e6:.0f} us" for k in ("schedule_fused_s", "pack_s")}
+        print(f"c={c}: _schedule_fused {us['schedule_fused_s']}, pack {us['pack_s']} (best of {a.reps})")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(benchmark="host_schedule", argv=list(argv or []), records=records), f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    main()
