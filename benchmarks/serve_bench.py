@@ -254,7 +254,7 @@ def _print(label: str, s: dict) -> None:
 
 def _config(model):
     """The model's config without touching the device (the subprocess server may need all of it)."""
-    from ouro_jax.config import PRESETS, OuroConfig
+    from weights.config import PRESETS, OuroConfig
 
     return PRESETS[model] if model in PRESETS else OuroConfig.from_json(model)
 

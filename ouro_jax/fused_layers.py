@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import decode_matvec as dm
+from weights.config import OuroConfig
 
-from .config import OuroConfig
 from .model import apply_rope, qkv_groups, rms_norm
 
 __all__ = ["decode_weights", "fused_layers_supported", "norms_option", "run_fused_layers"]

@@ -30,8 +30,8 @@ from pallas_kernels.dispatch import check_attention
 from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.pipeline import StepPipeline
 from scheduler.sizes import pool_blocks
+from weights.config import PRESETS, OuroConfig
 
-from .config import PRESETS, OuroConfig
 from .device_memory import device_memory
 from .executable_store import ExecutableStore
 from .options import LAYER_LOOPS, choice, dtype_option

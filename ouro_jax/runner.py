@@ -57,10 +57,10 @@ from pallas_kernels.dispatch import resolve_attention
 from pallas_kernels.skinny_matmul_mgpu import tuning_overrides as skinny_overrides
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import StepResult
+from weights.config import OuroConfig
 
 from . import fused_step
 from .compiler_options import step_options
-from .config import OuroConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
 from .fused_layers import decode_weights, norms_option
 from .model import fuse_layer_params

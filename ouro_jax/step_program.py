@@ -24,12 +24,13 @@ import numpy as np
 
 from pallas_kernels import copy_kv_slots
 from pallas_kernels.dispatch import choose_attention
+from pallas_kernels.rope import rope_cos_sin
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import HEADER, descriptor_layout, exit_words
+from weights.config import OuroConfig
 
-from .config import OuroConfig
 from .fused_layers import fused_layers_supported, norms_option, run_fused_layers
-from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
+from .model import OuroDecoderLayer, OuroModel, dtype_of
 from .options import DECODE_MATMULS, choice
 from .paged_attention import PagedAttention, fuses_rope
 from .parallel import TP_AXIS, local_config, vocab_parallel_embed, vocab_parallel_logits

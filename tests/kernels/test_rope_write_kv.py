@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ouro_jax.model import rope_cos_sin
+from pallas_kernels.rope import rope_cos_sin
 from pallas_kernels.rope_write_kv import rope_write_kv, rope_write_kv_reference
 
 
