@@ -337,7 +337,7 @@ class Harness:
         self.fused_decode_max_rows, self.fused_decode_tokens = fused_decode_max_rows, fused_decode_tokens
         self.fused_decode_rows = fused_decode_rows
         self.async_scheduling = async_scheduling
-        LLM._enable_compile_cache(compile_cache_dir)  # before anything compiles
+        LLM.enable_compile_cache(compile_cache_dir)  # before anything compiles
         self.events = CompileEvents()
         self.preset = preset
         self.config = get_preset(preset)

@@ -202,10 +202,10 @@ class _Subprocess:
 
 def _engine_argv(args) -> list[str]:
     """The engine flags of this run, as ``ouro-jax serve`` takes them."""
-    from ouro_jax.server.cli_commands import _ENGINE_FLAGS
+    from ouro_jax.server.cli_commands import ENGINE_FLAGS
 
     out = []
-    for flag, (dest, *_) in _ENGINE_FLAGS.items():
+    for flag, (dest, *_) in ENGINE_FLAGS.items():
         v = getattr(args, f"engine_{dest}")
         if v is not None:
             out += [flag, str(v)]

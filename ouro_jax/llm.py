@@ -307,7 +307,7 @@ class LLM:
             raise ValueError(f"num_ring_rows={num_ring_rows} is too small: this configuration needs {need_rows}")
 
         t_start = time.perf_counter()
-        cache = self._enable_compile_cache(compile_cache_dir)
+        cache = self.enable_compile_cache(compile_cache_dir)
         # our own store of compiled executables, inside JAX's cache folder (docs/decisions.md, "Start-up")
         self.executable_store = (
             ExecutableStore(os.path.join(cache, "ouro_executables")) if executable_store and cache else None
@@ -373,7 +373,7 @@ class LLM:
 
     # ------------------------------------------------------------------------------ setup
     @staticmethod
-    def _enable_compile_cache(path: Optional[str]) -> Optional[str]:
+    def enable_compile_cache(path: Optional[str]) -> Optional[str]:
         """Persistent XLA compilation cache (and autotune results with it): a restart compiles nothing.
         Returns its folder, None when it is off."""
         path = path or os.environ.get("OURO_JAX_COMPILE_CACHE") or os.path.expanduser("~/.cache/ouro_jax/xla")

@@ -15,12 +15,12 @@ import time
 from pallas_kernels.choices import ATTENTION
 from scheduler.descriptor import FUSED_DECODE_ROWS
 
-__all__ = ["add_engine_args", "engine_kwargs", "add_serve", "add_generate"]
+__all__ = ["ENGINE_FLAGS", "add_engine_args", "engine_kwargs", "add_serve", "add_generate"]
 
 _DTYPES = ("bfloat16", "float32", "float16")
 
 # flag -> (LLM keyword, type, choices, help)
-_ENGINE_FLAGS = {
+ENGINE_FLAGS = {
     "--dtype": ("dtype", str, _DTYPES, "cast the weights (default: the checkpoint's / preset's dtype)"),
     "--seed": ("seed", int, None, "seed of a preset's random weights"),
     "--max-num-seqs": ("max_num_seqs", int, None, "most requests running at once"),
@@ -63,7 +63,7 @@ _ENGINE_SWITCHES = {
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    for flag, (dest, typ, choices, help_) in _ENGINE_FLAGS.items():
+    for flag, (dest, typ, choices, help_) in ENGINE_FLAGS.items():
         g.add_argument(
             flag,
             dest=f"engine_{dest}",
@@ -79,7 +79,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    kw = {d: getattr(args, f"engine_{d}") for d, *_ in _ENGINE_FLAGS.values()}
+    kw = {d: getattr(args, f"engine_{d}") for d, *_ in ENGINE_FLAGS.values()}
     kw.update({d: getattr(args, f"engine_{d}", None) for d, _ in _ENGINE_SWITCHES.values()})
     kw = {k: v for k, v in kw.items() if v is not None}
     if args.buckets:
