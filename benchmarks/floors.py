@@ -8,7 +8,7 @@ ceilings measured in the same run (``benchmarks/ceilings.py``).
 
 from __future__ import annotations
 
-from ouro_jax.config import OuroConfig
+from weights.config import OuroConfig
 
 
 def shape(c: OuroConfig, dtype_bytes: int = 2) -> dict:

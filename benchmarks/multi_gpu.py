@@ -45,7 +45,7 @@ GOAL_DP = 1.9  # DP=2 serve throughput at least this multiple of one engine's
 # ----------------------------------------------------------------------------- settings
 def engine_kwargs(a) -> dict:
     """One engine's settings, the same in every phase (few executables: start-up is in the budget)."""
-    from ouro_jax.config import get_preset
+    from weights.config import get_preset
 
     cfg = get_preset(a.preset)
     max_len = max(a.prompt_len + a.output_len, a.c1_prompt_len + a.c1_output_len)
@@ -84,7 +84,7 @@ def phase_allreduce(a) -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ouro_jax.config import get_preset
+    from weights.config import get_preset
 
     n = 2
     devs = jax.devices()[:n]
@@ -144,7 +144,7 @@ def phase_tp(a, tp: int) -> dict:
     import jax
 
     from ouro_jax import LLM
-    from ouro_jax.config import get_preset
+    from weights.config import get_preset
 
     vocab = get_preset(a.preset).vocab_size
     t = time.perf_counter()
@@ -207,7 +207,7 @@ def phase_dp(a, capacity_req_s: float) -> dict:
     import socket
 
     from benchmarks.serve_bench import arrival_times, run_http, summarize
-    from ouro_jax.config import get_preset
+    from weights.config import get_preset
 
     vocab = get_preset(a.preset).vocab_size
     rate = a.dp_load * capacity_req_s
@@ -467,7 +467,7 @@ def _args(argv):
         a.buckets, a.dp_requests, a.ar_rows, a.ar_iters, a.busbw_mib = "16", 8, "8", 4, 1
     a.buckets = [int(x) for x in a.buckets.split(",") if x.strip()] if a.buckets else None
     a.ar_rows = [int(x) for x in a.ar_rows.split(",") if x.strip()]
-    from ouro_jax.config import get_preset
+    from weights.config import get_preset
 
     get_preset(a.preset)  # an unknown preset fails here
     for name in ("batch", "prompt_len", "output_len", "c1_prompt_len", "c1_output_len", "c1_requests", "dp_requests"):
@@ -485,7 +485,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         res = phase_allreduce(a) if a.phase == "allreduce" else phase_tp(a, int(a.phase[2:]))
         print(json.dumps(res))
         return res
-    from ouro_jax.config import get_preset
+    from weights.config import get_preset
 
     t0 = time.perf_counter()
     cfg = get_preset(a.preset)

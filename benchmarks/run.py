@@ -63,6 +63,7 @@ from benchmarks.workloads import (
     suite_shape,
 )
 from ouro_jax import LLM, get_preset
+from ouro_jax.engine_config import EngineConfig
 from ouro_jax.model import init_params
 from ouro_jax.runner import SamplerKey, packed_shape
 from pallas_kernels.choices import ATTENTION
@@ -330,7 +331,8 @@ class Harness:
         # they sit next to the loop-by-loop records of the same workload instead of replacing them
         self.fused_decode_max_rows, self.fused_decode_tokens = fused_decode_max_rows, fused_decode_tokens
         self.async_scheduling = async_scheduling
-        LLM._enable_compile_cache(compile_cache_dir)  # before anything compiles
+        # before anything compiles; None: the config's default (its variable, else the home cache)
+        LLM.enable_compile_cache(EngineConfig(compile_cache_dir=compile_cache_dir).cache_dir())
         self.events = CompileEvents()
         self.preset = preset
         self.config = get_preset(preset)

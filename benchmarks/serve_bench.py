@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 
 from benchmarks.metrics import percentiles
-from ouro_jax.engine_config import add_arguments, from_arguments
+from ouro_jax.engine_config import add_arguments, from_arguments, to_argv
 from ouro_jax.server.cli_commands import ENGINE_SECTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,7 +171,7 @@ class _Subprocess:
             self.port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "ouro_jax.cli", "serve", args.model, "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), "--served-model-name", model_name, "--no-access-log"]
-        cmd += ["--max-queue", str(max(256, args.num_requests))] + _engine_argv(args)
+        cmd += ["--max-queue", str(max(256, args.num_requests))] + to_argv(args.engine)
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(cmd, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -199,22 +199,6 @@ class _Subprocess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-
-
-def _engine_argv(args) -> list[str]:
-    """The engine flags of this run, as ``ouro-jax serve`` takes them."""
-    from ouro_jax.server.cli_commands import _ENGINE_FLAGS
-
-    out = []
-    for flag, (dest, *_) in _ENGINE_FLAGS.items():
-        v = getattr(args, f"engine_{dest}")
-        if v is not None:
-            out += [flag, str(v)]
-    if args.buckets:
-        out += ["--buckets", args.buckets]
-    if getattr(args, "engine_enable_prefix_caching", None) is not None:
-        out += ["--enable-prefix-caching" if args.engine_enable_prefix_caching else "--no-enable-prefix-caching"]
-    return out
 
 
 # ---------------------------------------------------------------------------------- main
@@ -255,7 +239,7 @@ def _print(label: str, s: dict) -> None:
 
 def _config(model):
     """The model's config without touching the device (the subprocess server may need all of it)."""
-    from ouro_jax.config import PRESETS, OuroConfig
+    from weights.config import PRESETS, OuroConfig
 
     return PRESETS[model] if model in PRESETS else OuroConfig.from_json(model)
 
@@ -313,10 +297,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         raise ValueError(f"--rates must be positive numbers, got {args.rates!r}")
     if min(args.num_requests, args.prompt_len, args.output_len, args.overhead_requests) < 1:
         raise ValueError("--num-requests, --prompt-len, --output-len and --overhead-requests must be >= 1")
-    ekw = from_arguments(args)
-    ekw.setdefault("max_model_len", args.prompt_len + args.output_len)
-    if args.engine_max_model_len is None:
-        args.engine_max_model_len = ekw["max_model_len"]  # the subprocess gets the same engine
+    # the subprocess server gets the same engine
+    ekw = args.engine = from_arguments(args, max_model_len=args.prompt_len + args.output_len)
     vocab = _config(args.model).vocab_size
     fields = sampling_fields(args)
     model_name = "bench"

@@ -130,7 +130,6 @@ def time_executables(llm, keys, reps: int, context: int) -> dict:
     """Seconds per invocation of every executable (best of 3 rounds of ``reps``), on a full synthetic
     decode descriptor (every row one segment of ``context`` tokens, every row sampled; a fused step
     runs it ``n`` times)."""
-    import jax
     import numpy as np
 
     from benchmarks.sweep_buckets import synthetic_descriptor
@@ -141,9 +140,9 @@ def time_executables(llm, keys, reps: int, context: int) -> dict:
     out = {}
     for key in keys:
         if isinstance(key, SamplerKey):  # the separate sampler, on zero hidden states and words
-            h = jax.device_put(np.zeros((key.C, llm.model_config.hidden_size), r.dtype), r._upload_to)
-            words = jax.device_put(np.zeros(packed_shape(key), np.int32), r._upload_to)
-            out[str(key)] = _best_of_3(lambda: r.executable(key)(r._top_leaves, h, words), reps)
+            h = r.put(np.zeros((key.C, llm.model_config.hidden_size), r.dtype))
+            words = r.put(np.zeros(packed_shape(key), np.int32))
+            out[str(key)] = _best_of_3(lambda: r.launch_sampler(key, h, words), reps)
             continue
         bucket, n = (key, None) if not isinstance(key, tuple) or hasattr(key, "R") else key
         desc = synthetic_descriptor(spec, bucket.R, "decode", context, 128, r.num_blocks)
@@ -152,8 +151,7 @@ def time_executables(llm, keys, reps: int, context: int) -> dict:
             full = np.zeros((n // T, bucket.R), np.int64)
             exits = (full + T, full + 1, full, np.ones((n // T, bucket.R), np.float32))  # EXIT_FIELDS
             desc = StackedDescriptor([desc] * n, T, exits)
-        packed = desc.pack()
-        packed = jax.device_put(packed, r._upload_to)
+        packed = r.upload(desc)
         out[str(key)] = _best_of_3(lambda: r.launch(key, packed)[0], reps)
     return out
 

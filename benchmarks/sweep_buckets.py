@@ -40,12 +40,12 @@ import numpy as np
 from benchmarks.floors import shape as model_shape
 from benchmarks.metrics import ScheduleRecorder, floor_of, invocation_cost
 from benchmarks.workloads import WORKLOADS, EngineShape, make, shape_from_args
-from ouro_jax.config import get_preset
 from scheduler import Request, Scheduler, SchedulerConfig
 from scheduler.buckets import BucketSpec, next_power_of_two
 from scheduler.descriptor import build_descriptor
 from scheduler.fake_runner import FakeRunner
 from scheduler.sizes import blocks_per_plane, descriptor_rows, kv_planes, pool_blocks
+from weights.config import get_preset
 
 __all__ = [
     "SimEngine",

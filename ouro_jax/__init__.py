@@ -1,10 +1,10 @@
 """ouro-jax: inference for Ouro looped language models in JAX.
 
-Public API (lazily imported so that ``import ouro_jax.config`` stays light):
-``OuroConfig``, ``forward``, ``generate``, ``LLM``, ``SamplingParams``.
+Public API (lazily imported so that ``import ouro_jax`` stays light): ``OuroConfig``, ``get_preset``,
+``PRESETS`` (from ``weights.config``), ``forward``, ``generate``, ``LLM``, ``SamplingParams``.
 """
 
-from .config import PRESETS, OuroConfig, get_preset
+from weights.config import PRESETS, OuroConfig, get_preset
 
 _LAZY = {
     "forward": ("ouro_jax.full_forward", "forward"),

@@ -75,7 +75,7 @@ def _cmd_convert(args) -> int:
 
 # ------------------------------------------------------------------- random-checkpoint
 def _add_random_checkpoint(sub) -> None:
-    from .config import PRESETS
+    from weights.config import PRESETS
 
     p = sub.add_parser("random-checkpoint", help="write a seeded random checkpoint of a preset size")
     p.add_argument("dst", help="output folder (created; must be empty unless --overwrite)")
@@ -212,7 +212,7 @@ def _demo_weights(model: str, seed: int) -> str:
     """Which weights ``LLM(model, seed=seed)`` ran, in words (a checkpoint folder or a preset + seed)."""
     import os
 
-    from .config import PRESETS
+    from weights.config import PRESETS
 
     if model in PRESETS:
         same = f"`ouro-jax random-checkpoint --preset {model} --seed {seed}`"

@@ -23,6 +23,7 @@ import dataclasses
 import difflib
 import hashlib
 import math
+import os
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from pallas_kernels.choices import ATTENTION
@@ -39,11 +40,13 @@ __all__ = [
     "engine_overrides",
     "from_arguments",
     "from_overrides",
+    "to_argv",
 ]
 
 SECTIONS = ("model", "cache", "scheduler", "compile", "kernels", "parallel", "server")
 DTYPES = ("bfloat16", "float32", "float16")
 REPLICA_MODES = ("process", "thread")
+DEFAULT_COMPILE_CACHE = "~/.cache/ouro_jax/xla"
 
 
 def _is_int(v) -> bool:
@@ -435,6 +438,10 @@ class EngineConfig:
             raise ValueError(f"fused_decode_max_rows must lie in [0, max_num_seqs={self.max_num_seqs}], got {fused}")
 
     # --------------------------------------------------------------------------- use
+    def cache_dir(self) -> str:
+        """The compile cache's folder: ``compile_cache_dir``, else the home cache ('off' stays 'off')."""
+        return self.compile_cache_dir or os.path.expanduser(DEFAULT_COMPILE_CACHE)
+
     def replace(self, **changes) -> "EngineConfig":
         """A copy with ``changes`` (checked names: a misspelt one names the closest field)."""
         check_names(changes)
@@ -557,3 +564,19 @@ def engine_overrides(overrides: Mapping) -> dict:
     """``overrides`` less the server section: what one engine (``LLM``) of a server takes."""
     server = {f.name for f in dataclasses.fields(EngineConfig) if f.metadata["section"] == "server"}
     return {k: v for k, v in overrides.items() if k not in server}
+
+
+def to_argv(overrides: Mapping) -> list[str]:
+    """The flags that give ``overrides`` (the inverse of :func:`from_arguments`), for a child
+    process such as ``ouro-jax serve``."""
+    check_names(overrides)
+    out = []
+    for name, value in overrides.items():
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(f"--{flag}" if value else f"--no-{flag}")
+        elif isinstance(value, tuple):
+            out += [f"--{flag}", ",".join(map(str, value))]
+        elif value is not None:
+            out += [f"--{flag}", str(value)]
+    return out

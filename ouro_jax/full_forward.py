@@ -8,9 +8,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from weights.config import OuroConfig
+
 from . import exit_rule
 from .attention import DenseCausalAttention
-from .config import OuroConfig
 from .model import OuroModel
 
 __all__ = ["forward", "ForwardResult", "exit_distribution"]

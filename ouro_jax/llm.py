@@ -30,9 +30,9 @@ from pallas_kernels.dispatch import resolve_attention
 from scheduler import DEFAULT_ENABLE_PREFIX_CACHING, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.pipeline import StepPipeline
 from scheduler.sizes import pool_blocks
+from weights.config import PRESETS, OuroConfig
 
 from . import envs
-from .config import PRESETS, OuroConfig
 from .device_memory import device_memory
 from .engine_config import EngineConfig, from_overrides
 from .executable_store import ExecutableStore
@@ -67,7 +67,6 @@ _SCHEDULER_FIELDS = (
     "watermark",
     "target_tpot_ms",
 )
-DEFAULT_COMPILE_CACHE = "~/.cache/ouro_jax/xla"
 
 
 class _NewRequest:
@@ -310,7 +309,7 @@ class LLM:
             )
 
         t_start = time.perf_counter()
-        cache = self._enable_compile_cache(cfg.compile_cache_dir)
+        cache = self.enable_compile_cache(cfg.compile_cache_dir)
         # our own store of compiled executables, inside JAX's cache folder (docs/decisions.md, "Start-up")
         self.executable_store = (
             ExecutableStore(os.path.join(cache, "ouro_executables")) if cfg.executable_store and cache else None
@@ -387,8 +386,7 @@ class LLM:
             changes["fused_decode_max_rows"] = (
                 0 if fused_tp_broken else default_fused_decode_max_rows(backend, cfg.max_num_seqs)
             )
-        if cfg.compile_cache_dir is None:
-            changes["compile_cache_dir"] = os.path.expanduser(DEFAULT_COMPILE_CACHE)
+        changes["compile_cache_dir"] = cfg.cache_dir()
         if cfg.enable_prefix_caching is None:
             changes["enable_prefix_caching"] = DEFAULT_ENABLE_PREFIX_CACHING and cfg.kv_layout == "last_exited"
         return dataclasses.replace(cfg, **changes)
@@ -402,7 +400,7 @@ class LLM:
 
     # ------------------------------------------------------------------------------ setup
     @staticmethod
-    def _enable_compile_cache(path: str) -> Optional[str]:
+    def enable_compile_cache(path: str) -> Optional[str]:
         """Persistent XLA compilation cache (and autotune results with it): a restart compiles nothing.
         Returns its folder, None when it is off."""
         if path.lower() in ("", "off", "none"):

@@ -29,14 +29,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .config import OuroConfig
+from pallas_kernels.rope import apply_rope, rope_cos_sin
+from weights.config import OuroConfig
 
 __all__ = [
     "OuroModel",
     "OuroDecoderLayer",
     "RMSNorm",
-    "rope_cos_sin",
-    "apply_rope",
     "init_params",
     "Attention",
     "dtype_of",
@@ -80,25 +79,6 @@ class RMSNorm(nn.Module):
     def __call__(self, x, out_dtype=None):
         w = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         return rms_norm(x, w, self.eps).astype(self.dtype if out_dtype is None else out_dtype)
-
-
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin ``[..., hd]`` in float32 for absolute positions (identical in every loop)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """``x * cos + rotate_half(x) * sin`` (halves split, not interleaved); x is ``[..., heads, hd]``."""
-    half = x.shape[-1] // 2
-    x32 = x.astype(jnp.float32)
-    # rotate_half, [-x2, x1]: the two halves reversed and multiplied by (-1, 1), an elementwise
-    # expression for XLA (the same values as concatenating the halves)
-    halves = jnp.flip(x32.reshape(*x.shape[:-1], 2, half), axis=-2)
-    rot = (halves * jnp.array([-1.0, 1.0], jnp.float32)[:, None]).reshape(x.shape)
-    return (x32 * cos[..., None, :] + rot * sin[..., None, :]).astype(x.dtype)
 
 
 def _dense(features: int, dtype, use_bias: bool = False) -> nn.Module:

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .config import OuroConfig
+from weights.config import OuroConfig
 
 __all__ = [
     "TP_AXIS",

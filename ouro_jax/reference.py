@@ -20,9 +20,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from weights.config import OuroConfig
 from weights.hf_names import get_path, hf_name_to_path, hf_tensor_shapes
-
-from .config import OuroConfig
 
 __all__ = [
     "RefWeights",

@@ -55,10 +55,10 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.dispatch import resolve_attention
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import StepResult
+from weights.config import OuroConfig
 
 from . import fused_step
 from .compiler_options import step_options
-from .config import OuroConfig
 from .engine_config import EngineConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
 from .model import fuse_layer_params
@@ -450,13 +450,19 @@ class ModelRunner:
             out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed)
         self.k_pool, self.v_pool, self.ring, gates, tokens = out[:5]
         if sample and not fused and len(out) > 5:
-            skey = SamplerKey(key.C)
-            sampler = self._exe.get(skey)
-            if sampler is None:
-                sampler = self._compile(skey)  # not warmed up: counted in `compilations`
-            tokens = sampler(self._top_leaves, out[5], out[6])
+            tokens = self.launch_sampler(SamplerKey(key.C), out[5], out[6])
             self.sampler_launches += 1
         return gates, tokens
+
+    def launch_sampler(self, key: SamplerKey, h: jax.Array, words: jax.Array) -> jax.Array:
+        """Run the separate sampler of coda size ``key.C`` on hidden states ``h [C, d]`` and sampling
+        words ``[packed_shape(key)]`` on the runner's device (``put``); returns its tokens on the
+        device. ``launch`` runs it after a one-loop step whose coda row samples; benchmarks time it
+        alone. A key not warmed up compiles first."""
+        sampler = self._exe.get(key)
+        if sampler is None:
+            sampler = self._compile(key)  # not warmed up: counted in `compilations`
+        return sampler(self._top_leaves, h, words)
 
     def _previous(self, C: int) -> jax.Array:
         """The last tokens of the latest fused step of coda size ``C`` (zeros before the first):
@@ -470,7 +476,12 @@ class ModelRunner:
     def upload(self, desc) -> jax.Array:
         """``desc``'s packed buffer on the runner's device (``device_put``: ``jnp.asarray`` would
         stage it through a small jitted copy per shape)."""
-        return jax.device_put(desc.pack(), self._upload_to)
+        return self.put(desc.pack())
+
+    def put(self, array) -> jax.Array:
+        """A host array on the runner's device, placed as the executables take their inputs (a
+        packed descriptor, the sampler's inputs: ``launch_sampler``)."""
+        return jax.device_put(array, self._upload_to)
 
     def sampler_keys(self, keys: Iterable) -> list:
         """The separate samplers the one-loop buckets among ``keys`` may launch (none under tensor

@@ -44,11 +44,11 @@ import numpy as np
 from pallas_kernels import copy_kv_slots, write_kv
 from pallas_kernels.choices import check_attention
 from pallas_kernels.dispatch import AttentionKernel, choose_attention
+from weights.config import OuroConfig
 
 from . import exit_rule
 from .attention import DenseCausalAttention
 from .compiler_options import step_options
-from .config import OuroConfig
 from .device_memory import device_memory
 from .model import OuroModel, dtype_of, fuse_layer_params
 from .paged_attention import PagedAttention, fuses_rope

@@ -23,11 +23,12 @@ import numpy as np
 
 from pallas_kernels import copy_kv_slots
 from pallas_kernels.dispatch import choose_attention
+from pallas_kernels.rope import rope_cos_sin
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import HEADER, descriptor_layout, exit_words
+from weights.config import OuroConfig
 
-from .config import OuroConfig
-from .model import OuroDecoderLayer, OuroModel, dtype_of, rope_cos_sin
+from .model import OuroDecoderLayer, OuroModel, dtype_of
 from .paged_attention import PagedAttention, fuses_rope
 from .parallel import TP_AXIS, local_config, vocab_parallel_embed, vocab_parallel_logits
 from .sampling import greedy, row_keys, sample, sample_stochastic

@@ -10,7 +10,7 @@ rotated queries to a new ``[R, G * g, hd]`` array and the key and value into the
 rows' slots. The pools are aliased to the outputs, so inside a jitted step that owns them (donated,
 or carried through the layer loop) XLA updates them in place, as it does the scatter.
 
-RoPE is the model's (``model.apply_rope``: halves split, ``x * cos + rotate_half(x) * sin`` in
+RoPE is the model's (``pallas_kernels.rope.apply_rope``: halves split, ``x * cos + rotate_half(x) * sin`` in
 float32, then the input's dtype), written per half: ``x1 * c1 + (-x2) * s1`` and ``x2 * c2 + x1 *
 s2``. Rows past ``R``'s real count need no special case: a row with ``slot < 0`` writes nothing into
 the pools (its rotated query is still stored; nothing reads it).
@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_cache import write_kv
+from pallas_kernels.rope import apply_rope
 
 __all__ = ["rope_write_kv", "rope_write_kv_reference", "ROWS_PER_PROGRAM"]
 
@@ -61,9 +62,7 @@ def _check(qkv, cos, sin, k_pages, v_pages, slots):
 
 
 def rope_write_kv_reference(qkv, cos, sin, k_pages, v_pages, slots, *, layer):
-    """Twin of :func:`rope_write_kv`: ``model.apply_rope`` on q and k, ``write_kv`` of k and v."""
-    from ouro_jax.model import apply_rope
-
+    """Twin of :func:`rope_write_kv`: ``apply_rope`` on q and k, ``write_kv`` of k and v."""
     _check(qkv, cos, sin, k_pages, v_pages, slots)
     R, G, g2, hd = qkv.shape
     g = g2 - 2
@@ -138,7 +137,7 @@ def rope_write_kv(
     """Rotated queries ``[R, G * g, hd]`` (qkv's dtype) and the pools with each row's rotated key
     and value written at ``[layer, :, slot]`` (see the module docstring).
 
-    ``qkv``: ``[R, G, g + 2, hd]``; ``cos``/``sin``: ``[R, hd]`` (``model.rope_cos_sin``);
+    ``qkv``: ``[R, G, g + 2, hd]``; ``cos``/``sin``: ``[R, hd]`` (``pallas_kernels.rope.rope_cos_sin``);
     ``k_pages``/``v_pages``: ``[L, KVH, NB, BS, hd]``; ``slots``: ``[R]`` flat slot (``page * BS +
     offset``) of each row at its plane, ``-1`` for rows that write nothing; ``layer``: traced int.
     """

@@ -14,8 +14,10 @@
 Every problem with a checkpoint raises :class:`CheckpointError` (a ``ValueError``) naming the file and
 tensor; a non-empty destination raises ``FileExistsError`` unless ``overwrite=True``.
 
-The package depends on ``ouro_jax.config`` alone.  Its names are imported lazily, so that the jax-free
-``weights.hf_names`` (tensor names and shapes) stays importable without jax (the numpy reference uses it).
+``weights.config`` holds ``OuroConfig`` (what a checkpoint's ``config.json`` holds) and the presets. The package
+imports nothing of ``ouro_jax`` (which sits above it).  Its names are imported lazily, so that the jax-free
+``weights.config`` and ``weights.hf_names`` (tensor names and shapes) stay importable without jax (the numpy
+reference uses them).
 """
 
 _LAZY = {

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ouro_jax.config import OuroConfig
-
+from .config import OuroConfig
 from .hf_names import hf_tensor_shapes
 
 CONFIG_NAME = "config.json"

@@ -7,9 +7,8 @@ import shutil
 
 import numpy as np
 
-from ouro_jax.config import OuroConfig, get_preset
-
 from ._common import CONFIG_NAME, MARKER_NAME, CheckpointError, canonical_dtype, dtype_name, place, prepare_dst
+from .config import OuroConfig, get_preset
 from .hf import iter_hf_tensors, load_hf, open_hf, write_hf
 from .hf_names import hf_name_to_path, hf_tensor_shapes, set_path
 from .orbax_io import load_orbax, save_orbax

@@ -10,9 +10,8 @@ from typing import Iterator
 
 import numpy as np
 
-from ouro_jax.config import OuroConfig
-
 from ._common import CONFIG_NAME, INDEX_FILE, SINGLE_FILE, CheckpointError, check_inventory, place, read_config
+from .config import OuroConfig
 from .hf_names import hf_name_to_path, hf_tensor_shapes, set_path
 from .safetensors_io import read_header, read_tensors, write_safetensors
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from typing import Iterator
 
-from ouro_jax.config import OuroConfig
+from .config import OuroConfig
 
 __all__ = [
     "hf_tensor_shapes",

@@ -14,8 +14,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ouro_jax.config import OuroConfig
-
 from ._common import (
     CONFIG_NAME,
     FORMAT_NAME,
@@ -28,6 +26,7 @@ from ._common import (
     dtype_name,
     read_config,
 )
+from .config import OuroConfig
 from .hf_names import iter_paths, path_to_hf_name
 
 

@@ -14,8 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ouro_jax.config import OuroConfig
-
+from .config import OuroConfig
 from .hf_names import hf_name_to_path, hf_tensor_shapes, set_path
 
 __all__ = ["random_hf_tensors", "random_params"]

@@ -81,7 +81,7 @@ def add_generate(sub) -> None:
 
 
 def _num_loops(model) -> int:
-    from ouro_jax.config import PRESETS, OuroConfig
+    from weights.config import PRESETS, OuroConfig
 
     if model in PRESETS:
         return PRESETS[model].num_loops

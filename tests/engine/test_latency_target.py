@@ -323,8 +323,8 @@ def test_target_off_builds_no_latency_state():
 # ------------------------------------------------------------------------------ LLM
 @pytest.mark.slow
 def test_llm_plumbs_target_and_measures_invocations():
-    from ouro_jax.config import get_preset
     from ouro_jax.llm import LLM
+    from weights.config import get_preset
     from weights.random_init import random_params
 
     cfg = get_preset("tiny")
@@ -432,7 +432,7 @@ def test_run_targets_and_their_fields():
     from benchmarks import run
     from benchmarks.floors import decode_step_floor
     from benchmarks.workloads import make
-    from ouro_jax.config import get_preset
+    from weights.config import get_preset
 
     a = run.parser().parse_args(
         ["--workload", "decode_under_prefill", "--target-tpot-ms", "20", "--target-tpot-floor-multiple", "2", "3"]

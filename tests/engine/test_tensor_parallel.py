@@ -132,7 +132,7 @@ def test_param_specs_follow_megatron_layout():
 def test_shards_hold_their_slice():
     out = run_script(
         """
-        from ouro_jax.config import get_preset
+        from weights.config import get_preset
         from ouro_jax.runner import ModelRunner
         from weights.random_init import random_params
         cfg = get_preset("tiny")

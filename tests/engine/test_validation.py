@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from ouro_jax import LLM, SamplingParams, generate, get_preset
-from ouro_jax.config import OuroConfig
 from ouro_jax.engine_config import dtype_option
 from weights import CheckpointError, load_checkpoint, save_random
+from weights.config import OuroConfig
 
 TINY = get_preset("tiny")
 SMALL = dict(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=8, block_size=4, max_model_len=32)

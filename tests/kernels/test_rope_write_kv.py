@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ouro_jax.model import rope_cos_sin
+from pallas_kernels.rope import rope_cos_sin
 from pallas_kernels.rope_write_kv import rope_write_kv, rope_write_kv_reference
 
 
@@ -24,15 +24,37 @@ def _case(rng, R, G, g, hd, L, NB, BS, dtype, pad_every=0, first_slot=False):
     pool = (np.arange(L * G * n * hd, dtype=np.float64).reshape(L, G, NB, BS, hd) * 0.25 - 3.0).astype(np.float32)
     pool[rng.random(pool.shape) < 0.05] = np.nan
     slots = rng.permutation(n)[:R].astype(np.int32)
-    if first_slot:
+    if first_slot:  # row R // 2 writes slot 0: swapped there, so that no other row keeps it
+        slots[slots == 0] = slots[R // 2]
         slots[R // 2] = 0
     if pad_every:
         slots[::pad_every] = -1
         if first_slot and (R // 2) % pad_every == 0:
             slots[R // 2] = 0
+    _assert_distinct(slots)
     kp = jnp.asarray(pool, dtype)
     vp = jnp.asarray(pool[::-1].copy(), dtype)
     return jnp.asarray(qkv, dtype), cos, sin, kp, vp, jnp.asarray(slots)
+
+
+def _assert_distinct(slots):
+    """Real rows (slot >= 0) write distinct slots: two rows on one slot leave either value (the
+    kernel's contract, and ``write_kv``'s), which the CPU's scatter orders and the GPU's does not."""
+    real = np.asarray(slots)[np.asarray(slots) >= 0]
+    assert len(np.unique(real)) == len(real), f"two real rows share a slot: {np.sort(real)}"
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("R, NB, BS, pad_every", [(37, 20, 4, 5), (16, 6, 16, 3), (8, 5, 16, 4), (5, 2, 4, 0)])
+def test_case_builder_slots_distinct(seed, R, NB, BS, pad_every):
+    """The builder's slots: distinct among real rows, row ``R // 2`` on slot 0 with ``first_slot``
+    even where the permutation already put 0 elsewhere (the case that failed ``shape1`` on the GPU),
+    padding rows -1."""
+    slots = np.asarray(_case(np.random.default_rng(seed), R, 1, 1, 16, 1, NB, BS, jnp.float32, pad_every, True)[-1])
+    _assert_distinct(slots)
+    assert slots[R // 2] == 0
+    if pad_every:
+        assert all(slots[i] == -1 for i in range(0, R, pad_every) if i != R // 2)
 
 
 def _np_expected(qkv, cos, sin, kp, vp, slots, layer):

@@ -105,7 +105,7 @@ def test_checkpoint_threshold_is_not_a_default():
     other than 1.0 says so, since a checkpoint author may have meant it as a default."""
     import warnings
 
-    from ouro_jax.config import OuroConfig
+    from weights.config import OuroConfig
 
     base = OuroConfig().to_dict()
     assert "early_exit_threshold" not in base

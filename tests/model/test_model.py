@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from ouro_jax import forward, generate, get_preset
-from ouro_jax.model import OuroDecoderLayer, OuroModel, fuse_layer_params, rope_cos_sin
+from ouro_jax.model import OuroDecoderLayer, OuroModel, fuse_layer_params
 from ouro_jax.reference import from_param_tree, reference_forward, reference_greedy_generate, select_logits
+from pallas_kernels.rope import rope_cos_sin
 from weights.random_init import random_params
 
 PRESETS = ["tiny", "tiny-gqa"]
@@ -194,7 +195,7 @@ def test_generate_rejects_bad_input(kw, msg):
 
 
 def test_config_validation_and_hf_roundtrip(tmp_path):
-    from ouro_jax.config import OuroConfig
+    from weights.config import OuroConfig
 
     cfg = get_preset("tiny-gqa")
     cfg.to_json(tmp_path)

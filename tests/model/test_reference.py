@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ouro_jax.config import get_preset
 from ouro_jax.reference import (
     exit_decision,
     exit_distribution,
@@ -22,6 +21,7 @@ from ouro_jax.reference import (
     rope_cos_sin,
     select_logits,
 )
+from weights.config import get_preset
 from weights.hf_names import hf_name_to_path, set_path
 from weights.random_init import random_hf_tensors
 

@@ -13,8 +13,8 @@ from safetensors.numpy import load_file, save_file
 
 import weights
 from ouro_jax.cli import main
-from ouro_jax.config import get_preset
 from weights import CheckpointError
+from weights.config import get_preset
 from weights.hf_names import get_path, hf_name_to_path, iter_paths, param_shapes
 from weights.random_init import random_hf_tensors
 

@@ -4,6 +4,9 @@ The model code never assumes the released sizes: grouped-query attention, other 
 other loop counts ``T`` are all legal, because the tiny test presets use them.  What the code does
 *not* implement (sliding windows, rope scaling, attention bias, tied embeddings, activations other
 than SiLU) is rejected here with an error that names the field, before any weight is touched.
+
+It lives in ``weights`` (below ``ouro_jax``, jax-free) because it is what a checkpoint's ``config.json``
+holds; ``ouro_jax`` re-exports ``OuroConfig``, ``PRESETS`` and ``get_preset``.
 """
 
 from __future__ import annotations
