@@ -20,30 +20,13 @@ from __future__ import annotations
 import jax
 
 from . import envs
+from .engine_config import parse_xla_options
 
-__all__ = ["FUSED_COMMAND_BUFFER", "parse_options", "step_options"]
+__all__ = ["FUSED_COMMAND_BUFFER", "step_options"]
 
 # XLA's default command-buffer kinds as its source sets them (debug_options_flags.cc; not read back
 # from jax 0.11.2's build, which accepts every name here) plus CONDITIONAL and WHILE.
 FUSED_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"
-
-
-def parse_options(text: str, option: str) -> dict:
-    """``text`` parsed into compiler options; ``ValueError`` names the ``option`` and an entry that
-    is not ``name=value`` with an ``xla_`` name."""
-    out = {}
-    for entry in filter(None, (e.strip() for e in text.split(";"))):
-        name, sep, value = (x.strip() for x in entry.partition("="))
-        if not sep or not name.startswith("xla_"):
-            raise ValueError(f"{option}: {entry!r} is not 'xla_name=value' (entries split by ';')")
-        low = value.lower()
-        if low in ("true", "false"):
-            out[name] = low == "true"
-        elif value.lstrip("-").isdigit():
-            out[name] = int(value)
-        else:
-            out[name] = value
-    return out
 
 
 def step_options(fused: bool = False, extra: str | None = None) -> dict:
@@ -74,5 +57,5 @@ def step_options(fused: bool = False, extra: str | None = None) -> dict:
         opts["xla_gpu_enable_cub_radix_sort"] = False
     if extra is None:  # generate(): no engine config
         extra = envs.FUSED_XLA_OPTIONS if fused else envs.STEP_XLA_OPTIONS
-    opts.update(parse_options(extra, "fused_xla_options" if fused else "step_xla_options"))
+    opts.update(parse_xla_options(extra, "fused_xla_options" if fused else "step_xla_options"))
     return opts

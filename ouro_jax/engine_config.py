@@ -40,6 +40,7 @@ __all__ = [
     "engine_overrides",
     "from_arguments",
     "from_overrides",
+    "parse_xla_options",
     "to_argv",
 ]
 
@@ -134,11 +135,28 @@ def _text(name, v):
     return v
 
 
-def _xla_options(name, v):
-    from .compiler_options import parse_options
+def parse_xla_options(text: str, option: str) -> dict:
+    """``"xla_name=value;..."`` parsed into XLA compiler options (``true``/``false``, integers, else
+    strings, e.g. ``xla_gpu_enable_command_buffer=`` for none); ``ValueError`` names the ``option``
+    and an entry that is not ``name=value`` with an ``xla_`` name."""
+    out = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        name, sep, value = (x.strip() for x in entry.partition("="))
+        if not sep or not name.startswith("xla_"):
+            raise ValueError(f"{option}: {entry!r} is not 'xla_name=value' (entries split by ';')")
+        low = value.lower()
+        if low in ("true", "false"):
+            out[name] = low == "true"
+        elif value.lstrip("-").isdigit():
+            out[name] = int(value)
+        else:
+            out[name] = value
+    return out
 
+
+def _xla_options(name, v):
     _text(name, v)
-    parse_options(v, name)  # the entries' grammar, checked now; parsed again where compiled
+    parse_xla_options(v, name)  # the entries' grammar, checked now; parsed again where compiled
     return v
 
 

@@ -598,18 +598,10 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Add the prompts and yield a ``RequestOutput`` each time one of them gets tokens or
         finishes; returns once every one of them has finished."""
-        ids = self._add_all(prompts, sampling_params)
-        left = set(ids)
-        while left:
-            outs = self._collect(left)
-            if not outs and not self.scheduler.has_unfinished():
-                raise RuntimeError(f"requests {sorted(map(str, left))} were lost")  # the lifecycle rule broke
-            for out in outs:
-                if out.finished:
-                    left.discard(out.request_id)
-                if self.tokenizer is not None and out.text is None:
-                    out.text = self.tokenizer.decode(out.token_ids)
-                yield out
+        for out in self._run(self._add_all(prompts, sampling_params)):
+            if self.tokenizer is not None and out.text is None:
+                out.text = self.tokenizer.decode(out.token_ids)
+            yield out
 
     def generate(
         self,
@@ -620,23 +612,18 @@ class LLM:
         """Run every prompt to completion; outputs in the order of ``prompts``. Requests added
         with ``add_request`` keep running alongside; their outputs wait for the next ``step()``."""
         ids = self._add_all(prompts, sampling_params)
-        left, final = set(ids), {}
+        final = {}
         bar = None
         if self.config.progress if use_tqdm is None else use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         try:
-            while left:
-                outs = self._collect(left)
-                if not outs and not self.scheduler.has_unfinished():
-                    raise RuntimeError(f"requests {sorted(map(str, left))} were lost")
-                for out in outs:
-                    if out.finished:
-                        left.discard(out.request_id)
-                        final[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
+            for out in self._run(ids):
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
@@ -644,6 +631,19 @@ class LLM:
             if self.tokenizer is not None and out.text is None:
                 out.text = self.tokenizer.decode(out.token_ids)
         return [final[i] for i in ids]
+
+    def _run(self, ids: Sequence) -> Iterator[RequestOutput]:
+        """The one loop of ``generate`` and ``stream``: step until every request of ``ids`` has
+        finished, yielding their outputs as they come (others' wait for ``step()``)."""
+        left = set(ids)
+        while left:
+            outs = self._collect(left)
+            if not outs and not self.scheduler.has_unfinished():
+                raise RuntimeError(f"requests {sorted(map(str, left))} were lost")  # the lifecycle rule broke
+            for out in outs:
+                if out.finished:
+                    left.discard(out.request_id)
+                yield out
 
     def _add_all(self, prompts, sampling_params) -> list:
         if _is_single_prompt(prompts):

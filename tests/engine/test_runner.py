@@ -134,9 +134,9 @@ def test_fused_xla_option_overrides(monkeypatch):
     options to fused steps only (GPU), ``step_xla_options`` to one-loop steps only, and a malformed
     entry is refused by the config, naming the field."""
     from ouro_jax import compiler_options as co
-    from ouro_jax.engine_config import EngineConfig
+    from ouro_jax.engine_config import EngineConfig, parse_xla_options
 
-    parse = lambda text: co.parse_options(text, "fused_xla_options")  # noqa: E731
+    parse = lambda text: parse_xla_options(text, "fused_xla_options")  # noqa: E731
     assert parse("") == {} and parse(" ; ") == {}
     got = parse("xla_gpu_command_buffer_update_mode=SKIP_TEMP; xla_gpu_enable_cublaslt=false;xla_gpu_autotune_level=2")
     assert got == {

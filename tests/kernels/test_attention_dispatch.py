@@ -74,16 +74,18 @@ def test_every_cli_offers_the_attention_choices_of_dispatch():
     import sys
 
     from benchmarks import profile_step, run
-    from ouro_jax.server.cli_commands import add_engine_args
+    from ouro_jax.engine_config import add_arguments
+    from ouro_jax.server.cli_commands import ENGINE_SECTIONS
 
     engine = argparse.ArgumentParser()
-    add_engine_args(engine)
+    add_arguments(engine, ENGINE_SECTIONS)
     for p in (engine, run.parser(), profile_step.parser()):
         (action,) = [a for a in p._actions if "--attention" in a.option_strings]
         assert tuple(action.choices) == dispatch.ATTENTION
     # the CLIs list them without importing jax (``ouro-jax --help`` stays fast)
     code = (
         "import sys, ouro_jax.cli, ouro_jax.server.cli_commands, benchmarks.profile_step; "
+        "from ouro_jax.engine_config import EngineConfig; EngineConfig(fused_xla_options='xla_a=1'); "
         "bad = [m for m in ('jax', 'flax') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -102,8 +102,9 @@ def test_serve_subprocess_cached_start_and_sigterm_drain(ckpt):
         (["generate", "tiny", "hello"], "no tokenizer"),
         (["generate", "tiny", "1 2", "--exit-threshold", "2"], "exit_threshold"),
         (["generate", "no-such-model", "1 2"], "preset"),
-        (["serve", "tiny", "--port", "70000"], "--port"),
-        (["serve", "tiny", "--buckets", "8,x"], "--buckets"),
+        (["serve", "tiny", "--port", "70000"], "port must lie in [0, 65535]"),
+        (["serve", "tiny", "--max-num-seqs", "64", "--max-num-batched-tokens", "8"], "max_num_batched_tokens (8)"),
+        (["demo", "--prefill-mode", "wavefront", "--kv-layout", "shared"], "kv_layout='last_exited'"),
     ],
 )
 def test_cli_rejects_bad_input_before_building(argv, msg, capsys):
@@ -115,14 +116,34 @@ def test_cli_rejects_bad_input_before_building(argv, msg, capsys):
     assert time.perf_counter() - t < 5  # no engine was built
 
 
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["serve", "tiny", "--buckets", "8,x"], "argument --buckets: expected comma separated integers"),
+        (["serve", "tiny", "--prefill-mode", "chunked"], "argument --prefill-mode: invalid choice"),
+        (["generate", "tiny", "1", "--max-num-seqz", "4"], "unrecognized arguments: --max-num-seqz"),
+    ],
+)
+def test_cli_flags_are_parsed_as_the_fields_declare(argv, msg, capsys):
+    """A flag's value is refused by the parser (a usage error, exit 2), naming the flag."""
+    from ouro_jax.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+    assert time.perf_counter() - t < 5  # no engine was built
+
+
 def test_engine_switches_reach_the_engine_only_when_given():
     import argparse
 
-    from ouro_jax.server.cli_commands import add_engine_args, engine_kwargs
+    from ouro_jax.engine_config import add_arguments, from_arguments
+    from ouro_jax.server.cli_commands import ENGINE_SECTIONS
 
     p = argparse.ArgumentParser()
-    add_engine_args(p)
-    kw = lambda *argv: engine_kwargs(p.parse_args(list(argv)))  # noqa: E731
+    add_arguments(p, ENGINE_SECTIONS)
+    kw = lambda *argv: from_arguments(p.parse_args(list(argv)))  # noqa: E731
     assert kw() == {}  # left out: the LLM defaults
     assert kw("--no-async-scheduling", "--enable-prefix-caching") == dict(
         async_scheduling=False, enable_prefix_caching=True
