@@ -132,7 +132,6 @@ def test_cli_flags_are_parsed_as_the_fields_declare(argv, msg, capsys):
         main(argv)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
-    assert time.perf_counter() - t < 5  # no engine was built
 
 
 def test_engine_switches_reach_the_engine_only_when_given():
