@@ -1,8 +1,8 @@
 """Two devices (issue #17): tensor parallel against one device, data-parallel replicas against one
 engine, and the all-reduce against the bus bandwidth measured on the same machine.
 
-    python -m benchmarks.multi_gpu --out benchmarks/results/multi_gpu                       # Ouro-1.4B shapes
-    python -m benchmarks.multi_gpu --preset ouro-2.6b --out benchmarks/results/multi_gpu
+    python -m benchmarks.multi_gpu --out benchmarks/results                       # Ouro-1.4B shapes
+    python -m benchmarks.multi_gpu --preset ouro-2.6b --out benchmarks/results
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
         python -m benchmarks.multi_gpu --preset tiny --cpu-smoke --out /tmp/mgpu            # CPU smoke run
 
@@ -429,7 +429,7 @@ def plot(r: dict, path: str) -> Optional[str]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="ouro-1.4b", help="model shapes (random weights): ouro-1.4b, ouro-2.6b, tiny")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "multi_gpu"), help="output folder")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="output folder")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--batch", type=int, default=128, help="the throughput concurrency (and max_num_seqs)")
     p.add_argument("--prompt-len", type=int, default=128, help="throughput and serving prompts")

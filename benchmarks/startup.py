@@ -18,7 +18,7 @@ synthetic decode descriptor at ``--context`` tokens), so that one GPU call says 
 cold compiles cost run time. ``--check-reserialize`` says whether an executable deserialized once
 can be serialized again on this backend (``executable_store.RESERIALIZABLE_PLATFORMS``).
 
-    python -m benchmarks.startup --preset ouro-1.4b --compare-parallel --out benchmarks/results/startup_parallel.json
+    python -m benchmarks.startup --preset ouro-1.4b --compare-parallel --out /tmp/startup_parallel.json
     python -m benchmarks.startup --check-reserialize
 """
 

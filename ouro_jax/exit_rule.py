@@ -2,7 +2,7 @@
 
 The host rule (``scheduler.exit_policy``) is the definition; this module states the same rule on
 arrays so that every device path that decides exits (``static_generate``, ``full_forward``) uses
-one formula. ``tests/test_exit_rule.py`` checks the two against each other on random gates.
+one formula. ``tests/model/test_exit_rule.py`` checks the two against each other on random gates.
 ``synthetic`` exits are drawn on the host only; a fused decode step gets each row's draw as the
 forced-exit count of :func:`decide_exit_rows` (``scheduler.exit_policy.device_exit_params``).
 

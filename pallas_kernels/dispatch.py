@@ -8,7 +8,7 @@ per bucket), a forced kernel (``triton``, ``mgpu``, ``hybrid``) or ``reference``
 once (shared by every layer) and runs the kernel with it.
 
 The rule (:func:`select_kernel`; the H200 figures behind it are in docs/decisions.md, and
-tests/test_attention_dispatch.py checks it against benchmarks/results/attention_sweep.json):
+tests/kernels/test_attention_dispatch.py checks it against benchmarks/results/attention_sweep.json):
 
 * decode rows and short segments -> ``triton``: split-K over the context fills the GPU where the
   Mosaic kernel's 128-row tiles would be mostly padding;

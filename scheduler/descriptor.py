@@ -397,7 +397,7 @@ def build_decode_loops(
     key: BucketKey | None = None,
 ) -> list[BatchDescriptor]:
     """The descriptors of one decode token of ``n`` rows at loops ``0 .. len(planes) - 1``: each
-    exactly what ``build_descriptor`` gives for that loop (tests/test_descriptor.py checks), built
+    exactly what ``build_descriptor`` gives for that loop (tests/scheduler/test_descriptor.py checks), built
     from one shared layout instead of one general call a loop (the host builds them on a fused
     decode step's critical path).
 

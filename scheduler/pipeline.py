@@ -8,7 +8,7 @@ engine's fused step loses"). With ``ahead``, once a fused step is launched the s
 next one of the same rows (``Scheduler.schedule_ahead``: its first token is fed on the device from
 the last tokens of the step before) and the runner launches it before the host reads the first;
 the host then reads and applies step ``k`` while the device runs step ``k + 1``. The scheduler
-decides when that is allowed; tokens and exit depths do not change (tests/test_pipeline.py).
+decides when that is allowed; tokens and exit depths do not change (tests/scheduler/test_invariants.py).
 
 Works with any runner whose ``step(descriptor)`` returns a ``StepResult`` (``ModelRunner``,
 ``FakeRunner``); free of jax.

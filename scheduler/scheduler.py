@@ -657,7 +657,7 @@ class Scheduler:
         exits on the device, and hands the device's sampled token of one token to the next one's
         prelude, so it needs: ``_fusion_candidates``, every row at depth 0, every row with that
         many tokens left, and the blocks of every token. Tokens and exit depths are the same as
-        loop by loop (tests/test_fused_decode.py, tests/test_fused_exit.py): the sub-steps are the
+        loop by loop (tests/engine/test_fused_decode.py, tests/engine/test_fused_exit.py): the sub-steps are the
         descriptors the loop-by-loop path would build, and the device applies the same rule.
         """
         cfg = self.config

@@ -235,7 +235,7 @@ def test_bad_engine_configs():
 @pytest.mark.slow
 def test_kv_exhaustion_waits_instead_of_failing():
     """A pool that holds one long request at a time: the others wait for blocks, none is dropped
-    (reserve allocation; on-demand allocation preempts instead: tests/test_preemption.py)."""
+    (reserve allocation; on-demand allocation preempts instead: tests/engine/test_preemption.py)."""
     llm = make_llm(num_blocks=4 * 17 + 1, max_model_len=64, kv_allocation="reserve")
     sp = SamplingParams(max_tokens=30, ignore_eos=True)
     outs = llm.generate([PROMPTS[5], PROMPTS[4], PROMPTS[3]], sp, use_tqdm=False)

@@ -5,7 +5,7 @@ loop by loop, against the fake model's dense reference (scheduler alone, numpy) 
 reference's greedy generation and the loop-by-loop engine (the JAX runner on a tiny model). The
 fused path must also really run (stats), compile nothing after start-up, and step aside whenever
 prompt work is pending or a request waits for admission. Rows that may exit early:
-tests/test_fused_exit.py.
+tests/engine/test_fused_exit.py.
 """
 
 import jax

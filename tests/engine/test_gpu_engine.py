@@ -94,7 +94,7 @@ def test_mosaic_kernel_engine_equals_triton_kernel_engine(model):
 def kernel_engines(model, seed: int, attentions) -> dict:
     """Tokens and exit depths per attention choice of the bf16 engine of
     ``test_mosaic_kernel_engine_equals_triton_kernel_engine`` (prompts drawn with ``seed``; also
-    run over other seeds by ``benchmarks/results/run25/seed_probe.py``)."""
+    run over other seeds by a probe, ``c47db58:benchmarks/results/run25/seed_probe.py``)."""
     cfg, params = model
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     rng = np.random.default_rng(seed)

@@ -132,7 +132,7 @@ def test_generate_greedy_fixed_depth_equals_reference(preset):
         ("tiny", 0.6, 1, None),
         pytest.param("tiny", 0.8, 2, 3, marks=pytest.mark.slow),
         pytest.param("tiny-gqa", 0.3, 1, None, marks=pytest.mark.slow),
-        # GQA early exit with max_loops: tests/test_static_generate.py keeps one in the default suite
+        # GQA early exit with max_loops: tests/model/test_static_generate.py keeps one in the default suite
         pytest.param("tiny-gqa", 0.45, 1, 2, marks=pytest.mark.slow),
     ],
 )

@@ -4,7 +4,7 @@ Fast: the router's decisions on made-up loads, validation, ``LLM(devices=...)`` 
 hashes the router compares. Slow: this file run as a script in a fresh interpreter with two host
 devices (``--xla_force_host_platform_device_count`` must be set before JAX starts): a DP=2 server
 (thread mode) over real HTTP with the openai client, and ``ouro-jax serve --data-parallel-size 2``
-(worker processes, the default) drained by SIGTERM. tests/test_replica_processes.py tests the
+(worker processes, the default) drained by SIGTERM. tests/server/test_replica_processes.py tests the
 worker processes in depth.
 """
 
