@@ -1,4 +1,4 @@
-"""Host time of one fused decode step's schedule: ``Scheduler._schedule_fused`` and the
+"""Host time of one fused decode step's schedule: ``Scheduler.fused_plan`` and the
 descriptor's ``pack()``, best of N, at c decoding rows (the scheduler and the fake runner only: no
 device, so it runs anywhere and isolates the scheduler's share of a fused launch's host time).
 
@@ -27,7 +27,7 @@ __all__ = ["measure", "main"]
 
 
 def measure(concurrency: int, reps: int = 300, prompt_len: int = 1024, exit_threshold: float = 0.5) -> dict:
-    """Best-of-``reps`` host seconds of ``_schedule_fused`` (one token) and of ``pack()`` at
+    """Best-of-``reps`` host seconds of ``fused_plan`` (one token) and of ``pack()`` at
     ``concurrency`` decoding rows."""
     cfg = SchedulerConfig(
         num_loops=4,
@@ -57,7 +57,7 @@ def measure(concurrency: int, reps: int = 300, prompt_len: int = 1024, exit_thre
     best_schedule = best_pack = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        plan = s._schedule_fused(rows, [], 1, 1)
+        plan = s.fused_plan(rows, [], 1, 1)
         best_schedule = min(best_schedule, time.perf_counter() - t)
         t = time.perf_counter()
         plan.descriptor.pack()
@@ -80,7 +80,7 @@ def main(argv=None) -> list:
         r = measure(c, a.reps, a.prompt_len, a.exit_threshold)
         records.append(r)
         us = {k: f"{r[k] * 1e6:.0f} us" for k in ("schedule_fused_s", "pack_s")}
-        print(f"c={c}: _schedule_fused {us['schedule_fused_s']}, pack {us['pack_s']} (best of {a.reps})")
+        print(f"c={c}: fused_plan {us['schedule_fused_s']}, pack {us['pack_s']} (best of {a.reps})")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(benchmark="host_schedule", argv=list(argv or []), records=records), f, indent=1)

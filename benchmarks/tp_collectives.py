@@ -40,7 +40,7 @@ def collectives(preset: str, tp: int, rows: int) -> collections.Counter:
         attention="reference",
     )
     key = BucketKey(R=rows, S=rows, C=rows, F=0, MB=llm.scheduler.bucket_spec.max_blocks_per_seq)
-    text = llm.runner._lower(key).compile().as_text()
+    text = llm.runner.lower(key).compile().as_text()
     return collections.Counter((m.group(2), m.group(1)) for m in COLLECTIVE.finditer(text))
 
 

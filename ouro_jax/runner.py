@@ -263,7 +263,7 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         return 2 * self.k_pool.size * self.k_pool.dtype.itemsize
 
-    def _lower(self, key):
+    def lower(self, key):
         """Trace and lower ``key``: a ``BucketKey`` (one loop) or ``(BucketKey, n)`` (a fused decode step)."""
         # tensor parallel or pinned: the arguments' shardings (the pools' in place, donated); None on
         # the default device, so that its executables stay exactly the unpinned ones
@@ -340,7 +340,7 @@ class ModelRunner:
             return self._exe[key]
         t = time.perf_counter()
         before = jax_cache_hits_in_thread()
-        exe = (lowered or self._lower(key)).compile(self.compiler_options(key))
+        exe = (lowered or self.lower(key)).compile(self.compiler_options(key))
         dt = time.perf_counter() - t
         if self.store is not None:
             t = time.perf_counter()
@@ -399,7 +399,7 @@ class ModelRunner:
                 self._compile(k, try_store=False)
                 done(1)
         elif todo:
-            lowered = [(k, self._lower(k)) for k in todo]
+            lowered = [(k, self.lower(k)) for k in todo]
             with ThreadPoolExecutor(max_workers=min(threads, len(lowered))) as pool:
                 for _ in pool.map(lambda kl: self._compile(*kl, try_store=False), lowered):
                     done(1)

@@ -516,7 +516,7 @@ class Scheduler:
         sel = self._align_for_fusion(sel)
         fused = self._fused_tokens(sel, finalize)
         if fused:
-            plan = self._inflight = self._schedule_fused(sel.decode, finalize, fused)
+            plan = self._inflight = self.fused_plan(sel.decode, finalize, fused)
             self._stats["schedule_time_s"] += time.perf_counter() - t0
             return plan
         last_exited = cfg.kv_layout == "last_exited"
@@ -712,12 +712,12 @@ class Scheduler:
         want = self._tokens_that_fit(rows, done)
         if not want:
             return None
-        ahead = self._ahead = self._schedule_fused(rows, [], want, done)
+        ahead = self._ahead = self.fused_plan(rows, [], want, done)
         self._stats["ahead_launches"] += 1
         self._stats["schedule_time_s"] += time.perf_counter() - t0
         return ahead
 
-    def _schedule_fused(self, rows: list[Request], finalize: list, tokens: int, done: int = 0) -> BatchPlan:
+    def fused_plan(self, rows: list[Request], finalize: list, tokens: int, done: int = 0) -> BatchPlan:
         """``tokens * T`` sub-steps (loop ``d`` of token ``j`` is sub-step ``j * T + d``), each
         the descriptor the loop-by-loop path builds for these rows at that loop, in one bucket;
         finalize copies go with sub-step 0, token ``j > 0`` embeds the token its row sampled on

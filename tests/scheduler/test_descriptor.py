@@ -171,7 +171,7 @@ def test_pack_unpack_round_trip(data):
 )
 def test_decode_loops_equal_one_build_per_loop(data, T, n, shared, fin_pairs, with_coda, feed, forced):
     """``build_decode_loops`` (a fused step's token, built once) gives, loop by loop, the very
-    buffers of ``build_descriptor`` with that loop's arguments, as ``_schedule_fused`` passed them
+    buffers of ``build_descriptor`` with that loop's arguments, as ``fused_plan`` passed them
     before: prelude, finalize pairs and the feed flag at loop 0, the coda at the last loop, each
     loop's plane; with or without a forced key."""
     from scheduler.descriptor import build_decode_loops

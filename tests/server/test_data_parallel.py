@@ -138,7 +138,7 @@ def test_llm_devices_are_validated_before_loading(monkeypatch):
 
     monkeypatch.setattr(LLM, "_load", staticmethod(boom))
     d = jax.devices()[0]
-    for bad, msg in (("cpu", "sequence of jax devices"), ([0], "jax devices"), ([d, d], "tensor_parallel_size=1")):
+    for bad, msg in (("cpu", "sequence of jax devices"), ([0], "jax devices"), ([d, d], "devices must be distinct")):
         with pytest.raises(ValueError, match=msg):
             LLM("tiny", devices=bad, progress=False)
 
