@@ -183,15 +183,18 @@ def _field(
     *,
     section: str,
     help: str,
-    check: Callable,
+    check: Optional[Callable] = None,
     compile_free: bool = False,
     flag: bool = True,
     factory: Optional[Callable[[], Any]] = None,
     metavar: Optional[str] = None,
     choices: Optional[Sequence[str]] = None,
 ):
-    """A field and its declaration: ``compile_free`` fields stay out of :meth:`EngineConfig.compile_hash`
-    (they change no compiled program); ``flag=False`` fields get no command-line flag."""
+    """A field and its declaration: ``check`` (default: one of ``choices``) stores or refuses a value;
+    ``compile_free`` fields stay out of :meth:`EngineConfig.compile_hash` (they change no compiled
+    program); ``flag=False`` fields get no command-line flag."""
+    if check is None:
+        check = _choice(choices)
     meta = dict(
         section=section, help=help, check=check, compile_free=compile_free, flag=flag, metavar=metavar, choices=choices
     )
@@ -231,7 +234,6 @@ class EngineConfig:
         section="cache",
         help="KV of a token: one plane per depth, written by the loop that made it (last_exited), or one "
         "plane all loops overwrite (shared)",
-        check=_choice(KV_LAYOUTS),
         choices=KV_LAYOUTS,
     )
     num_blocks: Optional[int] = _field(
@@ -255,7 +257,6 @@ class EngineConfig:
         section="cache",
         help="on_demand: blocks as tokens need them, preemption when the pool runs out; reserve: prompt + "
         "max_tokens at admission",
-        check=_choice(KV_ALLOCATIONS),
         choices=KV_ALLOCATIONS,
         compile_free=True,
     )
@@ -284,14 +285,12 @@ class EngineConfig:
         "split",
         section="scheduler",
         help="how prompt chunks share invocations: split | mixed | wavefront",
-        check=_choice(PREFILL_MODES),
         choices=PREFILL_MODES,
     )
     policy: str = _field(
         "fcfs",
         section="scheduler",
         help="waiting-queue order: fcfs | priority",
-        check=_choice(POLICIES),
         choices=POLICIES,
         compile_free=True,
     )
@@ -383,7 +382,6 @@ class EngineConfig:
         section="kernels",
         help="attention kernel: auto (pallas on a GPU, reference elsewhere), pallas (chosen per bucket), a "
         "forced triton | mgpu | hybrid, or reference (jnp)",
-        check=_choice(ATTENTION),
         choices=ATTENTION,
     )
     # ------------------------------------------------------------------------- parallel

@@ -8,17 +8,15 @@ prompt work is pending or a request waits for admission. Rows that may exit earl
 tests/engine/test_fused_exit.py.
 """
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouro_jax import LLM, SamplingParams, get_preset
-from ouro_jax.reference import from_param_tree, reference_greedy_generate
+from ouro_jax import SamplingParams
+from ouro_jax.reference import reference_greedy_generate
 from scheduler import SchedulerConfig
 from scheduler.descriptor import StackedDescriptor, build_descriptor
-from tests.scheduler.test_invariants import VOCAB, check_against_reference, run_workload  # noqa: E402
-from weights.random_init import random_params
+from tests.engine.conftest import fused_engine, tiny_fused_parts
+from tests.scheduler.conftest import VOCAB, check_against_reference, run_workload  # noqa: E402
 
 
 # ------------------------------------------------------------------ scheduler + fake runner
@@ -147,25 +145,8 @@ def test_stacked_descriptor_contract():
 
 
 # ------------------------------------------------------------------------ the JAX engine
-CFG = get_preset("tiny")
-PARAMS = jax.tree.map(jnp.asarray, random_params(CFG, 0))
-REF = from_param_tree(CFG, random_params(CFG, 0))
-PROMPTS = [list(map(int, np.random.default_rng(1).integers(1, CFG.vocab_size, n))) for n in (3, 9, 17)]
-
-
-def _engine(**kw):
-    return LLM(
-        CFG,
-        params=PARAMS,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        prefill_chunk_size=8,
-        block_size=4,
-        max_model_len=48,
-        buckets=[8, 32],
-        progress=False,
-        **kw,
-    )
+CFG, PARAMS, REF, PROMPTS = tiny_fused_parts()
+_engine = fused_engine
 
 
 @pytest.mark.parametrize(
@@ -208,14 +189,14 @@ def test_fused_step_updates_the_pool_in_place():
     compiled step, and the donated buffers come back at the same address (a copy of a 120 GB pool
     would not even fit on the H200)."""
     from ouro_jax.runner import ModelRunner
-    from tests.kernels.test_kv_cache import _pool_copies
+    from tests.kernels.conftest import pool_copies
 
     llm = _engine(fused_decode_max_rows=4, fused_decode_tokens=2, warmup=False)
     r = llm.runner
     key = next(k for k in llm.executable_keys() if not hasattr(k, "R"))
     assert isinstance(r, ModelRunner) and len(key) == 2
     exe = r._compile(key)
-    assert not _pool_copies(exe.as_text(), r.k_pool.shape)
+    assert not pool_copies(exe.as_text(), r.k_pool.shape)
     ptr = r.k_pool.unsafe_buffer_pointer()
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=5, ignore_eos=True, exit_mode="fixed"), use_tqdm=False)
     assert llm.stats()["fused_launches"] > 0

@@ -26,8 +26,8 @@ from scheduler.exit_policy import (
     synthetic_exit_loops,
 )
 from scheduler.fake_runner import FakeRunner, reference_generate
-from tests.model.test_exit_rule import _too_close  # noqa: E402
-from tests.scheduler.test_invariants import VOCAB, Harness, check_against_reference, run_workload  # noqa: E402
+from tests.model.conftest import gates_near_threshold  # noqa: E402
+from tests.scheduler.conftest import VOCAB, Harness, check_against_reference, run_workload  # noqa: E402
 
 T = 4
 
@@ -67,7 +67,7 @@ def test_row_rule_twins_equal_host_rule(case):
     params = SamplingParams(min_loops=min_loops, max_loops=max_loops, exit_mode=mode, **kw)
     params.validate(t)
     if mode != "synthetic":
-        assume(not _too_close(gates, threshold, min_loops, max_loops, mode))
+        assume(not gates_near_threshold(gates, threshold, min_loops, max_loops, mode))
     tgt = synthetic_exit_loops(params, t, 0, 1) if mode == "synthetic" else None
     want = reference_exit_loops(params, t, gates, tgt)
     words = device_exit_params(params, t, tgt)
@@ -308,7 +308,10 @@ def test_random_exit_batches_match_reference(case):
 
 # ------------------------------------------------------------------------------ the JAX engine
 # the engines of test_fused_decode (same shapes: the session's compilation cache serves both)
-from tests.engine.test_fused_decode import CFG, _engine  # noqa: E402
+from tests.engine.conftest import fused_engine as _engine  # noqa: E402
+from tests.engine.conftest import tiny_fused_parts  # noqa: E402
+
+CFG = tiny_fused_parts()[0]
 
 PROMPTS = [list(map(int, np.random.default_rng(2).integers(1, CFG.vocab_size, n))) for n in (3, 9, 17, 5, 12, 2, 7)]
 

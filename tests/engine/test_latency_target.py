@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from scheduler import Phase, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.latency_target import CostModel, LatencyTarget, plan_features
-from tests.scheduler.test_invariants import VOCAB, Harness, check_against_reference, run_workload, workloads
+from tests.scheduler.conftest import VOCAB, Harness, check_against_reference, run_workload, workloads
 
 
 def linear_cost(a, b, c):

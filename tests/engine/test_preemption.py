@@ -7,8 +7,6 @@ rebuilt position run one loop too deep changes tokens); the last tests run the J
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,9 +14,8 @@ from hypothesis import strategies as st
 
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.fake_runner import FakeRunner
-from tests.scheduler.test_invariants import VOCAB, Harness, check_against_reference, run_workload
-
-T = 4
+from tests.engine.conftest import T, config, engine_parts, make_llm, tokens
+from tests.scheduler.conftest import VOCAB, Harness, check_against_reference, run_workload
 
 
 def workload(n_req=5, seed=0, exit="ouro", max_tokens=14, prompt_len=(3, 20)):
@@ -42,26 +39,6 @@ def workload(n_req=5, seed=0, exit="ouro", max_tokens=14, prompt_len=(3, 20)):
             )
         )
     return reqs
-
-
-def config(num_blocks, mode="split", layout="last_exited", **kw):
-    args = dict(
-        num_loops=T,
-        num_blocks=num_blocks,
-        block_size=4,
-        max_num_seqs=4,
-        max_num_batched_tokens=24,
-        prefill_chunk_size=4,
-        max_model_len=64,
-        kv_layout=layout,
-        prefill_mode=mode,
-    )
-    args.update(kw)
-    return SchedulerConfig(**args)
-
-
-def tokens(objs):
-    return {rid: (req.output_token_ids, req.exit_depths) for rid, (req, _) in objs.items()}
 
 
 CASES = [
@@ -225,44 +202,6 @@ def test_random_preemption_orders_match_reference_and_leak_nothing(wl):
     cfg, reqs = wl
     h, objs, aborted = run_workload(cfg, reqs)  # checks every plan, then no leak, ref counts at zero
     check_against_reference(cfg, objs, aborted)
-
-
-# ------------------------------------------------------------------------------- the JAX engine
-@functools.cache
-def engine_parts():
-    """The tiny preset's config, weights and prompts, built once (jax imported only here)."""
-    import jax
-    import jax.numpy as jnp
-
-    from ouro_jax import get_preset
-    from weights.random_init import random_params
-
-    cfg = get_preset("tiny")
-    params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
-    rng = np.random.default_rng(5)
-    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (33, 17, 16, 9)]
-    return cfg, params, prompts
-
-
-def make_llm(**kw):
-    from ouro_jax import LLM
-
-    cfg, params, _ = engine_parts()
-    args = dict(
-        params=params,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        prefill_chunk_size=8,
-        block_size=4,
-        max_model_len=64,
-        buckets=[8, 16, 64],
-        # one 64-token request; the wavefront ring: every engine here has the same shapes (compiled once)
-        num_blocks=4 * 17 + 1,
-        num_ring_rows=1 + 4 * 8 * 4,
-        progress=False,
-    )
-    args.update(kw)
-    return LLM(cfg, **args)
 
 
 @pytest.mark.slow  # ~35 s on CPU, mostly compiling the tiny model's buckets

@@ -9,8 +9,8 @@ import pytest
 
 from scheduler import DEFAULT_ENABLE_PREFIX_CACHING, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.fake_runner import FakeRunner
-from tests.engine.test_preemption import T, config, engine_parts, make_llm, tokens
-from tests.scheduler.test_invariants import VOCAB, check_against_reference, run_workload
+from tests.engine.conftest import T, config, engine_parts, make_llm, tokens
+from tests.scheduler.conftest import VOCAB, check_against_reference, run_workload
 
 RNG = np.random.default_rng(7)
 PREFIX = RNG.integers(0, VOCAB, 22).tolist()

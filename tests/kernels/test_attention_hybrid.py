@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention_mgpu import ALIGN, mgpu_tiles
-from tests.kernels.test_pallas_attention import assert_close, make_batch
+from tests.kernels.conftest import assert_close, make_batch
 
 ON_HOPPER = dispatch.hopper_available()
 gpu = pytest.mark.gpu

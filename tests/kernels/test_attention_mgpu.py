@@ -27,7 +27,7 @@ from pallas_kernels.ragged_paged_attention_mgpu import (
     supported,
     tile_rows,
 )
-from tests.kernels.test_pallas_attention import assert_close, make_batch, run
+from tests.kernels.conftest import assert_close, make_batch, run
 
 ON_HOPPER = dispatch.hopper_available()
 gpu = pytest.mark.gpu

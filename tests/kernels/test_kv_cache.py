@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.kv_cache import copy_kv_slots, copy_kv_slots_reference, write_kv, write_kv_reference
+from tests.kernels.conftest import pool_copies
 
 
 def _poisoned_pool(rng, shape, dtype):
@@ -149,13 +150,6 @@ def test_finalize_copy_last_exited_planes():
     np.testing.assert_array_equal(_bits(ko), _bits(_np_copy(kp, src, dst, bs)))
 
 
-def _pool_copies(hlo_text, shape):
-    dims = ",".join(map(str, shape))
-    return [
-        ln for ln in hlo_text.splitlines() if " copy(" in ln and f"[{dims}]" in ln.split("=", 1)[-1].split("copy(")[0]
-    ]
-
-
 @pytest.mark.parametrize("layers", [None, 3])
 def test_updates_are_in_place_under_donation(layers):
     """With the pool donated, XLA aliases input and output and never copies the pool."""
@@ -167,14 +161,14 @@ def test_updates_are_in_place_under_donation(layers):
     layer = None if layers is None else jnp.int32(1)
 
     wf = jax.jit(lambda k, v, a, b, s, l: write_kv(k, v, a, b, s, layer=l), donate_argnums=(0, 1))
-    assert not _pool_copies(wf.lower(kp, vp, new, new, slots, layer).compile().as_text(), shape)
+    assert not pool_copies(wf.lower(kp, vp, new, new, slots, layer).compile().as_text(), shape)
     ptr = kp.unsafe_buffer_pointer()
     kp, vp = wf(kp, vp, new, new, slots, layer)
     assert kp.unsafe_buffer_pointer() == ptr
 
     cf = jax.jit(copy_kv_slots, donate_argnums=(0, 1))
     src, dst = slots, jnp.where(jnp.arange(8) < 6, slots + 200, -1)
-    assert not _pool_copies(cf.lower(kp, vp, src, dst).compile().as_text(), shape)
+    assert not pool_copies(cf.lower(kp, vp, src, dst).compile().as_text(), shape)
     ptr = kp.unsafe_buffer_pointer()
     kp2, _ = cf(kp, vp, src, dst)
     assert kp2.unsafe_buffer_pointer() == ptr

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ouro_jax import exit_rule
-from scheduler.exit_policy import fold_gate, reference_exit_loops
+from scheduler.exit_policy import reference_exit_loops
 from scheduler.sampling_params import SamplingParams
+from tests.model.conftest import gates_near_threshold
 
 MAX_T = 6
 
@@ -30,18 +31,6 @@ def cases(draw):
     threshold = draw(st.one_of(st.sampled_from([0.0, 0.3, 0.6, 0.9, 1.0]), st.floats(0.0, 1.0, width=32)))
     mode = draw(st.sampled_from(exit_rule.DEVICE_EXIT_MODES))
     return t, gates, threshold, min_loops, max_loops, mode
-
-
-def _too_close(gates, threshold, min_loops, max_loops, mode) -> bool:
-    """Some threshold test the host makes lies within float32 noise of the threshold."""
-    if mode == "fixed" or threshold >= 1.0:
-        return False
-    remaining = 1.0
-    for k, g in enumerate(gates[: max_loops - 1], start=1):
-        remaining = fold_gate(remaining, g)
-        if k >= min_loops and abs((1.0 - remaining) - threshold) < 1e-5:
-            return True
-    return False
 
 
 # one compilation per mode; the numbers are traced
@@ -73,7 +62,7 @@ def _loop_by_loop(gates, threshold, min_loops, max_loops, mode):
 @given(cases())
 def test_device_rule_equals_host_rule(case):
     t, gates, threshold, min_loops, max_loops, mode = case
-    assume(not _too_close(gates, threshold, min_loops, max_loops, mode))
+    assume(not gates_near_threshold(gates, threshold, min_loops, max_loops, mode))
     params = SamplingParams(exit_threshold=threshold, min_loops=min_loops, max_loops=max_loops, exit_mode=mode)
     params.validate(t)
     want = reference_exit_loops(params, t, gates)

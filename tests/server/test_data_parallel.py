@@ -22,19 +22,9 @@ import time
 
 import pytest
 
-from tests.server.serve_process import ServeProcess, free_port
+from tests.server.conftest import DP_ENGINE, ServeProcess, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENGINE = dict(
-    max_num_seqs=4,
-    max_num_batched_tokens=16,
-    prefill_chunk_size=8,
-    block_size=4,
-    max_model_len=64,
-    buckets=[16],
-    fused_decode_max_rows=0,
-    enable_prefix_caching=True,
-)
 FLAGS = [
     "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--prefill-chunk-size", "8", "--block-size", "4",
     "--max-model-len", "64", "--buckets", "16", "--fused-decode-max-rows", "0",
@@ -181,7 +171,7 @@ def test_prefix_hashes_name_what_the_cache_holds():
     cache holds exactly its full blocks before the last position, and a different prefix holds none."""
     from ouro_jax import LLM, SamplingParams
 
-    llm = LLM("tiny", progress=False, **ENGINE)
+    llm = LLM("tiny", progress=False, **DP_ENGINE)
     prompt = list(range(5, 19))  # 14 tokens: 3 full blocks of 4 before the last position
     sched = llm.scheduler
     hashes = sched.prefix_hashes(prompt)
@@ -191,7 +181,7 @@ def test_prefix_hashes_name_what_the_cache_holds():
     assert sched.cached_prefix_blocks(sched.prefix_hashes(prompt[:9] + [99, 98, 97])) == 2  # shares 2 blocks
     assert sched.cached_prefix_blocks(sched.prefix_hashes([7] + prompt[1:])) == 0
     assert sched.prefix_hashes(prompt[:4]) == [] and sched.prefix_hashes(prompt[:5]) == hashes[:1]
-    off = LLM("tiny", progress=False, **dict(ENGINE, enable_prefix_caching=False))
+    off = LLM("tiny", progress=False, **dict(DP_ENGINE, enable_prefix_caching=False))
     assert off.scheduler.prefix_hashes(prompt) == []
 
 
@@ -208,7 +198,7 @@ def _script_server_check() -> dict:
     from scheduler import SamplingParams
 
     assert len(jax.devices()) == 2
-    llms, timings = build_replicas("tiny", ENGINE, 2)
+    llms, timings = build_replicas("tiny", DP_ENGINE, 2)
     res: dict = dict(
         devices=[sorted(d.id for d in x.runner.k_pool.devices()) for x in llms],
         param_devices=[sorted(d.id for d in jax.tree.leaves(x.runner.params)[0].devices()) for x in llms],

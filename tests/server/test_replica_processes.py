@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.server.test_data_parallel import ENGINE
+from tests.server.conftest import DP_ENGINE as ENGINE
 
 pytestmark = pytest.mark.slow  # every test here starts worker processes (jax import + compile each)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 
 import httpx
@@ -21,23 +20,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from scheduler import SamplingParams  # noqa: E402
+from tests.server.conftest import CHAT, CHAT_TEXT, ENGINE, TEXT_PROMPT, write_checkpoint  # noqa: E402
 
 MODEL = "ouro-test"
-ENGINE = dict(
-    max_num_seqs=8,
-    max_num_batched_tokens=16,
-    prefill_chunk_size=8,
-    block_size=4,
-    max_model_len=64,
-    buckets=[16],
-    fused_decode_max_rows=0,
-)
-SPECIAL = ["<|endoftext|>", "<s>", "<|im_start|>", "<|im_end|>", "<unk>"]
-WORDS = [f"w{i}" for i in range(128 - len(SPECIAL) - 3)] + ["user", "assistant", "system"]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + ' <|im_end|> ' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}"
-)
 RNG = np.random.default_rng(1)
 # token 0 is EOS: keep it out of the prompts
 STREAM_PROMPTS = [list(map(int, RNG.integers(5, 128, int(RNG.integers(1, 13))))) for _ in range(64)]
@@ -45,32 +30,6 @@ STREAM_SP = [
     dict(max_tokens=int(RNG.integers(3, 8)), exit_threshold=float(RNG.choice([0.3, 0.6, 1.0])), ignore_eos=True)
     for _ in range(64)
 ]
-TEXT_PROMPT = "w1 w2 w3 w4 w5"
-CHAT = [{"role": "system", "content": "w7 w8"}, {"role": "user", "content": "w9 w10 w11"}]
-CHAT_TEXT = "<s><|im_start|>system w7 w8 <|im_end|> <|im_start|>user w9 w10 w11 <|im_end|> <|im_start|>assistant "
-
-
-def write_checkpoint(folder) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from weights import save_random
-
-    save_random(folder, "tiny", seed=0, layout="hf", dtype="float32")
-    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
-    assert len(vocab) == 128  # the tiny preset's vocab_size
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(SPECIAL)
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    cfg = dict(
-        bos_token="<s>",
-        eos_token={"content": "<|endoftext|>", "special": True},
-        unk_token="<unk>",
-        chat_template=CHAT_TEMPLATE,
-    )
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(cfg, f)
-    return str(folder)
 
 
 def _gen(llm, prompt, **sp):

@@ -16,8 +16,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from scheduler import SamplingParams  # noqa: E402
-from tests.server.serve_process import ServeProcess, free_port  # noqa: E402
-from tests.server.test_server import ENGINE, TEXT_PROMPT, write_checkpoint  # noqa: E402
+from tests.server.conftest import ENGINE, TEXT_PROMPT, ServeProcess, free_port, write_checkpoint  # noqa: E402
 
 FLAGS = [
     "--max-num-seqs", str(ENGINE["max_num_seqs"]),

@@ -1,0 +1,163 @@
+"""Shared by the attention kernel tests: ragged paged batches (``make_batch``), a float64 numpy
+dense-softmax oracle, a runner that pads and calls a kernel (``run``), and the tolerance rule."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def make_batch(
+    rng,
+    *,
+    num_heads,
+    kv_heads,
+    head_dim,
+    block_size,
+    seg_specs,
+    extra_rows,
+    num_layers=None,
+    dtype=np.float32,
+    gap_prob=0.3,
+    share_prob=0.2,
+    tail_poison=np.nan,
+):
+    """seg_specs: list of (q_len, ctx_len); q_len 0 = padding segment. Returns a dict of arrays.
+
+    Unread pages are NaN; the unread tail of a partially read page is ``tail_poison`` (NaN by
+    default; the Mosaic GPU kernel's contract needs it finite, see its module docstring)."""
+    s = len(seg_specs)
+    max_ctx = max([c for _, c in seg_specs] + [1])
+    mb = max(1, math.ceil(max_ctx / block_size)) + int(rng.integers(0, 2))  # sometimes a spare col
+    # rows: segments in a random order, random gaps of padding rows between them
+    order = rng.permutation(s)
+    q_start = np.zeros(s, np.int32)
+    row = 0
+    for idx in order:
+        if rng.random() < gap_prob:
+            row += int(rng.integers(1, 3))
+        q_start[idx] = row
+        row += seg_specs[idx][0]
+    num_rows = row + extra_rows
+    num_rows = max(num_rows, 1)
+    # pages: every real segment gets its own pages (a plane's block table); some share a table
+    pages_needed = sum(math.ceil(c / block_size) for q, c in seg_specs if q > 0)
+    num_blocks = pages_needed + 2 + int(rng.integers(0, 3))
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    tables = np.zeros((s, mb), np.int32)  # tails point at the (NaN) trash page 0
+    prev = None
+    for i, (q, c) in enumerate(seg_specs):
+        n = math.ceil(c / block_size)
+        if q == 0:  # padding segment: junk start/ctx/table (must never be read)
+            q_start[i] = int(rng.integers(0, num_rows + 3))
+            tables[i] = rng.integers(0, num_blocks, size=mb)
+            continue
+        if prev is not None and rng.random() < share_prob and prev[1] >= n:
+            tables[i] = prev[0]  # same request's plane read twice (e.g. two chunks at one depth)
+        else:
+            tables[i, :n] = [free.pop() for _ in range(n)]
+            prev = (tables[i].copy(), n)
+    q_len = np.array([q for q, _ in seg_specs], np.int32)
+    ctx_len = np.array([c if q > 0 else int(rng.integers(0, 50)) for q, c in seg_specs], np.int32)
+
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    if num_layers is not None:
+        shape = (num_layers,) + shape
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    layer = None if num_layers is None else int(rng.integers(0, num_layers))
+    # poison every slot no segment may read: whole unread pages (trash page 0 included) and the
+    # tail of partially read pages
+    fill = np.zeros(num_blocks, np.int64)
+    for i, (ql, c) in enumerate(seg_specs):
+        if ql > 0:
+            for p in range(math.ceil(c / block_size)):
+                fill[tables[i, p]] = max(fill[tables[i, p]], min(block_size, c - p * block_size))
+    for page in range(num_blocks):
+        poison = np.nan if fill[page] == 0 else tail_poison
+        k[..., page, fill[page] :, :] = poison
+        v[..., page, fill[page] :, :] = poison
+    q = rng.standard_normal((num_rows, num_heads, head_dim)).astype(np.float32)
+    covered = np.zeros(num_rows, bool)
+    for i, (ql, _) in enumerate(seg_specs):
+        if ql > 0:
+            covered[q_start[i] : q_start[i] + ql] = True
+    q[~covered] = np.nan
+    cast = lambda x: np.asarray(jnp.asarray(x, dtype))  # noqa: E731
+    return dict(
+        q=cast(q),
+        k=cast(k),
+        v=cast(v),
+        q_start=q_start,
+        q_len=q_len,
+        ctx_len=ctx_len,
+        tables=tables,
+        layer=layer,
+        covered=covered,
+    )
+
+
+def oracle(b, sm_scale):
+    """float64 dense softmax, segment by segment, row by row."""
+    q = np.asarray(b["q"], np.float64)
+    k = np.asarray(b["k"], np.float64)
+    v = np.asarray(b["v"], np.float64)
+    if b["layer"] is not None:
+        k, v = k[b["layer"]], v[b["layer"]]
+    num_rows, num_heads, _ = q.shape
+    kvh, _, bs, _ = k.shape
+    g = num_heads // kvh
+    out = np.zeros_like(q)
+    for s in range(len(b["q_len"])):
+        ql, cl = int(b["q_len"][s]), int(b["ctx_len"][s])
+        if ql == 0:
+            continue
+        toks = np.arange(cl)
+        pages, offs = b["tables"][s][toks // bs], toks % bs
+        kd, vd = k[:, pages, offs], v[:, pages, offs]  # [KVH, cl, hd]
+        for i in range(ql):
+            r, p = int(b["q_start"][s]) + i, cl - ql + i
+            for h in range(num_heads):
+                sc = kd[h // g, : p + 1] @ q[r, h] * sm_scale
+                w = np.exp(sc - sc.max())
+                out[r, h] = (w / w.sum()) @ vd[h // g, : p + 1]
+    return out
+
+
+def run(fn, b, sm_scale, **kw):
+    layer = None if b["layer"] is None else jnp.int32(b["layer"])
+    return np.asarray(
+        fn(
+            jnp.asarray(b["q"]),
+            jnp.asarray(b["k"]),
+            jnp.asarray(b["v"]),
+            jnp.asarray(b["q_start"]),
+            jnp.asarray(b["q_len"]),
+            jnp.asarray(b["ctx_len"]),
+            jnp.asarray(b["tables"]),
+            layer=layer,
+            sm_scale=sm_scale,
+            **kw,
+        ),
+        np.float32,
+    )
+
+
+def tol(dtype):
+    return 2e-5 if dtype == np.float32 else 3e-2
+
+
+def assert_close(got, want, b, dtype, what):
+    assert not np.isnan(got).any(), f"{what}: NaN in output"
+    np.testing.assert_array_equal(got[~b["covered"]], 0.0, err_msg=f"{what}: padding rows")
+    err = np.abs(got - want).max()
+    scale = max(1.0, np.abs(want).max())
+    assert err <= tol(dtype) * scale, f"{what}: max abs err {err}"
+
+
+def pool_copies(hlo_text, shape):
+    """The lines of compiled HLO text that copy an array of ``shape`` (a donated pool copied)."""
+    dims = ",".join(map(str, shape))
+    return [
+        ln for ln in hlo_text.splitlines() if " copy(" in ln and f"[{dims}]" in ln.split("=", 1)[-1].split("copy(")[0]
+    ]
