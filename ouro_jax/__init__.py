@@ -1,7 +1,8 @@
 """ouro-jax: inference for Ouro looped language models in JAX.
 
 Public API (lazily imported so that ``import ouro_jax`` stays light): ``OuroConfig``, ``get_preset``,
-``PRESETS`` (from ``weights.config``), ``forward``, ``generate``, ``LLM``, ``SamplingParams``.
+``PRESETS`` (from ``weights.config``), ``forward``, ``generate``, ``LLM``, ``EngineConfig``,
+``SamplingParams``.
 """
 
 from weights.config import PRESETS, OuroConfig, get_preset
@@ -14,6 +15,7 @@ _LAZY = {
     "OuroModel": ("ouro_jax.model", "OuroModel"),
     "init_params": ("ouro_jax.model", "init_params"),
     "LLM": ("ouro_jax.llm", "LLM"),
+    "EngineConfig": ("ouro_jax.engine_config", "EngineConfig"),
     "SamplingParams": ("scheduler.sampling_params", "SamplingParams"),
 }
 
