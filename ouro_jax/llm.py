@@ -477,7 +477,9 @@ class LLM:
 
     def check_request(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> np.ndarray:
         """The prompt's token ids if ``add_request`` would take it with ``sampling_params``, else
-        the ``ValueError`` it would raise; queues nothing (front ends refuse bad requests with it)."""
+        the ``ValueError`` it would raise; queues nothing (front ends refuse bad requests with it).
+        It reads only the scheduler's fixed limits, so the server calls it from its event loop
+        while the engine thread steps."""
         return check_request(self.scheduler, self.encode(prompt), sampling_params)
 
     def add_request(
