@@ -133,6 +133,7 @@ def test_shards_hold_their_slice():
     out = run_script(
         """
         from weights.config import get_preset
+        from ouro_jax.engine_config import EngineConfig
         from ouro_jax.runner import ModelRunner
         from weights.random_init import random_params
         cfg = get_preset("tiny")
