@@ -151,8 +151,10 @@ def _cmd_demo(args) -> int:
     from .engine_config import from_arguments
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
-    # the engine's own defaults, but room for the whole batch at once
-    llm = LLM(args.model, **from_arguments(args, max_num_seqs=args.batch))
+    # the engine's own defaults, sized to the demo's requests: the whole batch at once, and contexts
+    # of its length (the CPU's reference attention reads a request's whole block table)
+    sized = dict(max_num_seqs=args.batch, max_model_len=max(256, args.prompt_len + args.max_tokens))
+    llm = LLM(args.model, **from_arguments(args, **sized))
     cfg = llm.model_config
     print(
         f"model {args.model}: {cfg.num_hidden_layers} layers x T={cfg.num_loops} loops, "
