@@ -55,6 +55,7 @@ def build_engine(model, engine_kwargs: Optional[dict] = None, warmup: bool = Tru
 
     CacheEvents.install()
     kw = dict(engine_kwargs or {})
+    warmup = kw.pop("warmup", warmup)  # the engine's own option (--no-warmup) wins; warmed here, timed
     kw["warmup"] = False
     kw.setdefault("progress", progress)
     t0 = time.perf_counter()
@@ -74,6 +75,7 @@ def build_engine(model, engine_kwargs: Optional[dict] = None, warmup: bool = Tru
             log.info("start-up: executable %s: %.2f s", key, dt)
     compile_s = time.perf_counter() - t1
     llm.warmup_time = compile_s
+    llm.config = llm.config.replace(warmup=warmup)  # what ran: warmed here rather than in LLM()
     after = CacheEvents.snapshot()
     # an executable comes from the executable store (no tracing), JAX's persistent cache, or XLA
     stored = min(len(executables), llm.runner.store_loads - loads_before)
