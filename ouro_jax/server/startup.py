@@ -68,7 +68,7 @@ def build_engine(model, engine_kwargs: Optional[dict] = None, warmup: bool = Tru
     loads_before = llm.runner.store_loads
     if warmup:
         keys = llm.executable_keys()
-        llm.runner.warmup(keys, progress=progress)
+        llm.runner.warmup(keys, progress=llm.config.progress, threads=llm.config.compile_threads)
         for key in keys:
             dt = llm.runner.compile_times.get(key, 0.0)
             executables.append({"key": str(key), "seconds": dt})
