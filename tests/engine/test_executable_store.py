@@ -58,12 +58,16 @@ TRACES = _Traces()
 @pytest.fixture
 def no_jax_cache():
     """JAX's persistent cache off for the test: the store saves only what XLA compiled (an
-    executable JAX's cache answered is not saved again), so a first start must really compile."""
+    executable JAX's cache answered is not saved again), so a first start must really compile.
+    JAX's in-memory caches are cleared too: an executable an earlier test loaded from the
+    persistent cache would otherwise come back from memory, uncounted, and a CPU executable
+    serialized a second time fails at run time (executable_store's module docstring)."""
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     prev = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     cc.reset_cache()
+    jax.clear_caches()
     yield
     jax.config.update("jax_enable_compilation_cache", prev)
     cc.reset_cache()
