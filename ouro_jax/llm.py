@@ -34,7 +34,7 @@ from weights.config import PRESETS, OuroConfig
 
 from . import envs
 from .device_memory import device_memory
-from .engine_config import EngineConfig, from_overrides
+from .engine_config import FIELD_NAMES, EngineConfig, from_overrides
 from .executable_store import ExecutableStore
 from .parallel import check_devices, check_tensor_parallel
 from .runner import ModelRunner
@@ -49,23 +49,10 @@ __all__ = [
     "resolve_model",
 ]
 
-# EngineConfig fields that SchedulerConfig takes as they are (the model gives num_loops and eos)
-_SCHEDULER_FIELDS = (
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "prefill_chunk_size",
-    "max_model_len",
-    "kv_layout",
-    "prefill_mode",
-    "policy",
-    "buckets",
-    "fused_decode_max_rows",
-    "fused_decode_tokens",
-    "kv_allocation",
-    "enable_prefix_caching",
-    "watermark",
-    "target_tpot_ms",
+# EngineConfig fields that SchedulerConfig takes as they are (the model gives num_loops and eos; the
+# pool's size, num_blocks, is passed once it is known), derived so that a new field cannot be missed
+_SCHEDULER_FIELDS = tuple(
+    f.name for f in dataclasses.fields(SchedulerConfig) if f.name in FIELD_NAMES and f.name != "num_blocks"
 )
 
 
@@ -229,10 +216,9 @@ GPU_FUSED_DECODE_MAX_ROWS = 128
 CPU_FUSED_DECODE_MAX_ROWS = 8
 
 
-def default_max_num_batched_tokens(backend: str, max_num_seqs) -> int:
+def default_max_num_batched_tokens(backend: str, max_num_seqs: int) -> int:
     """The default row budget of one invocation for ``backend``, never below ``max_num_seqs``."""
-    base = GPU_MAX_NUM_BATCHED_TOKENS if backend == "gpu" else CPU_MAX_NUM_BATCHED_TOKENS
-    return max(base, max_num_seqs) if _is_int(max_num_seqs) else base
+    return max(GPU_MAX_NUM_BATCHED_TOKENS if backend == "gpu" else CPU_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
 
 
 def default_fused_decode_max_rows(backend: str, max_num_seqs: int) -> int:

@@ -32,8 +32,9 @@ def add_serve(sub) -> None:
 def cmd_serve(args) -> int:
     t_start = time.perf_counter()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = EngineConfig(**from_arguments(args))  # every flag checked before anything starts
-    ekw = engine_overrides(from_arguments(args))
+    overrides = from_arguments(args)
+    config = EngineConfig(**overrides)  # every flag checked before anything starts
+    ekw = engine_overrides(overrides)
     _num_loops(args.model)  # an unknown model fails here, before anything loads
     from .replicas import build_replicas, check_data_parallel
     from .run import make_state, serve
