@@ -16,11 +16,15 @@ path hands outputs out.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import itertools
 import os
+import threading
 import time
 import warnings
+import weakref
 from typing import Iterator, Optional, Sequence, Union
 
 import jax
@@ -108,17 +112,57 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+_PROMPT_FORMS = "a string or a flat sequence (list, tuple, 1-D array) of integer token ids"
 
 
-def _is_single_prompt(prompts) -> bool:
-    """One prompt (text, or one flat sequence/array of ids) rather than a batch of them."""
+def _is_token_id(v) -> bool:
+    """A Python or numpy integer; bools are not token ids (``True`` would read as id 1)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_array(v) -> bool:
+    return hasattr(v, "ndim") and hasattr(v, "dtype") and hasattr(v, "shape")  # numpy / jax
+
+
+def prompt_list(prompts) -> list:
+    """The prompts of one ``generate`` / ``stream`` call as a list of single prompts: one prompt
+    (text, or a flat sequence of ids), a list or tuple of them, or a 2-D array (one row each).
+    Anything else is a ``TypeError`` / ``ValueError`` saying what is accepted."""
     if isinstance(prompts, str):
-        return True
-    if getattr(prompts, "ndim", None) is not None:  # numpy / jax arrays: 1-D is one prompt, 2-D a batch
-        return prompts.ndim == 1
-    return len(prompts) > 0 and not isinstance(prompts[0], str) and np.ndim(prompts[0]) == 0
+        return [prompts]
+    if _is_array(prompts):
+        if prompts.ndim == 1:
+            return [prompts]
+        if prompts.ndim == 2:
+            return list(prompts)
+        raise ValueError(f"prompts: an array holds one prompt (1-D) or a batch (2-D), got shape {tuple(prompts.shape)}")
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be {_PROMPT_FORMS}, or a list of those; got {type(prompts).__name__}")
+    if not prompts:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    if all(_is_token_id(x) or isinstance(x, (bool, np.bool_)) for x in prompts):
+        return [prompts]  # one prompt of ids (a bool among them is refused by encode_prompt)
+    return list(prompts)
+
+
+def sampling_list(sampling_params, n: int) -> list:
+    """One ``SamplingParams`` per prompt: ``None`` (the defaults), one for all, or a list of ``n``."""
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+        for i, sp in enumerate(sampling_params):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+        return list(sampling_params)
+    hint = " (build one with SamplingParams(**fields))" if isinstance(sampling_params, dict) else ""
+    raise TypeError(
+        f"sampling_params must be a SamplingParams, a list of them (one per prompt) or None; "
+        f"got {type(sampling_params).__name__}{hint}"
+    )
 
 
 def load_tokenizer(folder: str, config: OuroConfig):
@@ -169,38 +213,66 @@ def resolve_model(model) -> tuple[OuroConfig, Optional[str]]:
 
 def encode_prompt(prompt: Prompt, tokenizer, vocab_size: int) -> np.ndarray:
     """Token ids of one prompt: text through ``tokenizer``, or a flat sequence/array of integer ids
-    (lists, numpy and jax arrays), each inside ``[0, vocab_size)``. Floats, strings and bools are
-    refused, not truncated or parsed."""
+    (lists, tuples, numpy and jax arrays), each inside ``[0, vocab_size)``. Floats, strings, bools
+    and nested sequences are refused, not truncated, parsed or cast; the message names what was given."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(
                 "text prompts need a tokenizer (tokenizer.json in the checkpoint folder); pass token ids instead"
             )
         prompt = tokenizer.encode(prompt).ids
-    try:
+    if _is_array(prompt):
         ids = np.asarray(prompt)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"a prompt must be a string or a flat sequence of integer token ids: {e}") from None
-    if ids.ndim != 1:
-        raise ValueError(
-            f"a prompt must be a string or a flat sequence of integer token ids, got an array of shape {ids.shape}"
-        )
+        if ids.ndim != 1:
+            raise ValueError(f"a prompt must be {_PROMPT_FORMS}, got an array of shape {ids.shape}")
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):  # bool arrays too
+            raise ValueError(f"token ids must be integers, got an array of {ids.dtype}")
+    elif isinstance(prompt, (list, tuple)):
+        bad = [x for x in prompt if not _is_token_id(x)][:3]
+        if bad:  # checked before numpy sees them: it would cast bools and floats, or fail on nesting
+            raise ValueError(f"token ids must be integers, got {', '.join(_describe(x) for x in bad)}")
+        try:
+            ids = np.asarray(prompt, dtype=np.int64)
+        except OverflowError:
+            raise ValueError(f"token ids must lie in [0, {vocab_size}), got {max(prompt)}") from None
+    else:
+        raise TypeError(f"a prompt must be {_PROMPT_FORMS}, got {_describe(prompt)}")
     if ids.size == 0:
         return ids.astype(np.int32)  # the scheduler refuses it with its own message
-    if not np.issubdtype(ids.dtype, np.integer):
-        sample = [x for x in ids.tolist() if not _is_int(x)][:3]
-        raise ValueError(f"token ids must be integers, got {ids.dtype} values such as {sample}")
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if bad.size:
         raise ValueError(f"token ids {bad[:5].tolist()} are outside the vocabulary [0, {vocab_size})")
     return ids.astype(np.int32)
 
 
-def check_request(scheduler: Scheduler, ids: np.ndarray, sampling_params: Optional[SamplingParams]) -> np.ndarray:
-    """``ids`` if ``scheduler`` would queue them with ``sampling_params``, else its ``ValueError``
-    (naming the request ``(new)``); queues nothing."""
-    scheduler.check_request(Request(_PROBE_ID, ids, sampling_params or SamplingParams()))
+def _describe(v) -> str:
+    """A value for an error message: its type, and the value when short."""
+    r = repr(v)
+    return f"{type(v).__name__} {r}" if len(r) <= 40 else type(v).__name__
+
+
+def check_request(
+    scheduler: Scheduler, ids: np.ndarray, sampling_params: Optional[SamplingParams], priority: int = 0
+) -> np.ndarray:
+    """``ids`` if ``scheduler`` would queue them with ``sampling_params`` and ``priority``, else its
+    ``ValueError`` (naming the request ``(new)``) or a ``TypeError``; queues nothing."""
+    [sp] = sampling_list(sampling_params, 1)
+    scheduler.check_request(Request(_PROBE_ID, ids, sp, priority=priority))
     return ids
+
+
+# engines not yet closed: closed at interpreter exit, while the interpreter is whole (a device copy
+# still in flight then would take the GIL in a finalizing interpreter: std::terminate, exit 134)
+_OPEN_ENGINES: "weakref.WeakSet[LLM]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    for llm in list(_OPEN_ENGINES):
+        try:
+            llm.close()
+        except Exception as e:  # noqa: BLE001 - the others must still close
+            warnings.warn(f"closing an LLM at exit failed: {e!r}", stacklevel=1)
 
 
 # Rows per invocation when the caller names none. On a GPU 2048 rows read the weights once for
@@ -279,6 +351,7 @@ class LLM:
         sched = dict(
             num_loops=c.num_loops,
             eos_token_id=c.eos_token_id,
+            vocab_size=c.vocab_size,
             **{f: getattr(cfg, f) for f in _SCHEDULER_FIELDS},
         )
         # validated with the pool's smallest legal size when the pool is sized from memory later
@@ -342,6 +415,9 @@ class LLM:
             self.runner.warmup(self.executable_keys(), cfg.progress, cfg.compile_threads) if cfg.warmup else 0.0
         )
         self.startup_times["compile"] = self.warmup_time
+        self._lock = threading.RLock()  # close() may come from another thread (at exit, a server's)
+        self._closed = False
+        _OPEN_ENGINES.add(self)
 
     @staticmethod
     def _resolve(cfg: EngineConfig, c: OuroConfig, tp: int) -> EngineConfig:
@@ -461,40 +537,62 @@ class LLM:
         """Token ids of one prompt (:func:`encode_prompt` with this engine's tokenizer and vocabulary)."""
         return encode_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
 
-    def check_request(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> np.ndarray:
-        """The prompt's token ids if ``add_request`` would take it with ``sampling_params``, else
-        the ``ValueError`` it would raise; queues nothing (front ends refuse bad requests with it).
-        It reads only the scheduler's fixed limits, so the server calls it from its event loop
-        while the engine thread steps."""
-        return check_request(self.scheduler, self.encode(prompt), sampling_params)
+    def check_request(
+        self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None, priority: int = 0
+    ) -> np.ndarray:
+        """The prompt's token ids if ``add_request`` would take it with ``sampling_params`` and
+        ``priority``, else the ``ValueError`` / ``TypeError`` it would raise; queues nothing (front
+        ends refuse bad requests with it). It reads only the scheduler's fixed limits, so the server
+        calls it from its event loop while the engine thread steps."""
+        self._check_open()
+        return check_request(self.scheduler, self.encode(prompt), sampling_params, priority)
 
     def add_request(
         self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None, request_id=None, priority: int = 0
     ) -> object:
-        """Validate and queue one request (``ValueError`` before anything changes); returns its id."""
-        ids = self.encode(prompt)
-        rid = next(self._ids) if request_id is None else request_id
-        if rid in self._unreported:
-            raise ValueError(f"request {rid!r}: a request with this id has an output not handed out yet (call step())")
-        req = Request(rid, ids, sampling_params or SamplingParams(), priority=priority)
-        self.scheduler.add_request(req)
-        self._live[rid] = req
-        return rid
+        """Validate and queue one request (an error before anything changes); returns its id.
+        ``priority`` (lower runs first) needs ``policy="priority"``."""
+        ids = self.check_request(prompt, sampling_params, priority)
+        with self._lock:
+            if request_id is None:
+                rid = next(self._ids)
+            else:
+                try:
+                    hash(request_id)
+                except TypeError:
+                    raise TypeError(
+                        f"request_id must be hashable (a string or an int), got {type(request_id).__name__}"
+                    ) from None
+                rid = request_id
+            if rid in self._unreported:
+                raise ValueError(
+                    f"request {rid!r}: a request with this id has an output not handed out yet (call step())"
+                )
+            req = Request(rid, ids, sampling_params or SamplingParams(), priority=priority)
+            self.scheduler.add_request(req)
+            self._live[rid] = req
+            return rid
 
     def abort(self, request_id) -> bool:
         """Cancel a queued or running request now; every KV block and ring row it held is free on
         return. Its final output (``finish_reason="abort"``) is handed out by the next ``step()``.
         False if the id is unknown or the request already finished."""
-        if self.scheduler.abort(request_id) is None:
-            return False
-        req = self._live.pop(request_id)
-        self._unreported[request_id] = self._output(req)
-        if not self.scheduler.has_unfinished():
-            self._pipeline.drain()  # a step launched ahead held only ended requests: nothing to hand out
-        return True
+        self._check_open()
+        with self._lock:
+            try:
+                if self.scheduler.abort(request_id) is None:
+                    return False
+            except TypeError:  # an unhashable id names no request
+                return False
+            req = self._live.pop(request_id)
+            self._unreported[request_id] = self._output(req)
+            if not self.scheduler.has_unfinished():
+                self._pipeline.drain()  # a step launched ahead held only ended requests: nothing to hand out
+            return True
 
     def has_unfinished(self) -> bool:
         """True while a request is queued or running, or a final output has not been handed out."""
+        self._check_open()
         return self.scheduler.has_unfinished() or bool(self._unreported)
 
     def step(self) -> list[RequestOutput]:
@@ -502,6 +600,44 @@ class LLM:
         since its output was last handed out (see the class docstring)."""
         return self._collect(None)
 
+    # ---------------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Abort every unfinished request, wait for every launch and copy still on the device,
+        and free the KV pool, the ring and the runner's weight layout (weights passed in as
+        ``params`` stay the caller's; ``llm.params`` stays readable). The engine starts no thread
+        that outlives a call, so none is left. Idempotent; run at interpreter exit for engines not
+        closed by then. Afterwards every request method raises ``RuntimeError``; ``stats()`` still
+        answers."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            _OPEN_ENGINES.discard(self)
+            try:
+                for rid in list(self._live):
+                    self.scheduler.abort(rid)
+                self._pipeline.drain()
+            finally:
+                self._live.clear()
+                self._unreported.clear()
+                self.runner.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "LLM":
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM is closed (LLM.close() ran): build a new one")
+
+    # ------------------------------------------------------------------------- the loop
     def _advance(self) -> list[RequestOutput]:
         """One invocation; the outputs of the requests it gave tokens or finished."""
         if self.scheduler.latency is None:
@@ -552,16 +688,32 @@ class LLM:
         """Outputs for the caller that drives the loop: every request's (``mine=None``) or only
         those of ``mine``, the others kept for the next ``step()``. Unreported outputs come first;
         a newer output of the same request replaces an older one (outputs are cumulative)."""
-        outs: dict[object, RequestOutput] = {}
-        for rid in [r for r in self._unreported if mine is None or r in mine]:
-            outs[rid] = self._unreported.pop(rid)
-        if self.scheduler.has_unfinished():
-            for o in self._advance():
-                if mine is None or o.request_id in mine:
-                    outs[o.request_id] = o
-                else:
-                    self._unreported[o.request_id] = o
-        return list(outs.values())
+        self._check_open()
+        with self._lock:
+            outs: dict[object, RequestOutput] = {}
+            for rid in [r for r in self._unreported if mine is None or r in mine]:
+                outs[rid] = self._unreported.pop(rid)
+            if self.scheduler.has_unfinished():
+                for o in self._advance():
+                    if mine is None or o.request_id in mine:
+                        outs[o.request_id] = o
+                    else:
+                        self._unreported[o.request_id] = o
+            return list(outs.values())
+
+    def _abandon(self, ids) -> None:
+        """The caller that owned ``ids`` (a closed ``stream``, a ``generate`` that raised) is gone:
+        abort those still running and drop every output of them that nobody will read."""
+        with self._lock:
+            if self._closed:
+                return
+            for rid in ids:
+                if rid in self._live:
+                    self.scheduler.abort(rid)
+                    del self._live[rid]
+                self._unreported.pop(rid, None)
+            if not self.scheduler.has_unfinished():
+                self._pipeline.drain()
 
     def _output(self, req: Request, with_text: bool = True) -> RequestOutput:
         """Per-step outputs are cheap (O(new tokens)): text is decoded only when asked for."""
@@ -584,12 +736,19 @@ class LLM:
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
     ) -> Iterator[RequestOutput]:
-        """Add the prompts and yield a ``RequestOutput`` each time one of them gets tokens or
-        finishes; returns once every one of them has finished."""
-        for out in self._run(self._add_all(prompts, sampling_params)):
-            if self.tokenizer is not None and out.text is None:
-                out.text = self.tokenizer.decode(out.token_ids)
-            yield out
+        """Yield a ``RequestOutput`` each time one of the prompts gets tokens or finishes; ends once
+        every one of them has finished. The prompts are checked now (an error here queues nothing)
+        and queued when iteration starts; closing the iterator (``close()``, ``break`` out of a
+        ``with contextlib.closing(...)``, or dropping it) aborts those still unfinished."""
+        checked = self._check_all(prompts, sampling_params)
+        return self._stream(checked)
+
+    def _stream(self, checked) -> Iterator[RequestOutput]:
+        with contextlib.closing(self._run(self._add_checked(checked))) as outs:
+            for out in outs:
+                if self.tokenizer is not None and out.text is None:
+                    out.text = self.tokenizer.decode(out.token_ids)
+                yield out
 
     def generate(
         self,
@@ -598,8 +757,12 @@ class LLM:
         use_tqdm: Optional[bool] = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of ``prompts``. Requests added
-        with ``add_request`` keep running alongside; their outputs wait for the next ``step()``."""
-        ids = self._add_all(prompts, sampling_params)
+        with ``add_request`` keep running alongside; their outputs wait for the next ``step()``.
+        Every prompt is checked before any is queued; an exception while running (``Ctrl-C``)
+        aborts the prompts still unfinished."""
+        if use_tqdm is not None and not isinstance(use_tqdm, bool):
+            raise TypeError(f"use_tqdm must be a bool or None, got {_describe(use_tqdm)}")
+        ids = self._add_checked(self._check_all(prompts, sampling_params))
         final = {}
         bar = None
         if self.config.progress if use_tqdm is None else use_tqdm:
@@ -607,11 +770,12 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         try:
-            for out in self._run(ids):
-                if out.finished:
-                    final[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+            with contextlib.closing(self._run(ids)) as outs:
+                for out in outs:
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
@@ -622,27 +786,40 @@ class LLM:
 
     def _run(self, ids: Sequence) -> Iterator[RequestOutput]:
         """The one loop of ``generate`` and ``stream``: step until every request of ``ids`` has
-        finished, yielding their outputs as they come (others' wait for ``step()``)."""
+        finished, yielding their outputs as they come (others' wait for ``step()``). Left early
+        (closed, or an exception), it abandons those of ``ids`` still unfinished."""
         left = set(ids)
-        while left:
-            outs = self._collect(left)
-            if not outs and not self.scheduler.has_unfinished():
-                raise RuntimeError(f"requests {sorted(map(str, left))} were lost")  # the lifecycle rule broke
-            for out in outs:
-                if out.finished:
-                    left.discard(out.request_id)
-                yield out
+        try:
+            while left:
+                outs = self._collect(left)
+                if not outs and not self.scheduler.has_unfinished():
+                    raise RuntimeError(f"requests {sorted(map(str, left))} were lost")  # the lifecycle rule broke
+                for out in outs:
+                    if out.finished:
+                        left.discard(out.request_id)
+                    yield out
+        finally:
+            if left:
+                self._abandon(left)
 
-    def _add_all(self, prompts, sampling_params) -> list:
-        if _is_single_prompt(prompts):
-            prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-        # validate everything before queueing anything: a bad request leaves the engine untouched
-        encoded = [self.check_request(p, sp) for p, sp in zip(prompts, sampling_params)]
-        return [self.add_request(ids, sp) for ids, sp in zip(encoded, sampling_params)]
+    def _check_all(self, prompts, sampling_params) -> list:
+        """``[(ids, params)]`` of every prompt of a ``generate`` / ``stream`` call, each checked as
+        ``add_request`` would; the first bad one raises, naming its index among several."""
+        self._check_open()
+        prompts = prompt_list(prompts)
+        sps = sampling_list(sampling_params, len(prompts))
+        checked = []
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            try:
+                checked.append((self.check_request(p, sp), sp))
+            except (TypeError, ValueError) as e:
+                if len(prompts) == 1:
+                    raise
+                raise type(e)(f"prompts[{i}]: {e}") from None
+        return checked
+
+    def _add_checked(self, checked) -> list:
+        return [self.add_request(ids, sp) for ids, sp in checked]
 
     # ---------------------------------------------------------------------------- stats
     def stats(self) -> dict:

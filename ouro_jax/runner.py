@@ -40,6 +40,7 @@ bucket key) because every host-to-device transfer has a fixed cost.
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 import time
@@ -223,6 +224,10 @@ class ModelRunner:
         self.wait_time = 0.0
         self.invocations = 0
         self.sampler_launches = 0  # separate sampler runs (one-loop invocations where a row sampled)
+        # the latest launches' results, whose copies to the host ``close`` waits for: earlier
+        # launches finished before these started (each step takes the pools the one before wrote)
+        self._recent: collections.deque = collections.deque(maxlen=4)
+        self.closed = False
 
     # ------------------------------------------------------------------------------- setup
     def _arrange(self, params: dict) -> dict:
@@ -426,7 +431,9 @@ class ModelRunner:
             arr.copy_to_host_async()
         self.invocations += 1
         self.dispatch_time += time.perf_counter() - t
-        return StepResult(gates, tokens, self._waited)
+        result = StepResult(gates, tokens, self._waited)
+        self._recent.append(result)
+        return result
 
     def _waited(self, seconds: float) -> None:
         self.wait_time += seconds  # time the host waited on the device
@@ -514,3 +521,19 @@ class ModelRunner:
 
     def synchronize(self) -> None:
         self.ring.block_until_ready()
+
+    def close(self) -> None:
+        """Wait for every launch still running and every copy to the host still in flight, then
+        drop the pools, the ring, the runner's weight layout and the executables, freeing their
+        device memory (arrays the caller passed in stay theirs). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for result in self._recent:
+            result.wait()
+        self._recent.clear()
+        jax.block_until_ready((self.k_pool, self.v_pool, self.ring, *self._fused_last.values()))
+        self.k_pool = self.v_pool = self.ring = None
+        self.params, self._param_leaves, self._top_leaves = None, (), ()
+        self._fused_last.clear()
+        self._exe.clear()

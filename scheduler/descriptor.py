@@ -290,6 +290,12 @@ class StepResult:
     def tokens(self) -> np.ndarray:
         return self._read("tokens")
 
+    def wait(self) -> None:
+        """Read whatever is still unread: a device copy to the host must not still be in flight
+        when the interpreter exits (its completion takes the GIL: ``LLM.close``)."""
+        for name in list(self._src):
+            self._read(name)
+
 
 def _fitting_key(spec: BucketSpec, key: BucketKey | None, need: int, ncoda: int, nfin: int) -> BucketKey:
     """``key``, or the smallest bucket of ``need`` rows when None; ``ValueError`` if it cannot hold

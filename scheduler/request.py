@@ -82,6 +82,10 @@ class Request:
             raise ValueError(f"Request {request_id!r}: prompt_token_ids must be non-negative")
         if ids.size and int(ids.max()) > np.iinfo(np.int32).max:
             raise ValueError(f"Request {request_id!r}: token id {int(ids.max())} does not fit in int32")
+        if not (isinstance(priority, int) and not isinstance(priority, bool)):
+            raise ValueError(
+                f"Request {request_id!r}: priority must be an integer (lower runs first), got {priority!r}"
+            )
         self.prompt_token_ids = ids.astype(np.int32)
         self.prompt_token_ids.flags.writeable = False
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()

@@ -71,8 +71,9 @@ class SamplingParams:
     def resolved_max_loops(self, num_loops: int) -> int:
         return num_loops if self.max_loops is None else self.max_loops
 
-    def validate(self, num_loops: int) -> None:
-        """Raise ``ValueError`` naming the first bad field; ``num_loops`` is the model's ``T``."""
+    def validate(self, num_loops: int, vocab_size: Optional[int] = None) -> None:
+        """Raise ``ValueError`` naming the first bad field; ``num_loops`` is the model's ``T``,
+        ``vocab_size`` (when known) bounds the stop token ids."""
 
         def need(cond, msg):
             if not cond:
@@ -98,7 +99,12 @@ class SamplingParams:
             f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}",
         )
         for t in self.stop_token_ids:
-            need(_is_int(t) and t >= 0, f"stop_token_ids must be non-negative integers, got {t!r}")
+            need(_is_int(t) and t >= 0, f"stop_token_ids must be non-negative integers (not bools), got {t!r}")
+            # an id the model can never sample would never stop anything: a silent no-op
+            need(
+                vocab_size is None or t < vocab_size,
+                f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})",
+            )
         need(isinstance(self.ignore_eos, bool), f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         need(
             _is_int(self.min_loops) and self.min_loops >= 1,
@@ -116,6 +122,20 @@ class SamplingParams:
             choice("exit_mode", self.exit_mode, EXIT_MODES)
         except ValueError as e:
             need(False, str(e))
+        # settings the chosen exit mode never reads are refused, not ignored
+        if self.exit_mode in ("fixed", "synthetic"):
+            need(
+                self.exit_threshold == 1.0,
+                f"exit_threshold={self.exit_threshold!r} is read only by exit_mode 'ouro' or 'delayed'; "
+                f"exit_mode={self.exit_mode!r} "
+                + ("runs max_loops loops for every token" if self.exit_mode == "fixed" else "draws the depths"),
+            )
+        if self.exit_mode == "fixed":
+            need(
+                self.min_loops == 1,
+                f"min_loops={self.min_loops!r} has no effect with exit_mode='fixed', which runs max_loops "
+                f"loops for every token: set max_loops instead",
+            )
         if self.exit_mode == "synthetic":
             need(
                 (self.synthetic_mean_loops is None) != (self.synthetic_depths is None),

@@ -107,6 +107,7 @@ class SchedulerConfig:
     prefill_mode: str = "split"  # "split" | "mixed" | "wavefront"
     policy: str = "fcfs"  # "fcfs" | "priority"
     eos_token_id: Optional[int] = None
+    vocab_size: Optional[int] = None  # bounds prompt and stop token ids when known
     buckets: Optional[Sequence[int]] = None  # row buckets; None = powers of two from 8
     watermark: float = 0.01  # on_demand: share of the pool admission keeps free for running requests' growth
     kv_allocation: str = "on_demand"  # "on_demand" | "reserve" (prompt + max_tokens at admission)
@@ -174,6 +175,10 @@ class SchedulerConfig:
         need(
             self.eos_token_id is None or (_is_int(self.eos_token_id) and self.eos_token_id >= 0),
             f"eos_token_id must be None or a non-negative integer, got {self.eos_token_id!r}",
+        )
+        need(
+            self.vocab_size is None or (_is_int(self.vocab_size) and self.vocab_size >= 1),
+            f"vocab_size must be None or a positive integer, got {self.vocab_size!r}",
         )
         need(
             isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0,
@@ -330,8 +335,18 @@ class Scheduler:
             raise ValueError(
                 f"request {rid!r}: only a fresh WAITING request can be added (status {request.status.name})"
             )
-        request.sampling_params.validate(cfg.num_loops)
+        if request.priority != 0 and cfg.policy != "priority":
+            raise ValueError(
+                f"request {rid!r}: priority={request.priority!r} is read only by policy='priority' "
+                f"(this engine's policy is {cfg.policy!r})"
+            )
+        request.sampling_params.validate(cfg.num_loops, cfg.vocab_size)
         n = request.num_prompt_tokens
+        if cfg.vocab_size is not None and n and int(request.prompt_token_ids.max()) >= cfg.vocab_size:
+            raise ValueError(
+                f"request {rid!r}: token id {int(request.prompt_token_ids.max())} is outside the vocabulary "
+                f"[0, {cfg.vocab_size})"
+            )
         if n == 0:
             raise ValueError(f"request {rid!r}: the prompt is empty")
         max_tokens = request.sampling_params.max_tokens
@@ -352,8 +367,8 @@ class Scheduler:
         """Queue ``request``; raises ``ValueError`` (changing nothing) if it can never run."""
         self.check_request(request)
         request.arrival_seq = next(self._arrivals)
+        self.waiting.add(request)  # first: were it to raise, no request would be left half-added
         self._requests[request.request_id] = request
-        self.waiting.add(request)
 
     def abort(self, request_id) -> Optional[RequestDelta]:
         """Stop a request now, freeing its blocks and ring region; ``None`` if it is unknown or
@@ -845,7 +860,6 @@ class Scheduler:
         # scheduled, a step ahead included): the loops per token of a stream are
         # fused_loops / fused_row_tokens
         st["fused_row_tokens"] += tokens
-        now = time.monotonic()
         for j in range(tokens):
             toks, depths = split_fused_output(out[j], key)
             toks, depths = toks.tolist(), depths.tolist()
@@ -862,7 +876,7 @@ class Scheduler:
                 i = r.row_start
                 if self.latency is not None:
                     self.latency.observe_loops(depths[i] + 1)
-                self._emit(req, int(toks[i]), depths[i], now, deltas)
+                self._emit(req, int(toks[i]), depths[i], deltas)
 
     # ------------------------------------------------------------------ update
     def update(self, plan: BatchPlan, gate_logits: ArrayOrThunk, tokens: ArrayOrThunk) -> list[RequestDelta]:
@@ -886,7 +900,6 @@ class Scheduler:
     def _apply(self, plan: BatchPlan, gates: "_Lazy", toks: "_Lazy", deltas: dict) -> None:
         T = self.num_loops
         coda_index = {c.row: i for i, c in enumerate(plan.coda)}
-        now = time.monotonic()
         for r in plan.ranges:
             req = self._requests.get(r.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -905,11 +918,11 @@ class Scheduler:
                         self._publish(req)
                     if r.token_end == req.prefill_len and not req.output_token_ids:
                         tok = toks.get()[coda_index[r.row_start + r.token_count - 1]]
-                        self._emit(req, int(tok), T - 1, now, deltas)
+                        self._emit(req, int(tok), T - 1, deltas)
             else:
-                self._apply_decode(req, r, gates, toks, coda_index, now, deltas)
+                self._apply_decode(req, r, gates, toks, coda_index, deltas)
 
-    def _apply_decode(self, req, r, gates, toks, coda_index, now, deltas) -> None:
+    def _apply_decode(self, req, r, gates, toks, coda_index, deltas) -> None:
         T, params, d = self.num_loops, req.sampling_params, r.depth
         if gate_needed(params, T, d):
             req.pending_gates.append((gates, r.row_start))
@@ -923,7 +936,7 @@ class Scheduler:
             return
         if self.latency is not None:
             self.latency.observe_loops(d + 1)
-        self._emit(req, int(toks.get()[coda_index[r.row_start]]), d, now, deltas)
+        self._emit(req, int(toks.get()[coda_index[r.row_start]]), d, deltas)
         if req.status is RequestStatus.RUNNING and self.config.kv_layout == "last_exited" and d < T - 1:
             self._queue_finalize(req, r.token_start, d)
 
@@ -956,8 +969,10 @@ class Scheduler:
             bm.publish(req.request_id, i, req.block_hashes[i])
             req.num_published_blocks += 1
 
-    def _emit(self, req: Request, tok: int, depth: int, now: float, deltas) -> None:
-        """Record generated token ``tok`` (exit depth ``depth``); finish or start the next token."""
+    def _emit(self, req: Request, tok: int, depth: int, deltas) -> None:
+        """Record generated token ``tok`` (exit depth ``depth``); finish or start the next token.
+        Stamped now: the host holds the token only once the device result has been read (metrics)."""
+        now = time.monotonic()
         req.append_token(tok, depth, now)
         delta = deltas.get(req.request_id)
         if delta is None:

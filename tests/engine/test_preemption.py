@@ -94,9 +94,11 @@ def test_victim_is_lowest_priority_then_latest_arrival(policy):
     fr = FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, VOCAB)
     sp = SamplingParams(max_tokens=12)
     # a: oldest, low priority (2); b: urgent (0); c: latest, normal (1); prompts fill 2 blocks each
-    a = Request("a", list(range(7)), sp, arrival_time=0.0, priority=2)
-    b = Request("b", list(range(7)), sp, arrival_time=1.0, priority=0)
-    c = Request("c", list(range(7)), sp, arrival_time=2.0, priority=1)
+    # (fcfs refuses priorities: it would ignore them)
+    pri = (2, 0, 1) if policy == "priority" else (0, 0, 0)
+    a = Request("a", list(range(7)), sp, arrival_time=0.0, priority=pri[0])
+    b = Request("b", list(range(7)), sp, arrival_time=1.0, priority=pri[1])
+    c = Request("c", list(range(7)), sp, arrival_time=2.0, priority=pri[2])
     for r in (a, b, c):
         s.add_request(r)
     drive(s, fr, until=lambda: s.stats()["preemptions"] > 0)
@@ -151,6 +153,7 @@ def tight_workloads(draw):
     modes = ["split", "mixed", "wavefront"] if layout == "last_exited" else ["split", "mixed"]
     T_ = draw(st.integers(1, 4))
     bs = draw(st.sampled_from([1, 2, 4]))
+    policy = draw(st.sampled_from(["fcfs", "priority"]))
     reqs = []
     for i in range(draw(st.integers(2, 5))):
         n = draw(st.integers(1, 12))
@@ -163,14 +166,14 @@ def tight_workloads(draw):
                 sp=SamplingParams(
                     max_tokens=draw(st.integers(1, 16)),
                     exit_mode=exit_mode,
-                    exit_threshold=draw(st.sampled_from([1.0, 0.5, 0.8])),
+                    exit_threshold=draw(st.sampled_from([1.0, 0.5, 0.8])) if exit_mode in ("ouro", "delayed") else 1.0,
                     temperature=draw(st.sampled_from([0.0, 0.9])),
                     seed=i,
                     **kw,
                 ),
                 arrival=draw(st.integers(0, 10)),
                 abort_at=draw(st.one_of(st.none(), st.none(), st.integers(0, 60))),
-                priority=draw(st.integers(0, 2)),
+                priority=draw(st.integers(0, 2)) if policy == "priority" else 0,  # fcfs refuses priorities
             )
         )
     planes = T_ if layout == "last_exited" else 1
@@ -186,7 +189,7 @@ def tight_workloads(draw):
         max_model_len=40,
         kv_layout=layout,
         prefill_mode=draw(st.sampled_from(modes)),
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        policy=policy,
         enable_prefix_caching=layout == "last_exited" and draw(st.booleans()),
         watermark=draw(st.sampled_from([0.0, 0.05])),
         fused_decode_max_rows=draw(st.sampled_from([0, seqs])),

@@ -152,15 +152,19 @@ def test_checkpoint_with_a_bad_config_fails_before_its_weights_are_read(hf_tiny,
 @pytest.mark.parametrize(
     "prompt, match",
     [
-        ([1.0, 2.0], "token ids must be integers, got float64"),
-        ([1, 2.5], "token ids must be integers, got float64"),
-        (["1", "2"], "token ids must be integers"),
-        ([True, False], "token ids must be integers, got bool"),
-        (np.array([1.0, 2.0], np.float32), "token ids must be integers, got float32"),
+        ([1.0, 2.0], "token ids must be integers, got float 1.0, float 2.0"),
+        ([1, 2.5], "token ids must be integers, got float 2.5"),
+        (["1", "2"], "token ids must be integers, got str '1'"),
+        ([True, False], "token ids must be integers, got bool True"),
+        ([3, True], "token ids must be integers, got bool True"),  # numpy would read it as id 1
+        ([[1, 2], 3], r"token ids must be integers, got list \[1, 2\]"),
+        (np.array([1.0, 2.0], np.float32), "token ids must be integers, got an array of float32"),
+        (np.array([True]), "token ids must be integers, got an array of bool"),
         ([-5, 3], r"token ids \[-5\] are outside the vocabulary \[0, 128\)"),
         ([60000], r"token ids \[60000\] are outside the vocabulary"),
         (jnp.asarray([1, 128]), r"token ids \[128\] are outside the vocabulary"),
-        (np.zeros((2, 2, 2), np.int32), "flat sequence of integer token ids"),
+        (np.zeros((2, 2, 2), np.int32), r"got an array of shape \(2, 2, 2\)"),
+        ([2**70], r"must lie in \[0, 128\)"),
         ("hello", "text prompts need a tokenizer"),
         ([], "the prompt is empty"),
     ],
@@ -181,7 +185,8 @@ def test_prompts_as_jax_and_numpy_arrays_and_numpy_sampling_params(llm):
     assert list(reqs[rid].prompt_token_ids) == [1, 2, 3] and list(reqs[rid2].prompt_token_ids) == [4, 5]
     assert reqs[rid].sampling_params == SamplingParams(max_tokens=3, temperature=0.5, top_k=2, seed=1)
     # a 2-D array is a batch of prompts, a 1-D one a single prompt
-    ids = llm._add_all(jnp.asarray([[1, 2], [3, 4]]), sp) + llm._add_all(jnp.asarray([7, 8, 9]), None)
+    add = llm._add_checked
+    ids = add(llm._check_all(jnp.asarray([[1, 2], [3, 4]]), sp)) + add(llm._check_all(jnp.asarray([7, 8, 9]), None))
     assert len(ids) == 3
     for r in [rid, rid2, *ids]:
         assert llm.abort(r)

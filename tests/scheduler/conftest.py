@@ -225,6 +225,7 @@ def workloads(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     chunk = draw(st.integers(1, 8))
     nreq = draw(st.integers(1, 5))
+    policy = draw(st.sampled_from(["fcfs", "priority"]))
     eos = draw(st.sampled_from([None, None, 7]))
     # a common prefix some prompts start with (prefix-cache hits), or whole repeated prompts
     common = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=20))
@@ -240,7 +241,7 @@ def workloads(draw):
         exit_mode = draw(st.sampled_from(["ouro", "delayed", "fixed", "synthetic"]))
         max_loops = draw(st.one_of(st.none(), st.integers(1, T)))
         hi = T if max_loops is None else max_loops
-        min_loops = draw(st.integers(1, hi))
+        min_loops = 1 if exit_mode == "fixed" else draw(st.integers(1, hi))  # fixed reads no min_loops
         kw = {}
         if exit_mode == "synthetic":
             if draw(st.booleans()):
@@ -255,7 +256,8 @@ def workloads(draw):
             ignore_eos=draw(st.booleans()),
             min_loops=min_loops,
             max_loops=max_loops,
-            exit_threshold=draw(st.sampled_from([1.0, 0.3, 0.6, 0.9])),
+            # the gate rule's threshold: the other modes refuse one
+            exit_threshold=draw(st.sampled_from([1.0, 0.3, 0.6, 0.9])) if exit_mode in ("ouro", "delayed") else 1.0,
             exit_mode=exit_mode,
             **kw,
         )
@@ -263,7 +265,12 @@ def workloads(draw):
         abort_at = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(0, 40)))
         reqs.append(
             dict(
-                rid=f"r{i}", prompt=prompt, sp=sp, arrival=arrival, abort_at=abort_at, priority=draw(st.integers(0, 2))
+                rid=f"r{i}",
+                prompt=prompt,
+                sp=sp,
+                arrival=arrival,
+                abort_at=abort_at,
+                priority=draw(st.integers(0, 2)) if policy == "priority" else 0,  # fcfs refuses priorities
             )
         )
     planes = T if layout == "last_exited" else 1
@@ -283,7 +290,7 @@ def workloads(draw):
         max_model_len=max_len,
         kv_layout=layout,
         prefill_mode=mode,
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        policy=policy,
         eos_token_id=eos,
         buckets=None if buckets is None else tuple(range(1, budget + 1)),
         fused_decode_max_rows=draw(st.sampled_from([0, 0, max_seqs])),

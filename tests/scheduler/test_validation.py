@@ -39,11 +39,17 @@ from scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
         (dict(exit_mode="synthetic", synthetic_depths=[]), "must not be empty"),
         (dict(exit_mode="synthetic", synthetic_depths=[4]), "synthetic_depths"),
         (dict(synthetic_mean_loops=2.0), "only meaningful"),
+        (dict(stop_token_ids=[True]), r"stop_token_ids must be non-negative integers \(not bools\), got True"),
+        (dict(stop_token_ids=[3, 50]), r"stop_token_ids: 50 is outside the vocabulary \[0, 50\)"),
+        # settings the exit mode would not read
+        (dict(exit_mode="fixed", exit_threshold=0.5), "exit_threshold=0.5 is read only by exit_mode 'ouro' or"),
+        (dict(exit_mode="synthetic", synthetic_mean_loops=2.0, exit_threshold=0.5), "exit_threshold=0.5"),
+        (dict(exit_mode="fixed", min_loops=2), "min_loops=2 has no effect with exit_mode='fixed'"),
     ],
 )
 def test_sampling_params_errors_name_the_field(kw, match):
     with pytest.raises(ValueError, match=match):
-        SamplingParams(**kw).validate(4)
+        SamplingParams(**kw).validate(4, vocab_size=50)
 
 
 def test_sampling_params_defaults_are_valid_and_hashable():
@@ -174,12 +180,30 @@ def test_priority_and_fcfs_admission_order():
         s = Scheduler(cfg(max_num_seqs=1, policy=policy, num_loops=1))
         order = []
         for rid, prio, t in (("a", 1, 0.0), ("b", 2, 1.0), ("c", 0, 2.0)):
+            prio = prio if policy == "priority" else 0  # fcfs refuses priorities (below)
             s.add_request(Request(rid, [1, 2], SamplingParams(max_tokens=1), arrival_time=t, priority=prio))
         while s.has_unfinished():
             plan = s.schedule()
             order.extend(r.request_id for r in s.running if r.request_id not in order)
             s.update(plan, np.zeros(plan.descriptor.key.R, np.float32), np.zeros(plan.descriptor.key.C, np.int32))
         assert order == want, policy
+
+
+def test_a_refused_priority_leaves_nothing_behind():
+    """A priority fcfs would ignore, or one that is not an integer, is refused before the request is
+    queued: no request the scheduler holds but never runs (a "ghost")."""
+    for policy, prio, match in (
+        ("fcfs", 1, "read only by policy='priority'"),
+        ("priority", "high", "priority must be an integer"),
+        ("priority", True, "priority must be an integer"),
+        ("priority", 1.5, "priority must be an integer"),
+    ):
+        s = Scheduler(cfg(policy=policy, num_loops=1))
+        with pytest.raises(ValueError, match=match):
+            s.add_request(Request("x", [1, 2], SamplingParams(max_tokens=1), priority=prio))
+        assert not s.has_unfinished() and len(s.waiting) == 0
+        s.add_request(Request("ok", [1, 2], SamplingParams(max_tokens=1)))
+        assert s.num_unfinished == 1
 
 
 def test_stop_tokens_eos_and_ignore_eos():
