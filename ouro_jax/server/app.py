@@ -1,8 +1,9 @@
 """The FastAPI application: OpenAI-style routes over one :class:`EngineLoop`.
 
-Every request is validated here, with the engine's own rules (``LLM`` encoding, ``SamplingParams``
-and the scheduler's admission checks run on a probe scheduler), before anything reaches the engine
-thread: a bad request is answered with an OpenAI error body and cannot disturb any other.
+Every request is validated here, its body strictly (``protocol.parse_request``), then with the engine's
+own rules (``LLM`` encoding, ``SamplingParams`` and the scheduler's admission checks run on a probe
+scheduler), before anything reaches the engine thread: a bad request is answered with an OpenAI error
+body and cannot disturb any other.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -94,16 +94,6 @@ class ServerState:
             raise P.APIError(msg, param=_param_of(msg)) from None
 
     def sampling_params(self, req: P._Sampling, n_prompt: int, default_max_tokens: Optional[int]) -> SamplingParams:
-        if req.n != 1:
-            raise P.APIError("only n=1 is supported", param="n")
-        if getattr(req, "best_of", None) not in (None, 1):
-            raise P.APIError("best_of is not supported", param="best_of")
-        if req.logprobs not in (None, False):
-            raise P.APIError("logprobs are not supported", param="logprobs")
-        if getattr(req, "echo", False):
-            raise P.APIError("echo is not supported", param="echo")
-        if getattr(req, "suffix", None):
-            raise P.APIError("suffix is not supported", param="suffix")
         if req.stop and self.llm.tokenizer is None:
             raise P.APIError("stop strings need a tokenizer; use stop_token_ids", param="stop")
         max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
@@ -169,7 +159,7 @@ class _Choice:
 
     def __init__(self, index: int, rid: str, n_prompt: int, tokenizer, stop: list[str], t0: float):
         self.index, self.rid, self.n_prompt, self.tokenizer = index, rid, n_prompt, tokenizer
-        self.stop = [s for s in stop if s]
+        self.stop = stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars a stop string may still claim
         self.ids: list[int] = []
         self.depths: list[int] = []
@@ -365,16 +355,6 @@ def create_app(state: ServerState) -> FastAPI:
     async def _api_error(request: Request, e: P.APIError):
         return _error_response(e)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":
-            return _error_response(P.APIError(f"invalid JSON body: {first.get('ctx', {}).get('error', '')}"))
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body')}: {er.get('msg')}" for er in errs)
-        return _error_response(P.APIError(msg or "invalid request", param=".".join(loc) or None))
-
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         typ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
@@ -401,23 +381,24 @@ def create_app(state: ServerState) -> FastAPI:
         return P.ModelList(data=[card])
 
     def _prompts(prompt) -> list:
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise P.APIError("prompt must not be empty", param="prompt")
-        if isinstance(prompt[0], int):
+        if isinstance(prompt, str) or isinstance(prompt[0], int):  # one prompt (the shapes are checked)
             return [prompt]
         return list(prompt)
 
+    async def _body(raw: Request, model):
+        return P.parse_request(model, await raw.body(), raw.headers.get("content-type"))
+
+    # the bodies are read here, not by FastAPI, so that every refusal is one OpenAI error line
     @app.post("/v1/completions")
-    async def completions(req: P.CompletionRequest, raw: Request):
+    async def completions(raw: Request):
+        req = await _body(raw, P.CompletionRequest)
         state.check_model(req.model)
         state.check_accepting()
         prompts = [state.encode(p) for p in _prompts(req.prompt)]
         sps = [state.sampling_params(req, len(ids), 16) for ids in prompts]
         for ids, sp in zip(prompts, sps):
             state.admit_check(ids, sp)
-        job = _Job(state, "cmpl", prompts, sps, _stops(req.stop))
+        job = _Job(state, "cmpl", prompts, sps, req.stop or [])
         job.submit()
 
         if req.stream:
@@ -446,7 +427,8 @@ def create_app(state: ServerState) -> FastAPI:
         )
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
+    async def chat_completions(raw: Request):
+        req = await _body(raw, P.ChatCompletionRequest)
         state.check_model(req.model)
         state.check_accepting()
         if state.chat_template is None:
@@ -461,7 +443,7 @@ def create_app(state: ServerState) -> FastAPI:
         ids = state.encode_text(text)
         sp = state.sampling_params(req, len(ids), None)
         state.admit_check(ids, sp)
-        job = _Job(state, "chatcmpl", [ids], [sp], _stops(req.stop))
+        job = _Job(state, "chatcmpl", [ids], [sp], req.stop or [])
         job.submit()
 
         if req.stream:
@@ -494,20 +476,14 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _stops(stop) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
-
-
 def _include_usage(req) -> bool:
-    return bool((req.stream_options or {}).get("include_usage"))
+    return req.stream_options is not None and req.stream_options.include_usage
 
 
 def _message(m: P.ChatMessage) -> dict:
-    """A message as templates expect it: text parts joined into one string content."""
+    """A message as templates expect it: its text parts joined; OpenAI's developer role is the system's."""
     d = m.model_dump(exclude_none=True)
-    if isinstance(m.content, list):
-        d["content"] = "".join(p.get("text", "") for p in m.content if p.get("type") == "text")
-    d.setdefault("content", "")
+    d["content"] = "".join(p.text for p in m.content)
+    if d["role"] == "developer":
+        d["role"] = "system"
     return d

@@ -1,38 +1,108 @@
 """Request and response bodies of the OpenAI API subset we serve, as pydantic models.
 
-Unknown fields are ignored (clients send many we do not use); fields we cannot honour (``n > 1``,
-``logprobs``, ``best_of``...) are rejected with a clear message instead of being silently dropped.
+Requests are strict: a field we do not know, a value of the wrong JSON type (no coercion: ``"5"`` is
+not 5, ``1`` is not ``true``), a message role outside OpenAI's or a non-text content part is refused
+with a 400 whose one-line message names the field by its JSON path (``messages[1].role``) and says
+what it accepts (``parse_request``, ``explain``). OpenAI fields we do not implement are listed in
+``NOT_IMPLEMENTED``: their "off" values are accepted, since common clients send them explicitly; any
+other value is refused by name. A ``developer`` message is a ``system`` message to the chat template.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-# a prompt: text, token ids, or a list of either
-PromptField = Union[str, list[int], list[Union[str, list[int]]]]
+# OpenAI request fields we do not implement, each with the values (besides null) that ask for
+# nothing: clients send those explicitly, so they are accepted and dropped; anything else is refused.
+# One table for both endpoints: a field of the other endpoint is refused the same way.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),  # without tools either value asks for nothing
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "service_tier": ("auto", "default"),
+    "store": (False,),
+    "metadata": ({},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+}
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+PROMPT_SHAPES = "a string, a list of token ids, or a list of strings or token-id lists"
 
 
-class _Sampling(BaseModel):
+def _is_off(value, offs: tuple) -> bool:
+    # bool is an int in Python: false must not pass for 0, nor 1 for true
+    return value is None or any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in offs)
+
+
+def _refuse(message: str, at: tuple = ()) -> PydanticCustomError:
+    """A validation error whose message follows the field's name; ``at``: its path below the value checked."""
+    return PydanticCustomError("refused", "{message}", {"message": message, "at": at})
+
+
+def _show(value) -> str:
+    s = json.dumps(value, default=repr)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+class _Strict(BaseModel):
+    """No coercion and no unknown fields; ``not_implemented`` fields are dropped when off."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    not_implemented: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_off_fields(cls, data):
+        offs = cls.not_implemented
+        if isinstance(data, dict) and offs:  # values left here are refused as extra fields
+            data = {k: v for k, v in data.items() if not (k in offs and _is_off(v, offs[k]))}
+        return data
+
+
+class StreamOptions(_Strict):
+    not_implemented: ClassVar[dict[str, tuple]] = {"continuous_usage_stats": (False,)}  # vLLM's
+
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
     """Fields shared by completions and chat completions: OpenAI's, the engine's and Ouro's."""
 
-    model_config = ConfigDict(extra="ignore")
+    not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED
 
     model: str
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    n: int = 1
     seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stream: bool = False
-    stream_options: Optional[dict[str, Any]] = None
-    user: Optional[str] = None
-    logprobs: Optional[Any] = None
+    stop: Optional[list[str]] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None  # an opaque end-user id
     # engine extras
     ignore_eos: bool = False
     top_k: int = 0
@@ -44,25 +114,191 @@ class _Sampling(BaseModel):
     exit_mode: Optional[str] = None
     synthetic_mean_loops: Optional[float] = None  # exit_mode="synthetic" (benchmarks on random weights)
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v):
+        if isinstance(v, str):
+            return [v]  # one stop string is a list of one
+        if v is not None and not isinstance(v, list):
+            raise _refuse(f"must be a string or a list of strings, not {_show(v)}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v):
+        if v is not None and not all(v):
+            raise _refuse("must not hold an empty string")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise _refuse("is only allowed when stream is true", at=("stream_options",))
+        return self
+
+
+def _token_ids(v) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(type(t) is int for t in v)  # bools are not token ids
+
 
 class CompletionRequest(_Sampling):
-    prompt: PromptField
-    echo: bool = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    prompt: Union[str, list[int], list[Union[str, list[int]]]]
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _prompt_shape(cls, v):
+        # checked by hand: a union's validation errors would list every branch
+        if isinstance(v, str) or _token_ids(v):
+            return v
+        if isinstance(v, list) and v and all(isinstance(p, str) or _token_ids(p) for p in v):
+            return v
+        raise _refuse(f"must be {PROMPT_SHAPES}, not {_show(v)}")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
 
-    role: str
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        t = data.get("type") if isinstance(data, dict) else None
+        if isinstance(t, str) and t != "text":
+            raise _refuse(f"'{t}' is not supported: this model reads text only", at=("type",))
+        return data
+
+
+class ChatMessage(_Strict):
+    not_implemented: ClassVar[dict[str, tuple]] = {"tool_calls": ([],), "function_call": ()}
+
+    role: Literal[ROLES]
+    content: list[TextPart]
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None  # a tool message's
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_parts(cls, v):
+        if isinstance(v, str):
+            return [{"type": "text", "text": v}]  # one shape inside: a string is one text part
+        if not isinstance(v, list):
+            raise _refuse(f"must be a string or a list of text parts, not {_show(v)}")
+        return v
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+# ------------------------------------------------------------------------- request errors
+# what a value of each pydantic type error should have been
+_EXPECTED = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "true or false",
+    "list_type": "a list",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+
+
+def _path(loc) -> str:
+    """``("messages", 1, "role")`` as ``messages[1].role``."""
+    s = ""
+    for k in loc:
+        s += f"[{k}]" if isinstance(k, int) else (f".{k}" if s else str(k))
+    return s
+
+
+def _model_at(model: type[BaseModel], loc) -> type[BaseModel]:
+    """The model whose fields the object at ``loc`` holds."""
+    for k in loc:
+        if isinstance(k, int):
+            continue
+        field = model.model_fields.get(k)
+        sub = _submodel(field.annotation) if field is not None else None
+        if sub is None:
+            break
+        model = sub
+    return model
+
+
+def _submodel(annotation) -> Optional[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_submodel, get_args(annotation)) if m is not None), None)
+
+
+def explain(errors: list[dict], model: type[BaseModel]) -> tuple[str, Optional[str]]:
+    """Pydantic's ``errors()`` for a ``model`` as one line naming the field and what it accepts, and
+    that field's JSON path (OpenAI's ``param``). One error, one fix at a time: a field we do not take
+    first (``tool_calls`` explains a null ``content``), else the first."""
+    e = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    typ, loc, ctx = e["type"], list(e["loc"]), e.get("ctx") or {}
+    if typ == "refused":
+        loc += ctx["at"]
+    param = _path(loc) or None
+    name = param or "the request body"
+    if typ == "refused":
+        return f"{name} {ctx['message']}", param
+    if typ == "missing":
+        return f"{name} is required", param
+    if typ == "extra_forbidden":
+        owner, key = _model_at(model, loc[:-1]), loc[-1]
+        if key in owner.not_implemented:
+            offs = " or ".join(_show(o) for o in (None, *owner.not_implemented[key]))
+            return f"{name} is not supported (only {offs} is accepted)", param
+        close = difflib.get_close_matches(str(key), list(owner.model_fields), n=1)
+        return f"unknown field '{name}'" + (f"; did you mean '{close[0]}'?" if close else ""), param
+    if typ in _EXPECTED:
+        return f"{name} must be {_EXPECTED[typ]}, not {_show(e['input'])}", param
+    if typ == "literal_error":
+        return f"{name} must be {ctx['expected']}, not {_show(e['input'])}", param
+    if typ == "too_short" and ctx.get("min_length") == 1:
+        return f"{name} must not be empty", param
+    return f"{name}: {e['msg']}", param
+
+
+_JSON_TYPES = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def parse_request(model: type[_Strict], body: bytes, content_type: Optional[str]) -> _Strict:
+    """An HTTP request body as ``model``, or an :class:`APIError` saying in one line what is wrong."""
+    media = (content_type or "application/json").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(
+            f"the request body must be JSON (Content-Type: application/json), not {media!r}",
+            status=415,
+            code="unsupported_media_type",
+        )
+    if not body.strip():
+        raise APIError("the request body must be a JSON object; it is empty")
+    try:
+        obj = json.loads(body, parse_constant=_not_json)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body must be a JSON object; it is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise APIError(f"the request body must be a JSON object, not {_JSON_TYPES[type(obj)]}")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        message, param = explain(e.errors(include_url=False), model)
+        raise APIError(message, param=param) from None
 
 
 class Usage(BaseModel):

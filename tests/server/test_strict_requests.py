@@ -1,0 +1,168 @@
+"""Strict request bodies over HTTP: every malformed request is a 400 (415 for a non-JSON content type)
+with one OpenAI error line naming the field, the "off" values of OpenAI fields we do not implement are
+accepted and change nothing, and no refused request reaches the engine.
+
+One server for the module (the tiny checkpoint of ``conftest.py``, one compiled executable), over
+real HTTP on a loopback port."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+from scheduler import SamplingParams  # noqa: E402
+from tests.server.conftest import CHAT, CHAT_TEXT, ENGINE, write_checkpoint  # noqa: E402
+
+MODEL = "ouro-test"
+GREEDY = dict(max_tokens=4, temperature=0, ignore_eos=True)
+USER = [{"role": "user", "content": "w9 w10"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from ouro_jax.server.run import BackgroundServer, make_state
+    from ouro_jax.server.startup import build_engine
+
+    folder = write_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    llm, timings = build_engine(folder, ENGINE)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    chat_ids = llm.tokenizer.encode(CHAT_TEXT, add_special_tokens=False).ids
+    # what LLM.generate answers, before the server's engine thread owns the engine
+    text, chat = (o.token_ids for o in llm.generate([[5, 6, 7], chat_ids], sp, use_tqdm=False))
+    srv = BackgroundServer(make_state(llm, MODEL, folder, max_queue=8, startup=timings)).start()
+    srv.expect = dict(text=text, chat=chat)
+    yield srv
+    srv.stop(timeout=30)
+
+
+def _post(server, path, body, **kw):
+    kw = dict(content=body, **kw) if isinstance(body, bytes) else dict(json=body, **kw)
+    return httpx.post(server.url + path, timeout=30, **kw)
+
+
+def _idle(server, timeout=10.0):
+    """The engine has nothing left and every KV block is back in the pool."""
+    llm, engine = server.state.llm, server.state.engine
+    deadline = time.monotonic() + timeout
+    while (engine.pending or llm.has_unfinished()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.pending == 0 and not llm.has_unfinished()
+    assert llm.scheduler.block_manager.num_used_blocks == 0
+
+
+CMPL, CHATP = "/v1/completions", "/v1/chat/completions"
+C = dict(model=MODEL, prompt=[5, 6, 7], **GREEDY)  # a good completion request
+M = dict(model=MODEL, messages=USER, **GREEDY)  # a good chat request
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+# (id, path, body, status, param, a substring of the message)
+BAD = [
+    # unknown fields, with a suggestion when one is close
+    ("chat unknown field", CHATP, dict(M, foo=1), 400, "foo", "unknown field 'foo'"),
+    ("misspelt field", CMPL, dict(C, temprature=0.5), 400, "temprature", "did you mean 'temperature'?"),
+    ("vllm extra", CMPL, dict(C, repetition_penalty=1.1), 400, "repetition_penalty", "unknown field"),
+    # OpenAI fields we do not implement, set to something other than off
+    ("logit_bias", CMPL, dict(C, logit_bias={"5": 10}), 400, "logit_bias", "logit_bias is not supported"),
+    ("presence_penalty", CHATP, dict(M, presence_penalty=0.5), 400, "presence_penalty", "is not supported"),
+    ("frequency_penalty", CMPL, dict(C, frequency_penalty=0.5), 400, "frequency_penalty", "is not supported"),
+    ("n", CMPL, dict(C, n=2), 400, "n", "n is not supported"),
+    ("logprobs", CMPL, dict(C, logprobs=1), 400, "logprobs", "is not supported"),
+    ("echo", CMPL, dict(C, echo=True), 400, "echo", "is not supported"),
+    ("tools", CHATP, dict(M, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "not supported"),
+    ("response_format", CHATP, dict(M, response_format={"type": "json_object"}), 400, "response_format", "only"),
+    # wrong JSON types: nothing is coerced
+    ("chat stream yes", CHATP, dict(M, stream="yes"), 400, "stream", 'stream must be true or false, not "yes"'),
+    ("max_tokens string", CMPL, dict(C, max_tokens="5"), 400, "max_tokens", "must be an integer"),
+    ("max_tokens float", CMPL, dict(C, max_tokens=5.0), 400, "max_tokens", "must be an integer"),
+    ("temperature string", CMPL, dict(C, temperature="0.5"), 400, "temperature", "must be a number"),
+    ("ignore_eos 1", CMPL, dict(C, ignore_eos=1), 400, "ignore_eos", "must be true or false, not 1"),
+    ("seed bool", CMPL, dict(C, seed=True), 400, "seed", "must be an integer, not true"),
+    ("stop_token_ids entry", CMPL, dict(C, stop_token_ids=[1, "2"]), 400, "stop_token_ids[1]", "an integer"),
+    ("model number", CMPL, dict(C, model=1), 400, "model", "must be a string"),
+    # chat messages
+    ("role wizard", CHATP, dict(M, messages=[{"role": "wizard", "content": "w1"}]), 400, "messages[0].role",
+     "'system', 'user', 'assistant', 'tool' or 'developer'"),
+    ("user without content", CHATP, dict(M, messages=[CHAT[0], {"role": "user"}]), 400, "messages[1].content",
+     "is required"),
+    ("null content", CHATP, dict(M, messages=[{"role": "system", "content": None}]), 400, "messages[0].content",
+     "a string or a list of text parts"),
+    ("assistant tool_calls", CHATP,
+     dict(M, messages=USER + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]), 400,
+     "messages[1].tool_calls", "is not supported"),
+    ("image part", CHATP, dict(M, messages=[{"role": "user", "content": [{"type": "text", "text": "w1"}, IMAGE]}]),
+     400, "messages[0].content[1].type", "'image_url' is not supported: this model reads text only"),
+    ("audio part", CHATP, dict(M, messages=[{"role": "user", "content": [{"type": "input_audio"}]}]), 400,
+     "messages[0].content[0].type", "reads text only"),
+    ("message unknown key", CHATP, dict(M, messages=[dict(USER[0], mood="x")]), 400, "messages[0].mood",
+     "unknown field"),
+    ("message not an object", CHATP, dict(M, messages=["w1"]), 400, "messages[0]", "must be an object"),
+    ("no messages", CHATP, dict(M, messages=[]), 400, "messages", "must not be empty"),
+    # stream_options
+    ("stream_options without stream", CHATP, dict(M, stream_options={"include_usage": True}), 400, "stream_options",
+     "only allowed when stream is true"),
+    ("continuous_usage_stats", CMPL, dict(C, stream=True, stream_options={"continuous_usage_stats": True}), 400,
+     "stream_options.continuous_usage_stats", "is not supported"),
+    ("stream_options unknown key", CMPL, dict(C, stream=True, stream_options={"usage": True}), 400,
+     "stream_options.usage", "unknown field"),
+    # prompt shapes
+    *[
+        (f"prompt {p!r}", CMPL, dict(C, prompt=p), 400, "prompt",
+         "prompt must be a string, a list of token ids, or a list of strings or token-id lists")
+        for p in (5, [1, "a"], [[1, 2], [3, "x"]], [], [[]], True, [True, 2], None)
+    ],
+    ("no prompt", CMPL, dict(model=MODEL), 400, "prompt", "prompt is required"),
+    # stop strings
+    ("stop entry", CMPL, dict(C, stop=["w1", 5]), 400, "stop[1]", "must be a string"),
+    ("stop empty", CMPL, dict(C, stop=["w1", ""]), 400, "stop", "empty string"),
+    # bodies
+    ("empty body", CMPL, b"", 400, None, "the request body must be a JSON object; it is empty"),
+    ("not JSON", CHATP, b"{model", 400, None, "not valid JSON"),
+    ("array body", CMPL, b"[1, 2]", 400, None, "must be a JSON object, not an array"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body,status,param,text", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_malformed_requests_are_refused(server, path, body, status, param, text):
+    r = _post(server, path, body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and text in err["message"], err
+    assert "\n" not in err["message"]
+
+
+def test_json_as_text_plain_is_415(server):
+    r = _post(server, CMPL, dict(C), headers={"content-type": "text/plain"})
+    assert r.status_code == 415, r.text
+    assert "'text/plain'" in r.json()["error"]["message"]
+
+
+def test_off_values_are_accepted_and_change_nothing(server):
+    off = dict(presence_penalty=0, frequency_penalty=0.0, logit_bias=None, n=1, logprobs=None, echo=False, user="u7")
+    for body in (C, dict(C, **off)):
+        r = _post(server, CMPL, body, headers={"content-type": "application/json; charset=utf-8"})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == server.expect["text"]
+    chat_off = dict(off, tools=[], tool_choice="none", response_format={"type": "text"}, temperature=0)
+    chat_off.pop("echo")
+    # a developer message is the template's system message; text parts are joined
+    dev = [{"role": "developer", "content": [{"type": "text", "text": "w7 "}, {"type": "text", "text": "w8"}]}]
+    for body in (dict(M, messages=CHAT), dict(M, messages=dev + CHAT[1:], **chat_off)):
+        r = _post(server, CHATP, body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == server.expect["chat"]
+    _idle(server)
+
+
+def test_good_request_after_the_bad_ones(server):
+    """Runs last: no refused request left anything in the engine, which answers as before."""
+    _idle(server)
+    r = _post(server, CMPL, dict(C, stream=True, stream_options={"include_usage": True}))
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    assert '"completion_tokens":4' in r.text
+    r = _post(server, CMPL, C)
+    assert r.json()["choices"][0]["token_ids"] == server.expect["text"]
+    _idle(server)
