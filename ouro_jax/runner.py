@@ -227,6 +227,7 @@ class ModelRunner:
         # the latest launches' results, whose copies to the host ``close`` waits for: earlier
         # launches finished before these started (each step takes the pools the one before wrote)
         self._recent: collections.deque = collections.deque(maxlen=4)
+        self.kv_bytes = 2 * self.k_pool.size * self.k_pool.dtype.itemsize  # the pools' size (kept after close)
         self.closed = False
 
     # ------------------------------------------------------------------------------- setup
@@ -264,9 +265,6 @@ class ModelRunner:
 
         return run
 
-    @property
-    def kv_bytes(self) -> int:
-        return 2 * self.k_pool.size * self.k_pool.dtype.itemsize
 
     def lower(self, key):
         """Trace and lower ``key``: a ``BucketKey`` (one loop) or ``(BucketKey, n)`` (a fused decode step)."""

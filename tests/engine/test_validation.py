@@ -177,6 +177,47 @@ def test_bad_prompts_are_refused_before_queueing(llm, prompt, match):
     assert not llm.has_unfinished()
 
 
+@pytest.mark.parametrize(
+    "prompts, sampling_params, error, match",
+    [
+        (None, None, TypeError, "prompts must be a string or a flat sequence .* got NoneType"),
+        (5, None, TypeError, "got int"),
+        ({"prompt": [1, 2]}, None, TypeError, "got dict"),
+        ([], None, ValueError, "prompts is empty"),
+        ([[1, 2], [3, [4]]], None, ValueError, r"prompts\[1\]: token ids must be integers, got list \[4\]"),
+        (np.array([[1, 2], [3]], dtype=object), None, ValueError, "got an array of object"),
+        ([1, 2], {"max_tokens": 4}, TypeError, r"got dict \(build one with SamplingParams\(\*\*fields\)\)"),
+        ([[1], [2]], [SamplingParams(), {"max_tokens": 4}], TypeError, r"sampling_params\[1\] must be a Sampl"),
+        ([[1], [2]], [SamplingParams()], ValueError, "1 sampling params for 2 prompts"),
+        ([1, 2], SamplingParams(stop_token_ids=[7, 128]), ValueError, r"128 is outside the vocabulary \[0, 128\)"),
+        ([1, 2], SamplingParams(exit_mode="fixed", exit_threshold=0.5), ValueError, "read only by exit_mode"),
+    ],
+)
+def test_bad_generate_calls_are_refused_naming_the_problem(llm, prompts, sampling_params, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate(prompts, sampling_params, use_tqdm=False)
+    with pytest.raises(error, match=match):
+        llm.stream(prompts, sampling_params)  # refused at the call, before any iteration
+    assert not llm.has_unfinished() and not llm.scheduler.num_unfinished
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (dict(priority="high"), ValueError, "priority must be an integer"),
+        (dict(priority=True), ValueError, "priority must be an integer"),
+        (dict(priority=1), ValueError, "read only by policy='priority'"),
+        (dict(request_id=["a"]), TypeError, "request_id must be hashable"),
+        (dict(sampling_params={"max_tokens": 2}), TypeError, "must be a SamplingParams"),
+    ],
+)
+def test_bad_add_request_leaves_no_request_behind(llm, kw, error, match):
+    with pytest.raises(error, match=match):
+        llm.add_request([1, 2, 3], **kw)
+    assert not llm.has_unfinished() and not llm.scheduler.num_unfinished and len(llm.scheduler.waiting) == 0
+    assert llm.abort(["a"]) is False  # an unhashable id names no request
+
+
 def test_prompts_as_jax_and_numpy_arrays_and_numpy_sampling_params(llm):
     sp = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int32(2), seed=np.uint32(1))
     rid = llm.add_request(jnp.asarray([1, 2, 3], jnp.int32), sp)
