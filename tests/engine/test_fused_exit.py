@@ -64,6 +64,8 @@ def _rows_loops(t, gates, limit, min_loops, delay, thr, jnp_rule: bool) -> int:
 def test_row_rule_twins_equal_host_rule(case):
     t, gates, threshold, min_loops, max_loops, mode, target = case
     kw = dict(synthetic_depths=(target - 1,)) if mode == "synthetic" else dict(exit_threshold=threshold)
+    if mode == "fixed":  # fixed reads neither a threshold nor min_loops (validate refuses them)
+        kw, min_loops = {}, 1
     params = SamplingParams(min_loops=min_loops, max_loops=max_loops, exit_mode=mode, **kw)
     params.validate(t)
     if mode != "synthetic":
@@ -259,9 +261,9 @@ def exit_batches(draw):
         mode = draw(st.sampled_from(["ouro", "delayed", "fixed", "synthetic"]))
         max_loops = draw(st.one_of(st.none(), st.integers(1, T)))
         hi = T if max_loops is None else max_loops
-        min_loops = draw(st.integers(1, hi))
+        min_loops = 1 if mode == "fixed" else draw(st.integers(1, hi))  # fixed reads no min_loops
         kw = dict(synthetic_mean_loops=draw(st.floats(min_loops, hi))) if mode == "synthetic" else {}
-        if mode != "synthetic":
+        if mode in ("ouro", "delayed"):  # the others refuse a threshold
             kw["exit_threshold"] = draw(st.sampled_from([0.0, 0.3, 0.5, 0.9, 1.0]))
         sps.append(
             SamplingParams(

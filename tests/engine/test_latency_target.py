@@ -293,8 +293,7 @@ def test_target_on_and_off_give_identical_tokens_and_exit_depths(mode, exit_mode
         kw = (
             dict(exit_mode="fixed")
             if exit_mode == "fixed"
-            else dict(exit_mode=["ouro", "synthetic"][i % 2], exit_threshold=0.6)
-            | (dict(synthetic_mean_loops=2.0) if i % 2 else {})
+            else (dict(exit_mode="synthetic", synthetic_mean_loops=2.0) if i % 2 else dict(exit_threshold=0.6))
         )
         sp = SamplingParams(max_tokens=10, temperature=0.7 * (i % 2), seed=i, **kw)
         n = int(rng.integers(3, 60))

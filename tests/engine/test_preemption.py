@@ -26,7 +26,7 @@ def workload(n_req=5, seed=0, exit="ouro", max_tokens=14, prompt_len=(3, 20)):
         if exit == "ouro":
             kw.update(exit_threshold=0.6)
         elif exit == "synthetic":
-            kw.update(exit_mode="synthetic", synthetic_mean_loops=2.2, exit_threshold=0.5)
+            kw.update(exit_mode="synthetic", synthetic_mean_loops=2.2)
         n = int(rng.integers(*prompt_len))
         reqs.append(
             dict(

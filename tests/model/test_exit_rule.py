@@ -63,7 +63,15 @@ def _loop_by_loop(gates, threshold, min_loops, max_loops, mode):
 def test_device_rule_equals_host_rule(case):
     t, gates, threshold, min_loops, max_loops, mode = case
     assume(not gates_near_threshold(gates, threshold, min_loops, max_loops, mode))
-    params = SamplingParams(exit_threshold=threshold, min_loops=min_loops, max_loops=max_loops, exit_mode=mode)
+    # the host's params hold only what the mode reads (validate refuses the rest); the device rule is
+    # handed every drawn value and must ignore the same ones
+    gated = mode in ("ouro", "delayed")
+    params = SamplingParams(
+        exit_threshold=threshold if gated else 1.0,
+        min_loops=1 if mode == "fixed" else min_loops,
+        max_loops=max_loops,
+        exit_mode=mode,
+    )
     params.validate(t)
     want = reference_exit_loops(params, t, gates)
     # padded to MAX_T gates (one compilation per mode): the rule never reads past max_loops <= t
