@@ -102,7 +102,6 @@ def test_drain_timeout_aborts_the_stream_and_exits_0(folder):
     assert "drain: ended (timeout of 0.5 s)" in server.text and "0 requests finished, 1 aborted" in server.text
 
 
-@pytest.mark.slow
 def test_second_signal_aborts_at_once(folder):
     server = _serve(folder)
     try:
@@ -117,3 +116,62 @@ def test_second_signal_aborts_at_once(folder):
     finally:
         server.close()
     assert "drain: ended (second signal (SIGINT))" in server.text, server.text
+
+
+class _Engine:
+    """What the drain reads of an engine: ``pending``, ``stop``."""
+
+    def __init__(self, pending: int):
+        self.pending, self.stopped = pending, None
+
+    def stop(self, drain: bool = True) -> None:
+        self.stopped = drain
+
+
+class _Task:
+    def __init__(self, done: bool):
+        self._done = done
+
+    def done(self) -> bool:
+        return self._done
+
+
+def _drain_server(pending: int, tasks, timeout: float = 30.0):
+    import uvicorn
+
+    from ouro_jax.server.app import ServerState
+    from ouro_jax.server.run import _Server
+
+    state = ServerState(llm=None, engine=_Engine(pending), model_name="m")
+    server = _Server(uvicorn.Config(lambda scope, receive, send: None), state, drain_timeout_s=timeout)
+    server.server_state.tasks.update(tasks)
+    return server, state
+
+
+def test_drain_waits_for_the_requests_in_flight_then_for_the_engine():
+    slow = _Task(False)
+    server, state = _drain_server(1, [slow, _Task(True)])
+    server.handle_exit(signal.SIGTERM, None)
+    assert state.draining and not server._drain_ended()
+    server.server_state.tasks.add(_Task(False))  # a request after the start (answered 503): not waited for
+    slow._done = True
+    assert not server._drain_ended()  # the engine still holds one (e.g. an abort not yet applied)
+    state.engine.pending = 0
+    assert server._drain_ended() and state.engine.stopped is None
+    assert server.drain_result["reason"] == "done" and server.drain_result["finished"] == 2
+    assert server.forced_by is None
+
+
+def test_drain_timeout_and_second_signal_abort_what_is_left():
+    server, state = _drain_server(2, [_Task(False), _Task(True)], timeout=0.5)
+    server.request_drain()
+    assert not server._drain_ended()
+    server.drain_asked -= 1.0  # the drain began a second ago
+    assert server._drain_ended() and state.engine.stopped is False
+    assert server.drain_result == dict(finished=1, aborted=1, seconds=server.drain_result["seconds"],
+                                       reason="timeout of 0.5 s")  # fmt: skip
+    server, state = _drain_server(1, [_Task(False)])
+    server.handle_exit(signal.SIGTERM, None)
+    server.handle_exit(signal.SIGINT, None)
+    assert server._drain_ended() and state.engine.stopped is False and server.forced_by == signal.SIGINT
+    assert server.drain_result["reason"] == "second signal (SIGINT)"
