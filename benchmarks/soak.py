@@ -2,10 +2,11 @@
 
 ``--concurrency`` clients loop for ``--duration-s``, each picking at random: a streaming completion
 or chat request (random prompt and max_tokens, ``ignore_eos``: it must end with every token,
-finish_reason ``length`` and ``[DONE]``), a stream it drops after k tokens, a non-streaming request,
-or a bad request (malformed JSON, a wrong type, an unknown model, ... : a 4xx). Every
-``--burst-every-s`` a burst of more requests than the server's queue holds arrives at once (some must
-be answered 429 with ``Retry-After``; a client waits that long, jittered, before its next action).
+finish_reason ``length`` and ``[DONE]``), a stream it drops after k tokens, a non-streaming request
+(or one it gives up on after a moment), or a bad request (malformed JSON, a wrong type, an unknown
+model, ... : a 4xx). Every ``--burst-every-s`` a burst of more requests than the server's queue
+holds arrives at once (some must be answered 429 with ``Retry-After``; a client waits that long,
+jittered, before its next action).
 Expected 4xx / 429 are counted by kind, not as errors; an error is a 5xx, a client exception, a 2xx
 to a request that must be refused, or a response that breaks its contract (a missing token, no
 ``[DONE]``, a 429 without ``Retry-After``).
@@ -36,6 +37,7 @@ import random
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -51,7 +53,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 MODEL_NAME = "soak"
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in warm morning light".split()
 # each client's actions, by weight (bursts come on a timer, not from a client's choice)
-ACTIONS = {"stream_completion": 35, "stream_chat": 15, "disconnect": 15, "non_stream": 15, "bad": 20}
+ACTIONS = dict(stream_completion=30, stream_chat=15, disconnect=15, drop_non_stream=5, non_stream=15, bad=20)
 
 
 # ------------------------------------------------------------------------------- server
@@ -124,6 +126,13 @@ class Sampler(threading.Thread):
         while not self.stopped.is_set():
             self.sample()
             self.stopped.wait(self.every_s)
+
+
+def requests_by_status(text: str) -> dict:
+    """The server's own count of requests by final status (``ouro_requests_total`` on ``/metrics``)."""
+    return {
+        m[1]: float(m[2]) for m in re.finditer(r'^ouro_requests_total\{[^}]*status="([^"]+)"[^}]*\} (\S+)$', text, re.M)
+    }
 
 
 def engine_gauges(text: str) -> dict:
@@ -288,6 +297,14 @@ class Load:
             self.tally.e2e[kind].append(time.monotonic() - t0)
         return None
 
+    async def drop_non_stream(self, client, kind: str, body: dict, rng: random.Random) -> Optional[float]:
+        """A non-streaming request given up after a moment (the connection closed while the server works)."""
+        try:
+            return await asyncio.wait_for(self.non_stream(client, kind, body), rng.uniform(0.02, 0.3))
+        except asyncio.TimeoutError:
+            self.tally.outcome(kind, "dropped")
+            return None
+
     async def bad(self, client, rng: random.Random) -> Optional[float]:
         variant, method, path, payload, must = self.bad_request(rng)
         kind = "bad"
@@ -320,6 +337,8 @@ class Load:
                 body = self.completion(rng, min_tokens=4, stream=True)
                 drop_after = rng.randint(1, body["max_tokens"] - 1)
                 return await self.stream(client, kind, "/v1/completions", body, drop_after=drop_after)
+            if kind == "drop_non_stream":
+                return await self.drop_non_stream(client, kind, self.completion(rng, min_tokens=4), rng)
             if kind == "non_stream":
                 return await self.non_stream(client, kind, self.completion(rng))
             return await self.bad(client, rng)
@@ -439,10 +458,13 @@ async def drain_check(server: ServerProcess, load: Load, args, drain_timeout_s: 
 
 # --------------------------------------------------------------------------------- report
 def flatness(samples: list, t_from: float, t_to: float, index: int) -> Optional[float]:
-    """Growth of sample field ``index`` between the first sample at or after ``t_from`` and the last at or
-    before ``t_to``."""
-    win = [s for s in samples if t_from <= s[0] <= t_to]
-    return None if len(win) < 2 else win[-1][index] - win[0][index]
+    """Growth of sample field ``index`` over the samples between ``t_from`` and ``t_to``: the median of
+    their last quarter minus that of their first (single allocation spikes are not growth)."""
+    win = [s[index] for s in samples if t_from <= s[0] <= t_to]
+    if len(win) < 2:
+        return None
+    k = max(1, len(win) // 4)
+    return statistics.median(win[-k:]) - statistics.median(win[:k])
 
 
 def problems(rec: dict) -> list[str]:
@@ -536,9 +558,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         )
         ran = asyncio.run(run_load(load, args, burst_size))
         t_load_end = time.monotonic() - sampler.t0
-        gauges, deadline = {}, time.monotonic() + args.settle_s
+        gauges, metrics, deadline = {}, "", time.monotonic() + args.settle_s
         while time.monotonic() < deadline:  # the engine publishes its idle state within a moment
-            gauges = engine_gauges(httpx.get(server.url + "/metrics", timeout=10).text)
+            metrics = httpx.get(server.url + "/metrics", timeout=10).text
+            gauges = engine_gauges(metrics)
             if not any(gauges.values()):
                 break
             time.sleep(0.25)
@@ -577,6 +600,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         requests_per_s=sum(summary["requests"].values()) / ran["load_s"],
         output_tok_per_s=summary["output_tokens"] / ran["load_s"],
         leftovers=gauges,
+        server_requests=requests_by_status(metrics),
         rss=dict(
             samples=len(samples),
             first_mb=samples[0][1] if samples else None,
@@ -587,6 +611,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
             bound_mb=args.rss_growth_bound_mb,
             flat=None if rss_growth is None else rss_growth <= args.rss_growth_bound_mb,
             every_s=args.sample_every_s,
+            load_end_s=t_load_end,
+            series=[[round(t, 1), round(mb, 1), n] for t, mb, n in samples],  # seconds, MB, threads
         ),
         threads=dict(
             start=samples[0][2] if samples else None,
