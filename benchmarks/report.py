@@ -3,12 +3,13 @@
     python -m benchmarks.report [--results benchmarks/results]
 
 Reads ``<workload>.json`` (``benchmarks/run.py``), ``decode.json`` (``benchmarks/decode.py``),
-``bucket_sweep.json`` / ``bucket_padding.json`` (``benchmarks/sweep_buckets.py``) and
+``bucket_sweep.json`` / ``bucket_padding.json`` (``benchmarks/sweep_buckets.py``),
 ``generate.json`` (an earlier static-batch run; ``benchmarks.run`` now records ``generate()``
-baselines in the workload JSONs), and writes ``REPORT.md`` with the targets of docs/performance.md
-(issue 13's decode targets from decode.json), one table per workload, the decode table, the bucket
-sweep, and plots (throughput vs chunk per mode, latency CDFs, prompt throughput vs decode TPOT of the
-workloads with decode streams, TPOT vs floor per concurrency, bucket roofline, padding by bucket set).
+baselines in the workload JSONs) and ``soak.json`` (``benchmarks/soak.py``), and writes
+``REPORT.md`` with the targets of docs/performance.md (issue 13's decode targets from
+decode.json), one table per workload, the decode table, the soak runs, the bucket sweep, and
+plots (throughput vs chunk per mode, latency CDFs, prompt throughput vs decode TPOT of the workloads
+with decode streams, TPOT vs floor per concurrency, bucket roofline, padding by bucket set).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "plot_bucket_sweep",
     "plot_decode",
     "decode_section",
+    "soak_section",
     "write_report",
     "main",
 ]
@@ -864,6 +866,40 @@ def _bucket_section(bs: dict, pad_only: Optional[dict]) -> str:
     return "\n".join(out)
 
 
+def soak_section(res: dict) -> str:
+    """One row per soak run: load, errors, latency, memory and threads, what was left, the drain."""
+    rows = []
+    for r in res["records"]:
+        lat, rss, th, left, d = r["latency"], r["rss"], r["threads"], r["leftovers"], r["drain"]
+        refused = sum(n for o in r["outcomes"].values() for code, n in o.items() if code.startswith("4"))
+        p = lambda k: f"{fmt.ms((lat[k] or {}).get('p50'))} / {fmt.ms((lat[k] or {}).get('p99'))}"  # noqa: E731
+        rows.append(
+            [
+                r["label"],
+                f"{r['load_s']:.0f} s, c={r['concurrency']}",
+                f"{sum(r['requests'].values()):,} ({refused:,} 4xx expected)",
+                r["unexpected"],
+                p("ttft"),
+                p("e2e"),
+                f"{rss['first_mb']:.0f} / {rss['last_mb']:.0f} / {rss['max_mb']:.0f} "
+                f"({fmt.num(rss['growth_mb'])} in the last {rss['window_s']:.0f} s)",
+                f"{th['start']} -> {th['end']}",
+                f"{left['running']:g} / {left['waiting']:g} / {left['kv_usage']:g}",
+                f"exit {d['exit_code']} in {d['seconds']:.1f} s, {d['finished']}/{d['streams']} whole, "
+                f"503 {'seen' if d['saw_503'] else 'NOT seen'}",
+                "pass" if not r.get("problems") else "; ".join(r["problems"]),
+            ]
+        )
+    head = [
+        "run", "load", "requests", "errors", "TTFT p50 / p99 ms", "E2E p50 / p99 ms", "RSS first / last / max MB",
+        "threads", "left: running / waiting / KV", "drain", "checks",
+    ]  # fmt: skip
+    return (
+        "Clients loop over streaming and non-streaming completions and chats, dropped streams and bad "
+        "requests, with bursts past the queue (429); then SIGTERM with streams in flight.\n\n" + _table(head, rows)
+    )
+
+
 def write_report(folder: str) -> str:
     results = load_results(folder)
     lines = [
@@ -986,6 +1022,9 @@ def write_report(folder: str) -> str:
             _table(["kind", "segments x rows @ context", "ours ms", "cuDNN ms", "ours / cuDNN", "ratio"], rows),
             "",
         ]
+    soak = results.get("soak")
+    if soak and soak.get("benchmark") == "soak" and soak.get("records"):
+        lines += ["## Soak (benchmarks/soak.py)", "", soak_section(soak), ""]
     bs, bp = results.get("bucket_sweep"), results.get("bucket_padding")
     if bs or bp:
         lines += ["## Bucket sweep", "", _bucket_section(bs, bp), ""]

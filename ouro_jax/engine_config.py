@@ -428,6 +428,14 @@ class EngineConfig:
         choices=REPLICA_MODES,
         compile_free=True,
     )
+    drain_timeout_s: float = _field(
+        30.0,
+        section="server",
+        help="on SIGTERM / SIGINT: seconds the running requests may take to finish (new ones are answered "
+        "503) before they are aborted and the server exits",
+        check=_positive_number,
+        compile_free=True,
+    )
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -44,7 +44,7 @@ import collections
 import functools
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Iterable, Optional
 
 import jax
@@ -73,7 +73,7 @@ from .parallel import (
 )
 from .step_program import SamplerKey, one_loop, packed_shape, packed_size, sample_coda
 
-__all__ = ["ModelRunner", "SamplerKey", "packed_size", "packed_shape", "is_fused"]
+__all__ = ["ModelRunner", "CompileProgress", "SamplerKey", "packed_size", "packed_shape", "is_fused"]
 
 
 # XLA compile threads of a cold start (``ModelRunner.warmup``): more made the GPU autotuner warn
@@ -100,6 +100,49 @@ def _count_cache_hit(name: str, **_) -> None:
 
 
 jax.monitoring.register_event_listener(_count_cache_hit)
+
+
+class CompileProgress:
+    """Executables ready out of those to warm up, drawn as one tqdm bar on stderr as each one
+    finishes (every update written and flushed at once, on a terminal or not). Warm-ups that run
+    together (data-parallel replicas) share one: each adds its count to the total. While the bar is
+    drawn, log lines go above it rather than through it."""
+
+    def __init__(self, desc: str = "compiling executables"):
+        self.desc = desc
+        self._lock = threading.Lock()
+        self._bar = None
+        self._redirect = None
+
+    def add(self, n: int) -> None:
+        """``n`` more executables to wait for."""
+        with self._lock:
+            if self._bar is None:
+                import sys
+
+                from tqdm.auto import tqdm
+                from tqdm.contrib.logging import logging_redirect_tqdm
+
+                self._redirect = logging_redirect_tqdm()
+                self._redirect.__enter__()
+                # every executable shown (they take seconds each, the bar is no flood)
+                self._bar = tqdm(total=n, desc=self.desc, unit="exe", file=sys.stderr, mininterval=0, miniters=1)
+            else:
+                self._bar.total += n
+                self._bar.refresh()
+
+    def done(self, n: int = 1) -> None:
+        """``n`` executables ready."""
+        with self._lock:
+            if self._bar is not None and n:
+                self._bar.update(n)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._redirect.__exit__(None, None, None)
+                self._bar = self._redirect = None
 
 
 def is_fused(key) -> bool:
@@ -366,9 +409,13 @@ class ModelRunner:
         self.compile_time += dt
         self.compile_times[key] = dt
 
-    def warmup(self, keys: Iterable, progress: bool = True, threads: int | None = None) -> float:
-        """Compile every bucket ahead of time (with a progress bar); returns the seconds spent.
-        ``keys``: ``BucketKey`` s and ``(BucketKey, n)`` fused decode steps.
+    def warmup(
+        self, keys: Iterable, progress: bool = True, threads: int | None = None, counter: Optional[Any] = None
+    ) -> float:
+        """Compile every bucket ahead of time; returns the seconds spent. ``keys``: ``BucketKey`` s
+        and ``(BucketKey, n)`` fused decode steps. ``progress``: count the executables as they
+        finish in ``counter`` (shared by warm-ups running together; anything with ``add(n)`` and
+        ``done(n)``), by default a bar of its own (:class:`CompileProgress`).
 
         Executables in the store load first, in threads (no tracing). The rest are traced and
         lowered one key at a time (Python); XLA compiles them in ``threads`` threads (default: the
@@ -379,35 +426,41 @@ class ModelRunner:
         if threads is not None and not (isinstance(threads, int) and threads >= 1):
             raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
         t = time.perf_counter()
-        bar = None
-        if progress and todo:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(todo), desc="compiling buckets", unit="exe")
-        done = bar.update if bar is not None else (lambda n: None)
-        if self.store is not None and todo:
-            with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
-                done(sum(pool.map(self._load_stored, todo)))
-            todo = [k for k in todo if k not in self._exe]
-        if threads is None:
-            threads = COLD_COMPILE_THREADS
-            if todo:
-                hits = _CACHE_HITS[0]
-                self._compile(todo.pop(0), try_store=False)
-                done(1)
-                if _CACHE_HITS[0] > hits:
-                    threads = 8
-        if threads <= 1:
-            for k in todo:
-                self._compile(k, try_store=False)
-                done(1)
-        elif todo:
-            lowered = [(k, self.lower(k)) for k in todo]
-            with ThreadPoolExecutor(max_workers=min(threads, len(lowered))) as pool:
-                for _ in pool.map(lambda kl: self._compile(*kl, try_store=False), lowered):
+        own = None
+        if not progress or not todo:
+            counter = None
+        elif counter is None:
+            counter = own = CompileProgress()
+        if counter is not None:
+            counter.add(len(todo))
+        done = counter.done if counter is not None else (lambda n: None)
+        try:
+            if self.store is not None and todo:
+                with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
+                    for f in as_completed([pool.submit(self._load_stored, k) for k in todo]):
+                        done(int(f.result()))
+                todo = [k for k in todo if k not in self._exe]
+            if threads is None:
+                threads = COLD_COMPILE_THREADS
+                if todo:
+                    hits = _CACHE_HITS[0]
+                    self._compile(todo.pop(0), try_store=False)
                     done(1)
-        if bar is not None:
-            bar.close()
+                    if _CACHE_HITS[0] > hits:
+                        threads = 8
+            if threads <= 1:
+                for k in todo:
+                    self._compile(k, try_store=False)
+                    done(1)
+            elif todo:
+                lowered = [(k, self.lower(k)) for k in todo]
+                with ThreadPoolExecutor(max_workers=min(threads, len(lowered))) as pool:
+                    for f in as_completed([pool.submit(self._compile, k, lo, try_store=False) for k, lo in lowered]):
+                        f.result()
+                        done(1)
+        finally:
+            if own is not None:
+                own.close()
         return time.perf_counter() - t
 
     # ----------------------------------------------------------------------------- execute

@@ -63,6 +63,7 @@ class ServerState:
 
     def check_accepting(self) -> None:
         if self.draining:
+            self.metrics.request_rejected(503)
             raise P.APIError(
                 "the server is shutting down",
                 status=503,

@@ -43,7 +43,6 @@ def cmd_serve(args) -> int:
     tp, dp = config.tensor_parallel_size, config.data_parallel_size
     mode = config.replica_mode or ("process" if dp > 1 else "thread")
     name = config.served_model_name or args.model
-    access_log = not args.no_access_log
     if mode == "process":
         from .replica_process import start_replica_processes
 
@@ -52,14 +51,17 @@ def cmd_serve(args) -> int:
             args.model, ekw, dp, max_queue=config.max_queue, log_level=args.log_level
         )
         state = make_state(front, name, args.model, max_queue=config.max_queue, startup=timings, replicas=reps)
-        return serve(state, config.host, config.port, args.log_level, t_start=t_start, access_log=access_log)
-    check_data_parallel(dp, tp)  # before any weight
-    if dp == 1:
-        llm, timings = build_engine(args.model, ekw)
     else:
-        llm, timings = build_replicas(args.model, ekw, dp)
-    state = make_state(llm, name, args.model, max_queue=config.max_queue, startup=timings)
-    return serve(state, config.host, config.port, args.log_level, t_start=t_start, access_log=access_log)
+        check_data_parallel(dp, tp)  # before any weight
+        if dp == 1:
+            llm, timings = build_engine(args.model, ekw)
+        else:
+            llm, timings = build_replicas(args.model, ekw, dp)
+        state = make_state(llm, name, args.model, max_queue=config.max_queue, startup=timings)
+    return serve(
+        state, config.host, config.port, args.log_level, t_start=t_start, access_log=not args.no_access_log,
+        drain_timeout_s=config.drain_timeout_s,
+    )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------- generate

@@ -244,6 +244,20 @@ class _WorkerSink:
         )
 
 
+class _CompileReports:
+    """A worker's warm-up counter (``runner.CompileProgress``'s ``add`` / ``done``): the counts go to
+    the front, which draws one bar for every replica."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def add(self, n: int) -> None:
+        self.conn.send(("compile", "add", n))
+
+    def done(self, n: int = 1) -> None:
+        self.conn.send(("compile", "done", n))
+
+
 def _worker_main(index, model, engine_kwargs, env, cmd_conn, evt_conn, max_pending, log_level, state_interval_s):
     """A replica's process: build the engine, report ready, then run its ``EngineLoop`` on commands."""
     os.environ.update(env)  # set by the front before the start too; here for a child of another launcher
@@ -258,7 +272,7 @@ def _worker_main(index, model, engine_kwargs, env, cmd_conn, evt_conn, max_pendi
         from .startup import build_engine
 
         t0 = time.perf_counter()
-        llm, timings = build_engine(model, engine_kwargs)
+        llm, timings = build_engine(model, engine_kwargs, counter=_CompileReports(evt_conn))
         timings["ready_s"] = time.perf_counter() - t0
         bm = llm.scheduler.block_manager
         if llm.scheduler_config.enable_prefix_caching:
@@ -362,6 +376,9 @@ class RemoteReplica(BoundedQueue):
         self._cached: set = set()  # the worker's prefix cache, mirrored
         self._sinks: dict[Any, _Sink] = {}
         self._lock = threading.Lock()
+        # the reader and ``join`` both wait for the worker's exit: one reaps it, and the other's
+        # waitpid would then fail and take the dead worker for a live one (a spurious kill)
+        self._reap_lock = threading.Lock()
         self._pending = 0
         self._stopping = self._gone = False
         self._out: queue.SimpleQueue = queue.SimpleQueue()
@@ -377,17 +394,23 @@ class RemoteReplica(BoundedQueue):
             c.close()
         return self
 
-    def poll_ready(self) -> Optional[dict]:
-        """The ready message once it came (None while still starting); raises if the worker failed."""
-        try:
-            if not self._evt.poll(0):
-                return None
-            msg = self._evt.recv()
-        except (EOFError, OSError):
-            self.process.join(5)
-            raise RuntimeError(
-                f"replica {self.index} exited while starting (exit code {self.process.exitcode})"
-            ) from None
+    def poll_ready(self, counter=None) -> Optional[dict]:
+        """The ready message once it came (None while still starting); raises if the worker failed.
+        The worker's warm-up counts before it go to ``counter`` (``runner.CompileProgress``)."""
+        while True:
+            try:
+                if not self._evt.poll(0):
+                    return None
+                msg = self._evt.recv()
+            except (EOFError, OSError):
+                self.process.join(5)
+                raise RuntimeError(
+                    f"replica {self.index} exited while starting (exit code {self.process.exitcode})"
+                ) from None
+            if msg[0] != "compile":
+                break
+            if counter is not None:
+                getattr(counter, msg[1])(msg[2])
         if msg[0] == "failed":
             name, text = msg[1]
             err = f"replica {self.index} failed to start: {name}: {text}"
@@ -438,8 +461,10 @@ class RemoteReplica(BoundedQueue):
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for the worker to exit; killed if it outlives ``timeout``."""
-        self.process.join(timeout)
-        if self.process.is_alive():
+        with self._reap_lock:
+            self.process.join(timeout)
+            alive = self.process.is_alive()
+        if alive:
             log.warning("replica %d did not stop in time: killing it", self.index)
             self.process.kill()
             self.process.join(10)
@@ -486,7 +511,8 @@ class RemoteReplica(BoundedQueue):
                 self._on_batch(msg[1], msg[2])
             elif msg[0] == "exit":
                 exit_error, clean = msg[1], msg[1] is None
-        self.process.join(5)
+        with self._reap_lock:
+            self.process.join(5)
         if clean and self._stopping:
             err = EngineDead("the server is shutting down")
         elif exit_error is not None:
@@ -551,7 +577,8 @@ def start_replica_processes(
     Bad sizes fail before any worker starts; a worker that fails to start stops the others and
     raises (``ValueError`` for a bad setting it found).
 
-    ``devices``: ``(backend, count)`` when known (else ``probe_devices``)."""
+    ``devices``: ``(backend, count)`` when known (else ``probe_devices``). The workers' executables
+    are drawn in one bar as they finish (workers whose ``progress`` option is on report them)."""
     kw = dict(engine_kwargs or {})
     tp = kw.get("tensor_parallel_size", 1)
     from .replicas import check_data_parallel
@@ -562,6 +589,9 @@ def start_replica_processes(
     dp = check_process_replicas(data_parallel_size, tp, backend, count)
     max_num_seqs = kw.get("max_num_seqs", 32)
     t0 = time.perf_counter()
+    from ouro_jax.runner import CompileProgress
+
+    counter = CompileProgress()
     reps = [
         RemoteReplica(i, model, kw, max_num_seqs + max_queue, replica_env(i, tp, backend, count), log_level)
         for i in range(dp)
@@ -574,7 +604,7 @@ def start_replica_processes(
         deadline = None if startup_timeout is None else t0 + startup_timeout
         while waiting:
             for r in list(waiting):
-                if r.poll_ready() is not None:
+                if r.poll_ready(counter) is not None:
                     waiting.remove(r)
                     t = r.info["timings"]
                     log.info(
@@ -588,6 +618,7 @@ def start_replica_processes(
             if waiting:
                 multiprocessing.connection.wait([r._evt for r in waiting], timeout=0.5)
     except BaseException:
+        counter.close()
         for r in reps:
             if r.process.pid is not None and r.process.is_alive():
                 r.process.kill()
@@ -596,6 +627,7 @@ def start_replica_processes(
             r._cmd.close()
             r._evt.close()
         raise
+    counter.close()
     cfgs = [r.info["scheduler_config"] for r in reps]
     # every replica admits what the front's admission check admits: the smallest pool decides
     cfg = min(cfgs, key=lambda c: c.num_blocks)

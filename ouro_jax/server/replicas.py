@@ -223,10 +223,14 @@ class ReplicaSet:
         for r in self.replicas:
             r.abort(request_id)
 
-    def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
-        """Stop every replica (drained or aborting), together, within ``timeout`` overall."""
+    def stop(self, drain: bool = True) -> None:
+        """Ask every replica to stop, drained or aborting (``shutdown`` without waiting)."""
         for r in self.replicas:
             r.stop(drain)
+
+    def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop every replica (drained or aborting), together, within ``timeout`` overall."""
+        self.stop(drain)
         deadline = None if timeout is None else time.monotonic() + timeout
         for r in self.replicas:
             r.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -237,7 +241,8 @@ def build_replicas(model, engine_kwargs: Optional[dict], data_parallel_size: int
 
     Weights are loaded one replica after the other (host memory and disk); the replicas' warm-ups
     run in parallel threads (each compiles its own executables: an executable belongs to its
-    devices). ``timings`` is replica 0's start-up timings with ``replicas`` (each one's) added."""
+    devices), counted in one progress bar. ``timings`` is replica 0's start-up timings with
+    ``replicas`` (each one's) added."""
     from .startup import CacheEvents, build_engine
 
     kw = dict(engine_kwargs or {})
@@ -254,8 +259,14 @@ def build_replicas(model, engine_kwargs: Optional[dict], data_parallel_size: int
     before = CacheEvents.snapshot()
     loads_before = sum(llm.runner.store_loads for llm in llms)
     if warmup:
-        with ThreadPoolExecutor(max_workers=len(llms)) as pool:
-            list(pool.map(lambda llm: llm.runner.warmup(llm.executable_keys(), progress=False), llms))
+        from ouro_jax.runner import CompileProgress
+
+        counter = CompileProgress()  # one bar for every replica's executables
+        try:
+            with ThreadPoolExecutor(max_workers=len(llms)) as pool:
+                list(pool.map(lambda x: x.runner.warmup(x.executable_keys(), x.config.progress, counter=counter), llms))
+        finally:
+            counter.close()
     compile_s = time.perf_counter() - t0
     for llm, t in zip(llms, timings):
         llm.warmup_time = compile_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Optional
@@ -53,23 +54,74 @@ def make_state(
     return ServerState(llm=llms[0], engine=engine, model_name=model_name, chat_template=template, startup=startup)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, which answers 503 from the first SIGTERM/SIGINT on while open requests finish."""
+# after the drain, the responses still open have only their last bytes to write
+_CLOSE_GRACE_S = 5.0
 
-    def __init__(self, config, state: ServerState, t_start: Optional[float] = None):
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with a drain (the README's "Serve it" describes it for users).
+
+    The first SIGTERM / SIGINT (or ``request_drain``) keeps the listening socket open: from then on new
+    requests and ``/health`` are answered 503 (``ServerState.draining``) while the requests in flight
+    run. Once those have been answered and the engine has nothing unfinished (``engine.pending``),
+    or ``drain_timeout_s`` passed and the rest were aborted, uvicorn is told to exit; it closes the
+    socket and waits (at most ``_CLOSE_GRACE_S``) for responses still being written. A second
+    signal aborts everything at once (exit status 128 + signal)."""
+
+    def __init__(self, config, state: ServerState, drain_timeout_s: float = 30.0, t_start: Optional[float] = None):
         super().__init__(config)
         self.state, self.t_start = state, t_start
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_asked: Optional[float] = None  # monotonic time of the first signal / request_drain
+        self.forced_by: Optional[int] = None  # the second signal, which cut the drain short
+        self.drain_result: Optional[dict] = None  # finished, aborted, seconds, reason: set when it ended
+        self._in_flight: Optional[list] = None  # the HTTP requests open when the drain started
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.state.draining:
-            log.info("shutting down: draining %d unfinished requests", self.state.engine.pending)
+        # a signal handler: it only sets flags, on_tick acts on them on the event loop
+        if self.drain_asked is None:
+            self.request_drain()
+        else:
+            self.forced_by = sig
+
+    def request_drain(self) -> None:
+        """Start the drain (from any thread): 503 from now on, exit once nothing is unfinished."""
         self.state.draining = True
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises the signal once it has stopped, which would kill the process before the
-        # engine thread is joined; a drained shutdown is a clean exit instead (status 0)
-        captured = getattr(self, "_captured_signals", None)
-        if isinstance(captured, list):
-            captured.clear()
+        if self.drain_asked is None:
+            self.drain_asked = time.monotonic()
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        return self.drain_asked is not None and self._drain_ended()
+
+    def _drain_ended(self) -> bool:
+        """One look at the drain (every 0.1 s): True once uvicorn may exit."""
+        engine = self.state.engine
+        if self._in_flight is None:
+            # requests that arrive later are answered 503; one that passed that check just before
+            # holds a place in the engine (``pending``) until it is answered
+            self._in_flight = list(self.server_state.tasks)
+            log.info(
+                "drain: started: new requests are answered 503; %d in flight get up to %g s to finish",
+                len(self._in_flight), self.drain_timeout_s,
+            )  # fmt: skip
+        seconds = time.monotonic() - self.drain_asked
+        open_ = [t for t in self._in_flight if not t.done()]
+        if self.forced_by is not None:
+            reason = f"second signal ({signal.Signals(self.forced_by).name})"
+        elif not open_ and engine.pending == 0:
+            reason = "done"
+        elif seconds >= self.drain_timeout_s:
+            reason = f"timeout of {self.drain_timeout_s:g} s"
+        else:
+            return False
+        if engine.pending:
+            engine.stop(drain=False)  # every unfinished stream ends with finish_reason "abort"
+        finished, aborted = len(self._in_flight) - len(open_), len(open_)
+        self.drain_result = dict(finished=finished, aborted=aborted, seconds=seconds, reason=reason)
+        log.info("drain: ended (%s) after %.2f s: %d requests finished, %d aborted", reason, seconds, finished, aborted)
+        return True
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -90,25 +142,31 @@ def serve(
     log_level: str = "info",
     t_start=None,
     access_log: bool = True,
-):
-    """Serve until SIGTERM / SIGINT; running requests are finished before the engine stops."""
+    drain_timeout_s: float = 30.0,
+) -> int:
+    """Serve until SIGTERM / SIGINT, then drain (``_Server``); returns the exit status: 0, or 128 +
+    signal when a second signal cut the drain short."""
     config = uvicorn.Config(
-        create_app(state), host=host, port=port, log_level=log_level, timeout_keep_alive=5, access_log=access_log
-    )
-    server = _Server(config, state, t_start)
+        create_app(state), host=host, port=port, log_level=log_level, timeout_keep_alive=5, access_log=access_log,
+        timeout_graceful_shutdown=_CLOSE_GRACE_S,
+    )  # fmt: skip
+    server = _Server(config, state, drain_timeout_s, t_start)
     try:
         server.run()
     finally:
-        state.engine.shutdown(drain=True, timeout=60)
-    return 0
+        state.engine.shutdown(drain=False, timeout=60)  # drained already: anything left is aborted
+    return 0 if server.forced_by is None else 128 + server.forced_by
 
 
 class BackgroundServer:
-    """The app on ``127.0.0.1:<free port>`` in a daemon thread; ``stop`` drains and joins (bounded)."""
+    """The app on ``127.0.0.1:<free port>`` in a daemon thread; ``stop`` drains (as SIGTERM does) and joins."""
 
     def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         self.state = state
-        config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level, lifespan="off")
+        config = uvicorn.Config(
+            create_app(state), host=host, port=port, log_level=log_level, lifespan="off",
+            timeout_graceful_shutdown=_CLOSE_GRACE_S,
+        )  # fmt: skip
         self.server = _Server(config, state)
         self._thread = threading.Thread(target=self.server.run, name="ouro-uvicorn", daemon=True)
         self.host = host
@@ -129,9 +187,10 @@ class BackgroundServer:
         return f"http://{self.host}:{self.port}"
 
     def stop(self, timeout: float = 30.0) -> None:
-        self.state.draining = True
-        self.server.should_exit = True
-        self._thread.join(timeout)
+        """Drain as SIGTERM does (``timeout``: the drain's limit), then stop the engine."""
+        self.server.drain_timeout_s = timeout
+        self.server.request_drain()
+        self._thread.join(timeout + _CLOSE_GRACE_S + 5.0)
         self.state.engine.shutdown(drain=False, timeout=timeout)
 
     def __enter__(self) -> "BackgroundServer":

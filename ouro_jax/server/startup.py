@@ -46,18 +46,20 @@ class CacheEvents:
         return dict(cls._counts)
 
 
-def build_engine(model, engine_kwargs: Optional[dict] = None, warmup: bool = True, progress: bool = False):
+def build_engine(model, engine_kwargs: Optional[dict] = None, warmup: bool = True, counter=None):
     """``(llm, timings)``: a warmed-up ``LLM``, and what each part of its start-up took.
 
-    ``timings``: ``load_s`` (weights, tokenizer, KV pool), ``compile_s`` and ``executables`` (one
-    ``{"key", "seconds"}`` per executable), ``cache_hits`` / ``compiled`` counts."""
+    The warm-up shows its executables as they finish unless the config's ``progress`` is off: in
+    ``counter`` (``runner.CompileProgress``, or a worker process's reports to its front) when given,
+    else in a bar of its own. ``timings``: ``load_s`` (weights, tokenizer, KV pool), ``compile_s``
+    and ``executables`` (one ``{"key", "seconds"}`` per executable), ``cache_hits`` / ``compiled``
+    counts."""
     from ouro_jax.llm import LLM
 
     CacheEvents.install()
     kw = dict(engine_kwargs or {})
     warmup = kw.pop("warmup", warmup)  # the engine's own option (--no-warmup) wins; warmed here, timed
     kw["warmup"] = False
-    kw.setdefault("progress", progress)
     t0 = time.perf_counter()
     llm = LLM(model, **kw)
     load_s = time.perf_counter() - t0
@@ -68,11 +70,11 @@ def build_engine(model, engine_kwargs: Optional[dict] = None, warmup: bool = Tru
     loads_before = llm.runner.store_loads
     if warmup:
         keys = llm.executable_keys()
-        llm.runner.warmup(keys, progress=llm.config.progress, threads=llm.config.compile_threads)
+        llm.runner.warmup(keys, progress=llm.config.progress, threads=llm.config.compile_threads, counter=counter)
         for key in keys:
             dt = llm.runner.compile_times.get(key, 0.0)
             executables.append({"key": str(key), "seconds": dt})
-            log.info("start-up: executable %s: %.2f s", key, dt)
+            log.debug("start-up: executable %s: %.2f s", key, dt)  # the bar showed them as they came
     compile_s = time.perf_counter() - t1
     llm.warmup_time = compile_s
     llm.config = llm.config.replace(warmup=warmup)  # what ran: warmed here rather than in LLM()

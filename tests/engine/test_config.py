@@ -69,6 +69,7 @@ BAD = {
     "max_queue": (-1, "max_queue"),
     "data_parallel_size": (0, "data_parallel_size"),
     "replica_mode": ("fork", "replica_mode"),
+    "drain_timeout_s": (0, "drain_timeout_s"),
 }
 
 # another legal value for each field that shapes compiled code
@@ -153,6 +154,7 @@ def test_compile_hash_follows_every_field_that_shapes_compiled_code():
             "max_queue": 3,
             "data_parallel_size": 2,
             "replica_mode": "thread",
+            "drain_timeout_s": 5.0,
         }.get(name, value)
         assert base.replace(**{name: other}).compile_hash() == base.compile_hash(), name
 
