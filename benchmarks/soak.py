@@ -227,11 +227,10 @@ class Load:
             ("too_long", "POST", "/v1/completions", dict(good, prompt=[1] * self.L, max_tokens=8), True),
             ("empty_messages", "POST", "/v1/chat/completions", dict(model=MODEL_NAME, messages=[]), True),
             ("unknown_route", "GET", "/v1/no-such-route", None, True),
-            # accepted or refused by the server's policy (unknown fields are ignored today; any role
-            # the chat template renders is taken): only a 5xx or an exception is an error
-            ("unknown_field", "POST", "/v1/completions", dict(good, frobnicate=1, max_tokens=2), False),
+            ("unknown_field", "POST", "/v1/completions", dict(good, frobnicate=1, max_tokens=2), True),
             ("bad_role", "POST", "/v1/chat/completions", dict(self.chat_body(rng), messages=[
-                {"role": "wizard", "content": "w1"}], max_tokens=2), False),
+                {"role": "wizard", "content": "w1"}], max_tokens=2), True),
+            ("unsupported_penalty", "POST", "/v1/completions", dict(good, presence_penalty=0.5), True),
         ]  # fmt: skip
         return rng.choice(variants)
 

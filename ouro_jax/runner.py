@@ -308,7 +308,6 @@ class ModelRunner:
 
         return run
 
-
     def lower(self, key):
         """Trace and lower ``key``: a ``BucketKey`` (one loop) or ``(BucketKey, n)`` (a fused decode step)."""
         # tensor parallel or pinned: the arguments' shardings (the pools' in place, donated); None on
