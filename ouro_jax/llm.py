@@ -552,7 +552,12 @@ class LLM:
     ) -> object:
         """Validate and queue one request (an error before anything changes); returns its id.
         ``priority`` (lower runs first) needs ``policy="priority"``."""
-        ids = self.check_request(prompt, sampling_params, priority)
+        self._check_open()
+        [sp] = sampling_list(sampling_params, 1)
+        return self._add(self.encode(prompt), sp, request_id, priority)
+
+    def _add(self, ids: np.ndarray, sp: SamplingParams, request_id=None, priority: int = 0) -> object:
+        """Queue encoded ``ids``: the scheduler checks the request before it changes anything."""
         with self._lock:
             if request_id is None:
                 rid = next(self._ids)
@@ -568,7 +573,7 @@ class LLM:
                 raise ValueError(
                     f"request {rid!r}: a request with this id has an output not handed out yet (call step())"
                 )
-            req = Request(rid, ids, sampling_params or SamplingParams(), priority=priority)
+            req = Request(rid, ids, sp, priority=priority)
             self.scheduler.add_request(req)
             self._live[rid] = req
             return rid
@@ -819,7 +824,7 @@ class LLM:
         return checked
 
     def _add_checked(self, checked) -> list:
-        return [self.add_request(ids, sp) for ids, sp in checked]
+        return [self._add(ids, sp) for ids, sp in checked]
 
     # ---------------------------------------------------------------------------- stats
     def stats(self) -> dict:
