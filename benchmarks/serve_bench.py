@@ -23,16 +23,13 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from typing import Optional
 
 import numpy as np
 
 from benchmarks.metrics import percentiles
+from benchmarks.serve_process import ServeProcess
 from ouro_jax.engine_config import add_arguments, from_arguments, to_argv
 from ouro_jax.server.cli_commands import ENGINE_SECTIONS
 
@@ -161,46 +158,6 @@ def run_http(url, model, prompts, arrivals, fields):
     return asyncio.run(_run_http(url, model, prompts, arrivals, fields))
 
 
-# ------------------------------------------------------------------------------- servers
-class _Subprocess:
-    """``ouro-jax serve`` on 127.0.0.1:<free port>, stopped with SIGTERM."""
-
-    def __init__(self, args, model_name: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "ouro_jax.cli", "serve", args.model, "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "--served-model-name", model_name, "--no-access-log"]
-        cmd += ["--max-queue", str(max(256, args.num_requests))] + to_argv(args.engine)
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(cmd, env=env)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with status {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server was not ready within {timeout} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
 # ---------------------------------------------------------------------------------- main
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -322,7 +279,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     if args.server == "subprocess":
         # the server first, while this process holds no device memory; then the engine here
-        srv = _Subprocess(args, model_name)
+        flags = ["--max-queue", str(max(256, args.num_requests)), *to_argv(args.engine)]
+        srv = ServeProcess(args.model, flags, model_name)
         try:
             srv.wait_ready(args.ready_timeout)
             over_http = _http_part(args, srv.url, model_name, rates, fields, vocab, result)

@@ -36,7 +36,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from typing import Optional
 
 from benchmarks.merge_results import merge_lists
 from benchmarks.metrics import percentiles
+from benchmarks.serve_process import ServeProcess
 from ouro_jax.engine_config import SECTIONS, EngineConfig, add_arguments, from_arguments, to_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,43 +57,6 @@ ACTIONS = dict(stream_completion=30, stream_chat=15, disconnect=15, drop_non_str
 
 
 # ------------------------------------------------------------------------------- server
-class ServerProcess:
-    """``ouro-jax serve`` on 127.0.0.1:<free port>, its output in ``log_path``."""
-
-    def __init__(self, model: str, flags: list[str], log_path: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "ouro_jax.cli", "serve", model, *flags]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME, "--no-access-log"]
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{port}"
-
-    def wait_ready(self, timeout: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with status {self.proc.returncode} (log: {self.log.name})")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server was not ready within {timeout} s (log: {self.log.name})")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-        self.log.close()
-
-
 def proc_status(pid: int) -> Optional[dict]:
     """``{"rss_mb", "threads"}`` of a live process, from ``/proc/<pid>/status`` (None once it is gone)."""
     try:
@@ -389,7 +352,7 @@ async def run_load(load: Load, args, burst_size: int) -> dict:
 
 
 # --------------------------------------------------------------------------------- drain
-async def drain_check(server: ServerProcess, load: Load, args, drain_timeout_s: float) -> dict:
+async def drain_check(server: ServeProcess, load: Load, args, drain_timeout_s: float) -> dict:
     """``--drain-streams`` streams in flight, SIGTERM, 503 probes until they end, the exit status."""
     import httpx
 
@@ -536,7 +499,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     flags, cfg = _server_flags(args)
     vocab = _model_info(args.model)
     os.makedirs(args.out, exist_ok=True)
-    server = ServerProcess(args.model, flags, os.path.join(args.out, "logs", "soak_server.log"))
+    server = ServeProcess(args.model, flags, MODEL_NAME, os.path.join(args.out, "logs", "soak_server.log"))
     tally = Tally()
     try:
         t_start = time.monotonic()
