@@ -208,6 +208,7 @@ def test_a_closed_stream_aborts_its_unfinished_requests(llm):
     assert not first.finished
     gen.close()
     assert drained(llm)  # nothing left running, nothing parked for step()
+    assert llm.scheduler.block_manager.num_used_blocks == 0  # its KV is free at once
     [out] = llm.generate([PROMPTS[3]], sp(3), use_tqdm=False)  # the engine serves on
     assert len(out.token_ids) == 3 and drained(llm)
 
@@ -217,7 +218,7 @@ def test_a_garbage_collected_stream_aborts_its_unfinished_requests(llm):
     next(gen)
     del gen
     gc.collect()
-    assert drained(llm)
+    assert drained(llm) and llm.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_a_stream_never_iterated_queues_nothing(llm):
