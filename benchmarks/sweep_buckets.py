@@ -288,7 +288,7 @@ def padding_analysis(
                         prefill_chunk_size=chunk,
                         max_model_len=shape.max_model_len,
                         prefill_mode=mode,
-                        eos_token_id=cfg.eos_token_id,
+                        eos_token_ids=(cfg.eos_token_id,),
                         buckets=shape.buckets,
                     )
                     rec = ScheduleRecorder(cfg)

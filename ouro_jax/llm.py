@@ -187,6 +187,23 @@ def load_tokenizer(folder: str, config: OuroConfig):
     return tok
 
 
+def eos_token_ids(config: OuroConfig, folder: Optional[str], tokenizer) -> tuple[int, ...]:
+    """The ids that end a request: a preset's ``eos_token_id``; for a checkpoint folder every
+    ``eos_token_id`` of its ``config.json`` and ``generation_config.json`` and its tokenizer's
+    ``eos_token`` (``weights/generation_config.py``)."""
+    if folder is None:
+        return () if config.eos_token_id is None else (config.eos_token_id,)
+    from weights.generation_config import read_eos_token_ids, read_tokenizer_eos_text
+
+    ids = set(read_eos_token_ids(folder, config.vocab_size))
+    text = read_tokenizer_eos_text(folder)
+    if text is not None and tokenizer is not None:
+        t = tokenizer.token_to_id(text)
+        if t is not None and t < config.vocab_size:
+            ids.add(t)
+    return tuple(sorted(ids))
+
+
 def resolve_model(model) -> tuple[OuroConfig, Optional[str]]:
     """``(config, checkpoint folder or None)``, reading no weights: the folder's config.json only."""
     if isinstance(model, OuroConfig):
@@ -348,10 +365,12 @@ class LLM:
         # placed there by the runner, never staged on the process's default device
         devices = check_devices(cfg.devices, tp)
         cfg = self._resolve(cfg, c, tp)
+        # the tokenizer before the weights: its eos token is one of the stop ids, and a broken one fails fast
+        tokenizer = None if folder is None else load_tokenizer(folder, c)
         sched = dict(
             num_loops=c.num_loops,
-            eos_token_id=c.eos_token_id,
             vocab_size=c.vocab_size,
+            eos_token_ids=eos_token_ids(c, folder, tokenizer),
             **{f: getattr(cfg, f) for f in _SCHEDULER_FIELDS},
         )
         # validated with the pool's smallest legal size when the pool is sized from memory later
@@ -376,9 +395,8 @@ class LLM:
         self.model_config = c
         self.tensor_parallel_size, self.devices = tp, devices
         host = tp > 1 or devices is not None
-        self.params, self.tokenizer = self._load(
-            c, folder, params, cfg.dtype, cfg.seed, host=host, store=self.executable_store
-        )
+        self.tokenizer = tokenizer
+        self.params = self._load(c, folder, params, cfg.dtype, cfg.seed, host=host, store=self.executable_store)
         # seconds of each start-up phase (benchmarks/startup.py reports them)
         self.startup_times = {"weights": time.perf_counter() - t_start}
         if cfg.num_blocks is None:
@@ -474,20 +492,17 @@ class LLM:
 
     @staticmethod
     def _load(config: OuroConfig, folder: Optional[str], params, dtype, seed, host: bool = False, store=None):
-        """``(params, tokenizer)``: the folder's weights and tokenizer, or random weights for a config.
+        """The folder's weights, or random weights for a config.
         ``host=True`` (tensor parallel) keeps the leaves on the host (numpy, or the CPU device)
         instead of the first accelerator."""
         from .model import dtype_of
 
-        tokenizer = None
-        if folder is not None:
-            if params is None:
-                from weights import load_checkpoint
+        if folder is not None and params is None:
+            from weights import load_checkpoint
 
-                device = jax.devices("cpu")[0] if host else None
-                _, params = load_checkpoint(folder, dtype=dtype, device=device)  # the config read_config gave
-                dtype = None
-            tokenizer = load_tokenizer(folder, config)
+            device = jax.devices("cpu")[0] if host else None
+            _, params = load_checkpoint(folder, dtype=dtype, device=device)  # the config read_config gave
+            dtype = None
         if params is None:  # the same weights as `ouro-jax random-checkpoint --seed` writes
             from weights.random_init import random_params
 
@@ -501,7 +516,7 @@ class LLM:
             params = jax.tree.map(lambda x: jax.numpy.asarray(x, dtype_of(dtype)), params)
         else:
             params = jax.tree.map(jax.numpy.asarray, params)
-        return params, tokenizer
+        return params
 
     def _size_pool(self, block_bytes: int, kv_cache_bytes, util: float, sc: SchedulerConfig, tp: int = 1) -> int:
         """KV blocks for the budget: ``kv_cache_bytes``, else what is still free of the device's

@@ -224,7 +224,7 @@ def reference_generate(
     *,
     request_ids: Optional[Sequence] = None,
     kv_layout: str = "last_exited",
-    eos_token_id: Optional[int] = None,
+    eos_token_ids: Sequence[int] = (),
     vocab_size: int = 101,
 ) -> list[dict]:
     """The fake model run one request at a time, token by token; returns per request
@@ -253,7 +253,7 @@ def reference_generate(
         reason = None
         while True:
             tok = tokens[-1]
-            if tok in sp.stop_token_ids or (not sp.ignore_eos and eos_token_id is not None and tok == eos_token_id):
+            if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in eos_token_ids):
                 reason = "stop"
                 break
             if len(tokens) >= sp.max_tokens:

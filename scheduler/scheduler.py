@@ -106,7 +106,8 @@ class SchedulerConfig:
     kv_layout: str = "last_exited"  # "last_exited" | "shared"
     prefill_mode: str = "split"  # "split" | "mixed" | "wavefront"
     policy: str = "fcfs"  # "fcfs" | "priority"
-    eos_token_id: Optional[int] = None
+    # ids that end a request (unless ignore_eos): the model's, generation_config.json's, the tokenizer's
+    eos_token_ids: Sequence[int] = ()
     vocab_size: Optional[int] = None  # bounds prompt and stop token ids when known
     buckets: Optional[Sequence[int]] = None  # row buckets; None = powers of two from 8
     watermark: float = 0.01  # on_demand: share of the pool admission keeps free for running requests' growth
@@ -129,6 +130,11 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig: {e}") from None
         if self.buckets is not None:
             object.__setattr__(self, "buckets", tuple(self.buckets))
+        if not isinstance(self.eos_token_ids, (str, bytes)):
+            try:
+                object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+            except TypeError:
+                pass  # not a sequence: validate() says so
         if self.enable_prefix_caching is None:
             default = DEFAULT_ENABLE_PREFIX_CACHING and self.kv_layout == "last_exited"
             object.__setattr__(self, "enable_prefix_caching", default)
@@ -173,13 +179,15 @@ class SchedulerConfig:
             "caching to LAST_EXITED (docs/decisions.md says why SHARED is rejected)",
         )
         need(
-            self.eos_token_id is None or (_is_int(self.eos_token_id) and self.eos_token_id >= 0),
-            f"eos_token_id must be None or a non-negative integer, got {self.eos_token_id!r}",
+            isinstance(self.eos_token_ids, tuple) and all(_is_int(t) and t >= 0 for t in self.eos_token_ids),
+            f"eos_token_ids must be a sequence of non-negative integers, got {self.eos_token_ids!r}",
         )
         need(
             self.vocab_size is None or (_is_int(self.vocab_size) and self.vocab_size >= 1),
             f"vocab_size must be None or a positive integer, got {self.vocab_size!r}",
         )
+        for t in self.eos_token_ids if self.vocab_size is not None else ():
+            need(t < self.vocab_size, f"eos_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})")
         need(
             isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0,
             f"watermark must lie in [0, 1), got {self.watermark!r}",
@@ -980,9 +988,9 @@ class Scheduler:
         delta.new_token_ids.append(tok)
         delta.new_exit_depths.append(depth)
         self._stats["tokens"] += 1
-        params, eos = req.sampling_params, self.config.eos_token_id
+        params = req.sampling_params
         reason = None
-        if tok in params.stop_token_ids or (not params.ignore_eos and eos is not None and tok == eos):
+        if tok in params.stop_token_ids or (not params.ignore_eos and tok in self.config.eos_token_ids):
             reason = "stop"
         elif len(req.output_token_ids) >= params.max_tokens:
             reason = "length"

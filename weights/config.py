@@ -158,7 +158,8 @@ class OuroConfig:
         if kw.get("num_key_value_heads") is None:
             kw["num_key_value_heads"] = kw.get("num_attention_heads", cls.num_attention_heads)
         for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            if isinstance(kw.get(k), list):  # HF allows a list of eos ids; we keep the first
+            # a list of ids: the first here; the engine stops at every eos id (weights/generation_config.py)
+            if isinstance(kw.get(k), list):
                 kw[k] = kw[k][0] if kw[k] else None
         if isinstance(kw.get("rope_theta"), int):
             kw["rope_theta"] = float(kw["rope_theta"])

@@ -196,7 +196,7 @@ def test_floor_of_a_pure_prefill_schedule_is_the_closed_form():
         prefill_chunk_size=16,
         max_model_len=shape.max_model_len,
         prefill_mode="split",
-        eos_token_id=cfg.eos_token_id,
+        eos_token_ids=(cfg.eos_token_id,),
     )
     rec = ScheduleRecorder(cfg)
     res = run.drive(sweep_buckets.SimEngine(sc, rec), wl)
@@ -221,7 +221,7 @@ def test_padding_simulation_schedules_like_the_fake_runner(name, mode):
         prefill_chunk_size=16,
         max_model_len=512,
         prefill_mode=mode,
-        eos_token_id=cfg.eos_token_id,
+        eos_token_ids=(cfg.eos_token_id,),
     )
     needs = []
     for runner in (None, FakeRunner(2000, 8, sc.num_ring_rows, cfg.vocab_size, check=True)):

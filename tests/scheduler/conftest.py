@@ -291,7 +291,7 @@ def workloads(draw):
         kv_layout=layout,
         prefill_mode=mode,
         policy=policy,
-        eos_token_id=eos,
+        eos_token_ids=() if eos is None else (eos,),
         buckets=None if buckets is None else tuple(range(1, budget + 1)),
         fused_decode_max_rows=draw(st.sampled_from([0, 0, max_seqs])),
         fused_decode_tokens=draw(st.integers(1, 3)),
@@ -340,7 +340,7 @@ def check_against_reference(cfg, objs, aborted):
         cfg.num_loops,
         request_ids=rids,
         kv_layout=cfg.kv_layout,
-        eos_token_id=cfg.eos_token_id,
+        eos_token_ids=cfg.eos_token_ids,
         vocab_size=VOCAB,
     )
     for rid, want in zip(rids, ref):

@@ -89,7 +89,10 @@ def cfg(**kw):
         (dict(prefill_mode="wavefront", kv_layout="shared"), "LAST_EXITED"),
         (dict(prefill_mode="wavefront", kv_layout="SHARED"), "LAST_EXITED"),
         (dict(policy="lifo"), "policy"),
-        (dict(eos_token_id=-1), "eos_token_id"),
+        (dict(eos_token_ids=[-1]), "eos_token_ids"),
+        (dict(eos_token_ids=[True]), "eos_token_ids"),
+        (dict(eos_token_ids=5), "eos_token_ids"),
+        (dict(eos_token_ids=[3, 200], vocab_size=100), r"eos_token_ids: 200 is outside the vocabulary \[0, 100\)"),
         (dict(watermark=1.0), "watermark"),
         (dict(buckets=[16, 8, 32]), "strictly increasing"),
         (dict(buckets=[8, 16]), "smaller than max_num_batched_tokens"),
@@ -207,23 +210,24 @@ def test_a_refused_priority_leaves_nothing_behind():
 
 
 def test_stop_tokens_eos_and_ignore_eos():
-    s = Scheduler(cfg(num_loops=1, eos_token_id=5))
+    s = Scheduler(cfg(num_loops=1, eos_token_ids=(5, 7)))  # e.g. <|endoftext|> and <|im_end|>
     reqs = [
         Request("stop", [1], SamplingParams(max_tokens=5, stop_token_ids=[9])),
         Request("eos", [1], SamplingParams(max_tokens=5)),
         Request("ign", [1], SamplingParams(max_tokens=5, ignore_eos=True)),
+        Request("eos2", [1], SamplingParams(max_tokens=5)),
     ]
     for r in reqs:
         s.add_request(r)
-    script = {"stop": [3, 9], "eos": [5], "ign": [5, 5, 5, 5, 5]}
+    script = {"stop": [3, 9], "eos": [5], "ign": [5, 5, 5, 5, 5], "eos2": [4, 7]}
     while s.has_unfinished():
         plan = s.schedule()
         toks = np.zeros(plan.descriptor.key.C, np.int32)
         for i, c in enumerate(plan.coda):
             toks[i] = script[c.request_id][c.token_index]
         s.update(plan, np.zeros(plan.descriptor.key.R, np.float32), toks)
-    assert [r.output_token_ids for r in reqs] == [[3, 9], [5], [5] * 5]
-    assert [r.finish_reason for r in reqs] == ["stop", "stop", "length"]
+    assert [r.output_token_ids for r in reqs] == [[3, 9], [5], [5] * 5, [4, 7]]
+    assert [r.finish_reason for r in reqs] == ["stop", "stop", "length", "stop"]
     assert s.block_manager.num_used_blocks == 0
 
 
