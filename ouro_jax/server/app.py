@@ -158,9 +158,9 @@ def _param_of(msg: str) -> Optional[str]:
 class _Choice:
     """One prompt's output as it arrives: tokens, text (incrementally decoded), stop strings."""
 
-    def __init__(self, index: int, rid: str, n_prompt: int, tokenizer, stop: list[str], t0: float):
+    def __init__(self, index: int, rid: str, n_prompt: int, tokenizer, stop: list[str], include_stop: bool, t0: float):
         self.index, self.rid, self.n_prompt, self.tokenizer = index, rid, n_prompt, tokenizer
-        self.stop = stop
+        self.stop, self.include_stop = stop, include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars a stop string may still claim
         self.ids: list[int] = []
         self.depths: list[int] = []
@@ -188,9 +188,11 @@ class _Choice:
             self.text = self.tokenizer.decode(self.ids)
         end = len(self.text)
         if self.stop and ev.token_ids:
-            hits = [p for p in (self.text.find(s) for s in self.stop) if p >= 0]
+            hits = [(p, p + len(s)) for p, s in ((self.text.find(s), s) for s in self.stop) if p >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                start, stop_end = min(hits)  # the stop string that starts first
+                self._keep_tokens_through(stop_end, n0)
+                self.text = self.text[: stop_end if self.include_stop else start]
                 self.finished, self.finish_reason = True, "stop"
                 end = len(self.text)
         if not self.finished:
@@ -200,6 +202,18 @@ class _Choice:
         delta = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return self.ids[n0:], self.depths[n0:], delta
+
+    def _keep_tokens_through(self, chars: int, n0: int) -> None:
+        """Drop the tokens after the one whose text reaches ``chars`` (the stop string's end): they
+        came in the same event but belong to no answer, and ``usage`` must not count them."""
+        lo, hi = n0 + 1, len(self.ids)  # the stop string was not complete before this event
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tokenizer.decode(self.ids[:mid])) >= chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        del self.ids[lo:], self.depths[lo:]
 
     def timings(self):
         ttft = None if self.t_first is None else self.t_first - self.t0
@@ -212,14 +226,18 @@ class _Choice:
 class _Job:
     """The engine requests of one HTTP request, their shared event queue and their bookkeeping."""
 
-    def __init__(self, state: ServerState, prefix: str, prompts: list[list[int]], sps, stop: list[str]):
+    def __init__(
+        self, state: ServerState, prefix: str, prompts: list[list[int]], sps, stop: list[str], include_stop: bool
+    ):
         self.state = state
         self.id = P.new_id(prefix)
         self.created = P.now()
         self.queue: asyncio.Queue = asyncio.Queue()
         t0 = time.monotonic()
         tok = state.llm.tokenizer
-        self.choices = [_Choice(i, f"{self.id}-{i}", len(p), tok, stop, t0) for i, p in enumerate(prompts)]
+        self.choices = [
+            _Choice(i, f"{self.id}-{i}", len(p), tok, stop, include_stop, t0) for i, p in enumerate(prompts)
+        ]
         self.prompts, self.sps = prompts, sps
         self.recorded = False
 
@@ -399,7 +417,7 @@ def create_app(state: ServerState) -> FastAPI:
         sps = [state.sampling_params(req, len(ids), 16) for ids in prompts]
         for ids, sp in zip(prompts, sps):
             state.admit_check(ids, sp)
-        job = _Job(state, "cmpl", prompts, sps, req.stop or [])
+        job = _Job(state, "cmpl", prompts, sps, req.stop or [], req.include_stop_str_in_output)
         job.submit()
 
         if req.stream:
@@ -444,7 +462,7 @@ def create_app(state: ServerState) -> FastAPI:
         ids = state.encode_text(text)
         sp = state.sampling_params(req, len(ids), None)
         state.admit_check(ids, sp)
-        job = _Job(state, "chatcmpl", [ids], [sp], req.stop or [])
+        job = _Job(state, "chatcmpl", [ids], [sp], req.stop or [], req.include_stop_str_in_output)
         job.submit()
 
         if req.stream:

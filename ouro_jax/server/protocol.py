@@ -107,6 +107,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     top_k: int = 0
     stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False  # vLLM's: keep the stop string that ended the text
     # Ouro's exit policy
     exit_threshold: Optional[float] = None
     min_loops: Optional[int] = None

@@ -189,7 +189,30 @@ def test_stop_strings_cut_the_text(server):
         extra_body={"ignore_eos": True},
     )
     assert "".join(c.choices[0].text for c in s if c.choices) == ch.text
+    # the answer's tokens end with the one that completed the stop string (usage counts no more)
+    tok, ids, end = server.state.llm.tokenizer, want["token_ids"], want["text"].find(stop) + len(stop)
+    k = next(k for k in range(1, len(ids) + 1) if len(tok.decode(ids[:k])) >= end)
+    assert ch.model_extra["token_ids"] == ids[:k] and r.usage.completion_tokens == k
+    # include_stop_str_in_output keeps the stop string
+    r2 = server.client.completions.create(
+        model=MODEL,
+        prompt=TEXT_PROMPT,
+        max_tokens=6,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+    )
+    assert r2.choices[0].text == want["text"][:end] and r2.usage.completion_tokens == k
     _idle(server)
+    # a fused step hands several tokens over at once: those after the stop string are dropped
+    from ouro_jax.server.app import _Choice
+    from ouro_jax.server.engine_loop import TokenEvent
+
+    for include in (False, True):
+        c = _Choice(0, "x", 3, tok, [stop], include, 0.0)
+        _, _, delta = c.add(TokenEvent(0, list(ids), list(want["exit_depths"])))
+        assert c.ids == ids[:k] and len(c.depths) == k and c.finish_reason == "stop"
+        assert delta == want["text"][: end if include else end - len(stop)]
 
 
 # ------------------------------------------------------------------------------- chat
