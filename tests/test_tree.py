@@ -40,5 +40,5 @@ def test_retired_switches_stay_gone():
 def test_tests_are_grouped_by_package():
     top = [p.name for p in (ROOT / "tests").iterdir() if p.is_file() and p.suffix == ".py"]
     assert len(top) <= 8, top
-    for folder in ("scheduler", "kernels", "model", "engine", "weights", "server", "benchmarks"):
+    for folder in ("scheduler", "kernels", "model", "engine", "weights", "server", "benchmarks", "structured"):
         assert (ROOT / "tests" / folder / "__init__.py").exists(), folder
