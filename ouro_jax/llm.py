@@ -165,9 +165,13 @@ def sampling_list(sampling_params, n: int) -> list:
     )
 
 
-def load_tokenizer(folder: str, config: OuroConfig):
+def load_tokenizer(folder: Optional[str], config: OuroConfig):
     """The folder's ``tokenizer.json`` (None without one); warns when it can produce ids the model has
-    no embedding for."""
+    no embedding for. Without a folder (random weights): the preset tokenizer (``weights/tokenizer.py``)."""
+    if folder is None:
+        from weights.tokenizer import preset_tokenizer
+
+        return preset_tokenizer(config)
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.exists(path):
         return None
@@ -474,12 +478,12 @@ class LLM:
 
     @staticmethod
     def _load(config: OuroConfig, folder: Optional[str], params, dtype, seed, host: bool = False, store=None):
-        """``(params, tokenizer)``: the folder's weights and tokenizer, or random weights for a config.
+        """``(params, tokenizer)``: the folder's weights and tokenizer, or random weights and the
+        preset tokenizer for a config.
         ``host=True`` (tensor parallel) keeps the leaves on the host (numpy, or the CPU device)
         instead of the first accelerator."""
         from .model import dtype_of
 
-        tokenizer = None
         if folder is not None:
             if params is None:
                 from weights import load_checkpoint
@@ -487,7 +491,7 @@ class LLM:
                 device = jax.devices("cpu")[0] if host else None
                 _, params = load_checkpoint(folder, dtype=dtype, device=device)  # the config read_config gave
                 dtype = None
-            tokenizer = load_tokenizer(folder, config)
+        tokenizer = load_tokenizer(folder, config)
         if params is None:  # the same weights as `ouro-jax random-checkpoint --seed` writes
             from weights.random_init import random_params
 

@@ -80,6 +80,14 @@ class ServerState:
         except ValueError as e:
             raise P.APIError(str(e), param=param) from None
 
+    def turn_end_id(self) -> Optional[int]:
+        """The id of the chat template's ``eos_token`` when it is not the model's EOS (a preset's
+        ``<|im_end|>``, as in Qwen's configs): a chat answer stops there too."""
+        tok, t = self.llm.tokenizer, self.chat_template
+        text = t.special_tokens.get("eos_token") if t is not None else None
+        i = tok.token_to_id(text) if tok is not None and text else None
+        return None if i is None or i == self.llm.model_config.eos_token_id else i
+
     def encode_text(self, text: str) -> list[int]:
         """Rendered chat text: the template already holds the special tokens, as in Hugging Face."""
         if self.llm.tokenizer is None:
@@ -443,6 +451,9 @@ def create_app(state: ServerState) -> FastAPI:
             raise P.APIError(str(e), param="messages") from None
         ids = state.encode_text(text)
         sp = state.sampling_params(req, len(ids), None)
+        end = state.turn_end_id()
+        if end is not None and not req.ignore_eos and end not in sp.stop_token_ids:
+            sp = dataclasses.replace(sp, stop_token_ids=(*sp.stop_token_ids, end))
         state.admit_check(ids, sp)
         job = _Job(state, "chatcmpl", [ids], [sp], req.stop or [])
         job.submit()
