@@ -23,9 +23,10 @@ import json
 import uuid
 from typing import Callable, Optional
 
+from ..engine_config import REASONING_PARSERS
+
 __all__ = ["REASONING_PARSERS", "ChatOutputParser", "Delta", "ParsedOutput", "parse"]
 
-REASONING_PARSERS = ("think",)
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 

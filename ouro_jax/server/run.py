@@ -30,6 +30,7 @@ def make_state(
     startup: Optional[dict] = None,
     prefix_slack: Optional[int] = None,
     replicas: Optional[list] = None,
+    reasoning_parser: Optional[str] = None,
 ) -> ServerState:
     """The server around a built ``llm`` (or a list of data-parallel replicas: ``replicas.py``): its
     engine thread(s) (started) and the checkpoint's chat template (without a folder: the preset's). With
@@ -55,7 +56,10 @@ def make_state(
     else:
         loops = [EngineLoop(x, x.scheduler_config.max_num_seqs + max_queue, name=f"-{i}") for i, x in enumerate(llms)]
         engine = ReplicaSet(loops, prefix_slack=prefix_slack).start()
-    return ServerState(llm=llms[0], engine=engine, model_name=model_name, chat_template=template, startup=startup)
+    return ServerState(
+        llm=llms[0], engine=engine, model_name=model_name, chat_template=template, startup=startup,
+        reasoning_parser=reasoning_parser,
+    )  # fmt: skip
 
 
 # after the drain, the responses still open have only their last bytes to write
