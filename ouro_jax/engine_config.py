@@ -47,6 +47,7 @@ __all__ = [
 SECTIONS = ("model", "cache", "scheduler", "compile", "kernels", "parallel", "server")
 DTYPES = ("bfloat16", "float32", "float16")
 REPLICA_MODES = ("process", "thread")
+REASONING_PARSERS = ("think",)  # server/parsers.py implements them
 DEFAULT_COMPILE_CACHE = "~/.cache/ouro_jax/xla"
 
 
@@ -426,6 +427,13 @@ class EngineConfig:
         "threads of the server's process (default for one engine)",
         check=_optional(_choice(REPLICA_MODES)),
         choices=REPLICA_MODES,
+        compile_free=True,
+    )
+    reasoning_parser: Optional[str] = _field(
+        section="server",
+        help="split a chat answer's <think>...</think> block into message.reasoning_content (server/parsers.py)",
+        check=_optional(_choice(REASONING_PARSERS)),
+        choices=REASONING_PARSERS,
         compile_free=True,
     )
     drain_timeout_s: float = _field(

@@ -165,9 +165,13 @@ def sampling_list(sampling_params, n: int) -> list:
     )
 
 
-def load_tokenizer(folder: str, config: OuroConfig):
+def load_tokenizer(folder: Optional[str], config: OuroConfig):
     """The folder's ``tokenizer.json`` (None without one); warns when it can produce ids the model has
-    no embedding for."""
+    no embedding for. Without a folder (random weights): the preset tokenizer (``weights/tokenizer.py``)."""
+    if folder is None:
+        from weights.tokenizer import preset_tokenizer
+
+        return preset_tokenizer(config)
     path = os.path.join(folder, "tokenizer.json")
     if not os.path.exists(path):
         return None
@@ -188,15 +192,20 @@ def load_tokenizer(folder: str, config: OuroConfig):
 
 
 def eos_token_ids(config: OuroConfig, folder: Optional[str], tokenizer) -> tuple[int, ...]:
-    """The ids that end a request: a preset's ``eos_token_id``; for a checkpoint folder every
-    ``eos_token_id`` of its ``config.json`` and ``generation_config.json`` and its tokenizer's
-    ``eos_token`` (``weights/generation_config.py``)."""
-    if folder is None:
-        return () if config.eos_token_id is None else (config.eos_token_id,)
+    """The ids that end a request: every ``eos_token_id`` of a checkpoint folder's ``config.json``
+    and ``generation_config.json`` (``weights/generation_config.py``), or a preset's, and the
+    tokenizer's ``eos_token`` (a preset's is ``<|im_end|>``: ``weights/tokenizer.py``), so that a
+    preset and the checkpoint ``save_random`` writes of it stop alike."""
     from weights.generation_config import read_eos_token_ids, read_tokenizer_eos_text
 
-    ids = set(read_eos_token_ids(folder, config.vocab_size))
-    text = read_tokenizer_eos_text(folder)
+    if folder is None:
+        from weights.tokenizer import PRESET_TOKENIZER_CONFIG
+
+        ids = set() if config.eos_token_id is None else {config.eos_token_id}
+        text = PRESET_TOKENIZER_CONFIG["eos_token"]
+    else:
+        ids = set(read_eos_token_ids(folder, config.vocab_size))
+        text = read_tokenizer_eos_text(folder)
     if text is not None and tokenizer is not None:
         t = tokenizer.token_to_id(text)
         if t is not None and t < config.vocab_size:
@@ -366,7 +375,7 @@ class LLM:
         devices = check_devices(cfg.devices, tp)
         cfg = self._resolve(cfg, c, tp)
         # the tokenizer before the weights: its eos token is one of the stop ids, and a broken one fails fast
-        tokenizer = None if folder is None else load_tokenizer(folder, c)
+        tokenizer = load_tokenizer(folder, c)
         sched = dict(
             num_loops=c.num_loops,
             vocab_size=c.vocab_size,

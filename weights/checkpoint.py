@@ -13,6 +13,7 @@ from .hf import iter_hf_tensors, load_hf, open_hf, write_hf
 from .hf_names import hf_name_to_path, hf_tensor_shapes, set_path
 from .orbax_io import load_orbax, save_orbax
 from .random_init import random_hf_tensors
+from .tokenizer import save_preset_tokenizer
 
 __all__ = ["load_checkpoint", "convert", "save_random", "detect_format", "CheckpointError"]
 
@@ -100,7 +101,8 @@ def save_random(
 
     ``layout="hf"``: config.json + model.safetensors (or shards of at most ``max_shard_bytes`` data
     bytes + index), streamed tensor by tensor.  ``layout="orbax"``: the converted layout directly.
-    The config written records ``torch_dtype=dtype``.  ``progress``: tqdm bars (tensors drawn and
+    The config written records ``torch_dtype=dtype``; the preset tokenizer and chat template
+    (``weights/tokenizer.py``) are written with it.  ``progress``: tqdm bars (tensors drawn and
     written; orbax's bytes saved).  Returns the folder (absolute)."""
     if isinstance(config, str):
         config = get_preset(config)
@@ -141,4 +143,5 @@ def save_random(
             bar.close()
     if layout == "orbax":
         save_orbax(path, config, params, extra={"source": f"random(seed={seed})"}, progress=progress)
+    save_preset_tokenizer(path, config)  # what LLM(preset) uses, so that the folder works the same
     return path

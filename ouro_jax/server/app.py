@@ -26,6 +26,7 @@ from . import protocol as P
 from .chat_template import ChatTemplate
 from .engine_loop import EngineDead, EngineLoop, TokenEvent
 from .metrics import ServerMetrics
+from .parsers import ChatOutputParser, parse
 
 log = logging.getLogger("ouro_jax.server")
 
@@ -40,6 +41,7 @@ class ServerState:
     engine: EngineLoop
     model_name: str
     chat_template: Optional[ChatTemplate] = None
+    reasoning_parser: Optional[str] = None  # parsers.REASONING_PARSERS: split out <think>...</think>
     metrics: Optional[ServerMetrics] = None
     retry_after_s: int = 1
     draining: bool = False
@@ -331,9 +333,8 @@ async def _stream(job: _Job, chunk, include_usage: bool) -> AsyncIterator[str]:
     status = "success"
     try:
         for c in job.choices:
-            first = chunk(c, None, [], [], "", first=True)
-            if first is not None:
-                yield _sse(first)
+            for frame in _frames(chunk(c, None, [], [], "", first=True)):
+                yield _sse(frame)
         while not job.done:
             ev = await job.next_event()
             if ev is None:
@@ -345,7 +346,8 @@ async def _stream(job: _Job, chunk, include_usage: bool) -> AsyncIterator[str]:
                 yield _sse(e.body())
                 break
             if ids or delta or c.finished:
-                yield _sse(chunk(c, c.finish_reason if c.finished else None, ids, depths, delta))
+                for frame in _frames(chunk(c, c.finish_reason if c.finished else None, ids, depths, delta)):
+                    yield _sse(frame)
         if include_usage:
             yield _sse(
                 {"id": job.id, "object": chunk.object, "created": job.created, "model": job.state.model_name,
@@ -360,6 +362,11 @@ async def _stream(job: _Job, chunk, include_usage: bool) -> AsyncIterator[str]:
             job.abort_unfinished()
             status = "abort"
         job.record(status)
+
+
+def _frames(out) -> list:
+    """A chunk function's answer (None, one chunk or a list of them) as a list."""
+    return [] if out is None else out if isinstance(out, list) else [out]
 
 
 def _error_response(e: P.APIError) -> JSONResponse:
@@ -453,41 +460,58 @@ def create_app(state: ServerState) -> FastAPI:
         if state.chat_template is None:
             raise P.APIError("this checkpoint has no chat template (tokenizer_config.json: chat_template)")
         messages = [_message(m) for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.parse_tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
-            text = state.chat_template.render(
-                messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
-            )
+            text = state.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
         except (ValueError, TypeError) as e:
             raise P.APIError(str(e), param="messages") from None
         ids = state.encode_text(text)
-        sp = state.sampling_params(req, len(ids), None)
+        sp = state.sampling_params(req, len(ids), None)  # the turn's end (<|im_end|>) is an engine eos id
         state.admit_check(ids, sp)
         job = _Job(state, "chatcmpl", [ids], [sp], req.stop or [], req.include_stop_str_in_output)
         job.submit()
 
+        parsing = state.reasoning_parser is not None or req.parse_tools
         if req.stream:
+            parser = ChatOutputParser(state.reasoning_parser, req.parse_tools) if parsing else None
 
             def chunk(c, finish, ids, depths, delta, first=False):
-                d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
-                return {
-                    "id": job.id, "object": "chat.completion.chunk", "created": job.created,
-                    "model": state.model_name,
-                    "choices": [{"index": c.index, "delta": d, "token_ids": ids, "exit_depths": depths,
-                                 "logprobs": None, "finish_reason": finish}],
-                }  # fmt: skip
+                if first:
+                    deltas = [{"role": "assistant", "content": ""}]
+                elif parser is None:
+                    deltas = [{"content": delta} if delta else {}]
+                else:
+                    deltas = [_delta(d) for d in parser.feed(delta, final=finish is not None)] or [{}]
+                    if finish == "stop" and parser.calls:
+                        finish = "tool_calls"
+                # the token ids go with the first of the frames, the finish reason with the last
+                return [
+                    {
+                        "id": job.id, "object": "chat.completion.chunk", "created": job.created,
+                        "model": state.model_name,
+                        "choices": [{"index": c.index, "delta": d, "token_ids": ids if k == 0 else [],
+                                     "exit_depths": depths if k == 0 else [], "logprobs": None,
+                                     "finish_reason": finish if k == len(deltas) - 1 else None}],
+                    }
+                    for k, d in enumerate(deltas)
+                ]  # fmt: skip
 
             chunk.object = "chat.completion.chunk"
             return StreamingResponse(_stream(job, chunk, _include_usage(req)), media_type="text/event-stream")
 
         await _collect(job, raw)
         c = job.choices[0]
-        choice = P.ChatChoice(
-            index=0,
-            message=P.ChatResponseMessage(content=c.text),
-            token_ids=c.ids,
-            exit_depths=c.depths,
-            finish_reason=c.finish_reason,
-        )
+        message, finish = P.ChatResponseMessage(content=c.text), c.finish_reason
+        if parsing:
+            out = parse(c.text, state.reasoning_parser, req.parse_tools)
+            message = P.ChatResponseMessage(
+                content=out.content, reasoning_content=out.reasoning_content, tool_calls=out.tool_calls or None
+            )
+            if finish == "stop" and out.tool_calls:
+                finish = "tool_calls"
+        choice = P.ChatChoice(index=0, message=message, token_ids=c.ids, exit_depths=c.depths, finish_reason=finish)
         return P.ChatCompletionResponse(
             id=job.id, created=job.created, model=state.model_name, choices=[choice], usage=job.usage()
         )
@@ -499,10 +523,23 @@ def _include_usage(req) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
+def _delta(d) -> dict:
+    """A parser's event as a chat chunk's delta."""
+    out = {}
+    if d.reasoning_content:
+        out["reasoning_content"] = d.reasoning_content
+    if d.content:
+        out["content"] = d.content
+    if d.tool_call is not None:
+        out["tool_calls"] = [d.tool_call]
+    return out
+
+
 def _message(m: P.ChatMessage) -> dict:
-    """A message as templates expect it: its text parts joined; OpenAI's developer role is the system's."""
+    """A message as templates expect it: its text parts joined (a null content is empty); OpenAI's
+    developer role is the system's."""
     d = m.model_dump(exclude_none=True)
-    d["content"] = "".join(p.text for p in m.content)
+    d["content"] = "".join(p.text for p in m.content or ())
     if d["role"] == "developer":
         d["role"] = "system"
     return d

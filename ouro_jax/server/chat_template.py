@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Optional
 
-__all__ = ["ChatTemplate", "load_chat_template"]
+__all__ = ["ChatTemplate", "chat_template_of", "load_chat_template"]
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -67,14 +67,19 @@ def load_chat_template(folder) -> Optional[ChatTemplate]:
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
+    jinja_file = os.path.join(folder, "chat_template.jinja")
+    if not cfg.get("chat_template") and os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            cfg = {**cfg, "chat_template": f.read()}
+    return chat_template_of(cfg)
+
+
+def chat_template_of(cfg: dict) -> Optional[ChatTemplate]:
+    """The template of a ``tokenizer_config.json``'s contents, with its special tokens; None without one."""
     template = cfg.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
-    jinja_file = os.path.join(folder, "chat_template.jinja")
-    if not template and os.path.isfile(jinja_file):
-        with open(jinja_file, encoding="utf-8") as f:
-            template = f.read()
     if not template:
         return None
     special = {k: t for k in SPECIAL_TOKENS if (t := _token_text(cfg.get(k))) is not None}

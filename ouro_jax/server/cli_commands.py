@@ -50,14 +50,20 @@ def cmd_serve(args) -> int:
         front, reps, timings = start_replica_processes(
             args.model, ekw, dp, max_queue=config.max_queue, log_level=args.log_level
         )
-        state = make_state(front, name, args.model, max_queue=config.max_queue, startup=timings, replicas=reps)
+        state = make_state(
+            front, name, args.model, max_queue=config.max_queue, startup=timings, replicas=reps,
+            reasoning_parser=config.reasoning_parser,
+        )  # fmt: skip
     else:
         check_data_parallel(dp, tp)  # before any weight
         if dp == 1:
             llm, timings = build_engine(args.model, ekw)
         else:
             llm, timings = build_replicas(args.model, ekw, dp)
-        state = make_state(llm, name, args.model, max_queue=config.max_queue, startup=timings)
+        state = make_state(
+            llm, name, args.model, max_queue=config.max_queue, startup=timings,
+            reasoning_parser=config.reasoning_parser,
+        )  # fmt: skip
     return serve(
         state, config.host, config.port, args.log_level, t_start=t_start, access_log=not args.no_access_log,
         drain_timeout_s=config.drain_timeout_s,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import time
 import uuid
 from typing import Any, ClassVar, Literal, Optional, Union, get_args
@@ -169,17 +170,42 @@ class TextPart(_Strict):
         return data
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    not_implemented: ClassVar[dict[str, tuple]] = {"tool_calls": ([],), "function_call": ()}
+    not_implemented: ClassVar[dict[str, tuple]] = {"function_call": ()}
 
     role: Literal[ROLES]
-    content: list[TextPart]
+    content: Optional[list[TextPart]]  # required; null only in an assistant message with tool_calls
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant message's
     tool_call_id: Optional[str] = None  # a tool message's
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise _refuse(
+                "must be a string or a list of text parts (null only in an assistant message with tool_calls)",
+                at=("content",),
+            )
+        if self.tool_calls and self.role != "assistant":
+            raise _refuse("belongs to assistant messages only", at=("tool_calls",))
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
     def _content_parts(cls, v):
+        if v is None:
+            return v
         if isinstance(v, str):
             return [{"type": "text", "text": v}]  # one shape inside: a string is one text part
         if not isinstance(v, list):
@@ -187,10 +213,81 @@ class ChatMessage(_Strict):
         return v
 
 
+_FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not _FUNCTION_NAME.match(v):
+            raise _refuse(f"must be 1 to 64 letters, digits, '_' or '-', not {_show(v)}")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v):
+        if v is not None and v.get("type") != "object":
+            raise _refuse(f'must be a JSON schema of an object ("type": "object"), not {_show(v)}')
+        return v
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+# tool_choice values that need grammar-constrained decoding (a call forced), which is not built yet
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+
 class ChatCompletionRequest(_Sampling):
+    # tools and tool_choice "none" / "auto" are implemented here; the completions endpoint refuses them
+    not_implemented: ClassVar[dict[str, tuple]] = {
+        k: v for k, v in NOT_IMPLEMENTED.items() if k not in ("tools", "tool_choice")
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+
+    @model_validator(mode="after")
+    def _tools(self):
+        names = [t.function.name for t in self.tools or ()]
+        dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if dup is not None:
+            raise _refuse(f"name the function {_show(dup)} twice", at=("tools",))
+        c = self.tool_choice
+        if isinstance(c, str) and c not in TOOL_CHOICE_MODES:
+            raise _refuse(f"must be one of {', '.join(TOOL_CHOICE_MODES)} or a named function", at=("tool_choice",))
+        if isinstance(c, dict):
+            f = c.get("function")
+            name = f.get("name") if isinstance(f, dict) else None
+            if c.get("type") != "function" or not isinstance(name, str):
+                raise _refuse('must be {"type": "function", "function": {"name": ...}}', at=("tool_choice",))
+            if name not in names:
+                raise _refuse(f"names {_show(name)}, which is not in tools", at=("tool_choice",))
+        if c not in (None, "none") and not names:
+            raise _refuse(f"{_show(c)} needs tools", at=("tool_choice",))
+        if c == "required" or isinstance(c, dict):
+            raise _refuse(
+                f"{_show(c)} is not supported yet (forcing a call needs grammar-constrained decoding); "
+                'use "auto" or "none"',
+                at=("tool_choice",),
+            )
+        return self
+
+    @property
+    def parse_tools(self) -> bool:
+        """Tools are rendered into the prompt and parsed from the answer (tool_choice "auto", the default)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
 
 # ------------------------------------------------------------------------- request errors
@@ -308,7 +405,7 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-FinishReason = Optional[Literal["stop", "length", "abort"]]
+FinishReason = Optional[Literal["stop", "length", "abort", "tool_calls"]]
 
 
 class CompletionChoice(BaseModel):
@@ -331,7 +428,9 @@ class CompletionResponse(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None
 
 
 class ChatChoice(BaseModel):

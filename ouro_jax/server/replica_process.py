@@ -90,7 +90,7 @@ class FrontModel:
         from ouro_jax.llm import load_tokenizer, resolve_model
 
         self.model_config, folder = resolve_model(model)  # config.json only: no weights
-        self.tokenizer = load_tokenizer(folder, self.model_config) if folder is not None else None
+        self.tokenizer = load_tokenizer(folder, self.model_config)
         self.scheduler_config = self.scheduler = None
         if scheduler_config is not None:
             self.set_scheduler_config(scheduler_config)

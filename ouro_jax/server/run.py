@@ -13,7 +13,7 @@ from typing import Optional
 import uvicorn
 
 from .app import ServerState, create_app
-from .chat_template import load_chat_template
+from .chat_template import chat_template_of, load_chat_template
 from .engine_loop import EngineLoop
 from .replicas import ReplicaSet
 
@@ -30,10 +30,11 @@ def make_state(
     startup: Optional[dict] = None,
     prefix_slack: Optional[int] = None,
     replicas: Optional[list] = None,
+    reasoning_parser: Optional[str] = None,
 ) -> ServerState:
     """The server around a built ``llm`` (or a list of data-parallel replicas: ``replicas.py``): its
-    engine thread(s) (started) and the checkpoint's chat template. With ``replicas`` (worker
-    processes from ``replica_process.start_replica_processes``), ``llm`` is their ``FrontModel``.
+    engine thread(s) (started) and the checkpoint's chat template (without a folder: the preset's). With
+    ``replicas`` (worker processes from ``replica_process.start_replica_processes``), ``llm`` is their ``FrontModel``.
 
     At most ``max_num_seqs + max_queue`` requests are unfinished at once per engine; more are
     answered 429 (worker processes took their bound when they were started)."""
@@ -44,6 +45,10 @@ def make_state(
         raise ValueError("make_state needs at least one engine")
     folder = os.fspath(model_path) if model_path is not None and os.path.isdir(os.fspath(model_path)) else None
     template = load_chat_template(folder)
+    if folder is None and llms[0].tokenizer is not None:  # random weights: the preset tokenizer's template
+        from weights.tokenizer import PRESET_TOKENIZER_CONFIG
+
+        template = chat_template_of(PRESET_TOKENIZER_CONFIG)
     if replicas is not None:
         engine = ReplicaSet(replicas, prefix_slack=prefix_slack).start()
     elif len(llms) == 1:
@@ -51,7 +56,10 @@ def make_state(
     else:
         loops = [EngineLoop(x, x.scheduler_config.max_num_seqs + max_queue, name=f"-{i}") for i, x in enumerate(llms)]
         engine = ReplicaSet(loops, prefix_slack=prefix_slack).start()
-    return ServerState(llm=llms[0], engine=engine, model_name=model_name, chat_template=template, startup=startup)
+    return ServerState(
+        llm=llms[0], engine=engine, model_name=model_name, chat_template=template, startup=startup,
+        reasoning_parser=reasoning_parser,
+    )  # fmt: skip
 
 
 # after the drain, the responses still open have only their last bytes to write

@@ -70,6 +70,7 @@ BAD = {
     "data_parallel_size": (0, "data_parallel_size"),
     "replica_mode": ("fork", "replica_mode"),
     "drain_timeout_s": (0, "drain_timeout_s"),
+    "reasoning_parser": ("deepseek", "reasoning_parser"),
 }
 
 # another legal value for each field that shapes compiled code
@@ -155,6 +156,7 @@ def test_compile_hash_follows_every_field_that_shapes_compiled_code():
             "data_parallel_size": 2,
             "replica_mode": "thread",
             "drain_timeout_s": 5.0,
+            "reasoning_parser": "think",
         }.get(name, value)
         assert base.replace(**{name: other}).compile_hash() == base.compile_hash(), name
 

@@ -165,7 +165,6 @@ def test_checkpoint_with_a_bad_config_fails_before_its_weights_are_read(hf_tiny,
         (jnp.asarray([1, 128]), r"token ids \[128\] are outside the vocabulary"),
         (np.zeros((2, 2, 2), np.int32), r"got an array of shape \(2, 2, 2\)"),
         ([2**70], r"must lie in \[0, 128\)"),
-        ("hello", "text prompts need a tokenizer"),
         ([], "the prompt is empty"),
     ],
 )
@@ -174,6 +173,14 @@ def test_bad_prompts_are_refused_before_queueing(llm, prompt, match):
         llm.add_request(prompt)
     with pytest.raises(ValueError, match=match):
         llm.generate([[1, 2], prompt], use_tqdm=False)
+    assert not llm.has_unfinished()
+
+
+def test_text_prompts_need_a_tokenizer():
+    llm = small_llm("tiny-gqa")  # too small a vocabulary for the preset tokenizer (weights/tokenizer.py)
+    assert llm.tokenizer is None
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        llm.add_request("hello")
     assert not llm.has_unfinished()
 
 

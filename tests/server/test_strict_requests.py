@@ -57,6 +57,7 @@ def _idle(server, timeout=10.0):
 CMPL, CHATP = "/v1/completions", "/v1/chat/completions"
 C = dict(model=MODEL, prompt=[5, 6, 7], **GREEDY)  # a good completion request
 M = dict(model=MODEL, messages=USER, **GREEDY)  # a good chat request
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 # (id, path, body, status, param, a substring of the message)
 BAD = [
@@ -71,7 +72,20 @@ BAD = [
     ("n", CMPL, dict(C, n=2), 400, "n", "n is not supported"),
     ("logprobs", CMPL, dict(C, logprobs=1), 400, "logprobs", "is not supported"),
     ("echo", CMPL, dict(C, echo=True), 400, "echo", "is not supported"),
-    ("tools", CHATP, dict(M, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "not supported"),
+    ("completion tools", CMPL, dict(C, tools=[TOOL]), 400, "tools", "not supported"),
+    # tools: "none" and "auto" only (forcing a call needs grammar-constrained decoding)
+    ("tool_choice required", CHATP, dict(M, tools=[TOOL], tool_choice="required"), 400, "tool_choice",
+     "not supported yet"),
+    ("tool_choice named", CHATP, dict(M, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}}),
+     400, "tool_choice", "not supported yet"),
+    ("tool_choice unknown", CHATP, dict(M, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+     400, "tool_choice", "not in tools"),
+    ("tool_choice without tools", CHATP, dict(M, tool_choice="auto"), 400, "tool_choice", "needs tools"),
+    ("tools twice", CHATP, dict(M, tools=[TOOL, TOOL]), 400, "tools", "twice"),
+    ("tool parameters", CHATP, dict(M, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+     400, "tools[0].function.parameters", "JSON schema of an object"),
+    ("tool name", CHATP, dict(M, tools=[{"type": "function", "function": {"name": "a b"}}]), 400,
+     "tools[0].function.name", "letters, digits"),
     ("response_format", CHATP, dict(M, response_format={"type": "json_object"}), 400, "response_format", "only"),
     # wrong JSON types: nothing is coerced
     ("chat stream yes", CHATP, dict(M, stream="yes"), 400, "stream", 'stream must be true or false, not "yes"'),
@@ -91,7 +105,7 @@ BAD = [
      "a string or a list of text parts"),
     ("assistant tool_calls", CHATP,
      dict(M, messages=USER + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]), 400,
-     "messages[1].tool_calls", "is not supported"),
+     "messages[1].tool_calls[0].type", "is required"),
     ("image part", CHATP, dict(M, messages=[{"role": "user", "content": [{"type": "text", "text": "w1"}, IMAGE]}]),
      400, "messages[0].content[1].type", "'image_url' is not supported: this model reads text only"),
     ("audio part", CHATP, dict(M, messages=[{"role": "user", "content": [{"type": "input_audio"}]}]), 400,

@@ -1,0 +1,142 @@
+"""A random preset chats out of the box: ``LLM("tiny")`` and ``ouro-jax serve tiny`` use the preset
+tokenizer and chat template (``weights/tokenizer.py``); tools are accepted, rendered into the prompt
+and refused when invalid. One in-process server of the ``tiny`` preset (no checkpoint folder). The
+random model's output cannot be steered, so the reasoning and tool-call parsers are tested on known
+text in ``test_parsers.py``; here only how the server takes tools and answers."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from scheduler import SamplingParams  # noqa: E402
+from tests.server.conftest import ENGINE  # noqa: E402
+
+MODEL = "tiny"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    from ouro_jax.server.run import BackgroundServer, make_state
+    from ouro_jax.server.startup import build_engine
+
+    llm, _ = build_engine(MODEL, dict(ENGINE, max_model_len=512))  # a token per character: long prompts
+    # a text prompt through LLM, before the server's engine thread owns the engine
+    out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 5 and isinstance(out.text, str)
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+    state = make_state(llm, MODEL, MODEL, max_queue=16)
+    srv = BackgroundServer(state).start()
+    srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=60, max_retries=0)
+    yield srv
+    srv.stop(timeout=30)
+
+
+def _post(srv, **body):
+    return httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=60)
+
+
+def test_preset_chats(server):
+    r = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=5, temperature=0
+    )
+    ch = r.choices[0]
+    assert isinstance(ch.message.content, str) and ch.finish_reason in ("stop", "length")
+    assert 0 < r.usage.completion_tokens <= 5
+    ids = ch.model_extra["token_ids"]
+    assert ch.message.content == server.state.llm.tokenizer.decode(ids)
+    # the turn ends at <|im_end|>: the chat request stops there
+    assert server.state.llm.tokenizer.token_to_id("<|im_end|>") in server.state.llm.scheduler_config.eos_token_ids
+    # a text completion decodes too
+    r = server.client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0)
+    assert isinstance(r.choices[0].text, str)
+
+
+def test_tools_are_rendered_into_the_prompt(server, monkeypatch):
+    seen = []
+    encode = server.state.encode_text
+    monkeypatch.setattr(server.state, "encode_text", lambda text: seen.append(text) or encode(text))
+    messages = [
+        {"role": "user", "content": "Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]  # fmt: skip
+    r = server.client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], max_tokens=3, temperature=0
+    )
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert "<tools>" in seen[-1] and '"name": "get_weather"' in seen[-1]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in seen[-1]
+    assert seen[-1].endswith("<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n")
+    # tool_choice "none": the tools are not shown to the model
+    r = _post(server, messages=messages[:1], tools=[WEATHER], tool_choice="none", max_tokens=2)
+    assert r.status_code == 200 and "<tools>" not in seen[-1]
+    # refused: a forced call, and parameters that are not an object schema
+    r = _post(server, messages=messages[:1], tools=[WEATHER], tool_choice="required", max_tokens=2)
+    assert r.status_code == 400 and "not supported yet" in r.json()["error"]["message"]
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+    r = _post(server, messages=messages[:1], tools=[bad], max_tokens=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters"
+
+
+ANSWER = "<think>The user wants weather.</think>Checking." + (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+)
+
+
+def test_answer_assembly_on_known_text(server, monkeypatch):
+    """The model's text replaced by a known answer (the decode of whatever it generates): the response
+    splits it into reasoning, content and tool calls, whole and streamed."""
+    tok = server.state.llm.tokenizer
+
+    class Known:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def decode(self, ids):  # the known answer, revealed one char per token generated
+            return ANSWER[: len(ids) * 12] if len(ids) < 12 else ANSWER
+
+    monkeypatch.setattr(server.state, "reasoning_parser", "think")
+    monkeypatch.setattr(server.state.llm, "tokenizer", Known())
+    body = dict(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER], max_tokens=12, temperature=0)
+    body.update(ignore_eos=True, stop=["</tool_call>"])  # the answer stops (not at length) after the call
+    m = _post(server, **body).json()["choices"][0]
+    assert m["finish_reason"] == "tool_calls"
+    msg = m["message"]
+    assert msg["reasoning_content"] == "The user wants weather." and msg["content"] == "Checking."
+    (call,) = msg["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    # streamed through the openai client: the same pieces
+    stream = server.client.chat.completions.create(
+        model=MODEL, stream=True, messages=body["messages"], tools=[WEATHER], max_tokens=12, temperature=0,
+        stop=["</tool_call>"], extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    reasoning, content, args, names, finish = "", "", "", [], None
+    for ch in stream:
+        d = ch.choices[0].delta
+        reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+        content += d.content or ""
+        for tc in d.tool_calls or ():
+            names += [tc.function.name] if tc.function.name else []
+            args += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    assert (reasoning, content, names, args) == (
+        "The user wants weather.",
+        "Checking.",
+        ["get_weather"],
+        '{"city": "Oslo"}',
+    )
+    assert finish == "tool_calls"
