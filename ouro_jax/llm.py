@@ -435,7 +435,12 @@ class LLM:
         self._unreported: dict[object, RequestOutput] = {}
         # fused decode steps scheduled one ahead of the host's reads (scheduler/pipeline.py); the
         # latency target times every plan itself (_timed_step) and runs without it
-        self._pipeline = StepPipeline(self.scheduler, self.runner, ahead=cfg.async_scheduling)
+        self._pipeline = StepPipeline(
+            self.scheduler, self.runner, ahead=cfg.async_scheduling, coda_bitmask=self._coda_bitmask
+        )
+        # structured outputs: a matcher per guided request, fed every token it gets (structured.py)
+        self._matchers: dict = {}
+        self._grammar = None  # GrammarCompiler of this tokenizer, built at the first guided request
         self._unsynced: list = []  # plans launched since the host last waited for a device result
         self._sync_t = 0.0
         self.warmup_time = (
@@ -569,7 +574,28 @@ class LLM:
         ends refuse bad requests with it). It reads only the scheduler's fixed limits, so the server
         calls it from its event loop while the engine thread steps."""
         self._check_open()
-        return check_request(self.scheduler, self.encode(prompt), sampling_params, priority)
+        ids = check_request(self.scheduler, self.encode(prompt), sampling_params, priority)
+        if sampling_params is not None and sampling_params.guided is not None:
+            self._check_guided(sampling_params.guided)
+        return ids
+
+    def _check_guided(self, guided) -> None:
+        from .structured import GuidedDecoding
+
+        if not isinstance(guided, GuidedDecoding):
+            raise TypeError(f"SamplingParams.guided must be a GuidedDecoding, got {_describe(guided)}")
+        if self.tokenizer is None:
+            raise ValueError("guided decoding needs a tokenizer (tokenizer.json in the checkpoint folder)")
+        if not self.runner.separate_sampler:
+            raise ValueError("guided decoding is not supported with tensor_parallel_size > 1 yet")
+
+    def _grammar_compiler(self):
+        if self._grammar is None:
+            from .structured import GrammarCompiler
+
+            sc = self.scheduler_config
+            self._grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sc.eos_token_ids)
+        return self._grammar
 
     def add_request(
         self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None, request_id=None, priority: int = 0
@@ -578,6 +604,8 @@ class LLM:
         ``priority`` (lower runs first) needs ``policy="priority"``."""
         self._check_open()
         [sp] = sampling_list(sampling_params, 1)
+        if sp.guided is not None:
+            self._check_guided(sp.guided)
         return self._add(self.encode(prompt), sp, request_id, priority)
 
     def _add(self, ids: np.ndarray, sp: SamplingParams, request_id=None, priority: int = 0) -> object:
@@ -598,8 +626,11 @@ class LLM:
                     f"request {rid!r}: a request with this id has an output not handed out yet (call step())"
                 )
             req = Request(rid, ids, sp, priority=priority)
+            matcher = None if sp.guided is None else self._grammar_compiler().matcher(sp.guided)
             self.scheduler.add_request(req)
             self._live[rid] = req
+            if matcher is not None:
+                self._matchers[rid] = matcher
             return rid
 
     def abort(self, request_id) -> bool:
@@ -614,6 +645,7 @@ class LLM:
             except TypeError:  # an unhashable id names no request
                 return False
             req = self._live.pop(request_id)
+            self._matchers.pop(request_id, None)
             self._unreported[request_id] = self._output(req)
             if not self.scheduler.has_unfinished():
                 self._pipeline.drain()  # a step launched ahead held only ended requests: nothing to hand out
@@ -649,6 +681,7 @@ class LLM:
             finally:
                 self._live.clear()
                 self._unreported.clear()
+                self._matchers.clear()
                 self.runner.close()
 
     @property
@@ -684,10 +717,36 @@ class LLM:
             req = self._live.get(d.request_id)
             if req is None:
                 continue
+            if d.request_id in self._matchers:
+                self._feed_matcher(d)
             if d.finished:
                 del self._live[d.request_id]
             outs.append(self._output(req, with_text=d.finished))
         return outs
+
+    def _feed_matcher(self, d) -> None:
+        """A guided request's new tokens into its grammar matcher (the next mask depends on them)."""
+        m = self._matchers[d.request_id]
+        for t in d.new_token_ids:
+            if m.is_terminated() and t in self.scheduler_config.eos_token_ids:
+                break  # the eos the complete grammar allowed: the request ends with it
+            if not m.accept(t):  # the mask allowed it: only an engine bug lands here
+                raise RuntimeError(f"request {d.request_id!r}: token {t} is outside its grammar")
+        if d.finished:
+            del self._matchers[d.request_id]
+
+    def _coda_bitmask(self, plan) -> Optional[np.ndarray]:
+        """The allowed tokens of ``plan``'s coda rows ``[C, ceil(V/32)]``, None when none is guided."""
+        if not self._matchers:
+            return None
+        rows = [(self._matchers[c.request_id], i) for i, c in enumerate(plan.coda) if c.request_id in self._matchers]
+        if not rows:
+            return None
+        from .structured import fill_bitmask_rows, new_bitmask
+
+        out = new_bitmask(plan.descriptor.key.C, self.model_config.vocab_size)
+        fill_bitmask_rows(out, rows)
+        return out
 
     def _timed_step(self, plan) -> list:
         """One invocation whose wall time feeds the latency target's cost model. Results are read
@@ -695,7 +754,7 @@ class LLM:
         is charged to every plan launched in between, together."""
         if not self._unsynced:  # the device is idle: the window starts now
             self._sync_t = time.perf_counter()
-        result = self.runner.step(plan.descriptor)
+        result = self._pipeline.launch(plan)
         self._unsynced.append(plan)
         read = []
 
@@ -741,6 +800,7 @@ class LLM:
                     self.scheduler.abort(rid)
                     del self._live[rid]
                 self._unreported.pop(rid, None)
+                self._matchers.pop(rid, None)
             if not self.scheduler.has_unfinished():
                 self._pipeline.drain()
 

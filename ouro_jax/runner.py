@@ -72,6 +72,7 @@ from .parallel import (
     place_params,
 )
 from .step_program import SamplerKey, one_loop, packed_shape, packed_size, sample_coda
+from .structured import bitmask_words, new_bitmask
 
 __all__ = ["ModelRunner", "CompileProgress", "SamplerKey", "packed_size", "packed_shape", "is_fused"]
 
@@ -244,7 +245,10 @@ class ModelRunner:
         self._top_leaves, top_treedef = jax.tree.flatten(self.params["top"])
         self._top_leaves = tuple(self._top_leaves)
         sampler = functools.partial(sample_coda, config=c, dtype_name=self.dtype_name)
-        self._jitted_sampler = jax.jit(lambda leaves, h, w: sampler(jax.tree.unflatten(top_treedef, leaves), h, w))
+        self._jitted_sampler = jax.jit(
+            lambda leaves, h, w, mask: sampler(jax.tree.unflatten(top_treedef, leaves), h, w, mask)
+        )
+        self._free_masks: dict[int, jax.Array] = {}  # per coda size: every token allowed
         self._jitted = jax.jit(step, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
         self._jitted_fused = jax.jit(fused, static_argnames=("key",), donate_argnums=(1, 2, 3), **fused_kw)
         # per coda size: the last tokens the latest fused step sampled (its ``previous`` output),
@@ -320,6 +324,7 @@ class ModelRunner:
                 tuple(sds(x) for x in self._top_leaves),
                 jax.ShapeDtypeStruct((key.C, self.config.hidden_size), self.dtype, sharding=on),
                 jax.ShapeDtypeStruct(packed_shape(key), jnp.int32, sharding=on),
+                jax.ShapeDtypeStruct((key.C, bitmask_words(self.config.vocab_size)), jnp.int32, sharding=on),
             )
         fused = is_fused(key)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
@@ -463,9 +468,11 @@ class ModelRunner:
         return time.perf_counter() - t
 
     # ----------------------------------------------------------------------------- execute
-    def step(self, desc) -> StepResult:
+    def step(self, desc, bitmask: Optional[np.ndarray] = None) -> StepResult:
         """Launch ``desc`` (a ``BatchDescriptor``, or a ``StackedDescriptor``: one fused step); its
-        gates and tokens start copying back at once and are waited for only when read."""
+        gates and tokens start copying back at once and are waited for only when read.
+        ``bitmask [C, ceil(V/32)]`` int32: the coda rows' allowed tokens (structured outputs; one
+        loop steps only), sampled by the separate sampler."""
         key = self.executable_key(desc)
         single = isinstance(key, BucketKey)
         if key not in self._exe:
@@ -474,7 +481,11 @@ class ModelRunner:
         packed = self.upload(desc)
         t_call = time.perf_counter()
         self.upload_time += t_call - t
-        gates, tokens = self.launch(key, packed, sample=single and samples(desc))
+        if bitmask is not None:
+            if not single or not self.separate_sampler:
+                raise ValueError("a token bitmask needs a one-loop step and the separate sampler (no tensor parallel)")
+            bitmask = self.put(bitmask)
+        gates, tokens = self.launch(key, packed, sample=single and (bitmask is not None or samples(desc)), mask=bitmask)
         self.call_time += time.perf_counter() - t_call
         # a fused step's gates are never read (its exits were decided on the device)
         for arr in (gates, tokens) if single else (tokens,):
@@ -488,14 +499,17 @@ class ModelRunner:
     def _waited(self, seconds: float) -> None:
         self.wait_time += seconds  # time the host waited on the device
 
-    def launch(self, key, packed, sample: bool = False) -> tuple[jax.Array, jax.Array]:
+    def launch(
+        self, key, packed, sample: bool = False, mask: Optional[jax.Array] = None
+    ) -> tuple[jax.Array, jax.Array]:
         """Run ``key``'s executable on an uploaded descriptor (``upload``), the pools and the ring
         updated in place; returns ``(gates, tokens)`` on the device. ``step`` without its
         bookkeeping: benchmarks time the device with it. A key not warmed up compiles first.
 
         ``sample``: some coda row has a temperature above 0 (the host knows from the descriptor):
         its one-loop step's greedy tokens are replaced by the separate sampler's. Without it a
-        one-loop step's tokens are the argmax of every coda row."""
+        one-loop step's tokens are the argmax of every coda row. ``mask``: the coda rows' allowed
+        tokens on the device (``step``), every token allowed without it."""
         exe = self._exe.get(key)
         if exe is None:
             exe = self._compile(key)  # not warmed up: counted in `compilations`
@@ -507,11 +521,13 @@ class ModelRunner:
             out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed)
         self.k_pool, self.v_pool, self.ring, gates, tokens = out[:5]
         if sample and not fused and len(out) > 5:
-            tokens = self.launch_sampler(SamplerKey(key.C), out[5], out[6])
+            tokens = self.launch_sampler(SamplerKey(key.C), out[5], out[6], mask)
             self.sampler_launches += 1
         return gates, tokens
 
-    def launch_sampler(self, key: SamplerKey, h: jax.Array, words: jax.Array) -> jax.Array:
+    def launch_sampler(
+        self, key: SamplerKey, h: jax.Array, words: jax.Array, mask: Optional[jax.Array] = None
+    ) -> jax.Array:
         """Run the separate sampler of coda size ``key.C`` on hidden states ``h [C, d]`` and sampling
         words ``[packed_shape(key)]`` on the runner's device (``put``); returns its tokens on the
         device. ``launch`` runs it after a one-loop step whose coda row samples; benchmarks time it
@@ -519,7 +535,11 @@ class ModelRunner:
         sampler = self._exe.get(key)
         if sampler is None:
             sampler = self._compile(key)  # not warmed up: counted in `compilations`
-        return sampler(self._top_leaves, h, words)
+        if mask is None:
+            mask = self._free_masks.get(key.C)
+            if mask is None:
+                mask = self._free_masks[key.C] = self.put(new_bitmask(key.C, self.config.vocab_size))
+        return sampler(self._top_leaves, h, words, mask)
 
     def _previous(self, C: int) -> jax.Array:
         """The last tokens of the latest fused step of coda size ``C`` (zeros before the first):
@@ -586,4 +606,5 @@ class ModelRunner:
         self.k_pool = self.v_pool = self.ring = None
         self.params, self._param_leaves, self._top_leaves = None, (), ()
         self._fused_last.clear()
+        self._free_masks.clear()
         self._exe.clear()

@@ -32,6 +32,7 @@ from .model import OuroDecoderLayer, OuroModel, dtype_of
 from .paged_attention import PagedAttention, fuses_rope
 from .parallel import TP_AXIS, local_config, vocab_parallel_embed, vocab_parallel_logits
 from .sampling import greedy, row_keys, sample, sample_stochastic
+from .structured import apply_token_bitmask
 
 __all__ = [
     "CODA_FIELDS",
@@ -206,10 +207,13 @@ def one_loop(params, kp, vp, ring, packed, *, separate_sampler: bool = False, **
     return kp, vp, ring, g, coda(params, hc, a, greedy_only=True, **kw), hc, coda_words(kw["key"], packed)
 
 
-def sample_coda(top, h, words, *, config: OuroConfig, dtype_name: str):
-    """The separate sampler: lm_head of the coda rows' hidden states ``h [C, D]`` and the sort-based
-    sampling of ``sample_stochastic`` with the rows' words (``coda_words``) -> tokens ``[C]``."""
+def sample_coda(top, h, words, bitmask, *, config: OuroConfig, dtype_name: str):
+    """The separate sampler: lm_head of the coda rows' hidden states ``h [C, D]``, the rows'
+    allowed tokens ``bitmask [C, ceil(V/32)]`` int32 (structured outputs; all bits set for a free
+    row) and the sort-based sampling of ``sample_stochastic`` with the rows' words (``coda_words``)
+    -> tokens ``[C]``."""
     logits = OuroModel(config, dtype_of(dtype_name)).apply({"params": top}, h, method=OuroModel.coda)
+    logits = apply_token_bitmask(logits.astype(jnp.float32), bitmask)
     temperature, top_k, top_p, seed, step = (words[i] for i in range(len(CODA_FIELDS)))
     f32 = lambda w: jax.lax.bitcast_convert_type(w, jnp.float32)  # noqa: E731
     keys = row_keys(jax.lax.bitcast_convert_type(seed, jnp.uint32), step)

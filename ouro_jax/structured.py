@@ -143,7 +143,14 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         if not self.eos_token_ids:
             raise ValueError("structured outputs need at least one EOS token id")
-        self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids))
+        eos = list(self.eos_token_ids)
+        try:
+            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
+        except ValueError:  # a decoder llguidance does not read (a character tokenizer): its tokens' bytes
+            if isinstance(tokenizer, str):
+                raise
+            wrapped = llguidance.TokenizerWrapper(_TokenBytes(tokenizer, eos[0]))
+            self._tokenizer = llguidance.LLTokenizer(wrapped, n_vocab=self.vocab_size, eos_token=eos)
         self._compiled: OrderedDict[GuidedDecoding, object] = OrderedDict()
         self._cache_size = cache_size
 
@@ -162,6 +169,24 @@ class GrammarCompiler:
         else:
             self._compiled.move_to_end(guided)
         return GrammarMatcher(template.deep_copy(), self.vocab_size)
+
+
+class _TokenBytes:
+    """A ``tokenizers.Tokenizer`` as ``llguidance.TokenizerWrapper`` reads one: each id's bytes
+    (special tokens marked with the 0xFF byte llguidance reserves for them) and an encoder."""
+
+    def __init__(self, tokenizer, eos_token_id: int):
+        specials = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.tokens = [
+            b"\xff" + specials[i].encode() if i in specials else tokenizer.decode([i]).encode() for i in range(n)
+        ]
+        self.eos_token_id, self.bos_token_id = eos_token_id, None
+        self.special_token_ids = sorted(specials)
+        self._tokenizer = tokenizer
+
+    def __call__(self, s: str) -> list[int]:
+        return self._tokenizer.encode(s, add_special_tokens=False).ids
 
 
 class GrammarMatcher:

@@ -24,8 +24,10 @@ from .scheduler import RequestDelta, Scheduler
 class StepPipeline:
     """Drives ``scheduler`` and ``runner``; ``ahead=False`` is the plain synchronous loop."""
 
-    def __init__(self, scheduler: Scheduler, runner, ahead: bool = True):
+    def __init__(self, scheduler: Scheduler, runner, ahead: bool = True, coda_bitmask=None):
         self.scheduler, self.runner, self.ahead = scheduler, runner, ahead
+        # plan -> its coda rows' allowed tokens (structured outputs), or None: passed to the runner
+        self.coda_bitmask = coda_bitmask
         self._pending = None  # (plan, result): launched ahead, not yet applied
 
     @property
@@ -40,7 +42,7 @@ class StepPipeline:
             plan = self.scheduler.schedule()
             if plan is None:
                 return None
-            result = self.runner.step(plan.descriptor)
+            result = self.launch(plan)
         else:
             (plan, result), self._pending = self._pending, None
         if self.ahead and plan.sub_plans is not None:
@@ -51,6 +53,11 @@ class StepPipeline:
         if self._pending is not None and not self.scheduler.has_unfinished():
             deltas += self.drain()  # every row ended: nothing should stay in flight
         return deltas
+
+    def launch(self, plan):
+        """``runner.step`` of ``plan``, with its coda rows' bitmask when a row is guided."""
+        mask = None if self.coda_bitmask is None else self.coda_bitmask(plan)
+        return self.runner.step(plan.descriptor) if mask is None else self.runner.step(plan.descriptor, mask)
 
     def drain(self) -> list[RequestDelta]:
         """Apply the step launched ahead, if any (waiting for it); the scheduler then has nothing in flight."""

@@ -53,6 +53,9 @@ class SamplingParams:
     exit_mode: str = "ouro"
     synthetic_mean_loops: Optional[float] = None
     synthetic_depths: Optional[Sequence[int]] = None
+    # structured outputs: an ``ouro_jax.structured.GuidedDecoding`` (opaque here: the engine compiles
+    # it); the request's tokens are masked to what it allows and it ends when the grammar completes
+    guided: Optional[object] = None
 
     def __post_init__(self):
         # numpy (or jax) scalars become Python numbers, arrays and lists tuples (hashable), the exit
@@ -122,6 +125,10 @@ class SamplingParams:
             choice("exit_mode", self.exit_mode, EXIT_MODES)
         except ValueError as e:
             need(False, str(e))
+        need(
+            self.guided is None or not self.ignore_eos,
+            "ignore_eos does not apply to a guided request: it ends when its grammar completes",
+        )
         # settings the chosen exit mode never reads are refused, not ignored
         if self.exit_mode in ("fixed", "synthetic"):
             need(

@@ -124,6 +124,7 @@ class ServerState:
         for f in ("exit_threshold", "min_loops", "max_loops", "exit_mode", "synthetic_mean_loops"):
             if getattr(req, f) is not None:
                 kw[f] = getattr(req, f)
+        kw["guided"] = self.guided(req)
         try:
             sp = SamplingParams(**kw)
             sp.validate(self.llm.model_config.num_loops)
@@ -131,6 +132,37 @@ class ServerState:
             msg = str(e)
             raise P.APIError(msg, param=_param_of(msg)) from None
         return sp
+
+    def guided(self, req: P._Sampling):
+        """The request's structured-output constraint (``response_format`` or vLLM's ``guided_*``),
+        compiled-checked here: a bad schema, regex or grammar is a 400 naming its field."""
+        from ouro_jax.structured import GuidedDecoding
+
+        rf = req.response_format
+        if rf is not None and rf.type == "json_object":
+            field, make = "response_format", GuidedDecoding.json_object
+        elif rf is not None and rf.type == "json_schema":
+            field, make = (
+                "response_format.json_schema.schema",
+                lambda: GuidedDecoding.json_schema(rf.json_schema.schema_ or {}),
+            )
+        else:
+            makers = {
+                "guided_json": GuidedDecoding.json_schema,
+                "guided_regex": GuidedDecoding.regex,
+                "guided_choice": GuidedDecoding.choice,
+                "guided_grammar": GuidedDecoding.grammar,
+            }
+            field = next((f for f in makers if getattr(req, f) is not None), None)
+            if field is None:
+                return None
+            make = lambda: makers[field](getattr(req, field))  # noqa: E731
+        if self.llm.tokenizer is None:
+            raise P.APIError("structured outputs need a tokenizer (tokenizer.json in the checkpoint)", param=field)
+        try:
+            return make()
+        except ValueError as e:  # the grammar library's message can span lines (a caret under the error)
+            raise P.APIError(f"{field}: {' '.join(str(e).split())}", param=field) from None
 
     def reserve(self, n: int) -> None:
         if not self.engine.try_reserve(n):

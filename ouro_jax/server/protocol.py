@@ -38,7 +38,6 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "parallel_tool_calls": (True, False),  # without tools either value asks for nothing
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "service_tier": ("auto", "default"),
     "store": (False,),
     "metadata": ({},),
@@ -89,6 +88,30 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` or not, it is enforced)."""
+
+    name: str
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+    description: Optional[str] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise _refuse('json_schema is given exactly when type is "json_schema"', at=("json_schema",))
+        return self
+
+
+# vLLM's spellings of structured outputs, besides response_format
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class _Sampling(_Strict):
     """Fields shared by completions and chat completions: OpenAI's, the engine's and Ouro's."""
 
@@ -109,6 +132,12 @@ class _Sampling(_Strict):
     top_k: int = 0
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False  # vLLM's: keep the stop string that ended the text
+    # structured outputs (ouro_jax/structured.py): at most one of these
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     # Ouro's exit policy
     exit_threshold: Optional[float] = None
     min_loops: Optional[int] = None
@@ -131,6 +160,15 @@ class _Sampling(_Strict):
         if v is not None and not all(v):
             raise _refuse("must not hold an empty string")
         return v
+
+    @model_validator(mode="after")
+    def _one_guide(self):
+        given = [f for f in GUIDED_FIELDS if getattr(self, f) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise _refuse(f"cannot be combined with {given[0]}: give one structured-output constraint", at=(given[1],))
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

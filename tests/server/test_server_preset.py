@@ -140,3 +140,41 @@ def test_answer_assembly_on_known_text(server, monkeypatch):
         '{"city": "Oslo"}',
     )
     assert finish == "tool_calls"
+
+
+# ------------------------------------------------------------------------- structured outputs
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["color", "n"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_and_vllm_guides(server):
+    import json
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+    for seed in (None, 1, 2):
+        kw = dict(temperature=0) if seed is None else dict(temperature=1.0, seed=seed)
+        r = server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "pick"}], max_tokens=60, response_format=fmt, **kw
+        )
+        ch = r.choices[0]
+        d = json.loads(ch.message.content)
+        assert ch.finish_reason == "stop" and d["color"] in ("red", "blue") and 0 <= d["n"] <= 9, ch
+    r = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=60, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = server.client.completions.create(
+        model=MODEL, prompt="a", max_tokens=10, temperature=0, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert r.choices[0].text in ("yes", "no") and r.choices[0].finish_reason == "stop"
+    # streamed, the same text arrives in pieces
+    s = server.client.completions.create(
+        model=MODEL, prompt="b", max_tokens=20, temperature=0, stream=True, extra_body={"guided_regex": "[a-c]{4}"}
+    )
+    text = "".join(c.choices[0].text for c in s if c.choices)
+    assert len(text) == 4 and set(text) <= set("abc"), text

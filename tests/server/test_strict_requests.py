@@ -86,7 +86,13 @@ BAD = [
      400, "tools[0].function.parameters", "JSON schema of an object"),
     ("tool name", CHATP, dict(M, tools=[{"type": "function", "function": {"name": "a b"}}]), 400,
      "tools[0].function.name", "letters, digits"),
-    ("response_format", CHATP, dict(M, response_format={"type": "json_object"}), 400, "response_format", "only"),
+    ("bad schema", CHATP, dict(M, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objekt"}}}), 400, "response_format.json_schema.schema", "invalid"),
+    ("json_schema missing", CHATP, dict(M, response_format={"type": "json_schema"}), 400,
+     "response_format.json_schema", "exactly when type"),
+    ("two guides", CMPL, dict(C, guided_regex="a+", guided_choice=["a"]), 400, "guided_choice", "cannot be combined"),
+    ("bad regex", CMPL, dict(C, guided_regex="(a"), 400, "guided_regex", "invalid"),
+    ("guided ignore_eos", CMPL, dict(C, guided_choice=["a"], ignore_eos=True), 400, "ignore_eos", "guided"),
     # wrong JSON types: nothing is coerced
     ("chat stream yes", CHATP, dict(M, stream="yes"), 400, "stream", 'stream must be true or false, not "yes"'),
     ("max_tokens string", CMPL, dict(C, max_tokens="5"), 400, "max_tokens", "must be an integer"),
