@@ -198,8 +198,8 @@ for mode in {modes}:
         if tp == 2:  # every shard's copy of the replicated results must agree (one decision, not N)
             launch = llm.runner.launch
 
-            def checked(key, packed, sample=False, launch=launch):
-                gates, tokens = launch(key, packed, sample)
+            def checked(key, packed, sample=False, mask=None, launch=launch):
+                gates, tokens = launch(key, packed, sample, mask)
                 for arr in (gates, tokens, llm.runner.ring):
                     shards = [np.asarray(s.data) for s in arr.addressable_shards]
                     if any(not np.array_equal(shards[0], s) for s in shards[1:]):
