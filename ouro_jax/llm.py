@@ -448,7 +448,6 @@ class LLM:
         )
         self.startup_times["compile"] = self.warmup_time
         self._lock = threading.RLock()  # close() may come from another thread (at exit, a server's)
-        self._closed = False
         _OPEN_ENGINES.add(self)
 
     @staticmethod
@@ -670,9 +669,8 @@ class LLM:
         closed by then. Afterwards every request method raises ``RuntimeError``; ``stats()`` still
         answers."""
         with self._lock:
-            if self._closed:
+            if self.runner.closed:
                 return
-            self._closed = True
             _OPEN_ENGINES.discard(self)
             try:
                 for rid in list(self._live):
@@ -686,7 +684,7 @@ class LLM:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self.runner.closed
 
     def __enter__(self) -> "LLM":
         self._check_open()
@@ -696,7 +694,7 @@ class LLM:
         self.close()
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self.runner.closed:
             raise RuntimeError("this LLM is closed (LLM.close() ran): build a new one")
 
     # ------------------------------------------------------------------------- the loop
@@ -793,7 +791,7 @@ class LLM:
         """The caller that owned ``ids`` (a closed ``stream``, a ``generate`` that raised) is gone:
         abort those still running and drop every output of them that nobody will read."""
         with self._lock:
-            if self._closed:
+            if self.runner.closed:
                 return
             for rid in ids:
                 if rid in self._live:

@@ -26,11 +26,9 @@ RNG = np.random.default_rng(3)
 PROMPTS = [list(map(int, RNG.integers(1, CFG.vocab_size, n))) for n in (3, 9, 17, 5)]
 
 
-@pytest.fixture(scope="module")
-def llm():
+def _engine(**kw):
     params = jax.tree.map(jnp.asarray, random_params(CFG, 0))
-    return LLM(
-        CFG,
+    args = dict(
         params=params,
         max_num_seqs=4,
         max_num_batched_tokens=32,
@@ -40,6 +38,12 @@ def llm():
         buckets=[8, 32],
         progress=False,
     )
+    return LLM(CFG, **{**args, **kw})
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return _engine()
 
 
 def sp(n):
@@ -258,19 +262,6 @@ def test_a_refused_priority_leaves_no_ghost_and_the_engine_serves_on(llm):
 
 
 # ------------------------------------------------------------------------------- close
-def _engine(**kw):
-    params = jax.tree.map(jnp.asarray, random_params(CFG, 0))
-    args = dict(
-        params=params,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        prefill_chunk_size=8,
-        block_size=4,
-        max_model_len=48,
-        buckets=[8, 32],
-        progress=False,
-    )
-    return LLM(CFG, **{**args, **kw})
 
 
 def test_close_aborts_frees_and_refuses_later_calls():
