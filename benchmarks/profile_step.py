@@ -490,7 +490,7 @@ def _invoke(r, key, packed, n: int):
 
     g = tok = None
     for _ in range(n):
-        g, tok = r.launch(key, packed)
+        g, tok, _ = r.launch(key, packed)
     jax.block_until_ready((r.ring, g, tok))
 
 
@@ -549,7 +549,7 @@ def profile_bucket(
     g = tok = None
     for _ in range(reps):
         t1 = time.perf_counter()
-        g, tok = r.launch(key, packed)
+        g, tok, _ = r.launch(key, packed)
         disp += time.perf_counter() - t1
     jax.block_until_ready((r.ring, g, tok))
     wall = (time.perf_counter() - t) / reps

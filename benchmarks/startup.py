@@ -142,7 +142,7 @@ def time_executables(llm, keys, reps: int, context: int) -> dict:
         if isinstance(key, SamplerKey):  # the separate sampler, on zero hidden states and words
             h = r.put(np.zeros((key.C, llm.model_config.hidden_size), r.dtype))
             words = r.put(np.zeros(packed_shape(key), np.int32))
-            out[str(key)] = _best_of_3(lambda: r.launch_sampler(key, h, words), reps)
+            out[str(key)] = _best_of_3(lambda: r.launch_sampler(key, h, words)[0], reps)
             continue
         bucket, n = (key, None) if not isinstance(key, tuple) or hasattr(key, "R") else key
         desc = synthetic_descriptor(spec, bucket.R, "decode", context, 128, r.num_blocks)

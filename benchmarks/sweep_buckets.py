@@ -473,11 +473,11 @@ def device_sweep(
                     packed.block_until_ready()
                 upload_s = (time.perf_counter() - t) / build_reps
                 for _ in range(2):
-                    g, tok = r.launch(key, packed)
+                    g, tok, _ = r.launch(key, packed)
                 jax.block_until_ready((r.ring, g, tok))
                 t = time.perf_counter()
                 for _ in range(reps):
-                    g, tok = r.launch(key, packed)
+                    g, tok, _ = r.launch(key, packed)
                 jax.block_until_ready((r.ring, g, tok))
                 dt = (time.perf_counter() - t) / reps
                 nseg = desc.num_segments

@@ -4,7 +4,7 @@ decode steps"). :func:`lockstep` runs, per token, loop ``d`` of every row at onc
 deepest row has exited, so a token costs the batch's deepest exit.
 
 It takes ``(params, kp, vp, ring, packed [n, words + exit words], previous [C])`` and returns
-``(kp, vp, ring, gates [n, R], out [tokens, C + R], last [C])``. Two other programs were measured
+``(kp, vp, ring, gates [n, R], out [tokens, C + R + C * LOGPROB_WORDS], last [C])``. Two other programs were measured
 slower and removed (docs/decisions.md, "Early exit at a few streams pays the lock step"): rows
 advancing each at its own depth and token, and *elastic* steps returning once every row made
 half the tokens.
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import copy_kv_slots
 from scheduler.descriptor import EXIT_FIELDS, HEADER, descriptor_layout
+from scheduler.sampling_params import LOGPROB_WORDS
 
 from .exit_rule import decide_exit_rows, fold_gate
 from .model import dtype_of
@@ -39,7 +40,8 @@ def lockstep(params, kp, vp, ring, packed, previous, **kw):
     their exit plane into the planes above (the slots are the later sub-steps'), one coda samples
     the exit states, and the tokens feed the next token's prelude. The KV pools and the ring are
     loop carries updated in place. Returns ``gates [n, R]`` (0 where a loop did not run),
-    ``[tokens, C + R]`` int32 (sampled tokens, then exit depths) and the last token's samples
+    ``[tokens, C + R + C * LOGPROB_WORDS]`` int32 (sampled tokens, exit depths, then the tokens'
+    logprob records: always taken, a top-k of C rows is small next to a loop) and the last token's samples
     ``[C]`` (the next step's ``previous``)."""
     key, T = kw["key"], kw["config"].num_loops
     n = packed.shape[0]
@@ -91,8 +93,8 @@ def lockstep(params, kp, vp, ring, packed, previous, **kw):
             dst = jnp.where(above, slots[1:], -1)
             kp, vp = copy_kv_slots(kp, vp, jnp.broadcast_to(src, dst.shape).reshape(-1), dst.reshape(-1))
         a = unpack(key, packed[first + T - 1, :words])  # the coda fields ride on the token's last loop
-        tok = coda(params, exit_h[a["coda_row"]], a, **kw)
-        out = out.at[j].set(jnp.concatenate([tok, depth]))
+        tok, records = coda(params, exit_h[a["coda_row"]], a, with_logprobs=True, **kw)
+        out = out.at[j].set(jnp.concatenate([tok, depth, records.reshape(-1)]))
         return kp, vp, ring, tok, gates, out
 
     init = (
@@ -101,7 +103,7 @@ def lockstep(params, kp, vp, ring, packed, previous, **kw):
         ring,
         previous.astype(jnp.int32),
         jnp.zeros((n, R), jnp.float32),
-        jnp.zeros((n // T, C + R), jnp.int32),
+        jnp.zeros((n // T, C + R + C * LOGPROB_WORDS), jnp.int32),
     )
     kp, vp, ring, last, gates, out = jax.lax.fori_loop(0, n // T, token, init)
     return kp, vp, ring, gates, out, last

@@ -32,6 +32,7 @@ import numpy as np
 
 from pallas_kernels.dispatch import resolve_attention
 from scheduler import DEFAULT_ENABLE_PREFIX_CACHING, Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.sampling_params import TokenLogprobs
 from scheduler.pipeline import StepPipeline
 from scheduler.sizes import pool_blocks
 from weights.config import PRESETS, OuroConfig
@@ -110,6 +111,9 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str]
     metrics: RequestMetrics
+    # SamplingParams.logprobs: each token's TokenLogprobs and their sum (None when not asked for)
+    logprobs: Optional[list[TokenLogprobs]] = None
+    cumulative_logprob: Optional[float] = None
 
 
 _PROMPT_FORMS = "a string or a flat sequence (list, tuple, 1-D array) of integer token ids"
@@ -436,10 +440,11 @@ class LLM:
         # fused decode steps scheduled one ahead of the host's reads (scheduler/pipeline.py); the
         # latency target times every plan itself (_timed_step) and runs without it
         self._pipeline = StepPipeline(
-            self.scheduler, self.runner, ahead=cfg.async_scheduling, coda_bitmask=self._coda_bitmask
+            self.scheduler, self.runner, ahead=cfg.async_scheduling, sampler_inputs=self._sampler_inputs
         )
         # structured outputs: a matcher per guided request, fed every token it gets (structured.py)
         self._matchers: dict = {}
+        self._logprob_ids: set = set()  # requests that ask for logprobs: their one-loop steps take them
         self._grammar = None  # GrammarCompiler of this tokenizer, built at the first guided request
         self._unsynced: list = []  # plans launched since the host last waited for a device result
         self._sync_t = 0.0
@@ -574,9 +579,16 @@ class LLM:
         calls it from its event loop while the engine thread steps."""
         self._check_open()
         ids = check_request(self.scheduler, self.encode(prompt), sampling_params, priority)
-        if sampling_params is not None and sampling_params.guided is not None:
-            self._check_guided(sampling_params.guided)
+        if sampling_params is not None:
+            self._check_sampler_features(sampling_params)
         return ids
+
+    def _check_sampler_features(self, sp: SamplingParams) -> None:
+        """What the separate sampler serves (a grammar, logprobs) is there for ``sp``."""
+        if sp.logprobs is not None and not self.runner.separate_sampler:
+            raise ValueError("logprobs are not supported with tensor_parallel_size > 1 yet")
+        if sp.guided is not None:
+            self._check_guided(sp.guided)
 
     def _check_guided(self, guided) -> None:
         from .structured import GuidedDecoding
@@ -603,8 +615,7 @@ class LLM:
         ``priority`` (lower runs first) needs ``policy="priority"``."""
         self._check_open()
         [sp] = sampling_list(sampling_params, 1)
-        if sp.guided is not None:
-            self._check_guided(sp.guided)
+        self._check_sampler_features(sp)
         return self._add(self.encode(prompt), sp, request_id, priority)
 
     def _add(self, ids: np.ndarray, sp: SamplingParams, request_id=None, priority: int = 0) -> object:
@@ -630,6 +641,8 @@ class LLM:
             self._live[rid] = req
             if matcher is not None:
                 self._matchers[rid] = matcher
+            if sp.logprobs is not None:
+                self._logprob_ids.add(rid)
             return rid
 
     def abort(self, request_id) -> bool:
@@ -645,6 +658,7 @@ class LLM:
                 return False
             req = self._live.pop(request_id)
             self._matchers.pop(request_id, None)
+            self._logprob_ids.discard(request_id)
             self._unreported[request_id] = self._output(req)
             if not self.scheduler.has_unfinished():
                 self._pipeline.drain()  # a step launched ahead held only ended requests: nothing to hand out
@@ -680,6 +694,7 @@ class LLM:
                 self._live.clear()
                 self._unreported.clear()
                 self._matchers.clear()
+                self._logprob_ids.clear()
                 self.runner.close()
 
     @property
@@ -719,6 +734,7 @@ class LLM:
                 self._feed_matcher(d)
             if d.finished:
                 del self._live[d.request_id]
+                self._logprob_ids.discard(d.request_id)
             outs.append(self._output(req, with_text=d.finished))
         return outs
 
@@ -733,17 +749,21 @@ class LLM:
         if d.finished:
             del self._matchers[d.request_id]
 
-    def _coda_bitmask(self, plan) -> Optional[np.ndarray]:
-        """The allowed tokens of ``plan``'s coda rows ``[C, ceil(V/32)]``, None when none is guided."""
+    def _sampler_inputs(self, plan) -> dict:
+        """What a one-loop ``plan``'s coda rows need of the sampler (``ModelRunner.step``'s keywords):
+        the allowed tokens ``bitmask [C, ceil(V/32)]`` of guided rows, ``logprobs`` where a row's
+        request asks for them; empty for most plans."""
+        out: dict = {}
+        if self._logprob_ids and any(c.request_id in self._logprob_ids for c in plan.coda):
+            out["logprobs"] = True
         if not self._matchers:
-            return None
+            return out
         rows = [(self._matchers[c.request_id], i) for i, c in enumerate(plan.coda) if c.request_id in self._matchers]
-        if not rows:
-            return None
-        from .structured import fill_bitmask_rows, new_bitmask
+        if rows:
+            from .structured import fill_bitmask_rows, new_bitmask
 
-        out = new_bitmask(plan.descriptor.key.C, self.model_config.vocab_size)
-        fill_bitmask_rows(out, rows)
+            out["bitmask"] = new_bitmask(plan.descriptor.key.C, self.model_config.vocab_size)
+            fill_bitmask_rows(out["bitmask"], rows)
         return out
 
     def _timed_step(self, plan) -> list:
@@ -763,7 +783,8 @@ class LLM:
 
             return f
 
-        deltas = self.scheduler.update(plan, reader(result.gates), reader(result.tokens))
+        records = None if result.logprobs is None else reader(result.logprobs)
+        deltas = self.scheduler.update(plan, reader(result.gates), reader(result.tokens), records)
         if read:
             now = time.perf_counter()
             self.scheduler.observe(self._unsynced, now - self._sync_t)
@@ -799,6 +820,7 @@ class LLM:
                     del self._live[rid]
                 self._unreported.pop(rid, None)
                 self._matchers.pop(rid, None)
+                self._logprob_ids.discard(rid)
             if not self.scheduler.has_unfinished():
                 self._pipeline.drain()
 
@@ -807,6 +829,7 @@ class LLM:
         text = None
         if self.tokenizer is not None and with_text:
             text = self.tokenizer.decode(req.output_token_ids)
+        lp = req.sampling_params.logprobs is not None
         return RequestOutput(
             req.request_id,
             req.prompt_token_ids,
@@ -816,6 +839,8 @@ class LLM:
             req.is_finished,
             req.finish_reason,
             RequestMetrics(req.arrival_time, req.first_token_time, list(req.token_times), req.finish_time),
+            list(req.output_logprobs) if lp else None,
+            req.cumulative_logprob if lp else None,
         )
 
     def stream(

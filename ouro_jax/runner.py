@@ -468,11 +468,13 @@ class ModelRunner:
         return time.perf_counter() - t
 
     # ----------------------------------------------------------------------------- execute
-    def step(self, desc, bitmask: Optional[np.ndarray] = None) -> StepResult:
+    def step(self, desc, bitmask: Optional[np.ndarray] = None, logprobs: bool = False) -> StepResult:
         """Launch ``desc`` (a ``BatchDescriptor``, or a ``StackedDescriptor``: one fused step); its
         gates and tokens start copying back at once and are waited for only when read.
         ``bitmask [C, ceil(V/32)]`` int32: the coda rows' allowed tokens (structured outputs; one
-        loop steps only), sampled by the separate sampler."""
+        loop steps only), sampled by the separate sampler. ``logprobs``: a coda row's request asks
+        for logprobs; a one-loop step then runs the separate sampler, which takes them (a fused
+        step always returns them with its tokens)."""
         key = self.executable_key(desc)
         single = isinstance(key, BucketKey)
         if key not in self._exe:
@@ -481,18 +483,23 @@ class ModelRunner:
         packed = self.upload(desc)
         t_call = time.perf_counter()
         self.upload_time += t_call - t
+        special = single and (bitmask is not None or logprobs)
+        if special and not self.separate_sampler:
+            raise ValueError(
+                "a token bitmask or logprobs need the separate sampler of a one-loop step (no tensor parallel)"
+            )
         if bitmask is not None:
-            if not single or not self.separate_sampler:
-                raise ValueError("a token bitmask needs a one-loop step and the separate sampler (no tensor parallel)")
             bitmask = self.put(bitmask)
-        gates, tokens = self.launch(key, packed, sample=single and (bitmask is not None or samples(desc)), mask=bitmask)
+        gates, tokens, records = self.launch(key, packed, sample=single and (special or samples(desc)), mask=bitmask)
         self.call_time += time.perf_counter() - t_call
         # a fused step's gates are never read (its exits were decided on the device)
-        for arr in (gates, tokens) if single else (tokens,):
+        copies = (gates, tokens) if single else (tokens,)
+        records = records if single and logprobs else None
+        for arr in copies if records is None else (*copies, records):
             arr.copy_to_host_async()
         self.invocations += 1
         self.dispatch_time += time.perf_counter() - t
-        result = StepResult(gates, tokens, self._waited)
+        result = StepResult(gates, tokens, self._waited, logprobs=records)
         self._recent.append(result)
         return result
 
@@ -501,12 +508,13 @@ class ModelRunner:
 
     def launch(
         self, key, packed, sample: bool = False, mask: Optional[jax.Array] = None
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
         """Run ``key``'s executable on an uploaded descriptor (``upload``), the pools and the ring
-        updated in place; returns ``(gates, tokens)`` on the device. ``step`` without its
-        bookkeeping: benchmarks time the device with it. A key not warmed up compiles first.
+        updated in place; returns ``(gates, tokens, logprob records)`` on the device, the records
+        None unless the separate sampler ran. ``step`` without its bookkeeping: benchmarks time
+        the device with it. A key not warmed up compiles first.
 
-        ``sample``: some coda row has a temperature above 0 (the host knows from the descriptor):
+        ``sample``: some coda row has a temperature above 0, a grammar or logprobs (the host knows):
         its one-loop step's greedy tokens are replaced by the separate sampler's. Without it a
         one-loop step's tokens are the argmax of every coda row. ``mask``: the coda rows' allowed
         tokens on the device (``step``), every token allowed without it."""
@@ -520,18 +528,19 @@ class ModelRunner:
         else:
             out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed)
         self.k_pool, self.v_pool, self.ring, gates, tokens = out[:5]
+        records = None
         if sample and not fused and len(out) > 5:
-            tokens = self.launch_sampler(SamplerKey(key.C), out[5], out[6], mask)
+            tokens, records = self.launch_sampler(SamplerKey(key.C), out[5], out[6], mask)
             self.sampler_launches += 1
-        return gates, tokens
+        return gates, tokens, records
 
     def launch_sampler(
         self, key: SamplerKey, h: jax.Array, words: jax.Array, mask: Optional[jax.Array] = None
-    ) -> jax.Array:
+    ) -> tuple[jax.Array, jax.Array]:
         """Run the separate sampler of coda size ``key.C`` on hidden states ``h [C, d]`` and sampling
-        words ``[packed_shape(key)]`` on the runner's device (``put``); returns its tokens on the
-        device. ``launch`` runs it after a one-loop step whose coda row samples; benchmarks time it
-        alone. A key not warmed up compiles first."""
+        words ``[packed_shape(key)]`` on the runner's device (``put``); returns its tokens and their
+        logprob records on the device. ``launch`` runs it after a one-loop step whose coda row
+        samples; benchmarks time it alone. A key not warmed up compiles first."""
         sampler = self._exe.get(key)
         if sampler is None:
             sampler = self._compile(key)  # not warmed up: counted in `compilations`

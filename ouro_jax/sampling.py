@@ -11,7 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["greedy", "sample", "sample_stochastic", "row_keys"]
+from scheduler.sampling_params import MAX_LOGPROBS
+
+__all__ = ["greedy", "sample", "sample_stochastic", "row_keys", "token_logprobs"]
 
 
 def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
@@ -67,3 +69,15 @@ def sample(logits, temperature, top_k, top_p, keys):
         lambda _: greedy(logits),
         None,
     )
+
+
+def token_logprobs(logits, tokens) -> jax.Array:
+    """The logprob records of ``tokens [R]`` under raw ``logits [R, V]`` (before temperature and
+    masks): ``[R, LOGPROB_WORDS]`` int32, the token's logprob, the top ``MAX_LOGPROBS`` logprobs
+    (float32 bits) and their ids (``scheduler.sampling_params.read_logprobs`` reads them). Top-k
+    on the device: only ``R x LOGPROB_WORDS`` words come back to the host, never the vocabulary."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens.astype(jnp.int32)[:, None], axis=-1)
+    top, ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+    bits = jax.lax.bitcast_convert_type(jnp.concatenate([chosen, top], axis=-1), jnp.int32)
+    return jnp.concatenate([bits, ids.astype(jnp.int32)], axis=-1)

@@ -31,7 +31,7 @@ from weights.config import OuroConfig
 from .model import OuroDecoderLayer, OuroModel, dtype_of
 from .paged_attention import PagedAttention, fuses_rope
 from .parallel import TP_AXIS, local_config, vocab_parallel_embed, vocab_parallel_logits
-from .sampling import greedy, row_keys, sample, sample_stochastic
+from .sampling import greedy, row_keys, sample, sample_stochastic, token_logprobs
 from .structured import apply_token_bitmask
 
 __all__ = [
@@ -179,9 +179,21 @@ def finish_loop(params, model, kp, vp, ring, a, x):
     return kp, vp, ring, h, g.astype(jnp.float32)
 
 
-def coda(params, h, a: dict, *, config: OuroConfig, dtype_name: str, tp_size: int = 1, greedy_only: bool = False, **_):
+def coda(
+    params,
+    h,
+    a: dict,
+    *,
+    config: OuroConfig,
+    dtype_name: str,
+    tp_size: int = 1,
+    greedy_only: bool = False,
+    with_logprobs: bool = False,
+    **_,
+):
     """Step 4: lm_head + sampling of the coda rows' hidden states ``h [C, D]`` -> tokens ``[C]``
-    (``greedy_only``: the argmax, whatever the rows ask for; the separate sampler does the rest)."""
+    (``greedy_only``: the argmax, whatever the rows ask for; the separate sampler does the rest);
+    ``with_logprobs``: ``(tokens, their logprob records [C, LOGPROB_WORDS])``."""
     dt = dtype_of(dtype_name)
     if tp_size > 1:
         logits = vocab_parallel_logits(h, params["top"]["lm_head"]["kernel"], dt)
@@ -189,9 +201,11 @@ def coda(params, h, a: dict, *, config: OuroConfig, dtype_name: str, tp_size: in
         model = OuroModel(local_config(config, tp_size), dt)
         logits = model.apply({"params": params["top"]}, h, method=OuroModel.coda)
     if greedy_only:
-        return greedy(logits)
-    keys = row_keys(a["coda_seed"], a["coda_step"])
-    return sample(logits, a["coda_temperature"], a["coda_top_k"], a["coda_top_p"], keys).astype(jnp.int32)
+        tokens = greedy(logits)
+    else:
+        keys = row_keys(a["coda_seed"], a["coda_step"])
+        tokens = sample(logits, a["coda_temperature"], a["coda_top_k"], a["coda_top_p"], keys).astype(jnp.int32)
+    return (tokens, token_logprobs(logits, tokens)) if with_logprobs else tokens
 
 
 def one_loop(params, kp, vp, ring, packed, *, separate_sampler: bool = False, **kw):
@@ -211,10 +225,12 @@ def sample_coda(top, h, words, bitmask, *, config: OuroConfig, dtype_name: str):
     """The separate sampler: lm_head of the coda rows' hidden states ``h [C, D]``, the rows'
     allowed tokens ``bitmask [C, ceil(V/32)]`` int32 (structured outputs; all bits set for a free
     row) and the sort-based sampling of ``sample_stochastic`` with the rows' words (``coda_words``)
-    -> tokens ``[C]``."""
-    logits = OuroModel(config, dtype_of(dtype_name)).apply({"params": top}, h, method=OuroModel.coda)
-    logits = apply_token_bitmask(logits.astype(jnp.float32), bitmask)
+    -> ``(tokens [C], their logprob records [C, LOGPROB_WORDS])``, the logprobs of the raw logits
+    (its top-k is small next to the sort over the vocabulary that sampling pays)."""
+    raw = OuroModel(config, dtype_of(dtype_name)).apply({"params": top}, h, method=OuroModel.coda)
+    logits = apply_token_bitmask(raw.astype(jnp.float32), bitmask)
     temperature, top_k, top_p, seed, step = (words[i] for i in range(len(CODA_FIELDS)))
     f32 = lambda w: jax.lax.bitcast_convert_type(w, jnp.float32)  # noqa: E731
     keys = row_keys(jax.lax.bitcast_convert_type(seed, jnp.uint32), step)
-    return sample_stochastic(logits, f32(temperature), top_k, f32(top_p), keys).astype(jnp.int32)
+    tokens = sample_stochastic(logits, f32(temperature), top_k, f32(top_p), keys).astype(jnp.int32)
+    return tokens, token_logprobs(raw, tokens)

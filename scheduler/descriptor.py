@@ -34,6 +34,7 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 
 from .buckets import BucketKey, BucketSpec
+from .sampling_params import LOGPROB_WORDS
 from .sizes import descriptor_rows
 
 __all__ = [
@@ -190,10 +191,16 @@ def exit_words(key: BucketKey) -> int:
     return len(EXIT_FIELDS) * key.R
 
 
-def split_fused_output(out: np.ndarray, key: BucketKey) -> tuple[np.ndarray, np.ndarray]:
-    """A fused step's int32 result ``[tokens, C + R]`` -> ``(tokens [t, C], exit depths [t, R])``."""
+def split_fused_output(out: np.ndarray, key: BucketKey) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """A fused step's int32 result ``[..., C + R + C * LOGPROB_WORDS]`` -> ``(tokens [..., C], exit
+    depths [..., R], logprob records [..., C, LOGPROB_WORDS])``; the records are None where the
+    result holds none (a runner without them: ``FakeRunner``)."""
     out = np.asarray(out)
-    return out[..., : key.C], out[..., key.C : key.C + key.R]
+    end = key.C + key.R
+    records = None
+    if out.shape[-1] >= end + key.C * LOGPROB_WORDS:
+        records = out[..., end : end + key.C * LOGPROB_WORDS].reshape(*out.shape[:-1], key.C, LOGPROB_WORDS)
+    return out[..., : key.C], out[..., key.C : end], records
 
 
 class StackedDescriptor:
@@ -263,18 +270,23 @@ class StepResult:
     """What a runner's ``step(descriptor)`` returns (``ModelRunner`` and ``FakeRunner`` alike).
 
     ``gates()``: ``[R]`` float32 gate logits (``[n, R]`` for a fused step); ``tokens()``: ``[C]``
-    int32 sampled tokens (a fused step: ``[tokens, C + R]``, tokens and exit depths,
-    ``split_fused_output``). Each is converted (and, on a device, waited for) only when
-    first called, so the scheduler reads only what a decision needs; ``on_wait(seconds)`` is told
-    how long each conversion took.
+    int32 sampled tokens (a fused step: ``[tokens, C + R + C * LOGPROB_WORDS]``, tokens, exit
+    depths and logprob records, ``split_fused_output``); ``logprobs``: None, or a callable giving
+    a one-loop step's ``[C, LOGPROB_WORDS]`` records when it computed them. Each is converted (and,
+    on a device, waited for) only when first called, so the scheduler reads only what a decision
+    needs; ``on_wait(seconds)`` is told how long each conversion took.
     """
 
-    __slots__ = ("_src", "_host", "_on_wait")
+    __slots__ = ("_src", "_host", "_on_wait", "logprobs")
 
-    def __init__(self, gates, tokens, on_wait: Optional[Callable[[float], None]] = None):
+    def __init__(self, gates, tokens, on_wait: Optional[Callable[[float], None]] = None, logprobs=None):
         self._src = {"gates": gates, "tokens": tokens}
         self._host: dict[str, np.ndarray] = {}
         self._on_wait = on_wait
+        self.logprobs = None
+        if logprobs is not None:
+            self._src["logprobs"] = logprobs
+            self.logprobs = lambda: self._read("logprobs")
 
     def _read(self, name: str) -> np.ndarray:
         if name not in self._host:

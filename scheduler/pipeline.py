@@ -24,10 +24,11 @@ from .scheduler import RequestDelta, Scheduler
 class StepPipeline:
     """Drives ``scheduler`` and ``runner``; ``ahead=False`` is the plain synchronous loop."""
 
-    def __init__(self, scheduler: Scheduler, runner, ahead: bool = True, coda_bitmask=None):
+    def __init__(self, scheduler: Scheduler, runner, ahead: bool = True, sampler_inputs=None):
         self.scheduler, self.runner, self.ahead = scheduler, runner, ahead
-        # plan -> its coda rows' allowed tokens (structured outputs), or None: passed to the runner
-        self.coda_bitmask = coda_bitmask
+        # plan -> what its coda rows need of the sampler beyond the descriptor (a dict of keywords
+        # of ``runner.step``: structured outputs' bitmask, logprobs), empty for most plans
+        self.sampler_inputs = sampler_inputs
         self._pending = None  # (plan, result): launched ahead, not yet applied
 
     @property
@@ -49,19 +50,19 @@ class StepPipeline:
             nxt = self.scheduler.schedule_ahead()
             if nxt is not None:
                 self._pending = (nxt, self.runner.step(nxt.descriptor))
-        deltas = self.scheduler.update(plan, result.gates, result.tokens)
+        deltas = self.scheduler.update(plan, result.gates, result.tokens, result.logprobs)
         if self._pending is not None and not self.scheduler.has_unfinished():
             deltas += self.drain()  # every row ended: nothing should stay in flight
         return deltas
 
     def launch(self, plan):
-        """``runner.step`` of ``plan``, with its coda rows' bitmask when a row is guided."""
-        mask = None if self.coda_bitmask is None else self.coda_bitmask(plan)
-        return self.runner.step(plan.descriptor) if mask is None else self.runner.step(plan.descriptor, mask)
+        """``runner.step`` of ``plan``, with the sampler inputs its coda rows need (``sampler_inputs``)."""
+        extra = None if self.sampler_inputs is None or plan.sub_plans is not None else self.sampler_inputs(plan)
+        return self.runner.step(plan.descriptor, **extra) if extra else self.runner.step(plan.descriptor)
 
     def drain(self) -> list[RequestDelta]:
         """Apply the step launched ahead, if any (waiting for it); the scheduler then has nothing in flight."""
         if self._pending is None:
             return []
         (plan, result), self._pending = self._pending, None
-        return self.scheduler.update(plan, result.gates, result.tokens)
+        return self.scheduler.update(plan, result.gates, result.tokens, result.logprobs)

@@ -97,6 +97,9 @@ class Request:
         # one per generated token: the 0-based loop whose hidden state produced it
         self.exit_depths: list[int] = []
         self.token_times: list[float] = []
+        # SamplingParams.logprobs: one TokenLogprobs per generated token, and their running sum
+        self.output_logprobs: list = []
+        self.cumulative_logprob = 0.0
         self.finish_reason: Optional[str] = None
         self.finish_time: Optional[float] = None
 

@@ -11,11 +11,37 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
 
 from .options import choice
 
-__all__ = ["SamplingParams", "EXIT_MODES"]
+__all__ = ["SamplingParams", "EXIT_MODES", "MAX_LOGPROBS", "LOGPROB_WORDS", "TokenLogprobs", "read_logprobs"]
+
+#: The most alternatives a token's logprobs list (OpenAI's top_logprobs limit); the device always
+#: takes this many, a request keeps the ``logprobs`` it asked for.
+MAX_LOGPROBS = 20
+#: int32 words of one token's logprob record from the device: the chosen token's logprob, the top
+#: ``MAX_LOGPROBS`` logprobs (float32 bits), then their token ids.
+LOGPROB_WORDS = 1 + 2 * MAX_LOGPROBS
+
+
+class TokenLogprobs(NamedTuple):
+    """One generated token's log-probabilities under the model's distribution at the depth that
+    produced it, before temperature, penalties, grammar masks and top-k / top-p (the raw model)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the ``logprobs`` most likely (token id, logprob), best first
+
+
+def read_logprobs(record, token_id: int, k: int) -> TokenLogprobs:
+    """A device record (``LOGPROB_WORDS`` int32 words) as the ``TokenLogprobs`` of ``token_id``, ``k`` alternatives."""
+    w = np.asarray(record, np.int32)
+    f = w.view(np.float32)
+    ids = w[1 + MAX_LOGPROBS : 1 + MAX_LOGPROBS + k].tolist()
+    return TokenLogprobs(int(token_id), float(f[0]), tuple(zip(ids, f[1 : 1 + k].tolist())))
 
 #: ``ouro``: the model's own gate rule; ``delayed``: the same rule one loop later (lets the host
 #: schedule loop t+1 before it has read loop t's gate); ``fixed``: always ``max_loops`` loops;
@@ -56,6 +82,8 @@ class SamplingParams:
     # structured outputs: an ``ouro_jax.structured.GuidedDecoding`` (opaque here: the engine compiles
     # it); the request's tokens are masked to what it allows and it ends when the grammar completes
     guided: Optional[object] = None
+    # log-probabilities of each generated token (None: off) with this many alternatives (0..20)
+    logprobs: Optional[int] = None
 
     def __post_init__(self):
         # numpy (or jax) scalars become Python numbers, arrays and lists tuples (hashable), the exit
@@ -125,6 +153,10 @@ class SamplingParams:
             choice("exit_mode", self.exit_mode, EXIT_MODES)
         except ValueError as e:
             need(False, str(e))
+        need(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
         need(
             self.guided is None or not self.ignore_eos,
             "ignore_eos does not apply to a guided request: it ends when its grammar completes",

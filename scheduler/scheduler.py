@@ -65,6 +65,7 @@ from .options import choice
 from .plan import BatchPlan, CodaRow, Phase, ScheduledRange
 from .policies import Selection, WaitingQueue, make_policy
 from .request import Request, RequestStatus
+from .sampling_params import LOGPROB_WORDS, read_logprobs
 from .sizes import blocks_per_plane, descriptor_rows, kv_planes, ring_rows, ring_slots
 
 __all__ = ["SchedulerConfig", "Scheduler", "RequestDelta"]
@@ -281,10 +282,11 @@ class RequestDelta:
 class _Lazy:
     """A device result read at most once, and only if some decision needs it."""
 
-    __slots__ = ("_src", "_val", "_what", "_min_len")
+    __slots__ = ("_src", "_val", "_what", "_min_len", "_row")
 
-    def __init__(self, src: ArrayOrThunk, what: str, min_len: int):
+    def __init__(self, src: ArrayOrThunk, what: str, min_len: int, row: int = 0):
         self._src, self._val, self._what, self._min_len = src, None, what, min_len
+        self._row = row  # > 0: rows of this many words, kept as a numpy array (logprob records)
 
     def get(self) -> list:
         if self._val is None:
@@ -294,8 +296,15 @@ class _Lazy:
                     f"Scheduler.update: {self._what} has {v.shape[0]} entries, the plan needs {self._min_len}"
                 )
             # a Python list: the host reads it element by element, numpy scalars are slow there
-            self._val, self._src = v.tolist(), None
+            self._val, self._src = (v.reshape(-1, self._row) if self._row else v.tolist()), None
         return self._val
+
+
+def _record(req: Request, lps: Optional[_Lazy], i: int):
+    """Coda row ``i``'s logprob record when ``req`` asks for logprobs (read only then)."""
+    if req.sampling_params.logprobs is None or lps is None:
+        return None
+    return lps.get()[i]
 
 
 class Scheduler:
@@ -871,7 +880,7 @@ class Scheduler:
         # fused_loops / fused_row_tokens
         st["fused_row_tokens"] += tokens
         for j in range(tokens):
-            toks, depths = split_fused_output(out[j], key)
+            toks, depths, records = split_fused_output(out[j], key)
             toks, depths = toks.tolist(), depths.tolist()
             ran = runs[j] if j < len(runs) else 0
             for d in range(ran):
@@ -886,28 +895,42 @@ class Scheduler:
                 i = r.row_start
                 if self.latency is not None:
                     self.latency.observe_loops(depths[i] + 1)
-                self._emit(req, int(toks[i]), depths[i], deltas)
+                self._emit(req, int(toks[i]), depths[i], deltas, None if records is None else records[i])
 
     # ------------------------------------------------------------------ update
-    def update(self, plan: BatchPlan, gate_logits: ArrayOrThunk, tokens: ArrayOrThunk) -> list[RequestDelta]:
+    def update(
+        self,
+        plan: BatchPlan,
+        gate_logits: ArrayOrThunk,
+        tokens: ArrayOrThunk,
+        logprobs: Optional[ArrayOrThunk] = None,
+    ) -> list[RequestDelta]:
         """Apply the results of ``plan``: ``gate_logits [>= num_rows]`` float, ``tokens [>= coda
         rows]`` int, each an array or a zero-argument callable returning one (read lazily). With a
-        step scheduled ahead, ``plan`` is the older of the two; the other is in flight next."""
+        step scheduled ahead, ``plan`` is the older of the two; the other is in flight next.
+        ``logprobs [C, LOGPROB_WORDS]`` int32: the coda rows' logprob records, needed by a one-loop
+        plan with a coda row of a request that asks for logprobs (a fused step returns them with
+        its tokens)."""
         if plan is not self._inflight:
             raise RuntimeError("Scheduler.update: this plan is not the oldest one in flight")
         t0 = time.perf_counter()
         deltas: dict[object, RequestDelta] = {}
         if plan.sub_plans is None:
+            lps = None if logprobs is None else _Lazy(logprobs, "logprobs", len(plan.coda) * LOGPROB_WORDS, LOGPROB_WORDS)
             self._apply(
-                plan, _Lazy(gate_logits, "gate_logits", plan.num_rows), _Lazy(tokens, "tokens", len(plan.coda)), deltas
+                plan,
+                _Lazy(gate_logits, "gate_logits", plan.num_rows),
+                _Lazy(tokens, "tokens", len(plan.coda)),
+                deltas,
+                lps,
             )
-        else:  # a fused step: [tokens, C + R] sampled tokens and exit depths (its gates are not read)
+        else:  # a fused step: [tokens, C + R (+ C * LOGPROB_WORDS)] tokens, exit depths, logprob records
             self._apply_fused(plan, np.asarray(tokens() if callable(tokens) else tokens), deltas)
         self._inflight, self._ahead = self._ahead, None
         self._stats["update_time_s"] += time.perf_counter() - t0
         return list(deltas.values())
 
-    def _apply(self, plan: BatchPlan, gates: "_Lazy", toks: "_Lazy", deltas: dict) -> None:
+    def _apply(self, plan: BatchPlan, gates: "_Lazy", toks: "_Lazy", deltas: dict, lps: Optional["_Lazy"]) -> None:
         T = self.num_loops
         coda_index = {c.row: i for i, c in enumerate(plan.coda)}
         for r in plan.ranges:
@@ -927,12 +950,12 @@ class Scheduler:
                     if self.config.enable_prefix_caching:
                         self._publish(req)
                     if r.token_end == req.prefill_len and not req.output_token_ids:
-                        tok = toks.get()[coda_index[r.row_start + r.token_count - 1]]
-                        self._emit(req, int(tok), T - 1, deltas)
+                        i = coda_index[r.row_start + r.token_count - 1]
+                        self._emit(req, int(toks.get()[i]), T - 1, deltas, _record(req, lps, i))
             else:
-                self._apply_decode(req, r, gates, toks, coda_index, deltas)
+                self._apply_decode(req, r, gates, toks, coda_index, deltas, lps)
 
-    def _apply_decode(self, req, r, gates, toks, coda_index, deltas) -> None:
+    def _apply_decode(self, req, r, gates, toks, coda_index, deltas, lps) -> None:
         T, params, d = self.num_loops, req.sampling_params, r.depth
         if gate_needed(params, T, d):
             req.pending_gates.append((gates, r.row_start))
@@ -946,7 +969,8 @@ class Scheduler:
             return
         if self.latency is not None:
             self.latency.observe_loops(d + 1)
-        self._emit(req, int(toks.get()[coda_index[r.row_start]]), d, deltas)
+        i = coda_index[r.row_start]
+        self._emit(req, int(toks.get()[i]), d, deltas, _record(req, lps, i))
         if req.status is RequestStatus.RUNNING and self.config.kv_layout == "last_exited" and d < T - 1:
             self._queue_finalize(req, r.token_start, d)
 
@@ -979,11 +1003,19 @@ class Scheduler:
             bm.publish(req.request_id, i, req.block_hashes[i])
             req.num_published_blocks += 1
 
-    def _emit(self, req: Request, tok: int, depth: int, deltas) -> None:
-        """Record generated token ``tok`` (exit depth ``depth``); finish or start the next token.
-        Stamped now: the host holds the token only once the device result has been read (metrics)."""
+    def _emit(self, req: Request, tok: int, depth: int, deltas, record=None) -> None:
+        """Record generated token ``tok`` (exit depth ``depth``, logprob ``record`` when the request
+        asks for logprobs); finish or start the next token. Stamped now: the host holds the token
+        only once the device result has been read (metrics)."""
         now = time.monotonic()
         req.append_token(tok, depth, now)
+        k = req.sampling_params.logprobs
+        if k is not None:
+            if record is None:
+                raise RuntimeError(f"request {req.request_id!r} asks for logprobs but its step returned none")
+            lp = read_logprobs(record, tok, k)
+            req.output_logprobs.append(lp)
+            req.cumulative_logprob += lp.logprob
         delta = deltas.get(req.request_id)
         if delta is None:
             delta = deltas[req.request_id] = RequestDelta(req.request_id, [], [], False, None)

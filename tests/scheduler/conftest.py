@@ -32,6 +32,7 @@ class _Result:
             return f
 
         self.gates, self.tokens = reader(gates, "gates"), reader(toks, "tokens")
+        self.logprobs = None  # no logprob records: the fake model has no distribution
 
 
 class _CheckedRunner:

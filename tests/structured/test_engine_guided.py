@@ -63,6 +63,19 @@ def test_choice_and_regex(llm):
     assert len(b.text) == 6 and b.text[:3].isdigit() and b.text[3] == "-" and b.text[4:].isalpha(), b.text
 
 
+def test_guided_requests_get_logprobs_of_the_unmasked_distribution(llm):
+    """The grammar masks the draw, not the reported distribution (the raw model's)."""
+    sp = SamplingParams(max_tokens=8, logprobs=3, guided=GuidedDecoding.regex("[a-c]{4}"))
+    [out] = llm.generate([[40, 41]], sp, use_tqdm=False)
+    assert len(out.text) == 4 and set(out.text) <= set("abc"), out.text
+    assert len(out.logprobs) == len(out.token_ids)
+    abc = {llm.tokenizer.token_to_id(ch) for ch in "abc"}
+    # the random model's favourites are outside the grammar: the top alternatives are not a-c
+    assert any(t not in abc for lp in out.logprobs for t, _ in lp.top)
+    for lp in out.logprobs:
+        assert lp.logprob <= lp.top[0][1] + 1e-6 and [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
 def test_guided_requests_are_checked_first(llm):
     with pytest.raises(TypeError, match="SamplingParams.guided must be a GuidedDecoding"):
         llm.add_request([1, 2], SamplingParams(guided={"type": "object"}))
