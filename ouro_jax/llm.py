@@ -32,8 +32,8 @@ import numpy as np
 
 from pallas_kernels.dispatch import resolve_attention
 from scheduler import DEFAULT_ENABLE_PREFIX_CACHING, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.sampling_params import TokenLogprobs
 from scheduler.pipeline import StepPipeline
+from scheduler.sampling_params import TokenLogprobs
 from scheduler.sizes import pool_blocks
 from weights.config import PRESETS, OuroConfig
 

@@ -43,6 +43,7 @@ def read_logprobs(record, token_id: int, k: int) -> TokenLogprobs:
     ids = w[1 + MAX_LOGPROBS : 1 + MAX_LOGPROBS + k].tolist()
     return TokenLogprobs(int(token_id), float(f[0]), tuple(zip(ids, f[1 : 1 + k].tolist())))
 
+
 #: ``ouro``: the model's own gate rule; ``delayed``: the same rule one loop later (lets the host
 #: schedule loop t+1 before it has read loop t's gate); ``fixed``: always ``max_loops`` loops;
 #: ``synthetic``: exit depths drawn or replayed deterministically (benchmarks with random weights).

@@ -916,7 +916,9 @@ class Scheduler:
         t0 = time.perf_counter()
         deltas: dict[object, RequestDelta] = {}
         if plan.sub_plans is None:
-            lps = None if logprobs is None else _Lazy(logprobs, "logprobs", len(plan.coda) * LOGPROB_WORDS, LOGPROB_WORDS)
+            lps = None
+            if logprobs is not None:
+                lps = _Lazy(logprobs, "logprobs", len(plan.coda) * LOGPROB_WORDS, LOGPROB_WORDS)
             self._apply(
                 plan,
                 _Lazy(gate_logits, "gate_logits", plan.num_rows),
