@@ -61,6 +61,11 @@ _SCHEDULER_FIELDS = tuple(
 )
 
 
+def choice_params(sp: SamplingParams, j: int) -> SamplingParams:
+    """Choice ``j`` of a group of ``n`` (OpenAI's ``n``): the same request seeded ``seed + j``."""
+    return sp if j == 0 else dataclasses.replace(sp, seed=(sp.seed + j) % 2**32)
+
+
 class _NewRequest:
     """The id of the request ``check_request`` builds: equal to no caller's id."""
 
@@ -609,16 +614,24 @@ class LLM:
         return self._grammar
 
     def add_request(
-        self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None, request_id=None, priority: int = 0
+        self,
+        prompt: Prompt,
+        sampling_params: Optional[SamplingParams] = None,
+        request_id=None,
+        priority: int = 0,
+        prompt_from=None,
     ) -> object:
         """Validate and queue one request (an error before anything changes); returns its id.
-        ``priority`` (lower runs first) needs ``policy="priority"``."""
+        ``priority`` (lower runs first) needs ``policy="priority"``. ``prompt_from``: the id of a
+        queued or running request of the same prompt (another choice of it, OpenAI's ``n``): this
+        one waits until that one has computed the prompt, then shares its full KV blocks (each
+        writes its own from there), so the prompt is computed once; otherwise it has no effect."""
         self._check_open()
         [sp] = sampling_list(sampling_params, 1)
         self._check_sampler_features(sp)
-        return self._add(self.encode(prompt), sp, request_id, priority)
+        return self._add(self.encode(prompt), sp, request_id, priority, prompt_from)
 
-    def _add(self, ids: np.ndarray, sp: SamplingParams, request_id=None, priority: int = 0) -> object:
+    def _add(self, ids: np.ndarray, sp: SamplingParams, request_id=None, priority: int = 0, prompt_from=None) -> object:
         """Queue encoded ``ids``: the scheduler checks the request before it changes anything."""
         with self._lock:
             if request_id is None:
@@ -635,7 +648,7 @@ class LLM:
                 raise ValueError(
                     f"request {rid!r}: a request with this id has an output not handed out yet (call step())"
                 )
-            req = Request(rid, ids, sp, priority=priority)
+            req = Request(rid, ids, sp, priority=priority, prompt_from=prompt_from)
             matcher = None if sp.guided is None else self._grammar_compiler().matcher(sp.guided)
             self.scheduler.add_request(req)
             self._live[rid] = req
@@ -867,14 +880,20 @@ class LLM:
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: Optional[bool] = None,
+        n: int = 1,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in the order of ``prompts``. Requests added
         with ``add_request`` keep running alongside; their outputs wait for the next ``step()``.
         Every prompt is checked before any is queued; an exception while running (``Ctrl-C``)
-        aborts the prompts still unfinished."""
+        aborts the prompts still unfinished.
+
+        ``n``: choices per prompt, ``n`` outputs each in a row, choice ``j`` seeded ``seed + j``;
+        they share the prompt's KV blocks (computed once: ``add_request``'s ``prompt_from``)."""
         if use_tqdm is not None and not isinstance(use_tqdm, bool):
             raise TypeError(f"use_tqdm must be a bool or None, got {_describe(use_tqdm)}")
-        ids = self._add_checked(self._check_all(prompts, sampling_params))
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        ids = self._add_checked(self._check_all(prompts, sampling_params), n)
         final = {}
         bar = None
         if self.config.progress if use_tqdm is None else use_tqdm:
@@ -930,8 +949,15 @@ class LLM:
                 raise type(e)(f"prompts[{i}]: {e}") from None
         return checked
 
-    def _add_checked(self, checked) -> list:
-        return [self._add(ids, sp) for ids, sp in checked]
+    def _add_checked(self, checked, n: int = 1) -> list:
+        """Queue checked ``(ids, params)``, ``n`` choices of each (``generate``)."""
+        out = []
+        for ids, sp in checked:
+            first = self._add(ids, sp)
+            out.append(first)
+            for j in range(1, n):
+                out.append(self._add(ids, choice_params(sp, j), prompt_from=first))
+        return out
 
     # ---------------------------------------------------------------------------- stats
     def stats(self) -> dict:

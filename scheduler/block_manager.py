@@ -174,13 +174,15 @@ class KVBlockManager:
         """How many leading blocks of ``hashes`` the cache holds."""
         return leading_matches(hashes, self._cached)
 
-    def publish(self, request_id, column: int, h: bytes) -> bool:
+    def publish(self, request_id, column: int, h: bytes, shared: bool = False) -> bool:
         """Cache column ``column`` of ``request_id`` (final in every plane) under hash ``h``; False
-        if ``h`` is cached already (the request keeps its own copy private) or caching is off."""
+        if ``h`` is cached already (the request keeps its own copy private) or caching is off.
+        ``shared``: the prompt of a group of choices (``n``), published for its siblings even
+        with caching off."""
         slot = self._slot_of[request_id]
         if not 0 <= column < self._num_cols[slot]:
             raise ValueError(f"KVBlockManager.publish: request {request_id!r} holds no column {column}")
-        if not self.enable_prefix_caching or h in self._cached:
+        if not (self.enable_prefix_caching or shared) or h in self._cached:
             return False
         col = self._table[slot, :, column].copy()
         if int(col[0]) in self._hash_of:

@@ -73,8 +73,13 @@ class Request:
         sampling_params: Optional[SamplingParams] = None,
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        prompt_from=None,
     ):
         self.request_id = request_id
+        # another choice of the same prompt (``n``): admitted once that request computed the
+        # prompt, whose full blocks it then shares; the prompt's owner publishes them for it
+        self.prompt_from = prompt_from
+        self.shares_prompt = False
         ids = np.asarray(prompt_token_ids)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             raise ValueError(f"Request {request_id!r}: prompt_token_ids must be a flat sequence of ints")

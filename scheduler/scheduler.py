@@ -381,11 +381,25 @@ class Scheduler:
             )
 
     def add_request(self, request: Request) -> None:
-        """Queue ``request``; raises ``ValueError`` (changing nothing) if it can never run."""
+        """Queue ``request``; raises ``ValueError`` (changing nothing) if it can never run. A
+        request naming ``prompt_from`` (a queued or running request of the same prompt) waits for
+        it to compute the prompt and then shares its full blocks; an unknown or finished one, or
+        another prompt, is not waited for."""
         self.check_request(request)
+        owner = self._requests.get(request.prompt_from) if request.prompt_from is not None else None
+        if owner is not None and (
+            self.config.kv_layout != "last_exited"  # no shared prompt blocks in SHARED (engine-semantics.md)
+            or owner.output_token_ids  # its prompt is computed: nothing to wait for
+            or not np.array_equal(owner.prompt_token_ids, request.prompt_token_ids)
+        ):
+            owner = None
         request.arrival_seq = next(self._arrivals)
         self.waiting.add(request)  # first: were it to raise, no request would be left half-added
         self._requests[request.request_id] = request
+        if owner is None:
+            request.prompt_from = None
+        else:
+            owner.shares_prompt = True
 
     def abort(self, request_id) -> Optional[RequestDelta]:
         """Stop a request now, freeing its blocks and ring region; ``None`` if it is unknown or
@@ -430,10 +444,24 @@ class Scheduler:
         cfg = self.config
         while len(self.waiting) and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
-            if not self._allocate(req):
+            if self._prompt_in_progress(req) or not self._allocate(req):
                 break  # head-of-line: admission order is the policy's order
             self.waiting.pop()
             self.running.append(req)
+
+    def _prompt_in_progress(self, req: Request) -> bool:
+        """Whether ``req`` waits for the request it shares its prompt with (``prompt_from``) to
+        finish computing it: its sibling runs ahead of it in the policy's order, so this ends."""
+        owner = self._requests.get(req.prompt_from) if req.prompt_from is not None else None
+        return owner is not None and owner.shares_prompt and not owner.output_token_ids
+
+    def _shares_prompts(self, req: Request) -> bool:
+        """Whether ``req``'s full prompt blocks go through the prefix cache: caching is on, or it
+        is a choice of a group sharing one prompt (LAST_EXITED only: engine-semantics.md)."""
+        cfg = self.config
+        if cfg.enable_prefix_caching:
+            return True
+        return cfg.kv_layout == "last_exited" and (req.shares_prompt or req.prompt_from is not None)
 
     def _allocate(self, req: Request) -> bool:
         """Blocks, batch slot and ring region for ``req``, and its prompt progress; False (nothing
@@ -442,7 +470,7 @@ class Scheduler:
         n = req.num_prompt_tokens
         tokens = req.max_kv_tokens if cfg.kv_allocation == "reserve" else req.num_rebuild_tokens
         hashes: list = []
-        if cfg.enable_prefix_caching:
+        if self._shares_prompts(req):
             if req.block_hashes is None:
                 req.block_hashes = prefix_block_hashes(
                     req.prompt_token_ids, cfg.block_size, self._hash_salt, n // cfg.block_size
@@ -467,6 +495,8 @@ class Scheduler:
         if cfg.enable_prefix_caching:
             st["prefix_cache_queried_tokens"] += n
             st["prefix_cache_hit_tokens"] += origin
+        if req.prompt_from is not None:
+            st["shared_prompt_tokens"] += origin  # prompt positions a choice took from its sibling
         st["admissions"] += 1
         return True
 
@@ -949,7 +979,7 @@ class Scheduler:
                     self._finalize_rebuilt(req, r)
                     req.skip_capped()
                 if r.depth == T - 1:
-                    if self.config.enable_prefix_caching:
+                    if self._shares_prompts(req):
                         self._publish(req)
                     if r.token_end == req.prefill_len and not req.output_token_ids:
                         i = coda_index[r.row_start + r.token_count - 1]
@@ -1002,7 +1032,7 @@ class Scheduler:
         full = min(req.num_prefilled_tokens, req.num_prompt_tokens) // bs
         while req.num_published_blocks < full:
             i = req.num_published_blocks
-            bm.publish(req.request_id, i, req.block_hashes[i])
+            bm.publish(req.request_id, i, req.block_hashes[i], shared=req.shares_prompt)
             req.num_published_blocks += 1
 
     def _emit(self, req: Request, tok: int, depth: int, deltas, record=None) -> None:
@@ -1073,6 +1103,7 @@ class Scheduler:
             "max_running",
             "prefix_cache_hit_tokens",
             "prefix_cache_queried_tokens",
+            "shared_prompt_tokens",
         ):
             st.setdefault(k, 0)
         st["prefix_cache_hit_rate"] = st["prefix_cache_hit_tokens"] / max(1, st["prefix_cache_queried_tokens"])
