@@ -436,6 +436,13 @@ class EngineConfig:
         choices=REASONING_PARSERS,
         compile_free=True,
     )
+    max_n: int = _field(
+        16,
+        section="server",
+        help="the most choices one request may ask for (OpenAI's n, and best_of); more is a 400",
+        check=_positive_int,
+        compile_free=True,
+    )
     drain_timeout_s: float = _field(
         30.0,
         section="server",

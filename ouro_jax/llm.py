@@ -33,7 +33,7 @@ import numpy as np
 from pallas_kernels.dispatch import resolve_attention
 from scheduler import DEFAULT_ENABLE_PREFIX_CACHING, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.pipeline import StepPipeline
-from scheduler.sampling_params import TokenLogprobs
+from scheduler.sampling_params import TokenLogprobs, choice_params
 from scheduler.sizes import pool_blocks
 from weights.config import PRESETS, OuroConfig
 
@@ -59,11 +59,6 @@ __all__ = [
 _SCHEDULER_FIELDS = tuple(
     f.name for f in dataclasses.fields(SchedulerConfig) if f.name in FIELD_NAMES and f.name != "num_blocks"
 )
-
-
-def choice_params(sp: SamplingParams, j: int) -> SamplingParams:
-    """Choice ``j`` of a group of ``n`` (OpenAI's ``n``): the same request seeded ``seed + j``."""
-    return sp if j == 0 else dataclasses.replace(sp, seed=(sp.seed + j) % 2**32)
 
 
 class _NewRequest:

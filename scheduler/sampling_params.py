@@ -17,7 +17,15 @@ import numpy as np
 
 from .options import choice
 
-__all__ = ["SamplingParams", "EXIT_MODES", "MAX_LOGPROBS", "LOGPROB_WORDS", "TokenLogprobs", "read_logprobs"]
+__all__ = [
+    "SamplingParams",
+    "EXIT_MODES",
+    "MAX_LOGPROBS",
+    "LOGPROB_WORDS",
+    "TokenLogprobs",
+    "read_logprobs",
+    "choice_params",
+]
 
 #: The most alternatives a token's logprobs list (OpenAI's top_logprobs limit); the device always
 #: takes this many, a request keeps the ``logprobs`` it asked for.
@@ -205,3 +213,8 @@ class SamplingParams:
                 f"synthetic_mean_loops / synthetic_depths are only meaningful with exit_mode='synthetic' "
                 f"(exit_mode={self.exit_mode!r})",
             )
+
+
+def choice_params(sp: SamplingParams, j: int) -> SamplingParams:
+    """Choice ``j`` of a group of ``n`` (OpenAI's ``n``): the same request seeded ``seed + j``."""
+    return sp if j == 0 else dataclasses.replace(sp, seed=(sp.seed + j) % 2**32)

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler import SamplingParams
+from scheduler.sampling_params import choice_params
 
 from . import protocol as P
 from .chat_template import ChatTemplate
@@ -42,6 +43,7 @@ class ServerState:
     model_name: str
     chat_template: Optional[ChatTemplate] = None
     reasoning_parser: Optional[str] = None  # parsers.REASONING_PARSERS: split out <think>...</think>
+    max_n: int = 16  # the most choices a request may ask for (n, best_of: EngineConfig.max_n)
     metrics: Optional[ServerMetrics] = None
     retry_after_s: int = 1
     draining: bool = False
@@ -96,7 +98,9 @@ class ServerState:
             msg = str(e).replace("request (new): ", "").replace("request (new) ", "the request ")
             raise P.APIError(msg, param=_param_of(msg)) from None
 
-    def sampling_params(self, req: P._Sampling, n_prompt: int, default_max_tokens: Optional[int]) -> SamplingParams:
+    def sampling_params(
+        self, req: P._Sampling, n_prompt: int, default_max_tokens: Optional[int], logprobs: Optional[int] = None
+    ) -> SamplingParams:
         if req.stop and self.llm.tokenizer is None:
             raise P.APIError("stop strings need a tokenizer; use stop_token_ids", param="stop")
         max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
@@ -120,6 +124,7 @@ class ServerState:
             seed=random.getrandbits(32) if req.seed is None else req.seed,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
         )
         for f in ("exit_threshold", "min_loops", "max_loops", "exit_mode", "synthetic_mean_loops"):
             if getattr(req, f) is not None:
@@ -164,6 +169,11 @@ class ServerState:
         except ValueError as e:  # the grammar library's message can span lines (a caret under the error)
             raise P.APIError(f"{field}: {' '.join(str(e).split())}", param=field) from None
 
+    def check_choices(self, n: int, field: str = "n") -> None:
+        """``n`` choices per prompt (``n`` or ``best_of``) within the server's ``max_n``."""
+        if n > self.max_n:
+            raise P.APIError(f"{field} must be <= {self.max_n} (the server's max_n), not {n}", param=field)
+
     def reserve(self, n: int) -> None:
         if not self.engine.try_reserve(n):
             self.metrics.request_rejected(429)
@@ -198,6 +208,7 @@ class _Choice:
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars a stop string may still claim
         self.ids: list[int] = []
         self.depths: list[int] = []
+        self.logprobs: list = []  # a TokenLogprobs per token, when the request asks for them
         self.text = ""
         self.sent = 0  # chars of text already streamed
         self.finished = False
@@ -214,6 +225,7 @@ class _Choice:
         n0 = len(self.ids)
         self.ids += ev.token_ids
         self.depths += ev.exit_depths
+        self.logprobs += ev.logprobs or ()
         if ev.finished:
             self.finished, self.finish_reason = True, ev.finish_reason
         if self.tokenizer is None:
@@ -247,7 +259,11 @@ class _Choice:
                 hi = mid
             else:
                 lo = mid + 1
-        del self.ids[lo:], self.depths[lo:]
+        del self.ids[lo:], self.depths[lo:], self.logprobs[lo:]
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
 
     def timings(self):
         ttft = None if self.t_first is None else self.t_first - self.t0
@@ -261,7 +277,14 @@ class _Job:
     """The engine requests of one HTTP request, their shared event queue and their bookkeeping."""
 
     def __init__(
-        self, state: ServerState, prefix: str, prompts: list[list[int]], sps, stop: list[str], include_stop: bool
+        self,
+        state: ServerState,
+        prefix: str,
+        prompts: list[list[int]],
+        sps,
+        stop: list[str],
+        include_stop: bool,
+        n: int = 1,
     ):
         self.state = state
         self.id = P.new_id(prefix)
@@ -269,19 +292,24 @@ class _Job:
         self.queue: asyncio.Queue = asyncio.Queue()
         t0 = time.monotonic()
         tok = state.llm.tokenizer
+        # n choices per prompt, choice j of prompt i at index i * n + j, seeded seed + j; the later
+        # choices share the first one's prompt (computed once: LLM.add_request's prompt_from)
+        self.n = n
+        self.prompts = [p for p in prompts for _ in range(n)]
+        self.sps = [choice_params(sp, j) for sp in sps for j in range(n)]
         self.choices = [
-            _Choice(i, f"{self.id}-{i}", len(p), tok, stop, include_stop, t0) for i, p in enumerate(prompts)
+            _Choice(i, f"{self.id}-{i}", len(p), tok, stop, include_stop, t0) for i, p in enumerate(self.prompts)
         ]
-        self.prompts, self.sps = prompts, sps
         self.recorded = False
 
     def submit(self) -> None:
         st = self.state
         st.reserve(len(self.choices))
         for k, (c, ids, sp) in enumerate(zip(self.choices, self.prompts, self.sps)):
+            first = self.choices[k - k % self.n]
             try:
                 # the loop that took it (with data-parallel replicas: the one the router chose)
-                c.engine = st.engine.submit(c.rid, ids, sp, self.queue, c.index)
+                c.engine = st.engine.submit(c.rid, ids, sp, self.queue, c.index, None if first is c else first.rid)
             except EngineDead as e:
                 st.engine.release(len(self.choices) - k)
                 for c2 in self.choices[:k]:
@@ -330,7 +358,7 @@ class _Job:
             m.request_done(status, c.n_prompt, c.depths, ttft, tpot, e2e)
 
     def usage(self) -> P.Usage:
-        p = sum(c.n_prompt for c in self.choices)
+        p = sum(c.n_prompt for c in self.choices[:: self.n])  # a prompt counts once, whatever its choices
         g = sum(len(c.ids) for c in self.choices)
         return P.Usage(prompt_tokens=p, completion_tokens=g, total_tokens=p + g)
 
@@ -452,34 +480,49 @@ def create_app(state: ServerState) -> FastAPI:
         req = await _body(raw, P.CompletionRequest)
         state.check_model(req.model)
         state.check_accepting()
+        made = req.best_of or req.n  # choices made per prompt; the n likeliest are returned
+        state.check_choices(req.n)
+        state.check_choices(made, "best_of")
+        # ranking best_of choices needs their logprobs, returned only when asked for
+        logprobs = req.logprobs if req.logprobs is not None or made == req.n else 0
         prompts = [state.encode(p) for p in _prompts(req.prompt)]
-        sps = [state.sampling_params(req, len(ids), 16) for ids in prompts]
+        sps = [state.sampling_params(req, len(ids), 16, logprobs) for ids in prompts]
         for ids, sp in zip(prompts, sps):
             state.admit_check(ids, sp)
-        job = _Job(state, "cmpl", prompts, sps, req.stop or [], req.include_stop_str_in_output)
+        job = _Job(state, "cmpl", prompts, sps, req.stop or [], req.include_stop_str_in_output, made)
         job.submit()
+        tok = state.llm.tokenizer
 
         if req.stream:
 
             def chunk(c, finish, ids, depths, delta, first=False):
                 if first:
                     return None
+                lps = None if req.logprobs is None else _completion_logprobs(tok, c.logprobs[len(c.ids) - len(ids) :])
                 return {
                     "id": job.id, "object": "text_completion", "created": job.created, "model": state.model_name,
                     "choices": [{"index": c.index, "text": delta, "token_ids": ids, "exit_depths": depths,
-                                 "logprobs": None, "finish_reason": finish}],
+                                 "logprobs": lps, "finish_reason": finish}],
                 }  # fmt: skip
 
             chunk.object = "text_completion"
             return StreamingResponse(_stream(job, chunk, _include_usage(req)), media_type="text/event-stream")
 
         await _collect(job, raw)
+        kept = job.choices
+        if made > req.n:  # best_of: each prompt's n likeliest choices, likeliest first
+            kept = [
+                c
+                for i in range(0, len(job.choices), made)
+                for c in sorted(job.choices[i : i + made], key=lambda c: -c.cumulative_logprob)[: req.n]
+            ]
         choices = [
             P.CompletionChoice(
-                index=c.index, text=c.text, token_ids=c.ids, exit_depths=c.depths, finish_reason=c.finish_reason
+                index=k, text=c.text, token_ids=c.ids, exit_depths=c.depths, finish_reason=c.finish_reason,
+                logprobs=None if req.logprobs is None else _completion_logprobs(tok, c.logprobs),
             )
-            for c in job.choices
-        ]
+            for k, c in enumerate(kept)
+        ]  # fmt: skip
         return P.CompletionResponse(
             id=job.id, created=job.created, model=state.model_name, choices=choices, usage=job.usage()
         )
@@ -500,16 +543,20 @@ def create_app(state: ServerState) -> FastAPI:
         except (ValueError, TypeError) as e:
             raise P.APIError(str(e), param="messages") from None
         ids = state.encode_text(text)
-        sp = state.sampling_params(req, len(ids), None)  # the turn's end (<|im_end|>) is an engine eos id
+        state.check_choices(req.n)
+        # the turn's end (<|im_end|>) is an engine eos id
+        sp = state.sampling_params(req, len(ids), None, req.engine_logprobs)
         state.admit_check(ids, sp)
-        job = _Job(state, "chatcmpl", [ids], [sp], req.stop or [], req.include_stop_str_in_output)
+        job = _Job(state, "chatcmpl", [ids], [sp], req.stop or [], req.include_stop_str_in_output, req.n)
         job.submit()
+        tok = state.llm.tokenizer
 
         parsing = state.reasoning_parser is not None or req.parse_tools
         if req.stream:
-            parser = ChatOutputParser(state.reasoning_parser, req.parse_tools) if parsing else None
+            parsers = {c.index: ChatOutputParser(state.reasoning_parser, req.parse_tools) for c in job.choices}
 
             def chunk(c, finish, ids, depths, delta, first=False):
+                parser = parsers[c.index] if parsing else None
                 if first:
                     deltas = [{"role": "assistant", "content": ""}]
                 elif parser is None:
@@ -518,13 +565,16 @@ def create_app(state: ServerState) -> FastAPI:
                     deltas = [_delta(d) for d in parser.feed(delta, final=finish is not None)] or [{}]
                     if finish == "stop" and parser.calls:
                         finish = "tool_calls"
-                # the token ids go with the first of the frames, the finish reason with the last
+                lps = None
+                if req.logprobs and not first:
+                    lps = _chat_logprobs(tok, c.logprobs[len(c.logprobs) - len(ids) :], req.top_logprobs or 0)
+                # the token ids and logprobs go with the first of the frames, the finish reason with the last
                 return [
                     {
                         "id": job.id, "object": "chat.completion.chunk", "created": job.created,
                         "model": state.model_name,
                         "choices": [{"index": c.index, "delta": d, "token_ids": ids if k == 0 else [],
-                                     "exit_depths": depths if k == 0 else [], "logprobs": None,
+                                     "exit_depths": depths if k == 0 else [], "logprobs": lps if k == 0 else None,
                                      "finish_reason": finish if k == len(deltas) - 1 else None}],
                     }
                     for k, d in enumerate(deltas)
@@ -534,21 +584,64 @@ def create_app(state: ServerState) -> FastAPI:
             return StreamingResponse(_stream(job, chunk, _include_usage(req)), media_type="text/event-stream")
 
         await _collect(job, raw)
-        c = job.choices[0]
-        message, finish = P.ChatResponseMessage(content=c.text), c.finish_reason
-        if parsing:
-            out = parse(c.text, state.reasoning_parser, req.parse_tools)
-            message = P.ChatResponseMessage(
-                content=out.content, reasoning_content=out.reasoning_content, tool_calls=out.tool_calls or None
-            )
-            if finish == "stop" and out.tool_calls:
-                finish = "tool_calls"
-        choice = P.ChatChoice(index=0, message=message, token_ids=c.ids, exit_depths=c.depths, finish_reason=finish)
+        choices = []
+        for c in job.choices:
+            message, finish = P.ChatResponseMessage(content=c.text), c.finish_reason
+            if parsing:
+                out = parse(c.text, state.reasoning_parser, req.parse_tools)
+                message = P.ChatResponseMessage(
+                    content=out.content, reasoning_content=out.reasoning_content, tool_calls=out.tool_calls or None
+                )
+                if finish == "stop" and out.tool_calls:
+                    finish = "tool_calls"
+            lps = _chat_logprobs(tok, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
+            choices.append(
+                P.ChatChoice(
+                    index=c.index, message=message, token_ids=c.ids, exit_depths=c.depths, finish_reason=finish,
+                    logprobs=lps,
+                )
+            )  # fmt: skip
         return P.ChatCompletionResponse(
-            id=job.id, created=job.created, model=state.model_name, choices=[choice], usage=job.usage()
+            id=job.id, created=job.created, model=state.model_name, choices=choices, usage=job.usage()
         )
 
     return app
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    """One token's text as logprobs show it (special tokens included); its id without a tokenizer."""
+    return str(token_id) if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(tokenizer, lps: list) -> dict:
+    """The completions API's ``logprobs`` of tokens ``lps`` (``TokenLogprobs``): each token's text and
+    logprob, its alternatives keyed by text (the chosen token among them, as OpenAI's), text offsets."""
+    text = lambda t: _token_text(tokenizer, t)  # noqa: E731
+    tokens = [text(lp.token_id) for lp in lps]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{**{text(i): v for i, v in lp.top}, text(lp.token_id): lp.logprob} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tokenizer, lps: list, top: int) -> dict:
+    """The chat API's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        t = _token_text(tokenizer, token_id)
+        return {"token": t, "logprob": logprob, "bytes": list(t.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top[:top]]} for lp in lps
+        ]
+    }
 
 
 def _include_usage(req) -> bool:

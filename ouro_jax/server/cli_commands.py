@@ -53,6 +53,7 @@ def cmd_serve(args) -> int:
         state = make_state(
             front, name, args.model, max_queue=config.max_queue, startup=timings, replicas=reps,
             reasoning_parser=config.reasoning_parser,
+            max_n=config.max_n,
         )  # fmt: skip
     else:
         check_data_parallel(dp, tp)  # before any weight
@@ -63,6 +64,7 @@ def cmd_serve(args) -> int:
         state = make_state(
             llm, name, args.model, max_queue=config.max_queue, startup=timings,
             reasoning_parser=config.reasoning_parser,
+            max_n=config.max_n,
         )  # fmt: skip
     return serve(
         state, config.host, config.port, args.log_level, t_start=t_start, access_log=not args.no_access_log,

@@ -38,6 +38,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: Optional[str] = None
     error: Optional[BaseException] = None
+    logprobs: Optional[list] = None  # a TokenLogprobs per token, when the request asks for them
 
 
 class EngineDead(RuntimeError):
@@ -124,21 +125,31 @@ class EngineLoop(BoundedQueue):
         return self.llm.scheduler.cached_prefix_blocks(hashes)
 
     def submit(
-        self, request_id, prompt_ids: Sequence[int], sampling_params, out: asyncio.Queue, index: int
+        self,
+        request_id,
+        prompt_ids: Sequence[int],
+        sampling_params,
+        out: asyncio.Queue,
+        index: int,
+        prompt_from=None,
     ) -> "EngineLoop":
         """Queue an already validated request (its place taken with ``try_reserve``); its ``TokenEvent`` s
         arrive in ``out``. Called from the event loop thread. Returns the loop that holds the request
-        (this one; a ``ReplicaSet`` returns the replica it chose), which its aborts go to."""
+        (this one; a ``ReplicaSet`` returns the replica it chose), which its aborts go to.
+        ``prompt_from``: ``LLM.add_request``'s (another choice of the same prompt)."""
         if not self.alive or self._stopping:  # before the sink: a dead engine answers EngineDead
             raise EngineDead("the engine is not running")
-        return self.submit_sink(request_id, prompt_ids, sampling_params, _Sink(asyncio.get_running_loop(), out, index))
+        sink = _Sink(asyncio.get_running_loop(), out, index)
+        return self.submit_sink(request_id, prompt_ids, sampling_params, sink, prompt_from)
 
-    def submit_sink(self, request_id, prompt_ids: Sequence[int], sampling_params, sink) -> "EngineLoop":
+    def submit_sink(
+        self, request_id, prompt_ids: Sequence[int], sampling_params, sink, prompt_from=None
+    ) -> "EngineLoop":
         """``submit`` with any sink: an object with ``index``, ``sent`` (0) and ``push(TokenEvent)``,
         which is called on the engine thread."""
         if not self.alive or self._stopping:
             raise EngineDead("the engine is not running")
-        self._cmds.put(("add", request_id, prompt_ids, sampling_params, sink))
+        self._cmds.put(("add", request_id, prompt_ids, sampling_params, sink, prompt_from))
         return self
 
     def abort(self, request_id) -> None:
@@ -170,9 +181,9 @@ class EngineLoop(BoundedQueue):
     def _command(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, sp, sink = cmd
+            _, rid, ids, sp, sink, prompt_from = cmd
             try:
-                self.llm.add_request(ids, sp, request_id=rid)
+                self.llm.add_request(ids, sp, request_id=rid, prompt_from=prompt_from)
             except Exception as e:  # noqa: BLE001 - validated before; a race (e.g. a duplicate id) lands here
                 sink.push(TokenEvent(sink.index, [], [], True, None, error=e))
                 with self._lock:
@@ -193,8 +204,10 @@ class EngineLoop(BoundedQueue):
                 continue
             new_ids = list(o.token_ids[sink.sent :])
             new_depths = list(o.exit_depths[sink.sent :])
+            lps = None if o.logprobs is None else o.logprobs[sink.sent :]
             sink.sent += len(new_ids)
-            ev = TokenEvent(sink.index, new_ids, new_depths, bool(o.finished), o.finish_reason if o.finished else None)
+            reason = o.finish_reason if o.finished else None
+            ev = TokenEvent(sink.index, new_ids, new_depths, bool(o.finished), reason, logprobs=lps)
             if o.finished:
                 self._finish(o.request_id, sink, ev)
             elif new_ids:

@@ -20,11 +20,12 @@ from typing import Any, ClassVar, Literal, Optional, Union, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from scheduler.sampling_params import MAX_LOGPROBS
+
 # OpenAI request fields we do not implement, each with the values (besides null) that ask for
 # nothing: clients send those explicitly, so they are accepted and dropped; anything else is refused.
 # One table for both endpoints: a field of the other endpoint is refused the same way.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
@@ -118,6 +119,7 @@ class _Sampling(_Strict):
     not_implemented: ClassVar[dict[str, tuple]] = NOT_IMPLEMENTED
 
     model: str
+    n: int = Field(default=1, ge=1)  # choices per prompt (the server's max_n bounds it)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -182,7 +184,21 @@ def _token_ids(v) -> bool:
 
 
 class CompletionRequest(_Sampling):
+    not_implemented: ClassVar[dict[str, tuple]] = {
+        k: v for k, v in NOT_IMPLEMENTED.items() if k not in ("logprobs", "best_of")
+    }
+
     prompt: Union[str, list[int], list[Union[str, list[int]]]]
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    best_of: Optional[int] = Field(default=None, ge=1)  # choices made, the n likeliest returned
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise _refuse(f"must be at least n ({self.n}), not {self.best_of}", at=("best_of",))
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise _refuse("larger than n cannot be streamed (the choices are ranked at the end)", at=("best_of",))
+        return self
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -287,10 +303,12 @@ TOOL_CHOICE_MODES = ("none", "auto", "required")
 class ChatCompletionRequest(_Sampling):
     # tools and tool_choice "none" / "auto" are implemented here; the completions endpoint refuses them
     not_implemented: ClassVar[dict[str, tuple]] = {
-        k: v for k, v in NOT_IMPLEMENTED.items() if k not in ("tools", "tool_choice")
+        k: v for k, v in NOT_IMPLEMENTED.items() if k not in ("tools", "tool_choice", "logprobs", "top_logprobs")
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)  # needs logprobs
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[Tool]] = None
@@ -321,6 +339,17 @@ class ChatCompletionRequest(_Sampling):
                 at=("tool_choice",),
             )
         return self
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise _refuse("needs logprobs to be true", at=("top_logprobs",))
+        return self
+
+    @property
+    def engine_logprobs(self) -> Optional[int]:
+        """``SamplingParams.logprobs`` of the request: None when not asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def parse_tools(self) -> bool:
@@ -394,6 +423,9 @@ def explain(errors: list[dict], model: type[BaseModel]) -> tuple[str, Optional[s
         return f"{name} must be {_EXPECTED[typ]}, not {_show(e['input'])}", param
     if typ == "literal_error":
         return f"{name} must be {ctx['expected']}, not {_show(e['input'])}", param
+    if typ in ("greater_than_equal", "less_than_equal"):
+        op, bound = (">=", ctx.get("ge")) if typ == "greater_than_equal" else ("<=", ctx.get("le"))
+        return f"{name} must be {op} {bound}, not {_show(e['input'])}", param
     if typ == "too_short" and ctx.get("min_length") == 1:
         return f"{name} must not be empty", param
     return f"{name}: {e['msg']}", param
@@ -451,7 +483,7 @@ class CompletionChoice(BaseModel):
     text: str
     token_ids: list[int]
     exit_depths: list[int]
-    logprobs: None = None
+    logprobs: Optional[dict] = None  # {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     finish_reason: FinishReason
 
 
@@ -476,7 +508,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     token_ids: list[int]
     exit_depths: list[int]
-    logprobs: None = None
+    logprobs: Optional[dict] = None  # {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}
     finish_reason: FinishReason
 
 

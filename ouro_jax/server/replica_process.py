@@ -240,7 +240,15 @@ class _WorkerSink:
 
     def push(self, ev: TokenEvent) -> None:
         self.outbox.push(
-            (self.request_id, ev.token_ids, ev.exit_depths, ev.finished, ev.finish_reason, _error_of(ev.error))
+            (
+                self.request_id,
+                ev.token_ids,
+                ev.exit_depths,
+                ev.finished,
+                ev.finish_reason,
+                _error_of(ev.error),
+                ev.logprobs,
+            )
         )
 
 
@@ -311,12 +319,12 @@ def _worker_main(index, model, engine_kwargs, env, cmd_conn, evt_conn, max_pendi
         for m in msgs:
             kind = m[0]
             if kind == "add":
-                _, rid, ids, sp = m
+                _, rid, ids, sp, prompt_from = m
                 sink = _WorkerSink(outbox, rid)
                 try:
                     if not loop.try_reserve(1):
                         raise EngineDead(f"replica {index} has no room")
-                    loop.submit_sink(rid, ids, sp, sink)
+                    loop.submit_sink(rid, ids, sp, sink, prompt_from)
                 except EngineDead as e:
                     sink.push(TokenEvent(0, [], [], True, None, error=e))
             elif kind == "abort":
@@ -444,12 +452,14 @@ class RemoteReplica(BoundedQueue):
         """Leading blocks of ``hashes`` in the worker's prefix cache, as of its last state report."""
         return leading_matches(hashes, self._cached)
 
-    def submit(self, request_id, prompt_ids, sampling_params, out: asyncio.Queue, index: int) -> "RemoteReplica":
+    def submit(
+        self, request_id, prompt_ids, sampling_params, out: asyncio.Queue, index: int, prompt_from=None
+    ) -> "RemoteReplica":
         with self._lock:
             if self.error is not None or self._gone or self._stopping:
                 raise EngineDead(f"replica {self.index} is not running")
             self._sinks[request_id] = _Sink(asyncio.get_running_loop(), out, index)
-        self._out.put(("add", request_id, prompt_ids, sampling_params))
+        self._out.put(("add", request_id, prompt_ids, sampling_params, prompt_from))
         return self
 
     def abort(self, request_id) -> None:
@@ -540,13 +550,14 @@ class RemoteReplica(BoundedQueue):
             self.state = state["state"]
         out = []
         with self._lock:
-            for rid, ids, depths, finished, reason, err in items:
+            for rid, ids, depths, finished, reason, err, lps in items:
                 sink = self._sinks.pop(rid, None) if finished else self._sinks.get(rid)
                 if sink is None:
                     continue
                 if finished:
                     self._pending -= 1
-                out.append((sink, TokenEvent(sink.index, ids, depths, finished, reason, error=_exception(err))))
+                ev = TokenEvent(sink.index, ids, depths, finished, reason, error=_exception(err), logprobs=lps)
+                out.append((sink, ev))
         self._push_all(out)
 
     @staticmethod

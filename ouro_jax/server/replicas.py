@@ -196,7 +196,7 @@ class ReplicaSet:
             raise EngineDead("no replica has room")
         return i, reason, hashes
 
-    def submit(self, request_id, prompt_ids, sampling_params, out, index: int) -> EngineLoop:
+    def submit(self, request_id, prompt_ids, sampling_params, out, index: int, prompt_from=None) -> EngineLoop:
         """Route one reserved request and queue it there; returns the replica's loop (for aborts)."""
         # on failure the place stays reserved here: the caller releases it with the rest of its job
         with self._lock:
@@ -206,7 +206,7 @@ class ReplicaSet:
                 raise EngineDead(f"replica {i} has no room")
             self._unsubmitted -= 1
         try:
-            loop.submit(request_id, prompt_ids, sampling_params, out, index)
+            loop.submit(request_id, prompt_ids, sampling_params, out, index, prompt_from)
         except EngineDead:
             with self._lock:
                 loop.release(1)

@@ -31,6 +31,7 @@ def make_state(
     prefix_slack: Optional[int] = None,
     replicas: Optional[list] = None,
     reasoning_parser: Optional[str] = None,
+    max_n: int = 16,
 ) -> ServerState:
     """The server around a built ``llm`` (or a list of data-parallel replicas: ``replicas.py``): its
     engine thread(s) (started) and the checkpoint's chat template (without a folder: the preset's). With
@@ -58,7 +59,7 @@ def make_state(
         engine = ReplicaSet(loops, prefix_slack=prefix_slack).start()
     return ServerState(
         llm=llms[0], engine=engine, model_name=model_name, chat_template=template, startup=startup,
-        reasoning_parser=reasoning_parser,
+        reasoning_parser=reasoning_parser, max_n=max_n,
     )  # fmt: skip
 
 

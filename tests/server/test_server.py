@@ -345,7 +345,7 @@ BAD = [
     ("token ids outside the vocabulary", dict(model=MODEL, prompt=[5, 128]), 400, "prompt"),
     ("prompt too long", dict(model=MODEL, prompt=[5] * 60, max_tokens=8), 400, "prompt"),
     ("empty prompt", dict(model=MODEL, prompt=[]), 400, "prompt"),
-    ("n", dict(model=MODEL, prompt="w1", n=2), 400, "n"),
+    ("n", dict(model=MODEL, prompt="w1", n=0), 400, "n"),
     ("wrong type", dict(model=MODEL, prompt="w1", max_tokens="many"), 400, "max_tokens"),
 ]
 

@@ -69,8 +69,9 @@ BAD = [
     ("logit_bias", CMPL, dict(C, logit_bias={"5": 10}), 400, "logit_bias", "logit_bias is not supported"),
     ("presence_penalty", CHATP, dict(M, presence_penalty=0.5), 400, "presence_penalty", "is not supported"),
     ("frequency_penalty", CMPL, dict(C, frequency_penalty=0.5), 400, "frequency_penalty", "is not supported"),
-    ("n", CMPL, dict(C, n=2), 400, "n", "n is not supported"),
-    ("logprobs", CMPL, dict(C, logprobs=1), 400, "logprobs", "is not supported"),
+    ("n", CMPL, dict(C, n=0), 400, "n", "n must be >= 1, not 0"),
+    ("logprobs", CMPL, dict(C, logprobs=21), 400, "logprobs", "logprobs must be <= 20, not 21"),
+    ("chat best_of", CHATP, dict(M, best_of=2), 400, "best_of", "best_of is not supported"),
     ("echo", CMPL, dict(C, echo=True), 400, "echo", "is not supported"),
     ("completion tools", CMPL, dict(C, tools=[TOOL]), 400, "tools", "not supported"),
     # tools: "none" and "auto" only (forcing a call needs grammar-constrained decoding)
