@@ -43,6 +43,7 @@ from .engine_config import FIELD_NAMES, EngineConfig, from_overrides
 from .executable_store import ExecutableStore
 from .parallel import check_devices, check_tensor_parallel
 from .runner import ModelRunner
+from .sampling import adjust_inputs, fixed_entries
 
 __all__ = [
     "LLM",
@@ -445,6 +446,8 @@ class LLM:
         # structured outputs: a matcher per guided request, fed every token it gets (structured.py)
         self._matchers: dict = {}
         self._logprob_ids: set = set()  # requests that ask for logprobs: their one-loop steps take them
+        # requests whose logits the sampler biases or penalises: their fixed entries (prompt, bias)
+        self._adjusting: dict = {}
         self._grammar = None  # GrammarCompiler of this tokenizer, built at the first guided request
         self._unsynced: list = []  # plans launched since the host last waited for a device result
         self._sync_t = 0.0
@@ -585,8 +588,13 @@ class LLM:
 
     def _check_sampler_features(self, sp: SamplingParams) -> None:
         """What the separate sampler serves (a grammar, logprobs) is there for ``sp``."""
-        if sp.logprobs is not None and not self.runner.separate_sampler:
-            raise ValueError("logprobs are not supported with tensor_parallel_size > 1 yet")
+        if not self.runner.separate_sampler:
+            if sp.logprobs is not None:
+                raise ValueError("logprobs are not supported with tensor_parallel_size > 1 yet")
+            if sp.adjusts_logits:
+                raise ValueError(
+                    "penalties, logit_bias, min_p and min_tokens are not supported with tensor_parallel_size > 1 yet"
+                )
         if sp.guided is not None:
             self._check_guided(sp.guided)
 
@@ -651,6 +659,8 @@ class LLM:
                 self._matchers[rid] = matcher
             if sp.logprobs is not None:
                 self._logprob_ids.add(rid)
+            if sp.adjusts_logits:
+                self._adjusting[rid] = fixed_entries(sp, ids)
             return rid
 
     def abort(self, request_id) -> bool:
@@ -667,6 +677,7 @@ class LLM:
             req = self._live.pop(request_id)
             self._matchers.pop(request_id, None)
             self._logprob_ids.discard(request_id)
+            self._adjusting.pop(request_id, None)
             self._unreported[request_id] = self._output(req)
             if not self.scheduler.has_unfinished():
                 self._pipeline.drain()  # a step launched ahead held only ended requests: nothing to hand out
@@ -703,6 +714,7 @@ class LLM:
                 self._unreported.clear()
                 self._matchers.clear()
                 self._logprob_ids.clear()
+                self._adjusting.clear()
                 self.runner.close()
 
     @property
@@ -743,6 +755,7 @@ class LLM:
             if d.finished:
                 del self._live[d.request_id]
                 self._logprob_ids.discard(d.request_id)
+                self._adjusting.pop(d.request_id, None)
             outs.append(self._output(req, with_text=d.finished))
         return outs
 
@@ -764,6 +777,14 @@ class LLM:
         out: dict = {}
         if self._logprob_ids and any(c.request_id in self._logprob_ids for c in plan.coda):
             out["logprobs"] = True
+        if self._adjusting:
+            rows = [(i, self._live[c.request_id]) for i, c in enumerate(plan.coda) if c.request_id in self._adjusting]
+            if rows:
+                out["adjust"] = adjust_inputs(
+                    plan.descriptor.key.C,
+                    [(i, r, self._adjusting[r.request_id]) for i, r in rows],
+                    self.scheduler_config.eos_token_ids,
+                )
         if not self._matchers:
             return out
         rows = [(self._matchers[c.request_id], i) for i, c in enumerate(plan.coda) if c.request_id in self._matchers]
@@ -829,6 +850,7 @@ class LLM:
                 self._unreported.pop(rid, None)
                 self._matchers.pop(rid, None)
                 self._logprob_ids.discard(rid)
+                self._adjusting.pop(rid, None)
             if not self.scheduler.has_unfinished():
                 self._pipeline.drain()
 

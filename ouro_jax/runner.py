@@ -72,6 +72,7 @@ from .parallel import (
     place_params,
 )
 from .step_program import SamplerKey, one_loop, packed_shape, packed_size, sample_coda
+from .sampling import ADJUST_ENTRY_WORDS, ADJUST_ROW_WORDS, free_adjust
 from .structured import bitmask_words, new_bitmask
 
 __all__ = ["ModelRunner", "CompileProgress", "SamplerKey", "packed_size", "packed_shape", "is_fused"]
@@ -246,9 +247,11 @@ class ModelRunner:
         self._top_leaves = tuple(self._top_leaves)
         sampler = functools.partial(sample_coda, config=c, dtype_name=self.dtype_name)
         self._jitted_sampler = jax.jit(
-            lambda leaves, h, w, mask: sampler(jax.tree.unflatten(top_treedef, leaves), h, w, mask)
+            lambda leaves, h, w, mask, rw, ent: sampler(jax.tree.unflatten(top_treedef, leaves), h, w, mask, rw, ent)
         )
-        self._free_masks: dict[int, jax.Array] = {}  # per coda size: every token allowed
+        # per coda size: every token allowed, and no bias, penalty or min-p (sampler inputs of free rows)
+        self._free_masks: dict[int, jax.Array] = {}
+        self._free_adjust: dict[int, tuple] = {}
         self._jitted = jax.jit(step, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
         self._jitted_fused = jax.jit(fused, static_argnames=("key",), donate_argnums=(1, 2, 3), **fused_kw)
         # per coda size: the last tokens the latest fused step sampled (its ``previous`` output),
@@ -325,6 +328,8 @@ class ModelRunner:
                 jax.ShapeDtypeStruct((key.C, self.config.hidden_size), self.dtype, sharding=on),
                 jax.ShapeDtypeStruct(packed_shape(key), jnp.int32, sharding=on),
                 jax.ShapeDtypeStruct((key.C, bitmask_words(self.config.vocab_size)), jnp.int32, sharding=on),
+                jax.ShapeDtypeStruct((ADJUST_ROW_WORDS, key.C), jnp.int32, sharding=on),
+                jax.ShapeDtypeStruct((ADJUST_ENTRY_WORDS, key.C, key.H), jnp.int32, sharding=on),
             )
         fused = is_fused(key)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
@@ -468,13 +473,20 @@ class ModelRunner:
         return time.perf_counter() - t
 
     # ----------------------------------------------------------------------------- execute
-    def step(self, desc, bitmask: Optional[np.ndarray] = None, logprobs: bool = False) -> StepResult:
+    def step(
+        self,
+        desc,
+        bitmask: Optional[np.ndarray] = None,
+        logprobs: bool = False,
+        adjust: Optional[tuple[np.ndarray, np.ndarray]] = None,
+    ) -> StepResult:
         """Launch ``desc`` (a ``BatchDescriptor``, or a ``StackedDescriptor``: one fused step); its
         gates and tokens start copying back at once and are waited for only when read.
         ``bitmask [C, ceil(V/32)]`` int32: the coda rows' allowed tokens (structured outputs; one
         loop steps only), sampled by the separate sampler. ``logprobs``: a coda row's request asks
         for logprobs; a one-loop step then runs the separate sampler, which takes them (a fused
-        step always returns them with its tokens)."""
+        step always returns them with its tokens). ``adjust``: the coda rows' ``(row_words [4, C],
+        entries [4, C, H])`` of logit bias, penalties and min-p (``sampling.adjust_logits``)."""
         key = self.executable_key(desc)
         single = isinstance(key, BucketKey)
         if key not in self._exe:
@@ -483,14 +495,18 @@ class ModelRunner:
         packed = self.upload(desc)
         t_call = time.perf_counter()
         self.upload_time += t_call - t
-        special = single and (bitmask is not None or logprobs)
-        if special and not self.separate_sampler:
+        special = bitmask is not None or logprobs or adjust is not None
+        if special and not (single and self.separate_sampler):
             raise ValueError(
-                "a token bitmask or logprobs need the separate sampler of a one-loop step (no tensor parallel)"
+                "a token bitmask, logprobs or penalties need the separate sampler of a one-loop step "
+                "(no tensor parallel)"
             )
         if bitmask is not None:
             bitmask = self.put(bitmask)
-        gates, tokens, records = self.launch(key, packed, sample=single and (special or samples(desc)), mask=bitmask)
+        if adjust is not None:
+            adjust = (self.put(adjust[0]), self.put(adjust[1]))
+        sample = single and (special or samples(desc))
+        gates, tokens, records = self.launch(key, packed, sample=sample, mask=bitmask, adjust=adjust)
         self.call_time += time.perf_counter() - t_call
         # a fused step's gates are never read (its exits were decided on the device)
         copies = (gates, tokens) if single else (tokens,)
@@ -507,7 +523,7 @@ class ModelRunner:
         self.wait_time += seconds  # time the host waited on the device
 
     def launch(
-        self, key, packed, sample: bool = False, mask: Optional[jax.Array] = None
+        self, key, packed, sample: bool = False, mask: Optional[jax.Array] = None, adjust: Optional[tuple] = None
     ) -> tuple[jax.Array, jax.Array, Optional[jax.Array]]:
         """Run ``key``'s executable on an uploaded descriptor (``upload``), the pools and the ring
         updated in place; returns ``(gates, tokens, logprob records)`` on the device, the records
@@ -516,8 +532,8 @@ class ModelRunner:
 
         ``sample``: some coda row has a temperature above 0, a grammar or logprobs (the host knows):
         its one-loop step's greedy tokens are replaced by the separate sampler's. Without it a
-        one-loop step's tokens are the argmax of every coda row. ``mask``: the coda rows' allowed
-        tokens on the device (``step``), every token allowed without it."""
+        one-loop step's tokens are the argmax of every coda row. ``mask``, ``adjust``: the coda
+        rows' allowed tokens and penalties on the device (``step``); none without them."""
         exe = self._exe.get(key)
         if exe is None:
             exe = self._compile(key)  # not warmed up: counted in `compilations`
@@ -530,17 +546,24 @@ class ModelRunner:
         self.k_pool, self.v_pool, self.ring, gates, tokens = out[:5]
         records = None
         if sample and not fused and len(out) > 5:
-            tokens, records = self.launch_sampler(SamplerKey(key.C), out[5], out[6], mask)
+            skey = SamplerKey(key.C, 0 if adjust is None else adjust[1].shape[-1])
+            tokens, records = self.launch_sampler(skey, out[5], out[6], mask, adjust)
             self.sampler_launches += 1
         return gates, tokens, records
 
     def launch_sampler(
-        self, key: SamplerKey, h: jax.Array, words: jax.Array, mask: Optional[jax.Array] = None
+        self,
+        key: SamplerKey,
+        h: jax.Array,
+        words: jax.Array,
+        mask: Optional[jax.Array] = None,
+        adjust: Optional[tuple] = None,
     ) -> tuple[jax.Array, jax.Array]:
         """Run the separate sampler of coda size ``key.C`` on hidden states ``h [C, d]`` and sampling
         words ``[packed_shape(key)]`` on the runner's device (``put``); returns its tokens and their
-        logprob records on the device. ``launch`` runs it after a one-loop step whose coda row
-        samples; benchmarks time it alone. A key not warmed up compiles first."""
+        logprob records on the device. ``mask``, ``adjust``: as ``step`` takes them, on the device
+        (none: free rows). ``launch`` runs it after a one-loop step whose coda row samples;
+        benchmarks time it alone. A key not warmed up compiles first (a penalty batch's ``H``)."""
         sampler = self._exe.get(key)
         if sampler is None:
             sampler = self._compile(key)  # not warmed up: counted in `compilations`
@@ -548,7 +571,11 @@ class ModelRunner:
             mask = self._free_masks.get(key.C)
             if mask is None:
                 mask = self._free_masks[key.C] = self.put(new_bitmask(key.C, self.config.vocab_size))
-        return sampler(self._top_leaves, h, words, mask)
+        if adjust is None:
+            adjust = self._free_adjust.get(key.C)
+            if adjust is None:
+                adjust = self._free_adjust[key.C] = tuple(map(self.put, free_adjust(key.C)))
+        return sampler(self._top_leaves, h, words, mask, *adjust)
 
     def _previous(self, C: int) -> jax.Array:
         """The last tokens of the latest fused step of coda size ``C`` (zeros before the first):
@@ -616,4 +643,5 @@ class ModelRunner:
         self.params, self._param_leaves, self._top_leaves = None, (), ()
         self._fused_last.clear()
         self._free_masks.clear()
+        self._free_adjust.clear()
         self._exe.clear()

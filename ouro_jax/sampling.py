@@ -10,10 +10,27 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from scheduler.sampling_params import MAX_LOGPROBS
 
-__all__ = ["greedy", "sample", "sample_stochastic", "row_keys", "token_logprobs"]
+__all__ = [
+    "greedy",
+    "sample",
+    "sample_stochastic",
+    "row_keys",
+    "token_logprobs",
+    "adjust_logits",
+    "adjust_logits_reference",
+    "free_adjust",
+    "ADJUST_ROW_WORDS",
+    "ADJUST_ENTRY_WORDS",
+]
+
+# ``adjust_logits``' inputs: per row presence, frequency, repetition, min-p; per entry id, count,
+# bias, seen
+ADJUST_ROW_WORDS = 4
+ADJUST_ENTRY_WORDS = 4
 
 
 def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
@@ -25,8 +42,9 @@ def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
     return jax.vmap(one)(seeds.astype(jnp.uint32), steps.astype(jnp.uint32))
 
 
-def _filtered_logits(logits, temperature, top_k, top_p):
-    """Scale by temperature and mask everything outside top-k / top-p (per row)."""
+def _filtered_logits(logits, temperature, top_k, top_p, min_p=None):
+    """Scale by temperature and mask everything outside top-k / top-p / min-p (per row; min-p keeps
+    the tokens at least ``min_p`` times as likely as the likeliest)."""
     v = logits.shape[-1]
     x = logits / jnp.maximum(temperature, 1e-6)[:, None]
     srt = jnp.sort(x, axis=-1)[:, ::-1]
@@ -39,6 +57,8 @@ def _filtered_logits(logits, temperature, top_k, top_p):
     n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
     pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
     thresh = jnp.maximum(kth, pth)
+    if min_p is not None:  # p >= min_p * p_max  <=>  x >= x_max + log(min_p); min_p 0 keeps all
+        thresh = jnp.maximum(thresh, srt[:, :1] + jnp.log(min_p)[:, None])
     return jnp.where(x >= thresh, x, -jnp.inf)
 
 
@@ -47,11 +67,11 @@ def greedy(logits) -> jax.Array:
     return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
 
 
-def sample_stochastic(logits, temperature, top_k, top_p, keys):
+def sample_stochastic(logits, temperature, top_k, top_p, keys, min_p=None):
     """``sample`` with the sort over the vocabulary always paid: for programs that only run when
-    some row samples (the runner's separate sampler)."""
+    some row samples (the runner's separate sampler); ``min_p [R]`` (0 = off) optional."""
     logits = logits.astype(jnp.float32)
-    masked = _filtered_logits(logits, temperature, top_k, top_p)
+    masked = _filtered_logits(logits, temperature, top_k, top_p, min_p)
     drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy(logits))
 
@@ -81,3 +101,96 @@ def token_logprobs(logits, tokens) -> jax.Array:
     top, ids = jax.lax.top_k(logp, MAX_LOGPROBS)
     bits = jax.lax.bitcast_convert_type(jnp.concatenate([chosen, top], axis=-1), jnp.int32)
     return jnp.concatenate([bits, ids.astype(jnp.int32)], axis=-1)
+
+
+def adjust_logits(logits, row_words, entries):
+    """Logit bias and the repetition, frequency and presence penalties, per row (OpenAI's and
+    vLLM's rules, in vLLM's order: bias first), on float32 ``logits [R, V]``.
+
+    ``row_words [4, R]`` int32: the bits of float32 presence, frequency and repetition penalties
+    and min-p (read by the sampler, not here). ``entries [4, R, H]`` int32: each row's sparse list
+    of token ids (-1: none), their count in its output, a float32 bias (bits; ``-inf`` bans a
+    token: ``min_tokens``) and whether the token was seen (prompt or output: the repetition
+    penalty's set). Ids may repeat: counts and biases add up."""
+    r, v = logits.shape
+    f32 = lambda w: jax.lax.bitcast_convert_type(w, jnp.float32)  # noqa: E731
+    presence, frequency, repetition = f32(row_words[0]), f32(row_words[1]), f32(row_words[2])
+    ids, count, bias, seen = entries[0], entries[1], f32(entries[2]), entries[3]
+    idx = jnp.where(ids >= 0, ids, v)  # out of range: dropped by the scatters
+    rows = jnp.broadcast_to(jnp.arange(r)[:, None], ids.shape)
+    zeros = jnp.zeros((r, v), jnp.float32)
+    counts = zeros.at[rows, idx].add(count.astype(jnp.float32), mode="drop")
+    seen_any = zeros.at[rows, idx].max(seen.astype(jnp.float32), mode="drop") > 0
+    x = logits + zeros.at[rows, idx].add(bias, mode="drop")
+    rep = repetition[:, None]
+    x = jnp.where(seen_any, jnp.where(x > 0, x / rep, x * rep), x)
+    return x - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def free_adjust(rows: int, entries: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``adjust_logits``' inputs that change nothing: no penalty (repetition 1), no min-p, no entries."""
+    row_words = np.zeros((ADJUST_ROW_WORDS, rows), np.int32)
+    row_words[2] = np.float32(1.0).view(np.int32)
+    ent = np.zeros((ADJUST_ENTRY_WORDS, rows, entries), np.int32)
+    ent[0] = -1
+    return row_words, ent
+
+
+def adjust_logits_reference(logits, presence, frequency, repetition, output_ids, prompt_ids, bias):
+    """``adjust_logits`` of one row in numpy, from the request's own lists (tests): ``bias`` a
+    dict of token id -> bias."""
+    x = np.asarray(logits, np.float64).copy()
+    for t, b in bias.items():
+        x[t] += b
+    seen = set(output_ids) | set(prompt_ids)
+    for t in seen:
+        x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+    for t in set(output_ids):
+        c = list(output_ids).count(t)
+        x[t] -= frequency * c + presence
+    return x
+
+
+def fixed_entries(sp, prompt_ids) -> np.ndarray:
+    """The ``adjust_logits`` entries ``[4, n]`` of a request that never change: its prompt's
+    distinct tokens (seen, for the repetition penalty) and its logit bias."""
+    ent = []
+    if sp.repetition_penalty != 1.0:
+        ids = np.unique(np.asarray(prompt_ids, np.int32))
+        ent.append(np.stack([ids, np.zeros_like(ids), np.zeros_like(ids), np.ones_like(ids)]))
+    if sp.logit_bias:
+        ids = np.asarray([t for t, _ in sp.logit_bias], np.int32)
+        bias = np.asarray([b for _, b in sp.logit_bias], np.float32).view(np.int32)
+        ent.append(np.stack([ids, np.zeros_like(ids), bias, np.zeros_like(ids)]))
+    return np.concatenate(ent, axis=1) if ent else np.zeros((ADJUST_ENTRY_WORDS, 0), np.int32)
+
+
+_BAN = np.float32(-np.inf).view(np.int32)
+
+
+def adjust_inputs(rows: int, requests, eos_token_ids) -> tuple[np.ndarray, np.ndarray]:
+    """``adjust_logits``' inputs ``(row_words [4, rows], entries [4, rows, H])`` for the coda rows
+    ``requests``: ``(row, Request, fixed_entries)`` each; the others change nothing. ``H``, the
+    widest row's entries, is rounded up to a power of two (>= 16): each ``H`` is one sampler
+    executable. Before ``min_tokens`` tokens the stop and eos ids are banned."""
+    row_words, _ = free_adjust(rows)
+    f = row_words.view(np.float32)
+    lists = []
+    for i, req, fixed in requests:
+        sp = req.sampling_params
+        f[:, i] = (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_p)
+        ent = [fixed]
+        out = req.output_token_ids
+        if out and (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0):
+            ids, counts = np.unique(np.asarray(out, np.int32), return_counts=True)
+            ent.append(np.stack([ids, counts.astype(np.int32), np.zeros_like(ids), np.ones_like(ids)]))
+        if len(out) < sp.min_tokens:
+            ban = np.asarray(sorted({*sp.stop_token_ids, *eos_token_ids}), np.int32)
+            ent.append(np.stack([ban, np.zeros_like(ban), np.full_like(ban, _BAN), np.zeros_like(ban)]))
+        lists.append((i, np.concatenate(ent, axis=1)))
+    widest = max(e.shape[1] for _, e in lists)
+    h = 0 if widest == 0 else max(16, 1 << (widest - 1).bit_length())
+    _, entries = free_adjust(rows, h)
+    for i, e in lists:
+        entries[:, i, : e.shape[1]] = e
+    return row_words, entries

@@ -31,7 +31,7 @@ from weights.config import OuroConfig
 from .model import OuroDecoderLayer, OuroModel, dtype_of
 from .paged_attention import PagedAttention, fuses_rope
 from .parallel import TP_AXIS, local_config, vocab_parallel_embed, vocab_parallel_logits
-from .sampling import greedy, row_keys, sample, sample_stochastic, token_logprobs
+from .sampling import adjust_logits, greedy, row_keys, sample, sample_stochastic, token_logprobs
 from .structured import apply_token_bitmask
 
 __all__ = [
@@ -71,9 +71,11 @@ def packed_size(key: BucketKey) -> int:
 
 
 class SamplerKey(NamedTuple):
-    """The separate sampler of ``C`` coda rows (``ModelRunner``, "Sampling on the host's word")."""
+    """The separate sampler of ``C`` coda rows (``ModelRunner``, "Sampling on the host's word"),
+    with ``H`` penalty entries per row (``sampling.adjust_logits``; 0 for a batch without any)."""
 
     C: int
+    H: int = 0
 
 
 # the coda's sampling words, contiguous in every descriptor: [temperature, top_k, top_p, seed, step]
@@ -221,16 +223,19 @@ def one_loop(params, kp, vp, ring, packed, *, separate_sampler: bool = False, **
     return kp, vp, ring, g, coda(params, hc, a, greedy_only=True, **kw), hc, coda_words(kw["key"], packed)
 
 
-def sample_coda(top, h, words, bitmask, *, config: OuroConfig, dtype_name: str):
-    """The separate sampler: lm_head of the coda rows' hidden states ``h [C, D]``, the rows'
+def sample_coda(top, h, words, bitmask, row_words, entries, *, config: OuroConfig, dtype_name: str):
+    """The separate sampler: lm_head of the coda rows' hidden states ``h [C, D]``; the rows'
     allowed tokens ``bitmask [C, ceil(V/32)]`` int32 (structured outputs; all bits set for a free
-    row) and the sort-based sampling of ``sample_stochastic`` with the rows' words (``coda_words``)
-    -> ``(tokens [C], their logprob records [C, LOGPROB_WORDS])``, the logprobs of the raw logits
-    (its top-k is small next to the sort over the vocabulary that sampling pays)."""
+    row); logit bias and penalties (``adjust_logits``: ``row_words [4, C]``, ``entries [4, C, H]``)
+    and the sort-based sampling of ``sample_stochastic`` with the rows' words (``coda_words``) and
+    min-p -> ``(tokens [C], their logprob records [C, LOGPROB_WORDS])``, the logprobs of the raw
+    logits (its top-k is small next to the sort over the vocabulary that sampling pays)."""
     raw = OuroModel(config, dtype_of(dtype_name)).apply({"params": top}, h, method=OuroModel.coda)
     logits = apply_token_bitmask(raw.astype(jnp.float32), bitmask)
+    if entries.shape[-1]:  # a batch with penalties or biases (the key's H > 0)
+        logits = adjust_logits(logits, row_words, entries)
     temperature, top_k, top_p, seed, step = (words[i] for i in range(len(CODA_FIELDS)))
     f32 = lambda w: jax.lax.bitcast_convert_type(w, jnp.float32)  # noqa: E731
     keys = row_keys(jax.lax.bitcast_convert_type(seed, jnp.uint32), step)
-    tokens = sample_stochastic(logits, f32(temperature), top_k, f32(top_p), keys).astype(jnp.int32)
-    return tokens, token_logprobs(raw, tokens)
+    tokens = sample_stochastic(logits, f32(temperature), top_k, f32(top_p), keys, f32(row_words[3]))
+    return tokens.astype(jnp.int32), token_logprobs(raw, tokens)

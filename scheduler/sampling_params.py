@@ -93,6 +93,16 @@ class SamplingParams:
     guided: Optional[object] = None
     # log-probabilities of each generated token (None: off) with this many alternatives (0..20)
     logprobs: Optional[int] = None
+    # OpenAI's and vLLM's logit processing, applied on the device by the separate sampler:
+    # presence / frequency penalties on the output's tokens, the repetition penalty on the
+    # prompt's and the output's, a bias per token id ({id: bias}, -100..100), min-p, and no
+    # stop or eos token before min_tokens tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[object] = None
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self):
         # numpy (or jax) scalars become Python numbers, arrays and lists tuples (hashable), the exit
@@ -107,6 +117,24 @@ class SamplingParams:
             object.__setattr__(self, f.name, _plain(v))
         if isinstance(self.exit_mode, str):
             object.__setattr__(self, "exit_mode", self.exit_mode.lower())
+        if isinstance(self.logit_bias, dict):  # hashable, one order: sorted (id, bias) pairs
+            try:
+                pairs = tuple(sorted((_plain(k), _plain(v)) for k, v in self.logit_bias.items()))
+            except TypeError:
+                pairs = tuple((_plain(k), _plain(v)) for k, v in self.logit_bias.items())  # validate() says why
+            object.__setattr__(self, "logit_bias", pairs)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler must bias or penalise this request's logits (``adjust_logits``)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_p
+            or self.min_tokens
+        )
 
     def resolved_max_loops(self, num_loops: int) -> int:
         return num_loops if self.max_loops is None else self.max_loops
@@ -166,6 +194,31 @@ class SamplingParams:
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            need(_is_real(v) and -2.0 <= v <= 2.0, f"{name} must lie in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        need(_is_real(r) and math.isfinite(r) and r > 0, f"repetition_penalty must be a finite number > 0, got {r!r}")
+        need(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must lie in [0, 1], got {self.min_p!r}")
+        need(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens,
+            f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
+        )
+        need(
+            not _is_int(self.max_tokens) or self.min_tokens <= self.max_tokens,
+            f"min_tokens={self.min_tokens!r} exceeds max_tokens={self.max_tokens!r}",
+        )
+        need(
+            self.logit_bias is None or isinstance(self.logit_bias, tuple),
+            f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}",
+        )
+        for t, b in self.logit_bias or ():
+            need(
+                _is_int(t) and 0 <= t and (vocab_size is None or t < vocab_size),
+                f"logit_bias: {t!r} is not a token id"
+                + ("" if vocab_size is None else f" in the vocabulary [0, {vocab_size})"),
+            )
+            need(_is_real(b) and -100.0 <= b <= 100.0, f"logit_bias[{t}] must lie in [-100, 100], got {b!r}")
         need(
             self.guided is None or not self.ignore_eos,
             "ignore_eos does not apply to a guided request: it ends when its grammar completes",

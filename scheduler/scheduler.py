@@ -696,8 +696,8 @@ class Scheduler:
             return False
         if len(rows) > FUSED_GATED_MAX_ROWS and any(gate_needed(r.sampling_params, self.num_loops, 0) for r in rows):
             return False  # lock step to the deepest gated exit costs more than the launches it saves
-        if any(r.sampling_params.guided is not None for r in rows):
-            return False  # a grammar's next mask needs the host to have read the token before it
+        if any(r.sampling_params.guided is not None or r.sampling_params.adjusts_logits for r in rows):
+            return False  # a grammar's next mask, or a penalty's counts, need the tokens before it on the host
         return not (len(self.waiting) and len(self.running) < cfg.max_num_seqs)
 
     def _align_for_fusion(self, sel):

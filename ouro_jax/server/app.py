@@ -126,9 +126,14 @@ class ServerState:
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
         )
-        for f in ("exit_threshold", "min_loops", "max_loops", "exit_mode", "synthetic_mean_loops"):
+        for f in (
+            "exit_threshold", "min_loops", "max_loops", "exit_mode", "synthetic_mean_loops",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+        ):  # fmt: skip
             if getattr(req, f) is not None:
                 kw[f] = getattr(req, f)
+        if req.logit_bias:
+            kw["logit_bias"] = {int(k): b for k, b in req.logit_bias.items()}
         kw["guided"] = self.guided(req)
         try:
             sp = SamplingParams(**kw)
@@ -190,8 +195,9 @@ def _param_of(msg: str) -> Optional[str]:
     if "max_model_len" in msg or "prompt" in msg or "KV pool" in msg:
         return "prompt"
     for f in (
-        "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
-        "min_loops", "max_loops", "exit_threshold", "exit_mode",
+        "min_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
+        "min_loops", "max_loops", "exit_threshold", "exit_mode", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "logit_bias", "min_p", "logprobs",
     ):  # fmt: skip
         if f in msg:
             return f

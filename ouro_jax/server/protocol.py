@@ -31,9 +31,6 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "suffix": ("",),
     "logprobs": (False,),
     "top_logprobs": (0,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),  # without tools either value asks for nothing
@@ -129,6 +126,13 @@ class _Sampling(_Strict):
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # an opaque end-user id
+    # logit processing (OpenAI's, then vLLM's extras), on the device: SamplingParams
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None  # token id (a JSON key: a string) -> bias
+    repetition_penalty: Optional[float] = None
+    min_p: Optional[float] = None
+    min_tokens: int = 0
     # engine extras
     ignore_eos: bool = False
     top_k: int = 0
@@ -154,6 +158,14 @@ class _Sampling(_Strict):
             return [v]  # one stop string is a list of one
         if v is not None and not isinstance(v, list):
             raise _refuse(f"must be a string or a list of strings, not {_show(v)}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v):
+        for k in v or ():
+            if not k.isdigit():
+                raise _refuse(f"keys must be token ids, not {_show(k)}")
         return v
 
     @field_validator("stop")

@@ -165,3 +165,25 @@ def test_bad_choice_requests_are_400(server, endpoint, body, param):
     # the server answers as before, every block free
     ok = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
     assert len(ok.choices) == 1 and _free(server)
+
+
+def test_sampling_fields_change_the_output(server):
+    """logit_bias, the penalties, min_p and min_tokens reach the device sampler (the same request
+    without them gives other tokens)."""
+    llm = server.state.llm
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    ids = lambda **extra: server.client.completions.create(  # noqa: E731
+        **kw, extra_body={"ignore_eos": True, **extra}
+    ).choices[0]
+    plain = ids().model_extra["token_ids"]
+    x = llm.tokenizer.token_to_id("x")
+    assert ids(logit_bias={str(x): 100}).text == "x" * 8
+    for extra in (dict(presence_penalty=2.0), dict(frequency_penalty=2.0), dict(repetition_penalty=2.0)):
+        got = ids(**extra).model_extra["token_ids"]
+        assert got != plain and len(set(got)) >= len(set(plain)), extra
+    eos = llm.scheduler_config.eos_token_ids[0]
+    body = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logit_bias={str(eos): 100})
+    assert server.client.completions.create(**body).choices[0].model_extra["token_ids"] == [eos]
+    late = server.client.completions.create(**body, extra_body={"min_tokens": 2}).choices[0]
+    assert late.model_extra["token_ids"][2:] == [eos] and late.finish_reason == "stop"
+    assert _free(server)

@@ -64,11 +64,16 @@ BAD = [
     # unknown fields, with a suggestion when one is close
     ("chat unknown field", CHATP, dict(M, foo=1), 400, "foo", "unknown field 'foo'"),
     ("misspelt field", CMPL, dict(C, temprature=0.5), 400, "temprature", "did you mean 'temperature'?"),
-    ("vllm extra", CMPL, dict(C, repetition_penalty=1.1), 400, "repetition_penalty", "unknown field"),
+    ("vllm extra", CMPL, dict(C, use_beam_search=True), 400, "use_beam_search", "unknown field"),
+    # logit processing: values out of range
+    ("logit_bias key", CMPL, dict(C, logit_bias={"w5": 10}), 400, "logit_bias", "keys must be token ids"),
+    ("logit_bias value", CMPL, dict(C, logit_bias={"5": 200}), 400, "logit_bias", "must lie in [-100, 100]"),
+    ("logit_bias id", CMPL, dict(C, logit_bias={"500": 1}), 400, "logit_bias", "is not a token id"),
+    ("presence_penalty", CHATP, dict(M, presence_penalty=2.5), 400, "presence_penalty", "must lie in [-2, 2]"),
+    ("frequency_penalty", CMPL, dict(C, frequency_penalty="0.5"), 400, "frequency_penalty", "must be a number"),
+    ("repetition_penalty", CMPL, dict(C, repetition_penalty=0), 400, "repetition_penalty", "> 0"),
+    ("min_tokens", CMPL, dict(C, min_tokens=99, max_tokens=4), 400, "min_tokens", "exceeds max_tokens"),
     # OpenAI fields we do not implement, set to something other than off
-    ("logit_bias", CMPL, dict(C, logit_bias={"5": 10}), 400, "logit_bias", "logit_bias is not supported"),
-    ("presence_penalty", CHATP, dict(M, presence_penalty=0.5), 400, "presence_penalty", "is not supported"),
-    ("frequency_penalty", CMPL, dict(C, frequency_penalty=0.5), 400, "frequency_penalty", "is not supported"),
     ("n", CMPL, dict(C, n=0), 400, "n", "n must be >= 1, not 0"),
     ("logprobs", CMPL, dict(C, logprobs=21), 400, "logprobs", "logprobs must be <= 20, not 21"),
     ("chat best_of", CHATP, dict(M, best_of=2), 400, "best_of", "best_of is not supported"),
