@@ -71,8 +71,8 @@ from .parallel import (
     param_specs,
     place_params,
 )
-from .step_program import SamplerKey, one_loop, packed_shape, packed_size, sample_coda
 from .sampling import ADJUST_ENTRY_WORDS, ADJUST_ROW_WORDS, free_adjust
+from .step_program import SamplerKey, one_loop, packed_shape, packed_size, sample_coda
 from .structured import bitmask_words, new_bitmask
 
 __all__ = ["ModelRunner", "CompileProgress", "SamplerKey", "packed_size", "packed_shape", "is_fused"]
