@@ -26,7 +26,8 @@ from . import protocol as P
 from .chat_template import ChatTemplate
 from .engine_loop import EngineDead, EngineLoop, TokenEvent
 from .metrics import ServerMetrics
-from .parsers import ChatOutputParser, parse
+from .parsers import ChatOutputParser, merge
+from .tool_calls import forced_call_guide, forced_call_parser
 
 log = logging.getLogger("ouro_jax.server")
 
@@ -134,10 +135,13 @@ class ServerState:
         return sp
 
     def guided(self, req: P._Sampling):
-        """The request's structured-output constraint (``response_format`` or vLLM's ``guided_*``),
-        compiled-checked here: a bad schema, regex or grammar is a 400 naming its field."""
+        """The request's structured-output constraint (``response_format``, vLLM's ``guided_*`` or a call
+        that ``tool_choice`` forces), compiled-checked here: a bad schema, regex or grammar is a 400
+        naming its field."""
         from ouro_jax.structured import GuidedDecoding
 
+        if isinstance(req, P.ChatCompletionRequest) and req.forces_call:  # with no other guide (protocol checks)
+            return forced_call_guide(req)
         rf = req.response_format
         if rf is not None and rf.type == "json_object":
             field, make = "response_format", GuidedDecoding.json_object
@@ -493,7 +497,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise P.APIError("this checkpoint has no chat template (tokenizer_config.json: chat_template)")
         messages = [_message(m) for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
-        if req.parse_tools:
+        if req.render_tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
             text = state.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
@@ -505,9 +509,8 @@ def create_app(state: ServerState) -> FastAPI:
         job = _Job(state, "chatcmpl", [ids], [sp], req.stop or [], req.include_stop_str_in_output)
         job.submit()
 
-        parsing = state.reasoning_parser is not None or req.parse_tools
+        parser = _output_parser(state, req)
         if req.stream:
-            parser = ChatOutputParser(state.reasoning_parser, req.parse_tools) if parsing else None
 
             def chunk(c, finish, ids, depths, delta, first=False):
                 if first:
@@ -516,8 +519,7 @@ def create_app(state: ServerState) -> FastAPI:
                     deltas = [{"content": delta} if delta else {}]
                 else:
                     deltas = [_delta(d) for d in parser.feed(delta, final=finish is not None)] or [{}]
-                    if finish == "stop" and parser.calls:
-                        finish = "tool_calls"
+                    finish = parser.finish_reason(finish)
                 # the token ids go with the first of the frames, the finish reason with the last
                 return [
                     {
@@ -536,19 +538,29 @@ def create_app(state: ServerState) -> FastAPI:
         await _collect(job, raw)
         c = job.choices[0]
         message, finish = P.ChatResponseMessage(content=c.text), c.finish_reason
-        if parsing:
-            out = parse(c.text, state.reasoning_parser, req.parse_tools)
+        if parser is not None:
+            out = merge(parser.feed(c.text, final=True), parser.calls)
             message = P.ChatResponseMessage(
                 content=out.content, reasoning_content=out.reasoning_content, tool_calls=out.tool_calls or None
             )
-            if finish == "stop" and out.tool_calls:
-                finish = "tool_calls"
+            finish = parser.finish_reason(finish)
         choice = P.ChatChoice(index=0, message=message, token_ids=c.ids, exit_depths=c.depths, finish_reason=finish)
         return P.ChatCompletionResponse(
             id=job.id, created=job.created, model=state.model_name, choices=[choice], usage=job.usage()
         )
 
     return app
+
+
+def _output_parser(state: ServerState, req: P.ChatCompletionRequest):
+    """What reads the answer's text into reasoning, content and tool calls; None: the text is the content.
+    A forced call's answer is constrained from its first token, so it has no reasoning to split out."""
+    forced = forced_call_parser(req)
+    if forced is not None:
+        return forced
+    if state.reasoning_parser is not None or req.parse_tools:
+        return ChatOutputParser(state.reasoning_parser, req.parse_tools)
+    return None
 
 
 def _include_usage(req) -> bool:
