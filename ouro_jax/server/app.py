@@ -27,7 +27,8 @@ from . import protocol as P
 from .chat_template import ChatTemplate
 from .engine_loop import EngineDead, EngineLoop, TokenEvent
 from .metrics import ServerMetrics
-from .parsers import ChatOutputParser, parse
+from .parsers import ChatOutputParser, merge
+from .tool_calls import forced_call_guide, forced_call_parser
 
 log = logging.getLogger("ouro_jax.server")
 
@@ -144,10 +145,13 @@ class ServerState:
         return sp
 
     def guided(self, req: P._Sampling):
-        """The request's structured-output constraint (``response_format`` or vLLM's ``guided_*``),
-        compiled-checked here: a bad schema, regex or grammar is a 400 naming its field."""
+        """The request's structured-output constraint (``response_format``, vLLM's ``guided_*`` or a call
+        that ``tool_choice`` forces), compiled-checked here: a bad schema, regex or grammar is a 400
+        naming its field."""
         from ouro_jax.structured import GuidedDecoding
 
+        if isinstance(req, P.ChatCompletionRequest) and req.forces_call:  # with no other guide (protocol checks)
+            return forced_call_guide(req)
         rf = req.response_format
         if rf is not None and rf.type == "json_object":
             field, make = "response_format", GuidedDecoding.json_object
@@ -542,7 +546,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise P.APIError("this checkpoint has no chat template (tokenizer_config.json: chat_template)")
         messages = [_message(m) for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
-        if req.parse_tools:
+        if req.render_tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
             text = state.chat_template.render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
@@ -557,20 +561,19 @@ def create_app(state: ServerState) -> FastAPI:
         job.submit()
         tok = state.llm.tokenizer
 
-        parsing = state.reasoning_parser is not None or req.parse_tools
+        # one parser per choice: each reads its own answer
+        parsers = {c.index: _output_parser(state, req) for c in job.choices}
         if req.stream:
-            parsers = {c.index: ChatOutputParser(state.reasoning_parser, req.parse_tools) for c in job.choices}
 
             def chunk(c, finish, ids, depths, delta, first=False):
-                parser = parsers[c.index] if parsing else None
+                parser = parsers[c.index]
                 if first:
                     deltas = [{"role": "assistant", "content": ""}]
                 elif parser is None:
                     deltas = [{"content": delta} if delta else {}]
                 else:
                     deltas = [_delta(d) for d in parser.feed(delta, final=finish is not None)] or [{}]
-                    if finish == "stop" and parser.calls:
-                        finish = "tool_calls"
+                    finish = parser.finish_reason(finish)
                 lps = None
                 if req.logprobs and not first:
                     lps = _chat_logprobs(tok, c.logprobs[len(c.logprobs) - len(ids) :], req.top_logprobs or 0)
@@ -592,14 +595,14 @@ def create_app(state: ServerState) -> FastAPI:
         await _collect(job, raw)
         choices = []
         for c in job.choices:
+            parser = parsers[c.index]
             message, finish = P.ChatResponseMessage(content=c.text), c.finish_reason
-            if parsing:
-                out = parse(c.text, state.reasoning_parser, req.parse_tools)
+            if parser is not None:
+                out = merge(parser.feed(c.text, final=True), parser.calls)
                 message = P.ChatResponseMessage(
                     content=out.content, reasoning_content=out.reasoning_content, tool_calls=out.tool_calls or None
                 )
-                if finish == "stop" and out.tool_calls:
-                    finish = "tool_calls"
+                finish = parser.finish_reason(finish)
             lps = _chat_logprobs(tok, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
             choices.append(
                 P.ChatChoice(
@@ -648,6 +651,17 @@ def _chat_logprobs(tokenizer, lps: list, top: int) -> dict:
             {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top[:top]]} for lp in lps
         ]
     }
+
+
+def _output_parser(state: ServerState, req: P.ChatCompletionRequest):
+    """What reads the answer's text into reasoning, content and tool calls; None: the text is the content.
+    A forced call's answer is constrained from its first token, so it has no reasoning to split out."""
+    forced = forced_call_parser(req)
+    if forced is not None:
+        return forced
+    if state.reasoning_parser is not None or req.parse_tools:
+        return ChatOutputParser(state.reasoning_parser, req.parse_tools)
+    return None
 
 
 def _include_usage(req) -> bool:

@@ -90,6 +90,10 @@ class ChatOutputParser:
                 break
         return [d for d in out if d.reasoning_content or d.content or d.tool_call]
 
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        """The engine's finish reason as the answer's: an answer that stops after calling tools ends in "tool_calls"."""
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
     # ----------------------------------------------------------------------------- phases
     def _start(self, final: bool) -> list[Delta]:
         s = self.buf.lstrip()

@@ -175,11 +175,17 @@ class _Sampling(_Strict):
             raise _refuse("must not hold an empty string")
         return v
 
-    @model_validator(mode="after")
-    def _one_guide(self):
+    @property
+    def guide_fields(self) -> list[str]:
+        """The structured-output fields the request sets (``response_format`` "text" asks for nothing)."""
         given = [f for f in GUIDED_FIELDS if getattr(self, f) is not None]
         if self.response_format is not None and self.response_format.type != "text":
             given.insert(0, "response_format")
+        return given
+
+    @model_validator(mode="after")
+    def _one_guide(self):
+        given = self.guide_fields
         if len(given) > 1:
             raise _refuse(f"cannot be combined with {given[0]}: give one structured-output constraint", at=(given[1],))
         return self
@@ -308,12 +314,11 @@ class Tool(_Strict):
     function: FunctionDef
 
 
-# tool_choice values that need grammar-constrained decoding (a call forced), which is not built yet
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 
 class ChatCompletionRequest(_Sampling):
-    # tools and tool_choice "none" / "auto" are implemented here; the completions endpoint refuses them
+    # tools and tool_choice are implemented here; the completions endpoint refuses them
     not_implemented: ClassVar[dict[str, tuple]] = {
         k: v for k, v in NOT_IMPLEMENTED.items() if k not in ("tools", "tool_choice", "logprobs", "top_logprobs")
     }
@@ -337,18 +342,17 @@ class ChatCompletionRequest(_Sampling):
             raise _refuse(f"must be one of {', '.join(TOOL_CHOICE_MODES)} or a named function", at=("tool_choice",))
         if isinstance(c, dict):
             f = c.get("function")
-            name = f.get("name") if isinstance(f, dict) else None
-            if c.get("type") != "function" or not isinstance(name, str):
+            named = c.get("type") == "function" and isinstance(f, dict) and isinstance(f.get("name"), str)
+            if not named or set(c) != {"type", "function"} or set(f) != {"name"}:
                 raise _refuse('must be {"type": "function", "function": {"name": ...}}', at=("tool_choice",))
-            if name not in names:
-                raise _refuse(f"names {_show(name)}, which is not in tools", at=("tool_choice",))
+            if f["name"] not in names:
+                raise _refuse(f"names {_show(f['name'])}, which is not in tools", at=("tool_choice",))
         if c not in (None, "none") and not names:
             raise _refuse(f"{_show(c)} needs tools", at=("tool_choice",))
-        if c == "required" or isinstance(c, dict):
+        if self.forces_call and self.guide_fields:
             raise _refuse(
-                f"{_show(c)} is not supported yet (forcing a call needs grammar-constrained decoding); "
-                'use "auto" or "none"',
-                at=("tool_choice",),
+                f"cannot be combined with tool_choice {_show(c)}: the forced call is the output's one constraint",
+                at=(self.guide_fields[0],),
             )
         return self
 
@@ -364,9 +368,24 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
+    def render_tools(self) -> bool:
+        """The tools go into the prompt: the model sees them unless tool_choice is "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
     def parse_tools(self) -> bool:
-        """Tools are rendered into the prompt and parsed from the answer (tool_choice "auto", the default)."""
+        """Tool calls are parsed from free text (tool_choice "auto", the default)."""
         return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    @property
+    def named_tool(self) -> Optional[str]:
+        """The function a named tool_choice forces the answer to call."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
+
+    @property
+    def forces_call(self) -> bool:
+        """tool_choice "required" or a named function: the answer is constrained to tool calls."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
 
 
 # ------------------------------------------------------------------------- request errors

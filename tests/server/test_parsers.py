@@ -1,5 +1,6 @@
-"""The chat output parsers (``ouro_jax/server/parsers.py``) on known text: reasoning, content and
-tool calls, whole and streamed in every chunking (hypothesis), without an engine."""
+"""The chat output parsers (``ouro_jax/server/parsers.py``; ``tool_calls.py``'s for forced calls) on
+known text: reasoning, content and tool calls, whole and streamed in every chunking (hypothesis),
+without an engine."""
 
 import itertools
 import json
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ouro_jax.server.parsers import ChatOutputParser, merge, parse
+from ouro_jax.server.tool_calls import NamedCallParser, RequiredCallsParser
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "n": [1, 2]}}\n</tool_call>'
 PIECES = [
@@ -75,3 +77,43 @@ def test_any_chunking_adds_up_to_the_whole(pieces, cuts, reasoning, tools):
     text = "".join(pieces)
     deltas, calls = _streamed(text, [c for c in cuts if c <= len(text)], reasoning, tools)
     assert merge(deltas, calls) == parse(text, reasoning, tools, _ids())
+
+
+# ------------------------------------------------------------------------- forced tool calls
+REQUIRED = '[{"name":"f","parameters":{"s":"}]\\"{[","n":[1,2]}},{"name":"g","parameters":{}}]'
+
+
+def _feed_cut(parser, text, cut):
+    return parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.feed("", final=True)
+
+
+def test_required_calls_parser_in_any_two_pieces():
+    """Each element of the array is one call, strings holding brackets and quotes included, for every
+    cut of the text; an element cut short is no call."""
+    for cut in range(len(REQUIRED) + 1):
+        p = RequiredCallsParser(_ids())
+        deltas = _feed_cut(p, REQUIRED, cut)
+        assert [c["function"] for c in p.calls] == [
+            {"name": "f", "arguments": '{"s":"}]\\"{[","n":[1,2]}'},
+            {"name": "g", "arguments": "{}"},
+        ]
+        assert [d.tool_call for d in deltas][:2] == [
+            {"index": 0, "id": "call_0", "type": "function", "function": {"name": "f", "arguments": ""}},
+            {"index": 0, "function": {"arguments": '{"s":"}]\\"{[","n":[1,2]}'}},
+        ]
+        assert p.finish_reason("stop") == "tool_calls" and p.finish_reason("length") == "length"
+    p = RequiredCallsParser(_ids())
+    p.feed(REQUIRED[:-20], final=True)
+    assert [c["function"]["name"] for c in p.calls] == ["f"]
+
+
+def test_named_call_parser_streams_the_arguments():
+    p = NamedCallParser("f", _ids())
+    deltas = p.feed('{"a"') + p.feed("") + p.feed(":1}", final=True)
+    assert [d.tool_call for d in deltas] == [
+        {"index": 0, "id": "call_0", "type": "function", "function": {"name": "f", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"a"'}},
+        {"index": 0, "function": {"arguments": ":1}"}},
+    ]
+    assert p.calls == [{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}]
+    assert p.finish_reason("stop") == "stop"  # OpenAI's for a named tool_choice

@@ -1,10 +1,13 @@
 """A random preset chats out of the box: ``LLM("tiny")`` and ``ouro-jax serve tiny`` use the preset
 tokenizer and chat template (``weights/tokenizer.py``); tools are accepted, rendered into the prompt
 and refused when invalid. One in-process server of the ``tiny`` preset (no checkpoint folder). The
-random model's output cannot be steered, so the reasoning and tool-call parsers are tested on known
-text in ``test_parsers.py``; here only how the server takes tools and answers."""
+random model's free output cannot be steered, so the reasoning and tool-call parsers are tested on
+known text in ``test_parsers.py``; here how the server takes tools and answers, and what constrained
+output (structured outputs, forced tool calls) must satisfy whatever the weights."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -83,9 +86,10 @@ def test_tools_are_rendered_into_the_prompt(server, monkeypatch):
     # tool_choice "none": the tools are not shown to the model
     r = _post(server, messages=messages[:1], tools=[WEATHER], tool_choice="none", max_tokens=2)
     assert r.status_code == 200 and "<tools>" not in seen[-1]
-    # refused: a forced call, and parameters that are not an object schema
+    # a forced call: the model sees the tools too
     r = _post(server, messages=messages[:1], tools=[WEATHER], tool_choice="required", max_tokens=2)
-    assert r.status_code == 400 and "not supported yet" in r.json()["error"]["message"]
+    assert r.status_code == 200 and '"name": "get_weather"' in seen[-1]
+    # refused: parameters that are not an object schema
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
     r = _post(server, messages=messages[:1], tools=[bad], max_tokens=2)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters"
@@ -152,8 +156,6 @@ SCHEMA = {
 
 
 def test_response_format_json_schema_and_vllm_guides(server):
-    import json
-
     fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
     for seed in (None, 1, 2):
         kw = dict(temperature=0) if seed is None else dict(temperature=1.0, seed=seed)
@@ -178,3 +180,122 @@ def test_response_format_json_schema_and_vllm_guides(server):
     )
     text = "".join(c.choices[0].text for c in s if c.choices)
     assert len(text) == 4 and set(text) <= set("abc"), text
+
+
+# ------------------------------------------------------------------------- forced tool calls
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 6},
+                "unit": {"enum": ["c", "f"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "alerts": {"type": "boolean"},
+            },
+            "required": ["city", "unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "clock",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"enum": ["utc", "cet"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "Oslo?"}]
+SAMPLINGS = [dict(temperature=0), dict(temperature=1.0, seed=1), dict(temperature=1.0, seed=2)]
+
+
+def _forecast_arguments(args: str) -> None:
+    """FORECAST's parameters schema, checked by hand."""
+    d = json.loads(args)
+    assert {"city", "unit", "days"} <= set(d) <= {"city", "unit", "days", "alerts"}, args
+    assert isinstance(d["city"], str) and len(d["city"]) <= 6 and d["unit"] in ("c", "f"), args
+    assert type(d["days"]) is int and 1 <= d["days"] <= 7 and type(d.get("alerts", True)) is bool, args
+
+
+def _clock_arguments(args: str) -> None:
+    assert json.loads(args) in ({"tz": "utc"}, {"tz": "cet"}), args
+
+
+CHECK_ARGUMENTS = {"forecast": _forecast_arguments, "clock": _clock_arguments}
+
+
+def _accumulated(stream):
+    """A stream as the openai client puts it together (``client.chat.completions.stream``'s state), its
+    usage, and how many chunks carried tool-call deltas."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    acc, chunks = ChatCompletionStreamState(), list(stream)
+    for ch in chunks:
+        acc.handle_chunk(ch)
+    n_call_chunks = sum(bool(ch.choices and ch.choices[0].delta.tool_calls) for ch in chunks)
+    return acc.get_final_completion(), chunks[-1].usage, n_call_chunks
+
+
+@pytest.fixture
+def short_prompts(server, monkeypatch):
+    """The chat template without the tools: two tools' schemas would not fit in the preset's 512
+    positions beside an answer (that they are rendered is test_tools_are_rendered_into_the_prompt's)."""
+    template = server.state.chat_template
+
+    class WithoutTools:
+        def render(self, messages, add_generation_prompt=True, **kwargs):
+            return template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    monkeypatch.setattr(server.state, "chat_template", WithoutTools())
+
+
+def test_named_tool_choice_forces_a_valid_call(server, short_prompts):
+    named = {"type": "function", "function": {"name": "forecast"}}
+    body = dict(model=MODEL, messages=ASK, tools=[FORECAST, CLOCK], tool_choice=named, max_tokens=100)
+    for kw in SAMPLINGS:
+        r = server.client.chat.completions.create(**body, **kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "stop" and ch.message.content is None, ch
+        (call,) = ch.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name == "forecast"
+        _forecast_arguments(call.function.arguments)
+        assert call.function.arguments == server.state.llm.tokenizer.decode(ch.model_extra["token_ids"])
+    # streamed (greedy, as the first answer): the same arguments, in pieces
+    greedy = server.client.chat.completions.create(**body, **SAMPLINGS[0])
+    stream = server.client.chat.completions.create(
+        **body, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    final, usage, n_call_chunks = _accumulated(stream)
+    ch = final.choices[0]
+    (call,) = ch.message.tool_calls
+    assert ch.finish_reason == "stop" and call.id.startswith("call_") and call.function.name == "forecast"
+    assert call.function.arguments == greedy.choices[0].message.tool_calls[0].function.arguments
+    assert usage == greedy.usage and n_call_chunks > 2
+
+
+def test_required_tool_choice_forces_calls(server, short_prompts):
+    body = dict(model=MODEL, messages=ASK, tools=[FORECAST, CLOCK], tool_choice="required", max_tokens=200)
+    for kw in SAMPLINGS:
+        ch = server.client.chat.completions.create(**body, **kw).choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None and ch.message.tool_calls, ch
+        for call in ch.message.tool_calls:
+            assert call.id.startswith("call_")
+            CHECK_ARGUMENTS[call.function.name](call.function.arguments)
+    greedy = server.client.chat.completions.create(**body, **SAMPLINGS[0])
+    stream = server.client.chat.completions.create(
+        **body, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    final, usage, _ = _accumulated(stream)
+    calls = [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls]
+    assert calls == [(c.function.name, c.function.arguments) for c in greedy.choices[0].message.tool_calls]
+    assert final.choices[0].finish_reason == "tool_calls" and usage == greedy.usage
+    # and a plain request afterwards is answered as before
+    r = server.client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, temperature=0)
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.tool_calls is None

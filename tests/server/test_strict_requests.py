@@ -58,6 +58,17 @@ CMPL, CHATP = "/v1/completions", "/v1/chat/completions"
 C = dict(model=MODEL, prompt=[5, 6, 7], **GREEDY)  # a good completion request
 M = dict(model=MODEL, messages=USER, **GREEDY)  # a good chat request
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+NAMED_F, NAMED_G = ({"type": "function", "function": {"name": n}} for n in "fg")
+BAD_TOOL = {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {
+    "x": {"type": "integr"}}}}}  # fmt: skip
+
+
+def _defs_tool(name, x_type):
+    """A tool whose parameters refer to their own $defs.X."""
+    parameters = {"type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}, "$defs": {"X": {"type": x_type}}}
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 # (id, path, body, status, param, a substring of the message)
 BAD = [
@@ -79,14 +90,24 @@ BAD = [
     ("chat best_of", CHATP, dict(M, best_of=2), 400, "best_of", "best_of is not supported"),
     ("echo", CMPL, dict(C, echo=True), 400, "echo", "is not supported"),
     ("completion tools", CMPL, dict(C, tools=[TOOL]), 400, "tools", "not supported"),
-    # tools: "none" and "auto" only (forcing a call needs grammar-constrained decoding)
-    ("tool_choice required", CHATP, dict(M, tools=[TOOL], tool_choice="required"), 400, "tool_choice",
-     "not supported yet"),
-    ("tool_choice named", CHATP, dict(M, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}}),
-     400, "tool_choice", "not supported yet"),
-    ("tool_choice unknown", CHATP, dict(M, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
-     400, "tool_choice", "not in tools"),
+    # tools and tool_choice
+    ("tool_choice unknown", CHATP, dict(M, tools=[TOOL], tool_choice=NAMED_G), 400, "tool_choice", "not in tools"),
     ("tool_choice without tools", CHATP, dict(M, tool_choice="auto"), 400, "tool_choice", "needs tools"),
+    ("required without tools", CHATP, dict(M, tool_choice="required"), 400, "tool_choice", "needs tools"),
+    ("named without tools", CHATP, dict(M, tool_choice=NAMED_F), 400, "tool_choice", "not in tools"),
+    ("tool_choice mode", CHATP, dict(M, tools=[TOOL], tool_choice="any"), 400, "tool_choice", "none, auto, required"),
+    ("tool_choice shape", CHATP, dict(M, tools=[TOOL], tool_choice={"type": "function", "name": "f"}), 400,
+     "tool_choice", 'must be {"type": "function", "function": {"name": ...}}'),
+    ("required and response_format", CHATP, dict(M, tools=[TOOL], tool_choice="required",
+     response_format={"type": "json_object"}), 400, "response_format", 'combined with tool_choice "required"'),
+    ("named and guided_regex", CHATP, dict(M, tools=[TOOL], tool_choice=NAMED_F, guided_regex="a+"), 400,
+     "guided_regex", "cannot be combined with tool_choice"),
+    ("required tool schema", CHATP, dict(M, tools=[TOOL, BAD_TOOL], tool_choice="required"), 400,
+     "tools[1].function.parameters", "invalid"),
+    ("named tool schema", CHATP, dict(M, tools=[TOOL, BAD_TOOL], tool_choice=NAMED_G), 400,
+     "tools[1].function.parameters", "invalid"),
+    ("required tools' $defs", CHATP, dict(M, tools=[_defs_tool("f", "integer"), _defs_tool("g", "string")],
+     tool_choice="required"), 400, "tools[1].function.parameters", "differs from another tool's $defs.X"),
     ("tools twice", CHATP, dict(M, tools=[TOOL, TOOL]), 400, "tools", "twice"),
     ("tool parameters", CHATP, dict(M, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
      400, "tools[0].function.parameters", "JSON schema of an object"),
