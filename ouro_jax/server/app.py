@@ -27,7 +27,7 @@ from . import protocol as P
 from .chat_template import ChatTemplate
 from .engine_loop import EngineDead, EngineLoop, TokenEvent
 from .metrics import ServerMetrics
-from .parsers import ChatOutputParser, merge
+from .parsers import CALL_CLOSE, ChatOutputParser, merge
 from .tool_calls import forced_call_guide, forced_call_parser
 
 log = logging.getLogger("ouro_jax.server")
@@ -557,7 +557,10 @@ def create_app(state: ServerState) -> FastAPI:
         # the turn's end (<|im_end|>) is an engine eos id
         sp = state.sampling_params(req, len(ids), None, req.engine_logprobs)
         state.admit_check(ids, sp)
-        job = _Job(state, "chatcmpl", [ids], [sp], req.stop or [], req.include_stop_str_in_output, req.n)
+        stop = list(req.stop or [])
+        if req.parse_tools and req.one_call:
+            stop.append(CALL_CLOSE)  # parallel_tool_calls false: the answer ends with its first call
+        job = _Job(state, "chatcmpl", [ids], [sp], stop, req.include_stop_str_in_output, req.n)
         job.submit()
         tok = state.llm.tokenizer
 

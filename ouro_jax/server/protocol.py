@@ -320,7 +320,9 @@ TOOL_CHOICE_MODES = ("none", "auto", "required")
 class ChatCompletionRequest(_Sampling):
     # tools and tool_choice are implemented here; the completions endpoint refuses them
     not_implemented: ClassVar[dict[str, tuple]] = {
-        k: v for k, v in NOT_IMPLEMENTED.items() if k not in ("tools", "tool_choice", "logprobs", "top_logprobs")
+        k: v
+        for k, v in NOT_IMPLEMENTED.items()
+        if k not in ("tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs")
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -330,6 +332,12 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None  # false: one call at most (default: any number)
+
+    @property
+    def one_call(self) -> bool:
+        """``parallel_tool_calls`` false: the answer makes at most one tool call."""
+        return self.parallel_tool_calls is False
 
     @model_validator(mode="after")
     def _tools(self):

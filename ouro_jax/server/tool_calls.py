@@ -56,6 +56,8 @@ def _call_schema(req: P.ChatCompletionRequest) -> dict:
             }
         )
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if req.one_call:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema

@@ -146,6 +146,29 @@ def test_answer_assembly_on_known_text(server, monkeypatch):
     assert finish == "tool_calls"
 
 
+def test_parallel_tool_calls_false_keeps_one_call(server, monkeypatch):
+    """An answer of two calls: both by default, the first only with parallel_tool_calls false (the
+    answer ends at its first </tool_call>)."""
+    tok = server.state.llm.tokenizer
+    two = ANSWER + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+    class Known:
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def decode(self, ids):
+            return two[: len(ids) * 12] if len(ids) < 16 else two
+
+    monkeypatch.setattr(server.state.llm, "tokenizer", Known())
+    body = dict(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER], max_tokens=16, temperature=0)
+    body.update(ignore_eos=True)
+    calls = _post(server, **body).json()["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Oslo", "Rome"]
+    m = _post(server, **body, parallel_tool_calls=False).json()["choices"][0]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in m["message"]["tool_calls"]] == ["Oslo"]
+    assert m["finish_reason"] == "tool_calls" and len(m["token_ids"]) < 16
+
+
 # ------------------------------------------------------------------------- structured outputs
 SCHEMA = {
     "type": "object",
@@ -296,6 +319,10 @@ def test_required_tool_choice_forces_calls(server, short_prompts):
     calls = [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls]
     assert calls == [(c.function.name, c.function.arguments) for c in greedy.choices[0].message.tool_calls]
     assert final.choices[0].finish_reason == "tool_calls" and usage == greedy.usage
+    # parallel_tool_calls false: one call, whatever the sampling
+    for kw in SAMPLINGS:
+        ch = server.client.chat.completions.create(**body, **kw, parallel_tool_calls=False).choices[0]
+        assert len(ch.message.tool_calls) == 1 and ch.finish_reason == "tool_calls", ch
     # and a plain request afterwards is answered as before
     r = server.client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, temperature=0)
     assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.tool_calls is None
