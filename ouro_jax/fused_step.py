@@ -26,12 +26,13 @@ from .step_program import coda, packed_size, recurrent, unpack
 __all__ = ["lockstep"]
 
 
-def lockstep(params, kp, vp, ring, packed, previous, **kw):
+def lockstep(params, kp, vp, ring, packed, previous, bitmask, **kw):
     """A fused decode step (``scheduler.descriptor.StackedDescriptor``): ``packed [n, words + exit
     words]`` holds ``tokens * T`` sub-descriptors of one key and each token's exit words.
     ``previous [C]``: the last tokens the previous fused step sampled, which its first sub-step
     embeds when it feeds previous tokens (a step scheduled before the previous one's tokens were
-    read: ``Scheduler.schedule_ahead``).
+    read: ``Scheduler.schedule_ahead``). ``bitmask [C, ceil(V/32)]``: the coda rows' allowed tokens
+    (structured outputs: the scheduler fuses guided rows one token at a time; all bits set else).
 
     Per token (a ``fori_loop``): a ``while_loop`` over depths runs the loop of every row in lock
     step while a row is left (the body is one loop, so it compiles like one bucket); after each
@@ -93,7 +94,7 @@ def lockstep(params, kp, vp, ring, packed, previous, **kw):
             dst = jnp.where(above, slots[1:], -1)
             kp, vp = copy_kv_slots(kp, vp, jnp.broadcast_to(src, dst.shape).reshape(-1), dst.reshape(-1))
         a = unpack(key, packed[first + T - 1, :words])  # the coda fields ride on the token's last loop
-        tok, records = coda(params, exit_h[a["coda_row"]], a, with_logprobs=True, **kw)
+        tok, records = coda(params, exit_h[a["coda_row"]], a, with_logprobs=True, bitmask=bitmask, **kw)
         out = out.at[j].set(jnp.concatenate([tok, depth, records.reshape(-1)]))
         return kp, vp, ring, tok, gates, out
 

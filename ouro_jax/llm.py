@@ -771,13 +771,16 @@ class LLM:
             del self._matchers[d.request_id]
 
     def _sampler_inputs(self, plan) -> dict:
-        """What a one-loop ``plan``'s coda rows need of the sampler (``ModelRunner.step``'s keywords):
-        the allowed tokens ``bitmask [C, ceil(V/32)]`` of guided rows, ``logprobs`` where a row's
+        """What ``plan``'s coda rows need of the sampler (``ModelRunner.step``'s keywords): the
+        allowed tokens ``bitmask [C, ceil(V/32)]`` of guided rows (a fused step of one token too),
+        and for a one-loop plan ``logprobs`` where a row's
         request asks for them; empty for most plans."""
         out: dict = {}
-        if self._logprob_ids and any(c.request_id in self._logprob_ids for c in plan.coda):
+        fused = plan.sub_plans is not None  # its coda rows ride on its last sub-step; it returns logprobs
+        coda = plan.sub_plans[-1].coda if fused else plan.coda
+        if not fused and self._logprob_ids and any(c.request_id in self._logprob_ids for c in coda):
             out["logprobs"] = True
-        if self._adjusting:
+        if self._adjusting and not fused:  # such rows never fuse (Scheduler._fusion_candidates)
             rows = [(i, self._live[c.request_id]) for i, c in enumerate(plan.coda) if c.request_id in self._adjusting]
             if rows:
                 out["adjust"] = adjust_inputs(
@@ -787,7 +790,7 @@ class LLM:
                 )
         if not self._matchers:
             return out
-        rows = [(self._matchers[c.request_id], i) for i, c in enumerate(plan.coda) if c.request_id in self._matchers]
+        rows = [(self._matchers[c.request_id], i) for i, c in enumerate(coda) if c.request_id in self._matchers]
         if rows:
             from .structured import fill_bitmask_rows, new_bitmask
 

@@ -233,7 +233,7 @@ class ModelRunner:
             zeros = lambda shape, s: jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=s)()  # noqa: E731
             self.k_pool, self.v_pool, self.ring = zeros(pool_shape, kv), zeros(pool_shape, kv), zeros(ring_shape, rep)
             self._upload_to = rep
-            step, fused = self._sharded(step, tp), self._sharded(fused, tp, extra=1)
+            step, fused = self._sharded(step, tp), self._sharded(fused, tp, extra_in=2, extra_out=1)
             # input shardings come from the arguments (_compile; jit takes no in_shardings with a static kwarg)
             jit_kw = dict(out_shardings=(kv, kv, rep, rep, rep))
             fused_kw = dict(out_shardings=(kv, kv, rep, rep, rep, rep))
@@ -297,15 +297,15 @@ class ModelRunner:
             return jax.device_put({"top": top, "layers": layers}, self._device)
         return {"top": jax.tree.map(jnp.asarray, top), "layers": jax.tree.map(jnp.asarray, layers)}
 
-    def _sharded(self, fn, tp: int, extra: int = 0):
+    def _sharded(self, fn, tp: int, extra_in: int = 0, extra_out: int = 0):
         """``fn`` (a step) as the body of a ``shard_map`` over ``"tp"``: each shard sees its slice
         of the params and pools. ``check_vma=False``: Pallas kernels carry no replication types;
-        the body's psum/all_gather make the replicated outputs equal on every shard. ``extra``:
-        replicated arguments after the descriptor, each with a replicated output of its own (a
-        fused step's previous tokens)."""
+        the body's psum/all_gather make the replicated outputs equal on every shard. ``extra_in``,
+        ``extra_out``: replicated arguments after the descriptor and outputs after the tokens (a
+        fused step's previous tokens and bitmask in, its last tokens out)."""
         kv = kv_spec()
-        in_specs = (param_specs(self.params), kv, kv, P(), P()) + (P(),) * extra
-        out_specs = (kv, kv, P(), P(), P()) + (P(),) * extra
+        in_specs = (param_specs(self.params), kv, kv, P(), P()) + (P(),) * extra_in
+        out_specs = (kv, kv, P(), P(), P()) + (P(),) * extra_out
 
         def run(params, kp, vp, ring, packed, *more, key):
             body = functools.partial(fn, key=key, tp_size=tp)
@@ -334,7 +334,12 @@ class ModelRunner:
         fused = is_fused(key)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
         on = self._upload_to if mesh else None
-        extra = (jax.ShapeDtypeStruct((bucket.C,), jnp.int32, sharding=on),) if fused else ()
+        extra = ()
+        if fused:  # the previous step's last tokens, the coda rows' bitmask
+            extra = (
+                jax.ShapeDtypeStruct((bucket.C,), jnp.int32, sharding=on),
+                jax.ShapeDtypeStruct((bucket.C, bitmask_words(self.config.vocab_size)), jnp.int32, sharding=on),
+            )
         return fn.lower(
             tuple(sds(x) for x in self._param_leaves),
             sds(self.k_pool),
@@ -496,11 +501,10 @@ class ModelRunner:
         t_call = time.perf_counter()
         self.upload_time += t_call - t
         special = bitmask is not None or logprobs or adjust is not None
-        if special and not (single and self.separate_sampler):
-            raise ValueError(
-                "a token bitmask, logprobs or penalties need the separate sampler of a one-loop step "
-                "(no tensor parallel)"
-            )
+        if special and not self.separate_sampler:
+            raise ValueError("a token bitmask, logprobs or penalties need the separate sampler (no tensor parallel)")
+        if not single and (adjust is not None or (bitmask is not None and desc.n != self.config.num_loops)):
+            raise ValueError("a fused step takes a bitmask for one token only, and no penalties")
         if bitmask is not None:
             bitmask = self.put(bitmask)
         if adjust is not None:
@@ -539,8 +543,10 @@ class ModelRunner:
             exe = self._compile(key)  # not warmed up: counted in `compilations`
         fused = is_fused(key)
         if fused:  # the previous fused step's last tokens in, its own out
-            out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed, self._previous(key[0].C))
-            self._fused_last[key[0].C] = out[5]
+            C = key[0].C
+            mask = self._free_mask(C) if mask is None else mask
+            out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed, self._previous(C), mask)
+            self._fused_last[C] = out[5]
         else:
             out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed)
         self.k_pool, self.v_pool, self.ring, gates, tokens = out[:5]
@@ -568,14 +574,19 @@ class ModelRunner:
         if sampler is None:
             sampler = self._compile(key)  # not warmed up: counted in `compilations`
         if mask is None:
-            mask = self._free_masks.get(key.C)
-            if mask is None:
-                mask = self._free_masks[key.C] = self.put(new_bitmask(key.C, self.config.vocab_size))
+            mask = self._free_mask(key.C)
         if adjust is None:
             adjust = self._free_adjust.get(key.C)
             if adjust is None:
                 adjust = self._free_adjust[key.C] = tuple(map(self.put, free_adjust(key.C)))
         return sampler(self._top_leaves, h, words, mask, *adjust)
+
+    def _free_mask(self, C: int) -> jax.Array:
+        """Every token allowed for ``C`` coda rows, on the device (kept: a fused step takes one always)."""
+        mask = self._free_masks.get(C)
+        if mask is None:
+            mask = self._free_masks[C] = self.put(new_bitmask(C, self.config.vocab_size))
+        return mask
 
     def _previous(self, C: int) -> jax.Array:
         """The last tokens of the latest fused step of coda size ``C`` (zeros before the first):

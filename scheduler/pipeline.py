@@ -57,7 +57,7 @@ class StepPipeline:
 
     def launch(self, plan):
         """``runner.step`` of ``plan``, with the sampler inputs its coda rows need (``sampler_inputs``)."""
-        extra = None if self.sampler_inputs is None or plan.sub_plans is not None else self.sampler_inputs(plan)
+        extra = None if self.sampler_inputs is None else self.sampler_inputs(plan)
         return self.runner.step(plan.descriptor, **extra) if extra else self.runner.step(plan.descriptor)
 
     def drain(self) -> list[RequestDelta]:

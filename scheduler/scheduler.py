@@ -696,8 +696,8 @@ class Scheduler:
             return False
         if len(rows) > FUSED_GATED_MAX_ROWS and any(gate_needed(r.sampling_params, self.num_loops, 0) for r in rows):
             return False  # lock step to the deepest gated exit costs more than the launches it saves
-        if any(r.sampling_params.guided is not None or r.sampling_params.adjusts_logits for r in rows):
-            return False  # a grammar's next mask, or a penalty's counts, need the tokens before it on the host
+        if any(r.sampling_params.adjusts_logits for r in rows):
+            return False  # a penalty's counts need the tokens before it on the host
         return not (len(self.waiting) and len(self.running) < cfg.max_num_seqs)
 
     def _align_for_fusion(self, sel):
@@ -738,8 +738,9 @@ class Scheduler:
 
     def _tokens_that_fit(self, rows: list[Request], done: int = 0) -> int:
         """``fused_decode_tokens``, or else 1, or else 0: the most tokens every row has left by
-        ``max_tokens`` and gets the blocks of, ``done`` tokens after its token in flight."""
-        k = self.config.fused_decode_tokens
+        ``max_tokens`` and gets the blocks of, ``done`` tokens after its token in flight. A guided
+        row takes one token at a time: its grammar's next mask needs the host to read the token."""
+        k = 1 if any(r.sampling_params.guided is not None for r in rows) else self.config.fused_decode_tokens
         for want in sorted({k, 1}, reverse=True):
             if all(
                 _tokens_left(req, done) >= want
@@ -768,6 +769,8 @@ class Scheduler:
             return None
         t0 = time.perf_counter()
         rows = [self._requests.get(r.request_id) for r in plan.sub_plans[0].ranges]
+        if any(r is not None and r.sampling_params.guided is not None for r in rows):
+            return None  # a grammar's next mask needs this step's tokens on the host
         if any(r is None or r.status is not RequestStatus.RUNNING or r.pending_finalize for r in rows):
             return None  # aborted since
         if not self._fusion_candidates(Selection("decode", rows, [], 1)):

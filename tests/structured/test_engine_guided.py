@@ -63,6 +63,28 @@ def test_choice_and_regex(llm):
     assert len(b.text) == 6 and b.text[:3].isdigit() and b.text[3] == "-" and b.text[4:].isalpha(), b.text
 
 
+def test_guided_rows_fuse_one_token_at_a_time():
+    """Guided rows run in fused steps of one token (the mask needs the token before it on the host),
+    with the tokens the loop-by-loop path gives, greedy and sampled."""
+    g = GuidedDecoding.json_schema(SCHEMA)
+    sps = [SamplingParams(max_tokens=80, guided=g), SamplingParams(max_tokens=80, guided=g, temperature=0.9, seed=5)]
+    prompts = [[40, 41, 42], [43, 44]]
+    outs, texts = {}, {}
+    for fused in (0, 4):
+        with LLM("tiny", max_num_seqs=4, max_model_len=96, buckets=[8, 32], max_num_batched_tokens=32,
+                 fused_decode_max_rows=fused, progress=False) as e:  # fmt: skip
+            got = e.generate(prompts, sps, use_tqdm=False)
+            st = e.stats()
+        outs[fused] = [(o.token_ids, o.exit_depths) for o in got]
+        texts[fused] = [o.text for o in got]
+        assert (st["fused_launches"] > 0) == bool(fused)
+        if fused:
+            assert st["fused_tokens"] == st["fused_launches"]  # one token each
+    assert outs[0] == outs[4]
+    for text in texts[4]:
+        _valid(text)
+
+
 def test_guided_requests_get_logprobs_of_the_unmasked_distribution(llm):
     """The grammar masks the draw, not the reported distribution (the raw model's)."""
     sp = SamplingParams(max_tokens=8, logprobs=3, guided=GuidedDecoding.regex("[a-c]{4}"))
