@@ -900,6 +900,55 @@ def soak_section(res: dict) -> str:
     )
 
 
+# issue #34's cost targets: TPOT of a path over the free streams' in the same run
+_FEATURE_TARGETS = {"json_schema": 1.10, "top_logprobs=5": 1.05}
+
+
+def serve_features_section(res: dict) -> str:
+    """TPOT per API feature beside the free streams of the same engine and run; ``n`` choices beside
+    separate requests."""
+    rows = []
+    for r in (x for x in res["records"] if x["kind"] == "tpot"):
+        target = _FEATURE_TARGETS.get(r["path"])
+        verdict = "" if target is None else ("met" if r["ratio"] <= target else "NOT met")
+        rows.append(
+            [
+                r["path"],
+                r["concurrency"],
+                _f(r["tpot_ms"], 2),
+                f"{r['ratio']:.3f}",
+                "" if target is None else f"<= {target:.2f} ({verdict})",
+                _pct(r.get("fused_share")),
+            ]
+        )
+    out = _table(["path", "c", "TPOT p50 ms", "/ free", "target", "fused launches"], rows)
+    n_rows = [
+        [
+            r["path"],
+            f"{r['prompt_tokens']} + {r['output_tokens']}",
+            _f(r["wall_s"], 3),
+            _f(r["last_ttft_s"], 3),
+            r["prompt_positions_computed"],
+            r["shared_prompt_tokens"],
+            "yes" if r["tokens_equal"] else "NO",
+        ]
+        for r in res["records"]
+        if r["kind"] == "n"
+    ]
+    if n_rows:
+        head = [
+            "request",
+            "prompt + out",
+            "wall s",
+            "last TTFT s",
+            "prompt positions computed",
+            "shared",
+            "same tokens",
+        ]
+        out += "\n\n" + _table(head, n_rows)
+    return out
+
+
 def write_report(folder: str) -> str:
     results = load_results(folder)
     lines = [
@@ -1020,6 +1069,16 @@ def write_report(folder: str) -> str:
             )
         lines += [
             _table(["kind", "segments x rows @ context", "ours ms", "cuDNN ms", "ours / cuDNN", "ratio"], rows),
+            "",
+        ]
+    feat = results.get("serve_features")
+    if feat and feat.get("records"):
+        lines += [
+            "## API features (benchmarks/serve_features.py)",
+            "",
+            f"Preset {feat.get('preset')} on {feat.get('device')}; every path on one engine, in turn.",
+            "",
+            serve_features_section(feat),
             "",
         ]
     soak = results.get("soak")
