@@ -42,7 +42,7 @@ def lockstep(params, kp, vp, ring, packed, previous, bitmask, **kw):
     the exit states, and the tokens feed the next token's prelude. The KV pools and the ring are
     loop carries updated in place. Returns ``gates [n, R]`` (0 where a loop did not run),
     ``[tokens, C + R + C * LOGPROB_WORDS]`` int32 (sampled tokens, exit depths, then the tokens'
-    logprob records: always taken, a top-k of C rows is small next to a loop) and the last token's samples
+    logprob records, zeros unless the token's ``coda_extras`` asks for them) and the last token's samples
     ``[C]`` (the next step's ``previous``)."""
     key, T = kw["key"], kw["config"].num_loops
     n = packed.shape[0]
@@ -94,7 +94,13 @@ def lockstep(params, kp, vp, ring, packed, previous, bitmask, **kw):
             dst = jnp.where(above, slots[1:], -1)
             kp, vp = copy_kv_slots(kp, vp, jnp.broadcast_to(src, dst.shape).reshape(-1), dst.reshape(-1))
         a = unpack(key, packed[first + T - 1, :words])  # the coda fields ride on the token's last loop
-        tok, records = coda(params, exit_h[a["coda_row"]], a, with_logprobs=True, bitmask=bitmask, **kw)
+        h = exit_h[a["coda_row"]]
+        # logprobs and the grammar mask cost a top-k and a pass over the logits: only when a row asks
+        tok, records = jax.lax.cond(
+            a["coda_extras"] == 1,
+            lambda: coda(params, h, a, with_logprobs=True, bitmask=bitmask, **kw),
+            lambda: (coda(params, h, a, **kw), jnp.zeros((C, LOGPROB_WORDS), jnp.int32)),
+        )
         out = out.at[j].set(jnp.concatenate([tok, depth, records.reshape(-1)]))
         return kp, vp, ring, tok, gates, out
 

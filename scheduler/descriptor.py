@@ -9,7 +9,7 @@ runner uploads ``pack()`` once and slices it with the offsets of :func:`descript
 Layout, in order (``R, S, C, F, MB`` from the key, ``P = R``)::
 
     header[8]              num_rows, num_segments, num_prelude, num_coda, num_finalize,
-                           feed_previous_tokens, 0, 0                  (HEADER names them)
+                           feed_previous_tokens, coda_extras, 0        (HEADER names them)
     row_ring[R]  row_pos[R]  row_slot[R]                      (padding: 0, 0, -1)
     seg_q_start[S]  seg_q_len[S]  seg_ctx_len[S]  seg_block_table[S*MB]   (padding: q_len 0)
     pre_ring[R]  pre_token[R]                                 (padding: ring row 0, token 0)
@@ -20,6 +20,8 @@ Layout, in order (``R, S, C, F, MB`` from the key, ``P = R``)::
 ``feed_previous_tokens`` (0 or 1) is set only inside a fused decode step (``StackedDescriptor``):
 prelude entry ``i`` then embeds the token that the previous token's coda row ``i`` sampled on
 the device, instead of ``pre_token[i]``, so several tokens run without a host round trip.
+``coda_extras`` (0 or 1, on a fused step's coda sub-steps): a coda row's request asks for logprobs
+or a grammar mask; the fused step pays for those only then.
 
 Rows are laid out segment after segment (``seg_q_start`` ascending, no gaps); real rows come first,
 then padding rows, which read and write the scratch ring row 0 and write no KV slot.
@@ -53,7 +55,15 @@ __all__ = [
 
 #: The header's words, in order: the descriptor's real sizes and its flag, so that the packed
 #: buffer is self-contained. The header field has ``HEADER_WORDS`` words; the rest are 0.
-HEADER = ("num_rows", "num_segments", "num_prelude", "num_coda", "num_finalize", "feed_previous_tokens")
+HEADER = (
+    "num_rows",
+    "num_segments",
+    "num_prelude",
+    "num_coda",
+    "num_finalize",
+    "feed_previous_tokens",
+    "coda_extras",
+)
 HEADER_WORDS = 8
 
 
@@ -157,6 +167,7 @@ class BatchDescriptor:
     num_coda = _header_word("num_coda")
     num_finalize = _header_word("num_finalize")
     feed_previous_tokens = _header_word("feed_previous_tokens", bool)
+    coda_extras = _header_word("coda_extras", bool)
 
     def set_header(self, **words) -> None:
         """Write header words by name (``HEADER``)."""
@@ -412,6 +423,7 @@ def build_decode_loops(
     fin_src,
     fin_dst,
     feed_previous_tokens: bool = False,
+    coda_extras: bool = False,
     key: BucketKey | None = None,
 ) -> list[BatchDescriptor]:
     """The descriptors of one decode token of ``n`` rows at loops ``0 .. len(planes) - 1``: each
@@ -423,7 +435,8 @@ def build_decode_loops(
     loop ``d`` reads plane ``planes[d]``. Loop 0 embeds ``pre_token`` (and carries the finalize
     pairs and ``feed_previous_tokens``); the last loop carries the coda (``coda``: the six
     ``coda_*`` arrays of ``build_descriptor`` by name, without the prefix, for rows ``0 .. n-1``;
-    None: no coda). ``key``: as ``build_descriptor`` (None: the smallest bucket fitting loop 0)."""
+    None: no coda) and ``coda_extras``. ``key``: as ``build_descriptor`` (None: the smallest
+    bucket fitting loop 0)."""
     seg_slot = np.asarray(seg_slot, np.int64)
     seg_pos = np.asarray(seg_pos, np.int64)
     seg_ring = np.asarray(seg_ring, np.int64)
@@ -454,7 +467,7 @@ def build_decode_loops(
                 desc.fin_src[:nfin] = fin_src
                 desc.fin_dst[:nfin] = fin_dst
         if d == T - 1 and ncoda:
-            desc.set_header(num_coda=ncoda)
+            desc.set_header(num_coda=ncoda, coda_extras=bool(coda_extras))
             for name, values in coda.items():
                 getattr(desc, f"coda_{name}")[:ncoda] = values
         out.append(desc)

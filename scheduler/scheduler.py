@@ -819,6 +819,8 @@ class Scheduler:
                     )
                 exits[:, j, i] = device_exit_params(p[i], T, target)
         subs, descs, key = [], [], None
+        # the device takes logprobs and applies grammar masks only for a batch that needs them
+        extras = any(r.sampling_params.logprobs is not None or r.sampling_params.guided is not None for r in rows)
         last = np.array([r.output_token_ids[-1] for r in rows]) if not done else None
         planes = [plane(d) for d in range(T)]
         for j in range(tokens):
@@ -843,6 +845,7 @@ class Scheduler:
                 fin_src=fin[:, 0] if j == 0 else empty,
                 fin_dst=fin[:, 1] if j == 0 else empty,
                 feed_previous_tokens=fed,
+                coda_extras=extras,
                 key=key,
             )
             key = token_descs[0].key
