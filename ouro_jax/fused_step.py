@@ -26,13 +26,12 @@ from .step_program import coda, packed_size, recurrent, unpack
 __all__ = ["lockstep"]
 
 
-def lockstep(params, kp, vp, ring, packed, previous, bitmask, **kw):
+def lockstep(params, kp, vp, ring, packed, previous, **kw):
     """A fused decode step (``scheduler.descriptor.StackedDescriptor``): ``packed [n, words + exit
     words]`` holds ``tokens * T`` sub-descriptors of one key and each token's exit words.
     ``previous [C]``: the last tokens the previous fused step sampled, which its first sub-step
     embeds when it feeds previous tokens (a step scheduled before the previous one's tokens were
-    read: ``Scheduler.schedule_ahead``). ``bitmask [C, ceil(V/32)]``: the coda rows' allowed tokens
-    (structured outputs: the scheduler fuses guided rows one token at a time; all bits set else).
+    read: ``Scheduler.schedule_ahead``).
 
     Per token (a ``fori_loop``): a ``while_loop`` over depths runs the loop of every row in lock
     step while a row is left (the body is one loop, so it compiles like one bucket); after each
@@ -42,8 +41,10 @@ def lockstep(params, kp, vp, ring, packed, previous, bitmask, **kw):
     the exit states, and the tokens feed the next token's prelude. The KV pools and the ring are
     loop carries updated in place. Returns ``gates [n, R]`` (0 where a loop did not run),
     ``[tokens, C + R + C * LOGPROB_WORDS]`` int32 (sampled tokens, exit depths, then the tokens'
-    logprob records, zeros unless the token's ``coda_extras`` asks for them) and the last token's samples
-    ``[C]`` (the next step's ``previous``)."""
+    logprob records, zeros unless the token's ``coda_extras`` asks for them), the last token's samples
+    ``[C]`` (the next step's ``previous``) and its coda rows' exit states ``[C, D]``: a step whose
+    coda the host defers (a grammar's mask needs the token before it) samples those with the
+    separate sampler once the mask is known (``ModelRunner.complete``)."""
     key, T = kw["key"], kw["config"].num_loops
     n = packed.shape[0]
     R, C = key.R, key.C
@@ -53,7 +54,7 @@ def lockstep(params, kp, vp, ring, packed, previous, bitmask, **kw):
     finalize = key.F > 0 and T > 1  # LAST_EXITED (SHARED buckets hold no finalize pairs)
 
     def token(j, carry):
-        kp, vp, ring, prev, gates, out = carry
+        kp, vp, ring, prev, gates, out, _ = carry
         first = j * T
         ex = packed[first, words:].reshape(len(EXIT_FIELDS), R)
         limit, min_loops, delay = ex[0], ex[1], ex[2]
@@ -95,14 +96,14 @@ def lockstep(params, kp, vp, ring, packed, previous, bitmask, **kw):
             kp, vp = copy_kv_slots(kp, vp, jnp.broadcast_to(src, dst.shape).reshape(-1), dst.reshape(-1))
         a = unpack(key, packed[first + T - 1, :words])  # the coda fields ride on the token's last loop
         h = exit_h[a["coda_row"]]
-        # logprobs and the grammar mask cost a top-k and a pass over the logits: only when a row asks
+        # logprobs cost a top-k over the vocabulary: only when a row asks
         tok, records = jax.lax.cond(
             a["coda_extras"] == 1,
-            lambda: coda(params, h, a, with_logprobs=True, bitmask=bitmask, **kw),
+            lambda: coda(params, h, a, with_logprobs=True, **kw),
             lambda: (coda(params, h, a, **kw), jnp.zeros((C, LOGPROB_WORDS), jnp.int32)),
         )
         out = out.at[j].set(jnp.concatenate([tok, depth, records.reshape(-1)]))
-        return kp, vp, ring, tok, gates, out
+        return kp, vp, ring, tok, gates, out, h
 
     init = (
         kp,
@@ -111,6 +112,7 @@ def lockstep(params, kp, vp, ring, packed, previous, bitmask, **kw):
         previous.astype(jnp.int32),
         jnp.zeros((n, R), jnp.float32),
         jnp.zeros((n // T, C + R + C * LOGPROB_WORDS), jnp.int32),
+        jnp.zeros((C, ring.shape[-1]), dtype_of(kw["dtype_name"])),
     )
-    kp, vp, ring, last, gates, out = jax.lax.fori_loop(0, n // T, token, init)
-    return kp, vp, ring, gates, out, last
+    kp, vp, ring, last, gates, out, coda_h = jax.lax.fori_loop(0, n // T, token, init)
+    return kp, vp, ring, gates, out, last, coda_h

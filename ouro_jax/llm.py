@@ -771,12 +771,12 @@ class LLM:
             del self._matchers[d.request_id]
 
     def _sampler_inputs(self, plan) -> dict:
-        """What ``plan``'s coda rows need of the sampler (``ModelRunner.step``'s keywords): the
-        allowed tokens ``bitmask [C, ceil(V/32)]`` of guided rows (a fused step of one token too),
-        and for a one-loop plan ``logprobs`` where a row's
-        request asks for them; empty for most plans."""
+        """What ``plan``'s coda rows need of the sampler (``ModelRunner.step``'s keywords, or
+        ``complete``'s for a fused step's deferred coda): the allowed tokens ``bitmask [C,
+        ceil(V/32)]`` of guided rows; for a one-loop plan also ``logprobs`` where a row's request
+        asks for them and the ``adjust`` inputs of penalised rows. Empty for most plans."""
         out: dict = {}
-        fused = plan.sub_plans is not None  # its coda rows ride on its last sub-step; it returns logprobs
+        fused = plan.sub_plans is not None  # its coda rows ride on its last sub-step
         coda = plan.sub_plans[-1].coda if fused else plan.coda
         if not fused and self._logprob_ids and any(c.request_id in self._logprob_ids for c in coda):
             out["logprobs"] = True

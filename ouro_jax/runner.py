@@ -72,7 +72,7 @@ from .parallel import (
     place_params,
 )
 from .sampling import ADJUST_ENTRY_WORDS, ADJUST_ROW_WORDS, free_adjust
-from .step_program import SamplerKey, one_loop, packed_shape, packed_size, sample_coda
+from .step_program import SamplerKey, coda_words, one_loop, packed_shape, packed_size, sample_coda
 from .structured import bitmask_words, new_bitmask
 
 __all__ = ["ModelRunner", "CompileProgress", "SamplerKey", "packed_size", "packed_shape", "is_fused"]
@@ -145,6 +145,21 @@ class CompileProgress:
                 self._bar.close()
                 self._redirect.__exit__(None, None, None)
                 self._bar = self._redirect = None
+
+
+class _DeferredTokens:
+    """A deferred fused step's result ``[1, C + R + C * LOGPROB_WORDS]`` as the scheduler reads it:
+    the step's exit depths with the separate sampler's tokens and logprob records in place."""
+
+    def __init__(self, out, tokens, records, key: BucketKey):
+        self.out, self.tokens, self.records, self.key = out, tokens, records, key
+
+    def __array__(self, dtype=None, copy=None):
+        C, R = self.key.C, self.key.R
+        out = np.array(self.out)
+        out[0, :C] = np.asarray(self.tokens)
+        out[0, C + R :] = np.asarray(self.records).reshape(-1)
+        return out if dtype is None else out.astype(dtype)
 
 
 def is_fused(key) -> bool:
@@ -233,10 +248,10 @@ class ModelRunner:
             zeros = lambda shape, s: jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=s)()  # noqa: E731
             self.k_pool, self.v_pool, self.ring = zeros(pool_shape, kv), zeros(pool_shape, kv), zeros(ring_shape, rep)
             self._upload_to = rep
-            step, fused = self._sharded(step, tp), self._sharded(fused, tp, extra_in=2, extra_out=1)
+            step, fused = self._sharded(step, tp), self._sharded(fused, tp, extra_in=1, extra_out=2)
             # input shardings come from the arguments (_compile; jit takes no in_shardings with a static kwarg)
             jit_kw = dict(out_shardings=(kv, kv, rep, rep, rep))
-            fused_kw = dict(out_shardings=(kv, kv, rep, rep, rep, rep))
+            fused_kw = dict(out_shardings=(kv, kv, rep, rep, rep, rep, rep))
         self.num_blocks, self.block_size, self.num_ring_rows = num_blocks, block_size, num_ring_rows
         # executables take the weights as one flat tuple: flattening the nested dict on every launch
         # cost more host time than the call itself (docs/decisions.md, "Host dispatch")
@@ -257,6 +272,7 @@ class ModelRunner:
         # per coda size: the last tokens the latest fused step sampled (its ``previous`` output),
         # which a step scheduled ahead of reading them embeds (``Scheduler.schedule_ahead``)
         self._fused_last: dict[int, jax.Array] = {}
+        self._coda_h = None  # the latest fused step's last coda states (ModelRunner.complete)
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
         self._exe: dict[Any, Any] = {}
         self._compile_lock = threading.Lock()
@@ -302,7 +318,7 @@ class ModelRunner:
         of the params and pools. ``check_vma=False``: Pallas kernels carry no replication types;
         the body's psum/all_gather make the replicated outputs equal on every shard. ``extra_in``,
         ``extra_out``: replicated arguments after the descriptor and outputs after the tokens (a
-        fused step's previous tokens and bitmask in, its last tokens out)."""
+        fused step's previous tokens in, its last tokens and coda states out)."""
         kv = kv_spec()
         in_specs = (param_specs(self.params), kv, kv, P(), P()) + (P(),) * extra_in
         out_specs = (kv, kv, P(), P(), P()) + (P(),) * extra_out
@@ -334,12 +350,7 @@ class ModelRunner:
         fused = is_fused(key)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
         on = self._upload_to if mesh else None
-        extra = ()
-        if fused:  # the previous step's last tokens, the coda rows' bitmask
-            extra = (
-                jax.ShapeDtypeStruct((bucket.C,), jnp.int32, sharding=on),
-                jax.ShapeDtypeStruct((bucket.C, bitmask_words(self.config.vocab_size)), jnp.int32, sharding=on),
-            )
+        extra = (jax.ShapeDtypeStruct((bucket.C,), jnp.int32, sharding=on),) if fused else ()
         return fn.lower(
             tuple(sds(x) for x in self._param_leaves),
             sds(self.k_pool),
@@ -484,14 +495,17 @@ class ModelRunner:
         bitmask: Optional[np.ndarray] = None,
         logprobs: bool = False,
         adjust: Optional[tuple[np.ndarray, np.ndarray]] = None,
+        defer_coda: bool = False,
     ) -> StepResult:
         """Launch ``desc`` (a ``BatchDescriptor``, or a ``StackedDescriptor``: one fused step); its
         gates and tokens start copying back at once and are waited for only when read.
         ``bitmask [C, ceil(V/32)]`` int32: the coda rows' allowed tokens (structured outputs; one
         loop steps only), sampled by the separate sampler. ``logprobs``: a coda row's request asks
         for logprobs; a one-loop step then runs the separate sampler, which takes them (a fused
-        step always returns them with its tokens). ``adjust``: the coda rows' ``(row_words [4, C],
-        entries [4, C, H])`` of logit bias, penalties and min-p (``sampling.adjust_logits``)."""
+        step returns them with its tokens when its descriptor asks). ``adjust``: the coda rows'
+        ``(row_words [4, C], entries [4, C, H])`` of logit bias, penalties and min-p
+        (``sampling.adjust_logits``). ``defer_coda``: a fused step of one token whose tokens come
+        from the separate sampler, launched by :meth:`complete` once the host knows their mask."""
         key = self.executable_key(desc)
         single = isinstance(key, BucketKey)
         if key not in self._exe:
@@ -503,8 +517,10 @@ class ModelRunner:
         special = bitmask is not None or logprobs or adjust is not None
         if special and not self.separate_sampler:
             raise ValueError("a token bitmask, logprobs or penalties need the separate sampler (no tensor parallel)")
-        if not single and (adjust is not None or (bitmask is not None and desc.n != self.config.num_loops)):
-            raise ValueError("a fused step takes a bitmask for one token only, and no penalties")
+        if not single and special:
+            raise ValueError("a fused step takes no bitmask, logprobs flag or penalties (defer its coda)")
+        if defer_coda and (single or desc.n != self.config.num_loops or not self.separate_sampler):
+            raise ValueError("only a fused step of one token defers its coda to the separate sampler")
         if bitmask is not None:
             bitmask = self.put(bitmask)
         if adjust is not None:
@@ -512,6 +528,14 @@ class ModelRunner:
         sample = single and (special or samples(desc))
         gates, tokens, records = self.launch(key, packed, sample=sample, mask=bitmask, adjust=adjust)
         self.call_time += time.perf_counter() - t_call
+        if defer_coda:  # its exit depths now, its tokens once complete() samples the coda states
+            tokens.copy_to_host_async()
+            self.invocations += 1
+            self.dispatch_time += time.perf_counter() - t
+            result = StepResult(gates, None, self._waited)
+            result.deferred = (desc, tokens, self._coda_h)
+            self._recent.append(result)
+            return result
         # a fused step's gates are never read (its exits were decided on the device)
         copies = (gates, tokens) if single else (tokens,)
         records = records if single and logprobs else None
@@ -543,13 +567,13 @@ class ModelRunner:
             exe = self._compile(key)  # not warmed up: counted in `compilations`
         fused = is_fused(key)
         if fused:  # the previous fused step's last tokens in, its own out
-            C = key[0].C
-            mask = self._free_mask(C) if mask is None else mask
-            out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed, self._previous(C), mask)
-            self._fused_last[C] = out[5]
+            out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed, self._previous(key[0].C))
+            self._fused_last[key[0].C] = out[5]
         else:
             out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed)
         self.k_pool, self.v_pool, self.ring, gates, tokens = out[:5]
+        if fused:
+            self._coda_h = out[6]  # the last token's coda states: a deferred coda samples them
         records = None
         if sample and not fused and len(out) > 5:
             skey = SamplerKey(key.C, 0 if adjust is None else adjust[1].shape[-1])
@@ -580,6 +604,22 @@ class ModelRunner:
             if adjust is None:
                 adjust = self._free_adjust[key.C] = tuple(map(self.put, free_adjust(key.C)))
         return sampler(self._top_leaves, h, words, mask, *adjust)
+
+    def complete(self, result: StepResult, bitmask: Optional[np.ndarray] = None) -> None:
+        """Sample the coda of a fused step launched with ``defer_coda``: the separate sampler on its
+        coda states under ``bitmask`` (a grammar's mask, known once the host read the token before)
+        gives its tokens and logprob records, which feed the next fused step's first token."""
+        desc, out, coda_h = result.deferred
+        result.deferred = None
+        key = desc.key
+        words = self.put(coda_words(key, desc.pack()[-1, : packed_size(key)]))
+        mask = None if bitmask is None else self.put(bitmask)
+        tokens, records = self.launch_sampler(SamplerKey(key.C), coda_h, words, mask)
+        self.sampler_launches += 1
+        self._fused_last[key.C] = tokens
+        for arr in (tokens, records):
+            arr.copy_to_host_async()
+        result.set_tokens(_DeferredTokens(out, tokens, records, key))
 
     def _free_mask(self, C: int) -> jax.Array:
         """Every token allowed for ``C`` coda rows, on the device (kept: a fused step takes one always)."""
@@ -648,11 +688,14 @@ class ModelRunner:
         self.closed = True
         for result in self._recent:
             result.wait()
+            if result.deferred is not None:  # never completed: its exit depths are still copying
+                np.asarray(result.deferred[1])
         self._recent.clear()
         jax.block_until_ready((self.k_pool, self.v_pool, self.ring, *self._fused_last.values()))
         self.k_pool = self.v_pool = self.ring = None
         self.params, self._param_leaves, self._top_leaves = None, (), ()
         self._fused_last.clear()
+        self._coda_h = None
         self._free_masks.clear()
         self._free_adjust.clear()
         self._exe.clear()

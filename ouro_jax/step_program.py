@@ -191,26 +191,23 @@ def coda(
     tp_size: int = 1,
     greedy_only: bool = False,
     with_logprobs: bool = False,
-    bitmask=None,
     **_,
 ):
     """Step 4: lm_head + sampling of the coda rows' hidden states ``h [C, D]`` -> tokens ``[C]``
     (``greedy_only``: the argmax, whatever the rows ask for; the separate sampler does the rest);
-    ``with_logprobs``: ``(tokens, their logprob records [C, LOGPROB_WORDS])``, of the raw logits;
-    ``bitmask [C, ceil(V/32)]``: the rows' allowed tokens (structured outputs)."""
+    ``with_logprobs``: ``(tokens, their logprob records [C, LOGPROB_WORDS])``."""
     dt = dtype_of(dtype_name)
     if tp_size > 1:
-        raw = vocab_parallel_logits(h, params["top"]["lm_head"]["kernel"], dt)
+        logits = vocab_parallel_logits(h, params["top"]["lm_head"]["kernel"], dt)
     else:
         model = OuroModel(local_config(config, tp_size), dt)
-        raw = model.apply({"params": params["top"]}, h, method=OuroModel.coda)
-    logits = raw if bitmask is None else apply_token_bitmask(raw.astype(jnp.float32), bitmask)
+        logits = model.apply({"params": params["top"]}, h, method=OuroModel.coda)
     if greedy_only:
         tokens = greedy(logits)
     else:
         keys = row_keys(a["coda_seed"], a["coda_step"])
         tokens = sample(logits, a["coda_temperature"], a["coda_top_k"], a["coda_top_p"], keys).astype(jnp.int32)
-    return (tokens, token_logprobs(raw, tokens)) if with_logprobs else tokens
+    return (tokens, token_logprobs(logits, tokens)) if with_logprobs else tokens
 
 
 def one_loop(params, kp, vp, ring, packed, *, separate_sampler: bool = False, **kw):

@@ -288,16 +288,23 @@ class StepResult:
     needs; ``on_wait(seconds)`` is told how long each conversion took.
     """
 
-    __slots__ = ("_src", "_host", "_on_wait", "logprobs")
+    __slots__ = ("_src", "_host", "_on_wait", "logprobs", "deferred")
 
     def __init__(self, gates, tokens, on_wait: Optional[Callable[[float], None]] = None, logprobs=None):
-        self._src = {"gates": gates, "tokens": tokens}
+        self._src = {"gates": gates}
+        if tokens is not None:  # None: a deferred coda's, given later (set_tokens)
+            self._src["tokens"] = tokens
         self._host: dict[str, np.ndarray] = {}
         self._on_wait = on_wait
         self.logprobs = None
+        self.deferred = None  # the runner's state of a coda it has not sampled yet
         if logprobs is not None:
             self._src["logprobs"] = logprobs
             self.logprobs = lambda: self._read("logprobs")
+
+    def set_tokens(self, tokens) -> None:
+        """The tokens of a step whose coda was sampled after its launch (anything ``np.asarray`` reads)."""
+        self._src["tokens"] = tokens
 
     def _read(self, name: str) -> np.ndarray:
         if name not in self._host:

@@ -46,23 +46,38 @@ class StepPipeline:
             result = self.launch(plan)
         else:
             (plan, result), self._pending = self._pending, None
+            self._complete(plan, result)  # the tokens before it are applied: its mask is known
         if self.ahead and plan.sub_plans is not None:
             nxt = self.scheduler.schedule_ahead()
             if nxt is not None:
-                self._pending = (nxt, self.runner.step(nxt.descriptor))
+                self._pending = (nxt, self.launch(nxt, defer=True))
         deltas = self.scheduler.update(plan, result.gates, result.tokens, result.logprobs)
         if self._pending is not None and not self.scheduler.has_unfinished():
             deltas += self.drain()  # every row ended: nothing should stay in flight
         return deltas
 
-    def launch(self, plan):
-        """``runner.step`` of ``plan``, with the sampler inputs its coda rows need (``sampler_inputs``)."""
+    def launch(self, plan, defer: bool = False):
+        """``runner.step`` of ``plan``, with the sampler inputs its coda rows need (``sampler_inputs``).
+        A plan whose coda is deferred (a guided fused step) has its coda sampled at once, or with
+        ``defer`` (launched ahead, before the tokens its mask depends on were read) by the
+        ``advance`` or ``drain`` that applies it."""
+        if plan.deferred_coda:
+            result = self.runner.step(plan.descriptor, defer_coda=True)
+            if not defer:
+                self._complete(plan, result)
+            return result
         extra = None if self.sampler_inputs is None else self.sampler_inputs(plan)
         return self.runner.step(plan.descriptor, **extra) if extra else self.runner.step(plan.descriptor)
+
+    def _complete(self, plan, result) -> None:
+        """Sample a deferred coda under the mask its rows' grammars give now."""
+        if plan.deferred_coda and result.deferred is not None:
+            self.runner.complete(result, **(self.sampler_inputs(plan) if self.sampler_inputs else {}))
 
     def drain(self) -> list[RequestDelta]:
         """Apply the step launched ahead, if any (waiting for it); the scheduler then has nothing in flight."""
         if self._pending is None:
             return []
         (plan, result), self._pending = self._pending, None
+        self._complete(plan, result)
         return self.scheduler.update(plan, result.gates, result.tokens, result.logprobs)

@@ -71,6 +71,8 @@ class BatchPlan:
     num_rows: int
     descriptor: Optional[object] = None  # BatchDescriptor (StackedDescriptor when fused)
     sub_plans: Optional[list] = None  # fused decode: one plan per sub-step, in order
+    # fused decode of guided rows: its coda is sampled after launch, once the host knows the mask
+    deferred_coda: bool = False
 
     def ranges_of(self, phase: Phase) -> list[ScheduledRange]:
         return [r for r in self.ranges if r.phase is phase]

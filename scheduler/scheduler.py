@@ -769,8 +769,6 @@ class Scheduler:
             return None
         t0 = time.perf_counter()
         rows = [self._requests.get(r.request_id) for r in plan.sub_plans[0].ranges]
-        if any(r is not None and r.sampling_params.guided is not None for r in rows):
-            return None  # a grammar's next mask needs this step's tokens on the host
         if any(r is None or r.status is not RequestStatus.RUNNING or r.pending_finalize for r in rows):
             return None  # aborted since
         if not self._fusion_candidates(Selection("decode", rows, [], 1)):
@@ -819,8 +817,10 @@ class Scheduler:
                     )
                 exits[:, j, i] = device_exit_params(p[i], T, target)
         subs, descs, key = [], [], None
-        # the device takes logprobs and applies grammar masks only for a batch that needs them
-        extras = any(r.sampling_params.logprobs is not None or r.sampling_params.guided is not None for r in rows)
+        # the device takes logprobs only for a batch that asks; a grammar's mask needs the token
+        # before it, so a guided batch's coda is sampled after launch (StepPipeline)
+        extras = any(r.sampling_params.logprobs is not None for r in rows)
+        deferred = any(r.sampling_params.guided is not None for r in rows)
         last = np.array([r.output_token_ids[-1] for r in rows]) if not done else None
         planes = [plane(d) for d in range(T)]
         for j in range(tokens):
@@ -883,6 +883,7 @@ class Scheduler:
             num_rows=n,
             descriptor=StackedDescriptor(descs, T, tuple(exits)),
             sub_plans=subs,
+            deferred_coda=deferred,
         )
         self._step += 1
         st = self._stats

@@ -4,6 +4,7 @@ grammar completes. The ``tiny`` preset's character tokenizer makes any JSON expr
 
 import json
 
+import numpy as np
 import pytest
 
 from ouro_jax import LLM, SamplingParams
@@ -64,11 +65,16 @@ def test_choice_and_regex(llm):
 
 
 def test_guided_rows_fuse_one_token_at_a_time():
-    """Guided rows run in fused steps of one token (the mask needs the token before it on the host),
-    with the tokens the loop-by-loop path gives, greedy and sampled."""
+    """Guided rows run in fused steps of one token, scheduled ahead, whose coda the separate
+    sampler runs once the host has the mask (it needs the token before it), with the tokens and
+    logprobs the loop-by-loop path gives, greedy and sampled, beside a free row."""
     g = GuidedDecoding.json_schema(SCHEMA)
-    sps = [SamplingParams(max_tokens=80, guided=g), SamplingParams(max_tokens=80, guided=g, temperature=0.9, seed=5)]
-    prompts = [[40, 41, 42], [43, 44]]
+    sps = [
+        SamplingParams(max_tokens=80, guided=g, logprobs=2),
+        SamplingParams(max_tokens=80, guided=g, temperature=0.9, seed=5),
+        SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.7, seed=2),
+    ]
+    prompts = [[40, 41, 42], [43, 44], [45]]
     outs, texts = {}, {}
     for fused in (0, 4):
         # a fixed pool: on a GPU the module's engine holds the memory a sized pool would take
@@ -76,13 +82,15 @@ def test_guided_rows_fuse_one_token_at_a_time():
                  fused_decode_max_rows=fused, num_blocks=64, progress=False) as e:  # fmt: skip
             got = e.generate(prompts, sps, use_tqdm=False)
             st = e.stats()
-        outs[fused] = [(o.token_ids, o.exit_depths) for o in got]
+        outs[fused] = [(o.token_ids, o.exit_depths, [lp.top for lp in o.logprobs or ()]) for o in got]
         texts[fused] = [o.text for o in got]
         assert (st["fused_launches"] > 0) == bool(fused)
         if fused:
-            assert st["fused_tokens"] == st["fused_launches"]  # one token each
-    assert outs[0] == outs[4]
-    for text in texts[4]:
+            assert st["fused_tokens"] == st["fused_launches"] and st["ahead_launches"] > 0  # one token each
+    assert [o[:2] for o in outs[0]] == [o[:2] for o in outs[4]]
+    for (_, _, a), (_, _, b) in zip(outs[0], outs[4]):
+        np.testing.assert_allclose([[v for _, v in t] for t in a], [[v for _, v in t] for t in b], atol=1e-5)
+    for text in texts[4][:2]:
         _valid(text)
 
 
