@@ -33,7 +33,8 @@ import numpy as np
 from pallas_kernels.dispatch import resolve_attention
 from scheduler import DEFAULT_ENABLE_PREFIX_CACHING, Request, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.pipeline import StepPipeline
-from scheduler.sampling_params import TokenLogprobs, choice_params
+from scheduler.plan import Phase
+from scheduler.sampling_params import TokenLogprobs, choice_params, read_logprobs
 from scheduler.sizes import pool_blocks
 from weights.config import PRESETS, OuroConfig
 
@@ -115,6 +116,8 @@ class RequestOutput:
     # SamplingParams.logprobs: each token's TokenLogprobs and their sum (None when not asked for)
     logprobs: Optional[list[TokenLogprobs]] = None
     cumulative_logprob: Optional[float] = None
+    # SamplingParams.prompt_logprobs: per prompt position (None at 0), from the full-depth state before
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
 
 
 _PROMPT_FORMS = "a string or a flat sequence (list, tuple, 1-D array) of integer token ids"
@@ -441,13 +444,20 @@ class LLM:
         # fused decode steps scheduled one ahead of the host's reads (scheduler/pipeline.py); the
         # latency target times every plan itself (_timed_step) and runs without it
         self._pipeline = StepPipeline(
-            self.scheduler, self.runner, ahead=cfg.async_scheduling, sampler_inputs=self._sampler_inputs
+            self.scheduler,
+            self.runner,
+            ahead=cfg.async_scheduling,
+            sampler_inputs=self._sampler_inputs,
+            after_launch=self._queue_prompt_logprobs,
         )
         # structured outputs: a matcher per guided request, fed every token it gets (structured.py)
         self._matchers: dict = {}
         self._logprob_ids: set = set()  # requests that ask for logprobs: their one-loop steps take them
         # requests whose logits the sampler biases or penalises: their fixed entries (prompt, bias)
         self._adjusting: dict = {}
+        # prompt logprobs: the requests that ask, and the records launched but not yet read
+        self._prompt_lp_ids: set = set()
+        self._prompt_lp_pending: list = []
         self._grammar = None  # GrammarCompiler of this tokenizer, built at the first guided request
         self._unsynced: list = []  # plans launched since the host last waited for a device result
         self._sync_t = 0.0
@@ -589,7 +599,7 @@ class LLM:
     def _check_sampler_features(self, sp: SamplingParams) -> None:
         """What the separate sampler serves (a grammar, logprobs) is there for ``sp``."""
         if not self.runner.separate_sampler:
-            if sp.logprobs is not None:
+            if sp.logprobs is not None or sp.prompt_logprobs is not None:
                 raise ValueError("logprobs are not supported with tensor_parallel_size > 1 yet")
             if sp.adjusts_logits:
                 raise ValueError(
@@ -661,6 +671,8 @@ class LLM:
                 self._logprob_ids.add(rid)
             if sp.adjusts_logits:
                 self._adjusting[rid] = fixed_entries(sp, ids)
+            if sp.prompt_logprobs is not None:
+                self._prompt_lp_ids.add(rid)
             return rid
 
     def abort(self, request_id) -> bool:
@@ -678,6 +690,7 @@ class LLM:
             self._matchers.pop(request_id, None)
             self._logprob_ids.discard(request_id)
             self._adjusting.pop(request_id, None)
+            self._prompt_lp_ids.discard(request_id)
             self._unreported[request_id] = self._output(req)
             if not self.scheduler.has_unfinished():
                 self._pipeline.drain()  # a step launched ahead held only ended requests: nothing to hand out
@@ -715,6 +728,8 @@ class LLM:
                 self._matchers.clear()
                 self._logprob_ids.clear()
                 self._adjusting.clear()
+                self._prompt_lp_ids.clear()
+                self._prompt_lp_pending.clear()
                 self.runner.close()
 
     @property
@@ -745,6 +760,7 @@ class LLM:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler has unfinished requests but nothing it can run")
             return []
+        self._read_prompt_logprobs()
         outs = []
         for d in deltas:
             req = self._live.get(d.request_id)
@@ -756,6 +772,7 @@ class LLM:
                 del self._live[d.request_id]
                 self._logprob_ids.discard(d.request_id)
                 self._adjusting.pop(d.request_id, None)
+                self._prompt_lp_ids.discard(d.request_id)
             outs.append(self._output(req, with_text=d.finished))
         return outs
 
@@ -769,6 +786,40 @@ class LLM:
                 raise RuntimeError(f"request {d.request_id!r}: token {t} is outside its grammar")
         if d.finished:
             del self._matchers[d.request_id]
+
+    def _queue_prompt_logprobs(self, plan) -> None:
+        """Right after ``plan``'s launch: the logprobs of the next prompt token at every prompt
+        position it ran at full depth, for the requests that ask (read in ``_read_prompt_logprobs``)."""
+        if not self._prompt_lp_ids:
+            return
+        last, rows, ids, where = self.model_config.num_loops - 1, [], [], []
+        for r in plan.ranges:
+            if r.phase is not Phase.RECURRENT or r.depth != last or r.request_id not in self._prompt_lp_ids:
+                continue
+            prompt = self._live[r.request_id].prompt_token_ids
+            count = min(r.token_end, len(prompt) - 1) - r.token_start  # the last position predicts no prompt token
+            if count > 0:
+                rows += plan.descriptor.row_ring[r.row_start : r.row_start + count].tolist()
+                ids += prompt[r.token_start + 1 : r.token_start + 1 + count].tolist()
+                where += [(r.request_id, r.token_start + 1 + i) for i in range(count)]
+        if rows:
+            size = max(8, 1 << (len(rows) - 1).bit_length())  # a few shapes compile (powers of two)
+            pad = size - len(rows)
+            records = self.runner.prompt_logprobs(
+                np.array(rows + [0] * pad, np.int32), np.array(ids + [0] * pad, np.int32)
+            )
+            self._prompt_lp_pending.append((records, where))
+
+    def _read_prompt_logprobs(self) -> None:
+        """The prompt logprobs launched so far into their requests (a recomputed position overwrites)."""
+        for records, where in self._prompt_lp_pending:
+            host = np.asarray(records)
+            for rec, (rid, pos) in zip(host, where):
+                req = self._live.get(rid)
+                if req is not None:
+                    k = req.sampling_params.prompt_logprobs
+                    req.prompt_logprobs[pos] = read_logprobs(rec, int(req.prompt_token_ids[pos]), k)
+        self._prompt_lp_pending.clear()
 
     def _sampler_inputs(self, plan) -> dict:
         """What ``plan``'s coda rows need of the sampler (``ModelRunner.step``'s keywords, or
@@ -854,6 +905,7 @@ class LLM:
                 self._matchers.pop(rid, None)
                 self._logprob_ids.discard(rid)
                 self._adjusting.pop(rid, None)
+                self._prompt_lp_ids.discard(rid)
             if not self.scheduler.has_unfinished():
                 self._pipeline.drain()
 
@@ -874,6 +926,7 @@ class LLM:
             RequestMetrics(req.arrival_time, req.first_token_time, list(req.token_times), req.finish_time),
             list(req.output_logprobs) if lp else None,
             req.cumulative_logprob if lp else None,
+            list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         )
 
     def stream(

@@ -62,7 +62,7 @@ from . import fused_step
 from .compiler_options import step_options
 from .engine_config import EngineConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
-from .model import fuse_layer_params
+from .model import OuroModel, dtype_of, fuse_layer_params
 from .parallel import (
     check_devices,
     check_tensor_parallel,
@@ -71,7 +71,7 @@ from .parallel import (
     param_specs,
     place_params,
 )
-from .sampling import ADJUST_ENTRY_WORDS, ADJUST_ROW_WORDS, free_adjust
+from .sampling import ADJUST_ENTRY_WORDS, ADJUST_ROW_WORDS, free_adjust, token_logprobs
 from .step_program import SamplerKey, coda_words, one_loop, packed_shape, packed_size, sample_coda
 from .structured import bitmask_words, new_bitmask
 
@@ -267,6 +267,15 @@ class ModelRunner:
         # per coda size: every token allowed, and no bias, penalty or min-p (sampler inputs of free rows)
         self._free_masks: dict[int, jax.Array] = {}
         self._free_adjust: dict[int, tuple] = {}
+        # prompt logprobs: lm_head of ring rows a step left at full depth (compiled per row count)
+        self._jitted_prompt_logprobs = jax.jit(
+            lambda leaves, ring, rows, next_ids: token_logprobs(
+                OuroModel(c, dtype_of(self.dtype_name)).apply(
+                    {"params": jax.tree.unflatten(top_treedef, leaves)}, ring[rows], method=OuroModel.coda
+                ),
+                next_ids,
+            )
+        )
         self._jitted = jax.jit(step, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
         self._jitted_fused = jax.jit(fused, static_argnames=("key",), donate_argnums=(1, 2, 3), **fused_kw)
         # per coda size: the last tokens the latest fused step sampled (its ``previous`` output),
@@ -604,6 +613,15 @@ class ModelRunner:
             if adjust is None:
                 adjust = self._free_adjust[key.C] = tuple(map(self.put, free_adjust(key.C)))
         return sampler(self._top_leaves, h, words, mask, *adjust)
+
+    def prompt_logprobs(self, ring_rows: np.ndarray, next_ids: np.ndarray) -> jax.Array:
+        """The logprob records ``[P, LOGPROB_WORDS]`` of tokens ``next_ids [P]`` under the logits of
+        ring rows ``ring_rows [P]`` as the latest step left them (prompt positions it ran at full
+        depth); copying to the host. Queued behind that step, ahead of the next, which overwrites
+        the ring."""
+        records = self._jitted_prompt_logprobs(self._top_leaves, self.ring, self.put(ring_rows), self.put(next_ids))
+        records.copy_to_host_async()
+        return records
 
     def complete(self, result: StepResult, bitmask: Optional[np.ndarray] = None) -> None:
         """Sample the coda of a fused step launched with ``defer_coda``: the separate sampler on its

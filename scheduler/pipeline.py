@@ -24,8 +24,10 @@ from .scheduler import RequestDelta, Scheduler
 class StepPipeline:
     """Drives ``scheduler`` and ``runner``; ``ahead=False`` is the plain synchronous loop."""
 
-    def __init__(self, scheduler: Scheduler, runner, ahead: bool = True, sampler_inputs=None):
+    def __init__(self, scheduler: Scheduler, runner, ahead: bool = True, sampler_inputs=None, after_launch=None):
         self.scheduler, self.runner, self.ahead = scheduler, runner, ahead
+        # plan -> None, called right after a one-loop plan's launch (prompt logprobs read its ring rows)
+        self.after_launch = after_launch
         # plan -> what its coda rows need of the sampler beyond the descriptor (a dict of keywords
         # of ``runner.step``: structured outputs' bitmask, logprobs), empty for most plans
         self.sampler_inputs = sampler_inputs
@@ -67,7 +69,10 @@ class StepPipeline:
                 self._complete(plan, result)
             return result
         extra = None if self.sampler_inputs is None else self.sampler_inputs(plan)
-        return self.runner.step(plan.descriptor, **extra) if extra else self.runner.step(plan.descriptor)
+        result = self.runner.step(plan.descriptor, **extra) if extra else self.runner.step(plan.descriptor)
+        if self.after_launch is not None and plan.sub_plans is None:
+            self.after_launch(plan)
+        return result
 
     def _complete(self, plan, result) -> None:
         """Sample a deferred coda under the mask its rows' grammars give now."""

@@ -105,6 +105,11 @@ class Request:
         # SamplingParams.logprobs: one TokenLogprobs per generated token, and their running sum
         self.output_logprobs: list = []
         self.cumulative_logprob = 0.0
+        # SamplingParams.prompt_logprobs: per prompt position, None or its TokenLogprobs (the engine
+        # fills them from the position before's full-depth state; position 0 has none)
+        self.prompt_logprobs: Optional[list] = None
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         self.finish_reason: Optional[str] = None
         self.finish_time: Optional[float] = None
 

@@ -93,6 +93,8 @@ class SamplingParams:
     guided: Optional[object] = None
     # log-probabilities of each generated token (None: off) with this many alternatives (0..20)
     logprobs: Optional[int] = None
+    # and of each prompt token after the first, from the full-depth state of the position before
+    prompt_logprobs: Optional[int] = None
     # OpenAI's and vLLM's logit processing, applied on the device by the separate sampler:
     # presence / frequency penalties on the output's tokens, the repetition penalty on the
     # prompt's and the output's, a bias per token id ({id: bias}, -100..100), min-p, and no
@@ -190,10 +192,12 @@ class SamplingParams:
             choice("exit_mode", self.exit_mode, EXIT_MODES)
         except ValueError as e:
             need(False, str(e))
-        need(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            need(
+                v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             need(_is_real(v) and -2.0 <= v <= 2.0, f"{name} must lie in [-2, 2], got {v!r}")

@@ -475,8 +475,10 @@ class Scheduler:
                 req.block_hashes = prefix_block_hashes(
                     req.prompt_token_ids, cfg.block_size, self._hash_salt, n // cfg.block_size
                 )
-            # at least one prompt position is computed: its last one samples the first token
-            hashes = req.block_hashes[: (n - 1) // cfg.block_size]
+            # at least one prompt position is computed: its last one samples the first token; a
+            # request that asks for prompt logprobs computes every position (they come from them)
+            if req.sampling_params.prompt_logprobs is None:
+                hashes = req.block_hashes[: (n - 1) // cfg.block_size]
         # the watermark keeps room for running requests to grow; with none running it has nothing to protect
         keep = bm.watermark_blocks if cfg.kv_allocation == "on_demand" and self.running else 0
         got = bm.allocate(req.request_id, tokens, hashes, keep)

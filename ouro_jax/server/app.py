@@ -126,6 +126,7 @@ class ServerState:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
         )
         for f in (
             "exit_threshold", "min_loops", "max_loops", "exit_mode", "synthetic_mean_loops",
@@ -201,7 +202,7 @@ def _param_of(msg: str) -> Optional[str]:
     for f in (
         "min_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos",
         "min_loops", "max_loops", "exit_threshold", "exit_mode", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "logit_bias", "min_p", "logprobs",
+        "repetition_penalty", "logit_bias", "min_p", "prompt_logprobs", "logprobs",
     ):  # fmt: skip
         if f in msg:
             return f
@@ -219,6 +220,7 @@ class _Choice:
         self.ids: list[int] = []
         self.depths: list[int] = []
         self.logprobs: list = []  # a TokenLogprobs per token, when the request asks for them
+        self.prompt_logprobs: Optional[list] = None  # per prompt position, with the final event
         self.text = ""
         self.sent = 0  # chars of text already streamed
         self.finished = False
@@ -238,6 +240,7 @@ class _Choice:
         self.logprobs += ev.logprobs or ()
         if ev.finished:
             self.finished, self.finish_reason = True, ev.finish_reason
+            self.prompt_logprobs = ev.prompt_logprobs
         if self.tokenizer is None:
             return self.ids[n0:], self.depths[n0:], ""
         if ev.token_ids:
@@ -530,6 +533,7 @@ def create_app(state: ServerState) -> FastAPI:
             P.CompletionChoice(
                 index=k, text=c.text, token_ids=c.ids, exit_depths=c.depths, finish_reason=c.finish_reason,
                 logprobs=None if req.logprobs is None else _completion_logprobs(tok, c.logprobs),
+                prompt_logprobs=_prompt_logprobs(tok, c.prompt_logprobs),
             )
             for k, c in enumerate(kept)
         ]  # fmt: skip
@@ -610,7 +614,7 @@ def create_app(state: ServerState) -> FastAPI:
             choices.append(
                 P.ChatChoice(
                     index=c.index, message=message, token_ids=c.ids, exit_depths=c.depths, finish_reason=finish,
-                    logprobs=lps,
+                    logprobs=lps, prompt_logprobs=_prompt_logprobs(tok, c.prompt_logprobs),
                 )
             )  # fmt: skip
         return P.ChatCompletionResponse(
@@ -640,6 +644,19 @@ def _completion_logprobs(tokenizer, lps: list) -> dict:
         "top_logprobs": [{**{text(i): v for i, v in lp.top}, text(lp.token_id): lp.logprob} for lp in lps],
         "text_offset": offsets,
     }
+
+
+def _prompt_logprobs(tokenizer, lps: Optional[list]) -> Optional[list]:
+    """vLLM's ``prompt_logprobs``: None for the first position, then the prompt token and its
+    alternatives, each ``{token id: {"logprob", "decoded_token"}}``."""
+    if lps is None:
+        return None
+
+    def position(lp) -> dict:
+        pairs = [(lp.token_id, lp.logprob), *lp.top]
+        return {str(t): {"logprob": v, "decoded_token": _token_text(tokenizer, t)} for t, v in pairs}
+
+    return [None if lp is None else position(lp) for lp in lps]
 
 
 def _chat_logprobs(tokenizer, lps: list, top: int) -> dict:

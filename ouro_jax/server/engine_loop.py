@@ -39,6 +39,7 @@ class TokenEvent:
     finish_reason: Optional[str] = None
     error: Optional[BaseException] = None
     logprobs: Optional[list] = None  # a TokenLogprobs per token, when the request asks for them
+    prompt_logprobs: Optional[list] = None  # with the final event, when the request asks for them
 
 
 class EngineDead(RuntimeError):
@@ -208,6 +209,8 @@ class EngineLoop(BoundedQueue):
             sink.sent += len(new_ids)
             reason = o.finish_reason if o.finished else None
             ev = TokenEvent(sink.index, new_ids, new_depths, bool(o.finished), reason, logprobs=lps)
+            if o.finished:
+                ev.prompt_logprobs = o.prompt_logprobs
             if o.finished:
                 self._finish(o.request_id, sink, ev)
             elif new_ids:

@@ -126,6 +126,7 @@ class _Sampling(_Strict):
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # an opaque end-user id
+    prompt_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     # logit processing (OpenAI's, then vLLM's extras), on the device: SamplingParams
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
@@ -523,6 +524,7 @@ class CompletionChoice(BaseModel):
     token_ids: list[int]
     exit_depths: list[int]
     logprobs: Optional[dict] = None  # {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    prompt_logprobs: Optional[list] = None  # vLLM's: None, then {token id: {logprob, decoded_token}}
     finish_reason: FinishReason
 
 
@@ -548,6 +550,7 @@ class ChatChoice(BaseModel):
     token_ids: list[int]
     exit_depths: list[int]
     logprobs: Optional[dict] = None  # {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}
+    prompt_logprobs: Optional[list] = None  # vLLM's: None, then {token id: {logprob, decoded_token}}
     finish_reason: FinishReason
 
 

@@ -248,6 +248,7 @@ class _WorkerSink:
                 ev.finish_reason,
                 _error_of(ev.error),
                 ev.logprobs,
+                ev.prompt_logprobs,
             )
         )
 
@@ -550,13 +551,15 @@ class RemoteReplica(BoundedQueue):
             self.state = state["state"]
         out = []
         with self._lock:
-            for rid, ids, depths, finished, reason, err, lps in items:
+            for rid, ids, depths, finished, reason, err, lps, prompt_lps in items:
                 sink = self._sinks.pop(rid, None) if finished else self._sinks.get(rid)
                 if sink is None:
                     continue
                 if finished:
                     self._pending -= 1
-                ev = TokenEvent(sink.index, ids, depths, finished, reason, error=_exception(err), logprobs=lps)
+                ev = TokenEvent(
+                    sink.index, ids, depths, finished, reason, _exception(err), logprobs=lps, prompt_logprobs=prompt_lps
+                )
                 out.append((sink, ev))
         self._push_all(out)
 

@@ -93,6 +93,27 @@ def test_sampled_tokens_get_the_raw_logprobs_and_the_same_tokens():
             assert lp0.logprob == pytest.approx(lp.logprob, abs=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["split", "wavefront"])
+def test_prompt_logprobs_equal_the_reference(mode):
+    """Every prompt token after the first, under the full-depth state of the position before it,
+    whatever the chunking; the prefix cache is not used for such a request (it computes them all)."""
+    cfg, _, ref, prompts = tiny_fused_parts()
+    prompt = prompts[2]  # 17 tokens: three chunks of 8
+    with fused_engine(prefill_mode=mode, enable_prefix_caching=True) as llm:
+        llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)  # its blocks in the cache
+        sp = SamplingParams(max_tokens=2, prompt_logprobs=3, ignore_eos=True)
+        [out] = llm.generate([prompt], sp, use_tqdm=False)
+    h = reference_forward(ref, cfg, prompt)["hidden_states"][cfg.num_loops - 1]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        want = _log_softmax(h[pos - 1] @ ref.lm_head.T)
+        lp = out.prompt_logprobs[pos]
+        assert lp.token_id == prompt[pos] and lp.logprob == pytest.approx(want[prompt[pos]], abs=TOL)
+        top = np.argsort(-want)[:3]
+        assert [t for t, _ in lp.top] == top.tolist()
+    assert out.logprobs is None
+
+
 @pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, True, 2.0, "5"])
 def test_bad_logprobs_are_refused(bad):
     with pytest.raises(ValueError, match=r"logprobs must be None or an integer in \[0, 20\]"):

@@ -187,3 +187,22 @@ def test_sampling_fields_change_the_output(server):
     late = server.client.completions.create(**body, extra_body={"min_tokens": 2}).choices[0]
     assert late.model_extra["token_ids"][2:] == [eos] and late.finish_reason == "stop"
     assert _free(server)
+
+
+def test_prompt_logprobs_as_vllm_spells_them(server):
+    llm = server.state.llm
+    ids = llm.encode(PROMPT).tolist()
+    r = server.client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2}, temperature=0
+    )
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    want = _reference_first_logprobs(server.folder, ids[:1])  # the state of position 0 predicts token 1
+    entry = plp[1][str(ids[1])]
+    assert entry["logprob"] == pytest.approx(want[ids[1]], abs=TOL)
+    assert entry["decoded_token"] == llm.tokenizer.decode([ids[1]], skip_special_tokens=False)
+    assert all(len(p) in (2, 3) for p in plp[1:])  # the prompt token and its 2 alternatives (it may be one)
+    bad = httpx.post(
+        f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "prompt_logprobs": 21}, timeout=30
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
