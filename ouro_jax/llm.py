@@ -909,11 +909,15 @@ class LLM:
             if not self.scheduler.has_unfinished():
                 self._pipeline.drain()
 
+    def _text(self, token_ids, finish_reason) -> str:
+        """The text of a request's tokens, without the stop or eos token that ended it (as vLLM)."""
+        return self.tokenizer.decode(token_ids[:-1] if finish_reason == "stop" else token_ids)
+
     def _output(self, req: Request, with_text: bool = True) -> RequestOutput:
         """Per-step outputs are cheap (O(new tokens)): text is decoded only when asked for."""
         text = None
         if self.tokenizer is not None and with_text:
-            text = self.tokenizer.decode(req.output_token_ids)
+            text = self._text(req.output_token_ids, req.finish_reason)
         lp = req.sampling_params.logprobs is not None
         return RequestOutput(
             req.request_id,
@@ -945,7 +949,7 @@ class LLM:
         with contextlib.closing(self._run(self._add_checked(checked))) as outs:
             for out in outs:
                 if self.tokenizer is not None and out.text is None:
-                    out.text = self.tokenizer.decode(out.token_ids)
+                    out.text = self._text(out.token_ids, out.finish_reason)
                 yield out
 
     def generate(
@@ -985,7 +989,7 @@ class LLM:
                 bar.close()
         for out in final.values():
             if self.tokenizer is not None and out.text is None:
-                out.text = self.tokenizer.decode(out.token_ids)
+                out.text = self._text(out.token_ids, out.finish_reason)
         return [final[i] for i in ids]
 
     def _run(self, ids: Sequence) -> Iterator[RequestOutput]:

@@ -244,7 +244,9 @@ class _Choice:
         if self.tokenizer is None:
             return self.ids[n0:], self.depths[n0:], ""
         if ev.token_ids:
-            self.text = self.tokenizer.decode(self.ids)
+            # the engine's "stop" is a stop or eos token: its text is left out (kept with include_stop)
+            stop_token = ev.finished and ev.finish_reason == "stop" and not self.include_stop
+            self.text = self.tokenizer.decode(self.ids[:-1] if stop_token else self.ids)
         end = len(self.text)
         if self.stop and ev.token_ids:
             hits = [(p, p + len(s)) for p, s in ((self.text.find(s), s) for s in self.stop) if p >= 0]

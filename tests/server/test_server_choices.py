@@ -206,3 +206,44 @@ def test_prompt_logprobs_as_vllm_spells_them(server):
         f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "prompt_logprobs": 21}, timeout=30
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_generation_config_eos_stops_before_it(tmp_path):
+    """A second eos_token_id in generation_config.json ends greedy output at that token with
+    finish_reason "stop", its text left out; ignore_eos runs past it."""
+    import json
+
+    from ouro_jax.server.run import BackgroundServer, make_state
+    from ouro_jax.server.startup import build_engine
+    from weights import save_random
+
+    folder = save_random(tmp_path / "tiny", "tiny", seed=3, layout="hf", dtype="float32")
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0)
+
+    def serve():
+        llm, _ = build_engine(folder, dict(ENGINE, max_model_len=128))
+        srv = BackgroundServer(make_state(llm, "tiny", folder, max_queue=4)).start()
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=60, max_retries=0)
+        return srv
+
+    srv = serve()
+    try:
+        free = srv.client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0]
+        eos = set(srv.state.llm.scheduler_config.eos_token_ids)
+        tok = srv.state.llm.tokenizer
+    finally:
+        srv.stop(timeout=30)
+    ids = free.model_extra["token_ids"]
+    assert not eos & set(ids[:3]), ids
+    k = next(i for i, t in enumerate(ids) if i > 0 and t not in ids[:i])
+    with open(f"{folder}/generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [*sorted(eos), ids[k]]}, f)
+    srv = serve()
+    try:
+        ch = srv.client.completions.create(**kw).choices[0]
+        assert ch.model_extra["token_ids"] == ids[: k + 1] and ch.finish_reason == "stop"
+        assert ch.text == tok.decode(ids[:k])  # the stop token's text is left out
+        again = srv.client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0]
+        assert again.model_extra["token_ids"] == ids
+    finally:
+        srv.stop(timeout=30)
