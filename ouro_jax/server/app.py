@@ -323,8 +323,12 @@ class _Job:
         for k, (c, ids, sp) in enumerate(zip(self.choices, self.prompts, self.sps)):
             first = self.choices[k - k % self.n]
             try:
-                # the loop that took it (with data-parallel replicas: the one the router chose)
-                c.engine = st.engine.submit(c.rid, ids, sp, self.queue, c.index, None if first is c else first.rid)
+                # the loop that took it (with data-parallel replicas: the one the router chose, for a
+                # later choice of a prompt the first one's: its prompt blocks are there)
+                if first is c:
+                    c.engine = st.engine.submit(c.rid, ids, sp, self.queue, c.index)
+                else:
+                    c.engine = st.engine.submit(c.rid, ids, sp, self.queue, c.index, first.rid, first.engine)
             except EngineDead as e:
                 st.engine.release(len(self.choices) - k)
                 for c2 in self.choices[:k]:

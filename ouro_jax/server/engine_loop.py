@@ -133,11 +133,13 @@ class EngineLoop(BoundedQueue):
         out: asyncio.Queue,
         index: int,
         prompt_from=None,
+        near=None,
     ) -> "EngineLoop":
         """Queue an already validated request (its place taken with ``try_reserve``); its ``TokenEvent`` s
         arrive in ``out``. Called from the event loop thread. Returns the loop that holds the request
         (this one; a ``ReplicaSet`` returns the replica it chose), which its aborts go to.
-        ``prompt_from``: ``LLM.add_request``'s (another choice of the same prompt)."""
+        ``prompt_from``: ``LLM.add_request``'s (another choice of the same prompt); ``near``: the loop
+        holding that request (a ``ReplicaSet`` routes there; one loop has no choice)."""
         if not self.alive or self._stopping:  # before the sink: a dead engine answers EngineDead
             raise EngineDead("the engine is not running")
         sink = _Sink(asyncio.get_running_loop(), out, index)

@@ -454,7 +454,7 @@ class RemoteReplica(BoundedQueue):
         return leading_matches(hashes, self._cached)
 
     def submit(
-        self, request_id, prompt_ids, sampling_params, out: asyncio.Queue, index: int, prompt_from=None
+        self, request_id, prompt_ids, sampling_params, out: asyncio.Queue, index: int, prompt_from=None, near=None
     ) -> "RemoteReplica":
         with self._lock:
             if self.error is not None or self._gone or self._stopping:

@@ -196,11 +196,18 @@ class ReplicaSet:
             raise EngineDead("no replica has room")
         return i, reason, hashes
 
-    def submit(self, request_id, prompt_ids, sampling_params, out, index: int, prompt_from=None) -> EngineLoop:
-        """Route one reserved request and queue it there; returns the replica's loop (for aborts)."""
+    def submit(
+        self, request_id, prompt_ids, sampling_params, out, index: int, prompt_from=None, near=None
+    ) -> EngineLoop:
+        """Route one reserved request and queue it there; returns the replica's loop (for aborts).
+        ``near``: the replica of the request it shares its prompt with (``prompt_from``), taken
+        while it has room: the prompt's blocks are there."""
         # on failure the place stays reserved here: the caller releases it with the rest of its job
         with self._lock:
-            i, reason, hashes = self.route(prompt_ids)
+            if near in self.replicas and near.pending < near.max_pending:
+                i, reason, hashes = self.replicas.index(near), "sibling", []
+            else:
+                i, reason, hashes = self.route(prompt_ids)
             loop = self.replicas[i]
             if not loop.try_reserve(1):
                 raise EngineDead(f"replica {i} has no room")

@@ -70,6 +70,7 @@ BAD = {
     "data_parallel_size": (0, "data_parallel_size"),
     "replica_mode": ("fork", "replica_mode"),
     "drain_timeout_s": (0, "drain_timeout_s"),
+    "max_n": (0, "max_n"),
     "reasoning_parser": ("deepseek", "reasoning_parser"),
 }
 
@@ -157,6 +158,7 @@ def test_compile_hash_follows_every_field_that_shapes_compiled_code():
             "replica_mode": "thread",
             "drain_timeout_s": 5.0,
             "reasoning_parser": "think",
+            "max_n": 4,
         }.get(name, value)
         assert base.replace(**{name: other}).compile_hash() == base.compile_hash(), name
 

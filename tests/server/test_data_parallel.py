@@ -101,6 +101,30 @@ def test_replica_set_reserves_routes_and_releases():
     assert routed == [(i, "least_loaded") for i in order] and rs.pending == 4
 
 
+def test_a_later_choice_goes_to_its_siblings_replica():
+    """``n`` choices of one prompt share its blocks only on one replica: a later choice is routed
+    where the first went while that replica has room, else as any request."""
+    from types import SimpleNamespace
+
+    from ouro_jax.server.engine_loop import EngineLoop
+    from ouro_jax.server.replicas import ReplicaSet
+
+    llm = SimpleNamespace(scheduler_config=SimpleNamespace(enable_prefix_caching=False, max_num_seqs=2))
+    loops = [EngineLoop(llm, 2) for _ in range(2)]
+    rs = ReplicaSet(loops)
+    routed = []
+    rs.on_route = lambda i, reason: routed.append((i, reason))
+    for x in loops:  # an engine that accepts everything
+        x.submit = lambda *a, x=x: x
+    assert rs.try_reserve(4)
+    first = rs.submit("c0", [1], None, None, 0)
+    j = loops.index(first)
+    assert rs.submit("c1", [1], None, None, 1, "c0", first) is first  # not the least loaded: its sibling's
+    assert loops[j].pending == 2 and routed[1] == (j, "sibling")
+    assert rs.submit("c2", [1], None, None, 2, "c0", first) is loops[1 - j]  # full: routed as any
+    assert routed[2] == (1 - j, "least_loaded")
+
+
 def test_data_parallel_size_is_validated():
     from ouro_jax.server.replicas import check_data_parallel, replica_devices
 
