@@ -831,8 +831,8 @@ class LLM:
         coda = plan.sub_plans[-1].coda if fused else plan.coda
         if not fused and self._logprob_ids and any(c.request_id in self._logprob_ids for c in coda):
             out["logprobs"] = True
-        if self._adjusting and not fused:  # such rows never fuse (Scheduler._fusion_candidates)
-            rows = [(i, self._live[c.request_id]) for i, c in enumerate(plan.coda) if c.request_id in self._adjusting]
+        if self._adjusting:
+            rows = [(i, self._live[c.request_id]) for i, c in enumerate(coda) if c.request_id in self._adjusting]
             if rows:
                 out["adjust"] = adjust_inputs(
                     plan.descriptor.key.C,

@@ -623,16 +623,22 @@ class ModelRunner:
         records.copy_to_host_async()
         return records
 
-    def complete(self, result: StepResult, bitmask: Optional[np.ndarray] = None) -> None:
+    def complete(
+        self, result: StepResult, bitmask: Optional[np.ndarray] = None, adjust: Optional[tuple] = None
+    ) -> None:
         """Sample the coda of a fused step launched with ``defer_coda``: the separate sampler on its
-        coda states under ``bitmask`` (a grammar's mask, known once the host read the token before)
-        gives its tokens and logprob records, which feed the next fused step's first token."""
+        coda states under ``bitmask`` and ``adjust`` (a grammar's mask, penalties: known once the
+        host read the token before; as ``step`` takes them) gives its tokens and logprob records,
+        which feed the next fused step's first token."""
         desc, out, coda_h = result.deferred
         result.deferred = None
         key = desc.key
         words = self.put(coda_words(key, desc.pack()[-1, : packed_size(key)]))
         mask = None if bitmask is None else self.put(bitmask)
-        tokens, records = self.launch_sampler(SamplerKey(key.C), coda_h, words, mask)
+        if adjust is not None:
+            adjust = (self.put(adjust[0]), self.put(adjust[1]))
+        skey = SamplerKey(key.C, 0 if adjust is None else adjust[1].shape[-1])
+        tokens, records = self.launch_sampler(skey, coda_h, words, mask, adjust)
         self.sampler_launches += 1
         self._fused_last[key.C] = tokens
         for arr in (tokens, records):

@@ -300,6 +300,12 @@ class _Lazy:
         return self._val
 
 
+def _host_coda(sp) -> bool:
+    """Whether the coda of a request's token needs the host's word on the token before it (a
+    grammar's mask, a penalty's counts): its fused steps defer their coda (``BatchPlan.deferred_coda``)."""
+    return sp.guided is not None or sp.adjusts_logits
+
+
 def _record(req: Request, lps: Optional[_Lazy], i: int):
     """Coda row ``i``'s logprob record when ``req`` asks for logprobs (read only then)."""
     if req.sampling_params.logprobs is None or lps is None:
@@ -698,8 +704,6 @@ class Scheduler:
             return False
         if len(rows) > FUSED_GATED_MAX_ROWS and any(gate_needed(r.sampling_params, self.num_loops, 0) for r in rows):
             return False  # lock step to the deepest gated exit costs more than the launches it saves
-        if any(r.sampling_params.adjusts_logits for r in rows):
-            return False  # a penalty's counts need the tokens before it on the host
         return not (len(self.waiting) and len(self.running) < cfg.max_num_seqs)
 
     def _align_for_fusion(self, sel):
@@ -741,8 +745,9 @@ class Scheduler:
     def _tokens_that_fit(self, rows: list[Request], done: int = 0) -> int:
         """``fused_decode_tokens``, or else 1, or else 0: the most tokens every row has left by
         ``max_tokens`` and gets the blocks of, ``done`` tokens after its token in flight. A guided
-        row takes one token at a time: its grammar's next mask needs the host to read the token."""
-        k = 1 if any(r.sampling_params.guided is not None for r in rows) else self.config.fused_decode_tokens
+        or penalised row takes one token at a time: its grammar's next mask, or its counts, need
+        the host to read the token before."""
+        k = 1 if any(_host_coda(r.sampling_params) for r in rows) else self.config.fused_decode_tokens
         for want in sorted({k, 1}, reverse=True):
             if all(
                 _tokens_left(req, done) >= want
@@ -819,10 +824,10 @@ class Scheduler:
                     )
                 exits[:, j, i] = device_exit_params(p[i], T, target)
         subs, descs, key = [], [], None
-        # the device takes logprobs only for a batch that asks; a grammar's mask needs the token
-        # before it, so a guided batch's coda is sampled after launch (StepPipeline)
+        # the device takes logprobs only for a batch that asks; a grammar's mask or a penalty's
+        # counts need the token before, so such a batch's coda is sampled after launch (StepPipeline)
         extras = any(r.sampling_params.logprobs is not None for r in rows)
-        deferred = any(r.sampling_params.guided is not None for r in rows)
+        deferred = any(_host_coda(r.sampling_params) for r in rows)
         last = np.array([r.output_token_ids[-1] for r in rows]) if not done else None
         planes = [plane(d) for d in range(T)]
         for j in range(tokens):

@@ -110,8 +110,9 @@ def test_penalised_greedy_tokens_equal_the_reference(kw):
     _, _, _, prompts = tiny_fused_parts()
     sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_mode="fixed", **kw)
     free = SamplingParams(max_tokens=6, ignore_eos=True, exit_mode="fixed")
-    with fused_engine() as llm:  # a penalised row beside a free one (the batch runs loop by loop)
+    with fused_engine() as llm:  # a penalised row beside a free one: fused steps, the coda deferred
         outs = llm.generate(prompts[:2], [sp, free], use_tqdm=False)
+        assert llm.stats()["fused_launches"] > 0
         plain = llm.generate(prompts[:2], free, use_tqdm=False)
     assert outs[0].token_ids == _reference_decode(prompts[0], 6, **kw)
     assert outs[0].token_ids != plain[0].token_ids  # the penalty changed something
