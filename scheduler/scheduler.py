@@ -306,7 +306,7 @@ def _host_coda(sp) -> bool:
     return sp.guided is not None or sp.adjusts_logits
 
 
-def _record(req: Request, lps: Optional[_Lazy], i: int):
+def _logprob_record(req: Request, lps: Optional[_Lazy], i: int):
     """Coda row ``i``'s logprob record when ``req`` asks for logprobs (read only then)."""
     if req.sampling_params.logprobs is None or lps is None:
         return None
@@ -997,7 +997,7 @@ class Scheduler:
                         self._publish(req)
                     if r.token_end == req.prefill_len and not req.output_token_ids:
                         i = coda_index[r.row_start + r.token_count - 1]
-                        self._emit(req, int(toks.get()[i]), T - 1, deltas, _record(req, lps, i))
+                        self._emit(req, int(toks.get()[i]), T - 1, deltas, _logprob_record(req, lps, i))
             else:
                 self._apply_decode(req, r, gates, toks, coda_index, deltas, lps)
 
@@ -1016,7 +1016,7 @@ class Scheduler:
         if self.latency is not None:
             self.latency.observe_loops(d + 1)
         i = coda_index[r.row_start]
-        self._emit(req, int(toks.get()[i]), d, deltas, _record(req, lps, i))
+        self._emit(req, int(toks.get()[i]), d, deltas, _logprob_record(req, lps, i))
         if req.status is RequestStatus.RUNNING and self.config.kv_layout == "last_exited" and d < T - 1:
             self._queue_finalize(req, r.token_start, d)
 
