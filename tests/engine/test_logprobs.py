@@ -58,6 +58,7 @@ def test_greedy_logprobs_equal_the_reference(fused):
             assert [t for t, _ in lp.top] == top.tolist()  # greedy: the token is the first of them
             np.testing.assert_allclose([v for _, v in lp.top], want[top], atol=TOL)
 
+@pytest.mark.slow
 
 def test_logprobs_under_the_gate_rule_come_from_the_exit_depth():
     cfg, _, ref, prompts = tiny_fused_parts()
@@ -93,7 +94,7 @@ def test_sampled_tokens_get_the_raw_logprobs_and_the_same_tokens():
             assert lp0.logprob == pytest.approx(lp.logprob, abs=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["split", "wavefront"])
+@pytest.mark.parametrize("mode", ["split", pytest.param("wavefront", marks=pytest.mark.slow)])
 def test_prompt_logprobs_equal_the_reference(mode):
     """Every prompt token after the first, under the full-depth state of the position before it,
     whatever the chunking; the prefix cache is not used for such a request (it computes them all)."""

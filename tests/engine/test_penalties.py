@@ -24,7 +24,7 @@ from tests.engine.conftest import fused_engine, tiny_fused_parts
 V = 37  # a small, odd vocabulary
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     rows=st.lists(
         st.tuples(
