@@ -36,8 +36,8 @@ def test_choices_share_the_prompt_and_keep_their_tokens(caching):
     for o, a in zip(outs, alone):
         assert o.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-5)
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_greedy_choices_are_equal_and_shared_layout_computes_each():
     sp = SamplingParams(max_tokens=5, ignore_eos=True)
     with make_llm() as llm:

@@ -58,8 +58,8 @@ def test_greedy_logprobs_equal_the_reference(fused):
             assert [t for t, _ in lp.top] == top.tolist()  # greedy: the token is the first of them
             np.testing.assert_allclose([v for _, v in lp.top], want[top], atol=TOL)
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_logprobs_under_the_gate_rule_come_from_the_exit_depth():
     cfg, _, ref, prompts = tiny_fused_parts()
     sp = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2, exit_threshold=0.3)

@@ -207,8 +207,8 @@ def test_prompt_logprobs_as_vllm_spells_them(server):
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_generation_config_eos_stops_before_it(tmp_path):
     """A second eos_token_id in generation_config.json ends greedy output at that token with
     finish_reason "stop", its text left out; ignore_eos runs past it."""

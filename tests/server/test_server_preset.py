@@ -302,8 +302,8 @@ def test_named_tool_choice_forces_a_valid_call(server, short_prompts):
     assert call.function.arguments == greedy.choices[0].message.tool_calls[0].function.arguments
     assert usage == greedy.usage and n_call_chunks > 2
 
-@pytest.mark.slow
 
+@pytest.mark.slow
 def test_required_tool_choice_forces_calls(server, short_prompts):
     body = dict(model=MODEL, messages=ASK, tools=[FORECAST, CLOCK], tool_choice="required", max_tokens=200)
     for kw in SAMPLINGS:
