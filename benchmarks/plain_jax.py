@@ -1,0 +1,184 @@
+"""What a JAX user would write without the engine: the baselines of issues #36 and #37.
+
+* **decode** (``PlainDecoder``): one dense K/V array per loop (``[L, B, S, KVH, hd]``, donated), the
+  layers written out, one jit per loop, argmax; no paging, gates, planes or batching machinery.
+  Fixed depth (every token runs the ``T`` loops), the same context for every stream.
+* **prefill** (``plain_prefill``): one jit running each loop's layers over the whole prompts, cuDNN
+  causal attention on a GPU (``jax.nn.dot_product_attention``; XLA's elsewhere), the K/V of every
+  loop and layer returned (what a decode after it reads), and the first token.
+
+Both use the model's own layers (``OuroModel``), so their tokens equal the engine's at fixed depth
+in float32 (``tests/benchmarks/test_plain_jax.py``); what differs is everything around them.
+
+    python -m benchmarks.plain_jax --preset ouro-1.4b --decode 1 8 32 --context 1024 \\
+        --prefill 3x6000 --out /tmp/plain.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ouro_jax.attention import dense_attention
+from ouro_jax.model import OuroModel, dtype_of
+from weights.config import OuroConfig
+
+__all__ = ["PlainDecoder", "plain_prefill", "time_decode", "time_prefill"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _DenseKV:
+    """The attention boundary over one loop's dense cache ``(k, v) [L, B, S, KVH, hd]``: the rows'
+    K/V written at ``start..start+Sq-1``, their queries attend causally to everything up to there."""
+
+    start: jax.Array  # int32 scalar: the first position of the rows
+    scale: float
+
+    def __call__(self, layer, q, k, v, cache):
+        kc, vc = cache
+        at = (layer, 0, self.start, 0, 0)
+        kc = jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), at)
+        vc = jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), at)
+        sq, sk = q.shape[1], kc.shape[2]
+        mask = jnp.arange(sk)[None, :] <= (self.start + jnp.arange(sq))[:, None]
+        return dense_attention(q, kc[layer], vc[layer], mask[None], self.scale), (kc, vc)
+
+
+class PlainDecoder:
+    """Greedy fixed-depth decoding of ``B`` streams over dense per-loop K/V caches of ``max_len``
+    positions: ``prefill(ids [B, S])`` then ``step()`` per token (``T`` jitted loops + lm_head)."""
+
+    def __init__(self, config: OuroConfig, params: dict, batch: int, max_len: int, dtype="bfloat16"):
+        c = self.config = config
+        self.dt = dtype_of(dtype)
+        self.params = params
+        self.model = OuroModel(c, self.dt)
+        shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
+        self.caches = [(jnp.zeros(shape, self.dt), jnp.zeros(shape, self.dt)) for _ in range(c.num_loops)]
+        self.pos = 0
+        self.last = None
+
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=(4,))
+    def _loop(self, params, x, start, cache):
+        positions = start + jnp.arange(x.shape[1])[None, :]
+        att = _DenseKV(start, self.config.attn_scale)
+        h, _, cache = self.model.apply({"params": params}, x, positions, att, cache, method=OuroModel.recurrent)
+        return h, cache
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def _embed(self, params, ids):
+        return self.model.apply({"params": params}, ids, method=OuroModel.prelude)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def _argmax(self, params, h):
+        return jnp.argmax(self.model.apply({"params": params}, h[:, -1], method=OuroModel.coda), axis=-1)
+
+    def _run(self, ids) -> jax.Array:
+        x = self._embed(self.params, ids)
+        start = jnp.int32(self.pos)
+        for d in range(self.config.num_loops):
+            x, self.caches[d] = self._loop(self.params, x, start, self.caches[d])
+        self.pos += ids.shape[1]
+        self.last = self._argmax(self.params, x).astype(jnp.int32)
+        return self.last
+
+    def prefill(self, ids) -> jax.Array:
+        """The prompts ``[B, S]`` (equal lengths) through every loop; returns the first tokens ``[B]``."""
+        return self._run(jnp.asarray(ids, jnp.int32))
+
+    def step(self) -> jax.Array:
+        """One more token of every stream ``[B]``, fed back on the device."""
+        return self._run(self.last[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dtype_name", "cudnn"))
+def plain_prefill(params, ids, *, config: OuroConfig, dtype_name: str, cudnn: bool):
+    """One jit over prompts ``ids [B, S]``: every loop's layers over the whole prompts with causal
+    attention, each loop's K/V kept. Returns ``(first tokens [B], [(k, v) per loop] [L, B, S, KVH, hd])``."""
+    model = OuroModel(config, dtype_of(dtype_name))
+    kvs = []
+
+    def attention(layer, q, k, v, cache):
+        cache.append((k, v))
+        impl = "cudnn" if cudnn else "xla"
+        o = jax.nn.dot_product_attention(q, k, v, scale=config.attn_scale, is_causal=True, implementation=impl)
+        return o.astype(q.dtype), cache
+
+    positions = jnp.arange(ids.shape[1])[None, :]
+    x = model.apply({"params": params}, ids, method=OuroModel.prelude)
+    for _ in range(config.num_loops):
+        layers: list = []
+        x, _, _ = model.apply({"params": params}, x, positions, attention, layers, method=OuroModel.recurrent)
+        kvs.append((jnp.stack([k for k, _ in layers]), jnp.stack([v for _, v in layers])))
+    logits = model.apply({"params": params}, x[:, -1], method=OuroModel.coda)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), kvs
+
+
+def time_decode(config, params, batch: int, context: int, tokens: int, dtype="bfloat16") -> dict:
+    """Milliseconds per token of ``batch`` streams at ``context`` positions (the best of 3 rounds)."""
+    dec = PlainDecoder(config, params, batch, context + 3 * tokens + 8, dtype)
+    ids = np.random.default_rng(0).integers(5, config.vocab_size, (batch, context))
+    dec.prefill(ids).block_until_ready()
+    dec.step().block_until_ready()  # compiled
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(tokens):
+            dec.step()
+        dec.last.block_until_ready()
+        best = min(best, (time.perf_counter() - t) / tokens)
+    return dict(baseline="plain_jax_decode", batch=batch, context=context, tpot_ms=best * 1e3)
+
+
+def time_prefill(config, params, batch: int, length: int, dtype="bfloat16") -> dict:
+    """Seconds and tokens/s of one ``plain_prefill`` of ``batch`` prompts of ``length`` (best of 3)."""
+    ids = jnp.asarray(np.random.default_rng(0).integers(5, config.vocab_size, (batch, length)), jnp.int32)
+    run = functools.partial(
+        plain_prefill, config=config, dtype_name=str(dtype_of(dtype)), cudnn=jax.default_backend() == "gpu"
+    )
+    jax.block_until_ready(run(params, ids))
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        jax.block_until_ready(run(params, ids))
+        best = min(best, time.perf_counter() - t)
+    return dict(baseline="plain_jax_prefill", batch=batch, length=length, wall_s=best, tok_s=batch * length / best)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="ouro-1.4b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--decode", nargs="*", type=int, default=[1, 8, 32], help="decode batch sizes")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prefill", nargs="*", default=["3x6000"], help="BATCHxLENGTH prompts")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    from ouro_jax import get_preset
+    from ouro_jax.model import init_params
+
+    config = get_preset(a.preset)
+    params = init_params(config, 0, a.dtype)
+    records = []
+    for b in a.decode:
+        records.append(time_decode(config, params, b, a.context, a.tokens, a.dtype))
+        print(json.dumps(records[-1]), flush=True)
+    for spec in a.prefill:
+        b, n = map(int, spec.split("x"))
+        records.append(time_prefill(config, params, b, n, a.dtype))
+        print(json.dumps(records[-1]), flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(benchmark="plain_jax", device=jax.devices()[0].device_kind, records=records), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
