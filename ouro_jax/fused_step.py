@@ -4,10 +4,10 @@ decode steps"). :func:`lockstep` runs, per token, loop ``d`` of every row at onc
 deepest row has exited, so a token costs the batch's deepest exit.
 
 It takes ``(params, kp, vp, ring, packed [n, words + exit words], previous [C])`` and returns
-``(kp, vp, ring, gates [n, R], out [tokens, C + R + C * LOGPROB_WORDS], last [C])``. Two other programs were measured
-slower and removed (docs/decisions.md, "Early exit at a few streams pays the lock step"): rows
-advancing each at its own depth and token, and *elastic* steps returning once every row made
-half the tokens.
+``(kp, vp, ring, gates [n, R], out [tokens, C + R + C * LOGPROB_WORDS], last [C], coda_h [C, D])``.
+Two other programs were measured slower and removed (docs/decisions.md, "Early exit at a few
+streams pays the lock step"): rows advancing each at its own depth and token, and *elastic* steps
+returning once every row made half the tokens.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ def lockstep(params, kp, vp, ring, packed, previous, **kw):
     the exit states, and the tokens feed the next token's prelude. The KV pools and the ring are
     loop carries updated in place. Returns ``gates [n, R]`` (0 where a loop did not run),
     ``[tokens, C + R + C * LOGPROB_WORDS]`` int32 (sampled tokens, exit depths, then the tokens'
-    logprob records, zeros unless the token's ``coda_extras`` asks for them), the last token's samples
-    ``[C]`` (the next step's ``previous``) and its coda rows' exit states ``[C, D]``: a step whose
-    coda the host defers (a grammar's mask needs the token before it) samples those with the
-    separate sampler once the mask is known (``ModelRunner.complete``)."""
+    logprob records, zeros unless the token's ``coda_extras`` asks for them), the last token's
+    samples ``[C]`` (the next step's ``previous``) and its coda rows' exit states ``[C, D]``: a step
+    whose coda the host defers (a grammar's mask or a penalty's counts need the token before)
+    samples those with the separate sampler once they are known (``ModelRunner.complete``)."""
     key, T = kw["key"], kw["config"].num_loops
     n = packed.shape[0]
     R, C = key.R, key.C

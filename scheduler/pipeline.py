@@ -29,7 +29,7 @@ class StepPipeline:
         # plan -> None, called right after a one-loop plan's launch (prompt logprobs read its ring rows)
         self.after_launch = after_launch
         # plan -> what its coda rows need of the sampler beyond the descriptor (a dict of keywords
-        # of ``runner.step``: structured outputs' bitmask, logprobs), empty for most plans
+        # of ``runner.step`` / ``runner.complete``: a grammar's bitmask, logprobs, penalties)
         self.sampler_inputs = sampler_inputs
         self._pending = None  # (plan, result): launched ahead, not yet applied
 
@@ -60,7 +60,7 @@ class StepPipeline:
 
     def launch(self, plan, defer: bool = False):
         """``runner.step`` of ``plan``, with the sampler inputs its coda rows need (``sampler_inputs``).
-        A plan whose coda is deferred (a guided fused step) has its coda sampled at once, or with
+        A plan whose coda is deferred (a guided or penalised fused step) has it sampled at once, or with
         ``defer`` (launched ahead, before the tokens its mask depends on were read) by the
         ``advance`` or ``drain`` that applies it."""
         if plan.deferred_coda:
@@ -75,7 +75,7 @@ class StepPipeline:
         return result
 
     def _complete(self, plan, result) -> None:
-        """Sample a deferred coda under the mask its rows' grammars give now."""
+        """Sample a deferred coda with what its rows' grammars and penalties give now."""
         if plan.deferred_coda and result.deferred is not None:
             self.runner.complete(result, **(self.sampler_inputs(plan) if self.sampler_inputs else {}))
 
