@@ -945,7 +945,11 @@ def serve_features_section(res: dict) -> str:
             "shared",
             "same tokens",
         ]
-        out += "\n\n" + _table(head, n_rows)
+        out += (
+            "\n\n" + _table(head, n_rows) + "\n\nSame tokens: choice j against the request seeded seed + j alone. "
+            "In bfloat16 the batch a prompt is computed in changes its rounding, so sampled choices can part; "
+            "in float32 they are equal (tests/engine/test_choices.py)."
+        )
     return out
 
 
