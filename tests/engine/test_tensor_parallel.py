@@ -198,13 +198,13 @@ for mode in {modes}:
         if tp == 2:  # every shard's copy of the replicated results must agree (one decision, not N)
             launch = llm.runner.launch
 
-            def checked(key, packed, sample=False, mask=None, launch=launch):
-                gates, tokens = launch(key, packed, sample, mask)
+            def checked(key, packed, sample=False, mask=None, adjust=None, launch=launch):
+                gates, tokens, records = launch(key, packed, sample, mask, adjust)
                 for arr in (gates, tokens, llm.runner.ring):
                     shards = [np.asarray(s.data) for s in arr.addressable_shards]
                     if any(not np.array_equal(shards[0], s) for s in shards[1:]):
                         diverged.append(str(key))
-                return gates, tokens
+                return gates, tokens, records
 
             llm.runner.launch = checked
         for name, sp in sps.items():
