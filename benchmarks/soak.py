@@ -186,14 +186,14 @@ class Load:
             ("wrong_type", "POST", "/v1/completions", dict(good, max_tokens="ten"), True),
             ("negative_max_tokens", "POST", "/v1/completions", dict(good, max_tokens=-1), True),
             ("unknown_model", "POST", "/v1/completions", dict(good, model="no-such-model"), True),
-            ("n_2", "POST", "/v1/completions", dict(good, n=2), True),
+            ("n_0", "POST", "/v1/completions", dict(good, n=0), True),
             ("too_long", "POST", "/v1/completions", dict(good, prompt=[1] * self.L, max_tokens=8), True),
             ("empty_messages", "POST", "/v1/chat/completions", dict(model=MODEL_NAME, messages=[]), True),
             ("unknown_route", "GET", "/v1/no-such-route", None, True),
             ("unknown_field", "POST", "/v1/completions", dict(good, frobnicate=1, max_tokens=2), True),
             ("bad_role", "POST", "/v1/chat/completions", dict(self.chat_body(rng), messages=[
                 {"role": "wizard", "content": "w1"}], max_tokens=2), True),
-            ("unsupported_penalty", "POST", "/v1/completions", dict(good, presence_penalty=0.5), True),
+            ("penalty_out_of_range", "POST", "/v1/completions", dict(good, presence_penalty=2.5), True),
         ]  # fmt: skip
         return rng.choice(variants)
 
