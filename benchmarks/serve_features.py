@@ -7,8 +7,9 @@ without it, one engine, one run (issue #34):
 Per concurrency ``c`` (``kind: "tpot"``), TPOT p50 of ``c`` streams that run to ``--output-tokens``:
 ``free``; ``json_schema`` (a schema whose string must run past the length, so every stream ends by
 length; guided rows decode in fused steps of one token, the host filling the mask in between);
-``top_logprobs=5``; ``penalties`` (presence and frequency penalties: such rows decode loop by
-loop). ``ratio`` is the path's TPOT over ``free``'s, measured in turn on the same engine.
+``top_logprobs=5``; ``penalties`` (presence and frequency penalties: fused steps of one token with
+the coda deferred, as guided rows). ``ratio`` is the path's TPOT over ``free``'s, measured in turn
+on the same engine.
 
 ``kind: "n"``: ``n=4`` choices of one ``--prompt-tokens`` prompt against 4 separate requests of
 it (prefix caching off, the engine's default): wall time, time to the last first token and the

@@ -687,10 +687,7 @@ class LLM:
             except TypeError:  # an unhashable id names no request
                 return False
             req = self._live.pop(request_id)
-            self._matchers.pop(request_id, None)
-            self._logprob_ids.discard(request_id)
-            self._adjusting.pop(request_id, None)
-            self._prompt_lp_ids.discard(request_id)
+            self._forget(request_id)
             self._unreported[request_id] = self._output(req)
             if not self.scheduler.has_unfinished():
                 self._pipeline.drain()  # a step launched ahead held only ended requests: nothing to hand out
@@ -723,12 +720,10 @@ class LLM:
                     self.scheduler.abort(rid)
                 self._pipeline.drain()
             finally:
+                for rid in self._live:  # every request the sampler keeps anything of is live
+                    self._forget(rid)
                 self._live.clear()
                 self._unreported.clear()
-                self._matchers.clear()
-                self._logprob_ids.clear()
-                self._adjusting.clear()
-                self._prompt_lp_ids.clear()
                 self._prompt_lp_pending.clear()
                 self.runner.close()
 
@@ -770,11 +765,17 @@ class LLM:
                 self._feed_matcher(d)
             if d.finished:
                 del self._live[d.request_id]
-                self._logprob_ids.discard(d.request_id)
-                self._adjusting.pop(d.request_id, None)
-                self._prompt_lp_ids.discard(d.request_id)
+                self._forget(d.request_id)
             outs.append(self._output(req, with_text=d.finished))
         return outs
+
+    def _forget(self, rid) -> None:
+        """Drop what the sampler kept for a request that finished or was aborted (its grammar
+        matcher, its logprob and penalty bookkeeping)."""
+        self._matchers.pop(rid, None)
+        self._logprob_ids.discard(rid)
+        self._adjusting.pop(rid, None)
+        self._prompt_lp_ids.discard(rid)
 
     def _feed_matcher(self, d) -> None:
         """A guided request's new tokens into its grammar matcher (the next mask depends on them)."""
@@ -784,8 +785,6 @@ class LLM:
                 break  # the eos the complete grammar allowed: the request ends with it
             if not m.accept(t):  # the mask allowed it: only an engine bug lands here
                 raise RuntimeError(f"request {d.request_id!r}: token {t} is outside its grammar")
-        if d.finished:
-            del self._matchers[d.request_id]
 
     def _queue_prompt_logprobs(self, plan) -> None:
         """Right after ``plan``'s launch: the logprobs of the next prompt token at every prompt
@@ -902,10 +901,7 @@ class LLM:
                     self.scheduler.abort(rid)
                     del self._live[rid]
                 self._unreported.pop(rid, None)
-                self._matchers.pop(rid, None)
-                self._logprob_ids.discard(rid)
-                self._adjusting.pop(rid, None)
-                self._prompt_lp_ids.discard(rid)
+                self._forget(rid)
             if not self.scheduler.has_unfinished():
                 self._pipeline.drain()
 
