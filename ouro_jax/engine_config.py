@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from pallas_kernels.choices import ATTENTION
 from scheduler.options import choice
 from scheduler.scheduler import KV_ALLOCATIONS, KV_LAYOUTS, POLICIES, PREFILL_MODES
+from scheduler.speculation import SpeculativeConfig, speculative_option
 
 from . import envs
 
@@ -326,6 +327,15 @@ class EngineConfig:
         "fitted online (default: off)",
         check=_optional(_positive_number),
         compile_free=True,
+    )
+    speculative_config: Optional[SpeculativeConfig] = _field(
+        section="scheduler",
+        help='self-speculative decoding, as JSON or a dict: {"method": "loops", "draft_loops": d, '
+        '"num_speculative_tokens": k} drafts k + 1 tokens with d loops each and verifies them at full depth '
+        "in one pass (greedy tokens unchanged; default: off)",
+        check=speculative_option,
+        compile_free=True,  # its rounds are executables of their own, keyed by d and k
+        metavar="JSON",
     )
     # -------------------------------------------------------------- compile and runner
     compile_cache_dir: Optional[str] = _field(

@@ -491,6 +491,8 @@ class LLM:
                 "fused_decode_max_rows must be 0 with tensor_parallel_size > 1 on the GPU: XLA crashes "
                 "compiling the fused decode step under shard_map (docs/decisions.md, 'Fused decode steps')"
             )
+        if cfg.speculative_config is not None and tp > 1:
+            raise ValueError("speculative_config runs on one device: tensor_parallel_size must be 1")
         if cfg.fused_decode_max_rows is None:
             # one executable per row bucket up to the default; several tokens per step hand tokens
             # out in bursts, so that stays opt-in (docs/decisions.md, "Fused decode steps")
@@ -507,7 +509,8 @@ class LLM:
         (``(key, n)``) when ``fused_decode_max_rows`` is set, and the separate samplers of the
         buckets' coda sizes (``SamplerKey``: small, launched only when a coda row samples)."""
         buckets = list(self.scheduler.bucket_spec.keys())
-        return buckets + self.scheduler_config.fused_steps() + self.runner.sampler_keys(buckets)
+        sc = self.scheduler_config
+        return buckets + sc.fused_steps() + self.runner.sampler_keys(buckets) + sc.spec_rounds()
 
     # ------------------------------------------------------------------------------ setup
     @staticmethod
@@ -1054,6 +1057,8 @@ class LLM:
             host_time_per_launch_s=host / max(1, s["launches"]),
             compilations=r.compilations,
             sampler_launches=r.sampler_launches,
+            spec_draft_time_s=r.spec_draft_time,
+            spec_verify_time_s=r.spec_verify_time,
             store_loads=r.store_loads,
             compile_time_s=r.compile_time,
             warmup_time_s=self.warmup_time,

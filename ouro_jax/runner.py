@@ -56,9 +56,10 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.dispatch import resolve_attention
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import StepResult
+from scheduler.speculation import SpecDescriptor, SpecKey
 from weights.config import OuroConfig
 
-from . import fused_step
+from . import fused_step, speculative
 from .compiler_options import step_options
 from .engine_config import EngineConfig
 from .executable_store import ExecutableStore, fresh_compile, jax_cache_hits_in_thread
@@ -163,8 +164,26 @@ class _DeferredTokens:
 
 
 def is_fused(key) -> bool:
-    """Whether ``key`` names a fused decode step ``(BucketKey, n)`` (not a bucket or a sampler)."""
-    return not isinstance(key, (BucketKey, SamplerKey))
+    """Whether ``key`` names a fused decode step ``(BucketKey, n)`` (not a bucket, a sampler or a round)."""
+    return not isinstance(key, (BucketKey, SamplerKey, SpecKey))
+
+
+class _RoundResult:
+    """A round's result ``[C, 2 + 2 * positions]`` as the scheduler reads it; reading it first
+    waits for the draft's tokens, then for the verify, so that the runner learns how long each
+    took on the device (the host launched both at once and did nothing else meanwhile)."""
+
+    def __init__(self, runner: "ModelRunner", draft_tokens, out, launched: float):
+        self.runner, self.draft_tokens, self.out, self.launched = runner, draft_tokens, out, launched
+
+    def __array__(self, dtype=None, copy=None):
+        np.asarray(self.draft_tokens)
+        t = time.perf_counter()
+        out = np.asarray(self.out)
+        r = self.runner
+        r.spec_draft_time += max(0.0, t - self.launched)
+        r.spec_verify_time += time.perf_counter() - t
+        return out if dtype is None else out.astype(dtype)
 
 
 def samples(desc) -> bool:
@@ -229,7 +248,8 @@ class ModelRunner:
             attention=attention,
             interpret=interpret,
         )
-        fused = functools.partial(fused_step.lockstep, **step.keywords)
+        program_kw = dict(step.keywords)  # what every step program takes besides its key
+        fused = functools.partial(fused_step.lockstep, **program_kw)
         # one-loop steps leave sampling to a separate small executable, launched only when a coda
         # row samples: a lax.cond in the step made the GPU host wait for its predicate at the end
         # of every invocation (docs/decisions.md, "Sampling on the host's word"); under tensor
@@ -276,6 +296,15 @@ class ModelRunner:
                 next_ids,
             )
         )
+        # a round of self-speculative decoding: its draft and its verify (speculative.py); one device only
+        self._jitted_spec = {
+            stage: jax.jit(
+                _flat_params(functools.partial(fn, **program_kw), treedef),
+                static_argnames=("key",),
+                donate_argnums=(1, 2, 3),
+            )
+            for stage, fn in (("draft", speculative.draft), ("verify", speculative.verify))
+        }
         self._jitted = jax.jit(step, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
         self._jitted_fused = jax.jit(fused, static_argnames=("key",), donate_argnums=(1, 2, 3), **fused_kw)
         # per coda size: the last tokens the latest fused step sampled (its ``previous`` output),
@@ -299,6 +328,9 @@ class ModelRunner:
         self.wait_time = 0.0
         self.invocations = 0
         self.sampler_launches = 0  # separate sampler runs (one-loop invocations where a row sampled)
+        self.spec_rounds = 0  # rounds of self-speculative decoding launched
+        # seconds from a round's launch to its draft's end, and from there to its verify's end
+        self.spec_draft_time = self.spec_verify_time = 0.0
         # the latest launches' results, whose copies to the host ``close`` waits for: earlier
         # launches finished before these started (each step takes the pools the one before wrote)
         self._recent: collections.deque = collections.deque(maxlen=4)
@@ -356,9 +388,24 @@ class ModelRunner:
                 jax.ShapeDtypeStruct((ADJUST_ROW_WORDS, key.C), jnp.int32, sharding=on),
                 jax.ShapeDtypeStruct((ADJUST_ENTRY_WORDS, key.C, key.H), jnp.int32, sharding=on),
             )
+        on = self._upload_to if mesh else None
+        if isinstance(key, SpecKey):
+            extra = ()
+            if key.stage == "verify":  # the draft's tokens, depths, remaining mass and logits
+                C, R, k1, V = key.draft.C, key.draft.R, key.positions, self.config.vocab_size
+                shapes = (((k1, C), jnp.int32), ((k1, R), jnp.int32), ((k1, R), jnp.float32), ((k1, C, V), jnp.float32))
+                extra = tuple(jax.ShapeDtypeStruct(s, t, sharding=on) for s, t in shapes)
+            return self._jitted_spec[key.stage].lower(
+                tuple(sds(x) for x in self._param_leaves),
+                sds(self.k_pool),
+                sds(self.v_pool),
+                sds(self.ring),
+                jax.ShapeDtypeStruct(packed_shape(key), jnp.int32, sharding=on),
+                *extra,
+                key=key,
+            )
         fused = is_fused(key)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
-        on = self._upload_to if mesh else None
         extra = (jax.ShapeDtypeStruct((bucket.C,), jnp.int32, sharding=on),) if fused else ()
         return fn.lower(
             tuple(sds(x) for x in self._param_leaves),
@@ -434,7 +481,7 @@ class ModelRunner:
     def compiler_options(self, key) -> dict:
         """XLA options of ``key``'s executable: ``compiler_options.step_options`` with the engine's
         extra options for its kind (fused decode step or one loop)."""
-        fused = is_fused(key)
+        fused = is_fused(key) or isinstance(key, SpecKey)  # a round's loops run as a fused step's
         return step_options(fused, self.engine.fused_xla_options if fused else self.engine.step_xla_options)
 
     def _record_compile(self, key, exe, dt: float) -> None:
@@ -515,6 +562,10 @@ class ModelRunner:
         ``(row_words [4, C], entries [4, C, H])`` of logit bias, penalties and min-p
         (``sampling.adjust_logits``). ``defer_coda``: a fused step of one token whose tokens come
         from the separate sampler, launched by :meth:`complete` once the host knows their mask."""
+        if isinstance(desc, SpecDescriptor):
+            if bitmask is not None or logprobs or adjust is not None or defer_coda:
+                raise ValueError("a round of self-speculative decoding takes no bitmask, logprobs, penalties, deferral")
+            return self._step_round(desc)
         key = self.executable_key(desc)
         single = isinstance(key, BucketKey)
         if key not in self._exe:
@@ -553,6 +604,33 @@ class ModelRunner:
         self.invocations += 1
         self.dispatch_time += time.perf_counter() - t
         result = StepResult(gates, tokens, self._waited, logprobs=records)
+        self._recent.append(result)
+        return result
+
+    def _step_round(self, desc: SpecDescriptor) -> StepResult:
+        """Launch a round's draft and verify back to back (``speculative.py``); its tokens are the
+        verify's ``[C, 2 + 2 * positions]`` (``scheduler.speculation.split_spec_output``)."""
+        if self.mesh is not None:
+            raise ValueError("self-speculative decoding runs on one device (no tensor parallelism)")
+        draft_key, verify_key = desc.key.at("draft"), desc.key.at("verify")
+        for k in (draft_key, verify_key):
+            if k not in self._exe:
+                self._compile(k)  # not warmed up: counted in `compilations`
+        t = time.perf_counter()
+        packed = self.upload(desc)
+        t_call = time.perf_counter()
+        self.upload_time += t_call - t
+        leaves = self._param_leaves
+        kp, vp, ring, *state = self._exe[draft_key](leaves, self.k_pool, self.v_pool, self.ring, packed)
+        self.k_pool, self.v_pool, self.ring, out = self._exe[verify_key](leaves, kp, vp, ring, packed, *state)
+        launched = time.perf_counter()
+        self.call_time += launched - t_call
+        for arr in (state[0], out):
+            arr.copy_to_host_async()
+        self.invocations += 1
+        self.spec_rounds += 1
+        self.dispatch_time += launched - t
+        result = StepResult(np.zeros(0, np.float32), _RoundResult(self, state[0], out, launched), self._waited)
         self._recent.append(result)
         return result
 

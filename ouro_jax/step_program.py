@@ -26,6 +26,7 @@ from pallas_kernels.dispatch import choose_attention
 from pallas_kernels.rope import rope_cos_sin
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import HEADER, descriptor_layout, exit_words
+from scheduler.speculation import SpecKey, spec_layout
 from weights.config import OuroConfig
 
 from .model import OuroDecoderLayer, OuroModel, dtype_of
@@ -93,11 +94,13 @@ def coda_words(key: BucketKey, packed) -> jax.Array:
 def packed_shape(key) -> tuple[int, ...]:
     """The uploaded int32 array of an executable: ``[words]`` for a bucket key, ``[n, words +
     exit words]`` for a fused decode step ``(BucketKey, n)``, the coda words ``[5, C]`` for a
-    ``SamplerKey``."""
+    ``SamplerKey``, a round's flat array for either stage of a ``SpecKey`` (``spec_layout``)."""
     if isinstance(key, SamplerKey):
         return (len(CODA_FIELDS), key.C)
     if isinstance(key, BucketKey):
         return (packed_size(key),)
+    if isinstance(key, SpecKey):
+        return (spec_layout(key).size,)
     bucket, n = key
     return (n, packed_size(bucket) + exit_words(bucket))
 

@@ -73,6 +73,8 @@ class BatchPlan:
     sub_plans: Optional[list] = None  # fused decode: one plan per sub-step, in order
     # fused decode of guided rows: its coda is sampled after launch, once the host knows the mask
     deferred_coda: bool = False
+    # a round of self-speculative decoding (scheduler/speculation.py): draft and verify of its rows
+    speculative: bool = False
 
     def ranges_of(self, phase: Phase) -> list[ScheduledRange]:
         return [r for r in self.ranges if r.phase is phase]

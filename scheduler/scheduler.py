@@ -67,6 +67,14 @@ from .policies import Selection, WaitingQueue, make_policy
 from .request import Request, RequestStatus
 from .sampling_params import LOGPROB_WORDS, read_logprobs
 from .sizes import blocks_per_plane, descriptor_rows, kv_planes, ring_rows, ring_slots
+from .speculation import (
+    VERIFY_FIELDS,
+    SpecDescriptor,
+    SpecKey,
+    SpeculativeConfig,
+    speculative_option,
+    split_spec_output,
+)
 
 __all__ = ["SchedulerConfig", "Scheduler", "RequestDelta"]
 
@@ -117,8 +125,16 @@ class SchedulerConfig:
     fused_decode_max_rows: int = 0  # fused decode steps for up to this many rows; 0 = off
     fused_decode_tokens: int = 1  # tokens per fused decode step (each T loops)
     target_tpot_ms: Optional[float] = None  # decode TPOT the prompt share is sized for (latency_target.py); None = off
+    # self-speculative decoding (speculation.py): a dict, its JSON text or a SpeculativeConfig; None = off
+    speculative_config: Optional[SpeculativeConfig] = None
 
     def __post_init__(self):
+        try:
+            object.__setattr__(
+                self, "speculative_config", speculative_option("speculative_config", self.speculative_config)
+            )
+        except ValueError as e:
+            raise ValueError(f"SchedulerConfig: {e}") from None
         for name, choices in (
             ("kv_layout", KV_LAYOUTS),
             ("prefill_mode", PREFILL_MODES),
@@ -215,6 +231,31 @@ class SchedulerConfig:
             self.bucket_spec()
         except ValueError as e:
             raise ValueError(f"SchedulerConfig: buckets: {e}") from None
+        spec = self.speculative_config
+        if spec is not None:
+            try:
+                spec.check(self.num_loops)
+            except ValueError as e:
+                raise ValueError(f"SchedulerConfig: {e}") from None
+            need(
+                self.kv_layout == "last_exited",
+                "speculative_config needs kv_layout LAST_EXITED: with SHARED KV a position's loop 0 reads the "
+                "final KV of every earlier position, so the positions of a round cannot be verified together",
+            )
+            need(
+                self.fused_decode_max_rows >= 1,
+                "speculative_config needs fused decode steps (fused_decode_max_rows >= 1): a round runs on their path",
+            )
+            need(
+                self.ring_rows_per_request >= spec.positions,
+                f"speculative_config: a round keeps {spec.positions} hidden states per request in its ring region "
+                f"of {self.ring_rows_per_request} rows: raise prefill_chunk_size or lower num_speculative_tokens",
+            )
+            need(
+                self.target_tpot_ms is None,
+                "speculative_config does not take a target_tpot_ms yet: the latency target's cost model "
+                "knows loops, not rounds",
+            )
 
     # ----------------------------------------------------------------- derived
     @property
@@ -255,6 +296,19 @@ class SchedulerConfig:
         top = spec.key_for(self.fused_decode_max_rows).R
         ns = sorted({self.num_loops, self.num_loops * self.fused_decode_tokens})
         return [(spec.key_for_bucket(r), n) for r in spec.row_buckets if r <= top for n in ns]
+
+    def spec_rounds(self) -> list[SpecKey]:
+        """Both executables (``stage`` draft and verify) of every round a run can launch: ``n``
+        requests (up to ``fused_decode_max_rows``, and as many as the largest bucket verifies) draft
+        in the bucket of ``n`` rows and verify in the bucket of ``n * positions``."""
+        spec = self.speculative_config
+        if spec is None:
+            return []
+        bs = self.bucket_spec()
+        top = min(self.fused_decode_max_rows, bs.row_buckets[-1] // spec.positions)
+        pairs = dict.fromkeys((bs.key_for(n), bs.key_for(n * spec.positions)) for n in range(1, top + 1))
+        keys = [SpecKey(bd, bv, spec.draft_loops, spec.positions, self.num_loops) for bd, bv in pairs]
+        return [k.at(stage) for k in keys for stage in ("draft", "verify")]
 
     def bucket_spec(self) -> BucketSpec:
         return BucketSpec(
@@ -584,6 +638,10 @@ class Scheduler:
             self._stats["schedule_time_s"] += time.perf_counter() - t0
             return None
         sel = self._align_for_fusion(sel)
+        if self._speculates(sel, finalize):
+            plan = self._inflight = self.spec_plan(sel.decode, finalize)
+            self._stats["schedule_time_s"] += time.perf_counter() - t0
+            return plan
         fused = self._fused_tokens(sel, finalize)
         if fused:
             plan = self._inflight = self.fused_plan(sel.decode, finalize, fused)
@@ -780,6 +838,8 @@ class Scheduler:
             return None  # aborted since
         if not self._fusion_candidates(Selection("decode", rows, [], 1)):
             return None
+        if self.config.speculative_config is not None and all(self._speculable(r) for r in rows):
+            return None  # its next step is a round, whose positions depend on what this one gives
         done = len(plan.sub_plans) // self.num_loops  # tokens the step in flight gives every row
         want = self._tokens_that_fit(rows, done)
         if not want:
@@ -941,6 +1001,169 @@ class Scheduler:
                     self.latency.observe_loops(depths[i] + 1)
                 self._emit(req, int(toks[i]), depths[i], deltas, None if records is None else records[i])
 
+    # ------------------------------------------------------------- speculation
+    def _speculable(self, req: Request) -> bool:
+        """Whether ``req``'s tokens may come from rounds: its coda needs nothing of the host per
+        token (a grammar's mask, penalties' counts) and it asks for no logprobs."""
+        sp = req.sampling_params
+        return not _host_coda(sp) and sp.logprobs is None
+
+    def _speculates(self, sel, finalize: list) -> bool:
+        """Whether the next step is a round of self-speculative decoding (``speculation.py``): the
+        rows could run a fused step (``_fusion_candidates``), all at depth 0, every one speculable
+        with the blocks of ``positions`` positions (no preemption, within ``max_model_len``),
+        and the buckets hold the draft (within ``fused_decode_max_rows``) and the verify."""
+        spec = self.config.speculative_config
+        if spec is None or not self._fusion_candidates(sel):
+            return False
+        rows, k1, bs = sel.decode, spec.positions, self.bucket_spec
+        if any(r.decode_depth or not self._speculable(r) for r in rows):
+            return False
+        n, pairs = len(rows), len(finalize) // 2
+        if (
+            bs.key_for(descriptor_rows(n, n, n, pairs, self.num_loops)).R
+            > bs.key_for(self.config.fused_decode_max_rows).R
+        ):
+            return False
+        if n * k1 > bs.row_buckets[-1]:
+            return False
+        # a row with fewer tokens left still drafts every position (``update`` keeps what it may)
+        end = self.config.max_model_len
+        return all(r.position_in_flight + k1 <= end and self._grow_to(r, r.position_in_flight + k1) for r in rows)
+
+    def spec_plan(self, rows: list[Request], finalize: list) -> BatchPlan:
+        """A round for ``rows`` (``SpecDescriptor``): ``positions`` draft tokens of ``d`` loops, each
+        the descriptors the loop-by-loop path builds for those loops, position ``p + j`` in ring row
+        ``base + j``; then ``T - d`` verify loops of every row's positions as one segment. Every
+        position carries its token's sampling and exit words (``device_exit_params``, the synthetic
+        draw of its token index); pending finalize copies go with the first draft sub-step."""
+        cfg, T = self.config, self.num_loops
+        spec = cfg.speculative_config
+        d, k1 = spec.draft_loops, spec.positions
+        fin = np.fromiter(finalize, np.int64, len(finalize)).reshape(-1, 2)
+        n = len(rows)
+        slots = np.array([r.batch_slot for r in rows], np.int64)
+        bases = np.array([r.ring_base for r in rows], np.int64)
+        pos0 = np.array([r.position_in_flight for r in rows], np.int64)
+        k0 = np.array([len(r.output_token_ids) for r in rows], np.int64)
+        p = [r.sampling_params for r in rows]
+        samp = dict(
+            temperature=np.array([x.temperature for x in p], np.float64),
+            top_k=np.array([x.top_k for x in p], np.float64),
+            top_p=np.array([x.top_p for x in p], np.float64),
+            seed=np.array([x.seed for x in p], np.uint32),
+        )
+        exits = np.zeros((4, k1, n), np.float64)  # device_exit_params per position and row
+        for i, r in enumerate(rows):
+            for j in range(k1):
+                target = None
+                if p[i].exit_mode == "synthetic":
+                    target = r.decode_target_loops if j == 0 else synthetic_exit_loops(p[i], T, r.request_id, k0[i] + j)
+                exits[:, j, i] = device_exit_params(p[i], T, target)
+        last = np.array([r.output_token_ids[-1] for r in rows], np.int64)
+        empty = np.zeros(0, np.int64)
+        draft, key = [], None
+        for j in range(k1):
+            descs = build_decode_loops(
+                self.bucket_spec,
+                self.block_manager.tables,
+                seg_slot=slots,
+                planes=list(range(d)),
+                seg_pos=pos0 + j,
+                seg_ring=bases + j,
+                pre_token=last if j == 0 else np.zeros(n, np.int64),
+                coda=dict(row=np.arange(n), step=k0 + j, **samp),
+                fin_src=fin[:, 0] if j == 0 else empty,
+                fin_dst=fin[:, 1] if j == 0 else empty,
+                feed_previous_tokens=j > 0,  # the token the draft sampled at position p + j - 1
+                key=key,
+            )
+            key = descs[0].key
+            draft += descs
+        verify, vkey = [], None
+        for i in range(T - d):
+            desc = build_descriptor(
+                self.bucket_spec,
+                self.block_manager.tables,
+                seg_slot=slots,
+                seg_plane=np.full(n, d + i),
+                seg_pos=pos0,
+                seg_len=np.full(n, k1),
+                seg_ring=bases,
+                pre_ring=empty,
+                pre_token=empty,
+                coda_row=empty,
+                coda_temperature=empty,
+                coda_top_k=empty,
+                coda_top_p=empty,
+                coda_seed=empty.astype(np.uint32),
+                coda_step=empty,
+                fin_src=empty,
+                fin_dst=empty,
+                key=vkey,
+            )
+            vkey = desc.key
+            verify.append(desc)
+        words = np.zeros((len(VERIFY_FIELDS), vkey.R), np.int32)
+        w = {name: words[i] for i, name in enumerate(VERIFY_FIELDS)}
+        w["exit_threshold"].view(np.float32)[:] = 1.0  # padding rows: the gate off
+        rows_of = slice(0, n * k1)  # verify row i * k1 + j
+        w["temperature"].view(np.float32)[rows_of] = np.repeat(samp["temperature"], k1)
+        w["top_k"][rows_of] = np.repeat(samp["top_k"], k1)
+        w["top_p"].view(np.float32)[rows_of] = np.repeat(samp["top_p"], k1)
+        w["seed"].view(np.uint32)[rows_of] = np.repeat(samp["seed"], k1)
+        w["step"][rows_of] = (k0[:, None] + np.arange(k1)[None, :]).ravel()
+        for f, name in enumerate(("exit_limit", "exit_min_loops", "exit_delay")):
+            w[name][rows_of] = exits[f].T.ravel()
+        w["exit_threshold"].view(np.float32)[rows_of] = exits[3].T.ravel()
+        ranges = [
+            ScheduledRange(r.request_id, Phase.DECODE, 0, int(pos0[i]), k1, int(pos0[i]), int(bases[i]), i)
+            for i, r in enumerate(rows)
+        ]
+        plan = BatchPlan(
+            step=self._step,
+            kind="spec_decode",
+            ranges=ranges,
+            coda=[],
+            finalize=fin,
+            needs_gates=False,
+            needs_tokens=True,
+            loop_count=1,
+            num_rows=n,
+            descriptor=SpecDescriptor(StackedDescriptor(draft, d, tuple(exits)), verify, words, k1),
+            speculative=True,
+        )
+        self._step += 1
+        st = self._stats
+        st["launches"] += 1
+        st["spec_rounds"] += 1
+        return plan
+
+    def _apply_spec(self, plan: BatchPlan, out: np.ndarray, deltas: dict) -> None:
+        """Apply a round: each row's kept tokens and exit depths in order, as plain decoding would
+        emit them (a stop token or ``max_tokens`` ends a row there; its later tokens are dropped),
+        and the counters of acceptance (a row's drafts accepted in a row, of ``positions``)."""
+        k1 = plan.descriptor.key.positions
+        if out.ndim != 2 or out.shape[0] < plan.num_rows or out.shape[1] < 2 + 2 * k1:
+            raise ValueError(
+                f"Scheduler.update: a round returns [>= {plan.num_rows}, {2 + 2 * k1}] int32, got shape {out.shape}"
+            )
+        accepted, count, toks, depths = split_spec_output(out, k1)
+        if plan.num_rows and (count[: plan.num_rows].min() < 1 or count[: plan.num_rows].max() > k1):
+            raise ValueError(f"Scheduler.update: a round kept a token count outside [1, {k1}]")
+        st = self._stats
+        for r in plan.ranges:
+            i = r.row_start
+            st["spec_row_rounds"] += 1
+            st["spec_proposed_tokens"] += k1
+            st["spec_accepted_tokens"] += int(accepted[i])
+            st["spec_round_tokens"] += int(count[i])
+            req = self._requests.get(r.request_id)
+            for t, e in zip(toks[i, : count[i]].tolist(), depths[i, : count[i]].tolist()):
+                if req is None or req.status is not RequestStatus.RUNNING:
+                    break  # aborted while in flight, or ended by an earlier token of this round
+                self._emit(req, t, e, deltas)
+
     # ------------------------------------------------------------------ update
     def update(
         self,
@@ -959,7 +1182,9 @@ class Scheduler:
             raise RuntimeError("Scheduler.update: this plan is not the oldest one in flight")
         t0 = time.perf_counter()
         deltas: dict[object, RequestDelta] = {}
-        if plan.sub_plans is None:
+        if plan.speculative:
+            self._apply_spec(plan, np.asarray(tokens() if callable(tokens) else tokens), deltas)
+        elif plan.sub_plans is None:
             lps = None
             if logprobs is not None:
                 lps = _Lazy(logprobs, "logprobs", len(plan.coda) * LOGPROB_WORDS, LOGPROB_WORDS)
@@ -1118,8 +1343,16 @@ class Scheduler:
             "prefix_cache_hit_tokens",
             "prefix_cache_queried_tokens",
             "shared_prompt_tokens",
+            "spec_rounds",
+            "spec_row_rounds",
+            "spec_proposed_tokens",
+            "spec_accepted_tokens",
+            "spec_round_tokens",
         ):
             st.setdefault(k, 0)
+        # accepted drafts of those proposed, and tokens a row got per round (1 .. positions)
+        st["spec_acceptance"] = st["spec_accepted_tokens"] / max(1, st["spec_proposed_tokens"])
+        st["spec_mean_accepted_length"] = st["spec_round_tokens"] / max(1, st["spec_row_rounds"])
         st["prefix_cache_hit_rate"] = st["prefix_cache_hit_tokens"] / max(1, st["prefix_cache_queried_tokens"])
         st.setdefault("schedule_time_s", 0.0)
         st.setdefault("update_time_s", 0.0)

@@ -29,9 +29,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional
+from typing import NamedTuple, Optional
 
-__all__ = ["SpeculativeConfig", "speculative_option", "METHODS"]
+import numpy as np
+
+from .buckets import BucketKey
+from .descriptor import EXIT_FIELDS, BatchDescriptor, StackedDescriptor, descriptor_layout, exit_words
+
+__all__ = [
+    "METHODS",
+    "SpecDescriptor",
+    "SpecKey",
+    "SpeculativeConfig",
+    "VERIFY_FIELDS",
+    "spec_layout",
+    "spec_output_width",
+    "speculative_option",
+    "split_spec_output",
+]
 
 METHODS = ("loops",)
 
@@ -94,3 +109,97 @@ def speculative_option(name: str, value) -> Optional[SpeculativeConfig]:
     if unknown:
         raise ValueError(f"{name}: unknown key(s) {unknown}; known: {sorted(known)}")
     return SpeculativeConfig(**value)
+
+
+# ------------------------------------------------------------------------------- descriptors
+#: Per verify row ``r = i * positions + j`` (request ``i``, position ``p + j``): the sampling words
+#: of its token (float32 / uint32 as bits) and its exit words (``descriptor.EXIT_FIELDS``).
+VERIFY_FIELDS = ("temperature", "top_k", "top_p", "seed", "step") + EXIT_FIELDS
+
+
+class SpecKey(NamedTuple):
+    """The executables of a round: the draft's bucket (a row per request), the verify's bucket (a
+    row per request and position), the draft's loops, the positions per request, the model's
+    loops; ``stage`` names one of the two executables (``"draft"`` or ``"verify"``)."""
+
+    draft: BucketKey
+    verify: BucketKey
+    draft_loops: int
+    positions: int
+    num_loops: int
+    stage: str = "draft"
+
+    def at(self, stage: str) -> "SpecKey":
+        return self._replace(stage=stage)
+
+
+class SpecLayout(NamedTuple):
+    """Where a round's parts lie in its packed int32 array (offsets and shapes in words)."""
+
+    draft_offset: int
+    draft_shape: tuple  # [positions * d, draft words + exit words]
+    verify_offset: int
+    verify_shape: tuple  # [T - d, verify words]
+    words_offset: int
+    words_shape: tuple  # [len(VERIFY_FIELDS), verify R]
+    size: int
+
+
+def _words(key: BucketKey) -> int:
+    last = descriptor_layout(key)[-1]
+    return last.offset + last.size
+
+
+def spec_layout(key: SpecKey) -> SpecLayout:
+    draft_shape = (key.positions * key.draft_loops, _words(key.draft) + exit_words(key.draft))
+    verify_shape = (key.num_loops - key.draft_loops, _words(key.verify))
+    words_shape = (len(VERIFY_FIELDS), key.verify.R)
+    sizes = [int(np.prod(s)) for s in (draft_shape, verify_shape, words_shape)]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    return SpecLayout(offsets[0], draft_shape, offsets[1], verify_shape, offsets[2], words_shape, offsets[3])
+
+
+class SpecDescriptor:
+    """A round in the runner's words: ``draft``, a ``StackedDescriptor`` of ``positions`` tokens of
+    ``d`` loops each (the descriptors the loop-by-loop path builds for those loops, ring row
+    ``base + j`` for position ``p + j``; finalize pairs pending from before on its first
+    sub-step); ``verify``, ``T - d`` descriptors of one bucket, loop ``d + i`` of every request's
+    ``positions`` rows as one segment (no prelude, no coda); ``words [len(VERIFY_FIELDS), R]``, each
+    verify row's sampling and exit words. ``pack()`` is one flat int32 array (``spec_layout``)."""
+
+    def __init__(self, draft: StackedDescriptor, verify: list[BatchDescriptor], words: np.ndarray, positions: int):
+        if not verify or any(v.key != verify[0].key for v in verify):
+            raise ValueError("SpecDescriptor: the verify needs one or more descriptors of one key")
+        T = draft.num_loops + len(verify)
+        self.key = SpecKey(draft.key, verify[0].key, draft.num_loops, positions, T)
+        if draft.num_tokens != positions:
+            raise ValueError(f"SpecDescriptor: the draft holds {draft.num_tokens} tokens, the round {positions}")
+        self.draft, self.verify, self.words = draft, verify, words
+        if words.shape != spec_layout(self.key).words_shape:
+            raise ValueError(f"SpecDescriptor: words must be {spec_layout(self.key).words_shape}, got {words.shape}")
+
+    @property
+    def num_requests(self) -> int:
+        return self.draft.steps[0].num_rows
+
+    def pack(self) -> np.ndarray:
+        return np.concatenate(
+            [self.draft.pack().ravel(), np.stack([v.pack() for v in self.verify]).ravel(), self.words.ravel()]
+        )
+
+    def __repr__(self) -> str:
+        k = self.key
+        return f"SpecDescriptor(requests={self.num_requests}, d={k.draft_loops}, positions={k.positions})"
+
+
+def spec_output_width(positions: int) -> int:
+    """Int32 words a round returns per request: accepted drafts, tokens kept, then the tokens and
+    their exit depths of every position (``split_spec_output``)."""
+    return 2 + 2 * positions
+
+
+def split_spec_output(out: np.ndarray, positions: int):
+    """A round's ``[C, 2 + 2 * positions]`` -> ``(accepted [C], count [C], tokens [C, positions],
+    depths [C, positions])``; a request's first ``count`` tokens are its output."""
+    out = np.asarray(out)
+    return out[:, 0], out[:, 1], out[:, 2 : 2 + positions], out[:, 2 + positions : 2 + 2 * positions]
