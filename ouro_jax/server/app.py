@@ -474,8 +474,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         for i, loop in enumerate(getattr(state.engine, "replicas", [state.engine])):
-            s = loop.state
-            state.metrics.engine_state(s["running"], s["waiting"], s["kv_usage"], replica=i)
+            state.metrics.engine_state(loop.state, replica=i)
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -25,7 +25,16 @@ from typing import Any, Callable, Optional, Sequence
 
 log = logging.getLogger("ouro_jax.server")
 
-__all__ = ["EngineLoop", "TokenEvent", "EngineDead"]
+__all__ = ["EngineLoop", "TokenEvent", "EngineDead", "SPEC_STATE"]
+
+#: The engine's self-speculative counters a loop publishes for ``/metrics`` (``LLM.stats`` names)
+SPEC_STATE = (
+    "spec_acceptance",
+    "spec_mean_accepted_length",
+    "spec_row_rounds",
+    "spec_draft_time_s",
+    "spec_verify_time_s",
+)
 
 
 @dataclasses.dataclass
@@ -219,6 +228,7 @@ class EngineLoop(BoundedQueue):
                 sink.push(ev)
 
     def _publish_state(self) -> None:
+        """The engine's state for ``/metrics`` (``ServerMetrics.engine_state``), from its stats."""
         st = self.last_stats = self.llm.stats()
         usable = max(1, st["kv_blocks"] - 1)
         self.state = dict(
@@ -226,6 +236,7 @@ class EngineLoop(BoundedQueue):
             waiting=st["waiting"] + self._cmds.qsize(),
             kv_usage=1.0 - st["free_blocks"] / usable,
             steps=self.state["steps"],
+            **{k: st[k] for k in SPEC_STATE},
         )
 
     def _run(self) -> None:

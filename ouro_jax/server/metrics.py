@@ -47,6 +47,16 @@ class ServerMetrics:
             labelnames=("model_name", "replica", "reason"),
             registry=r,
         )
+        # self-speculative decoding (engine stats, totals since start; zero when it is off)
+        self.spec_acceptance = Gauge(
+            "ouro_spec_acceptance_ratio", "Self-speculative drafts accepted, of those proposed (0..1)", **rep
+        )
+        self.spec_length = Gauge(
+            "ouro_spec_mean_accepted_length", "Tokens a request got per self-speculative round (1..k+1)", **rep
+        )
+        self.spec_rounds = Gauge("ouro_spec_request_rounds", "Self-speculative rounds, counted once per request", **rep)
+        self.spec_draft_s = Gauge("ouro_spec_draft_seconds", "Device seconds of the rounds' drafts", **rep)
+        self.spec_verify_s = Gauge("ouro_spec_verify_seconds", "Device seconds of the rounds' verifies", **rep)
         self.mean_loops = Gauge("ouro_mean_loops_per_token", "Mean loops per generated token so far", **lbl)
         self.model_name = model_name
         self._loops = 0
@@ -73,11 +83,18 @@ class ServerMetrics:
     def request_rejected(self, status: int) -> None:
         self.requests.labels(self.model_name, str(status)).inc()
 
-    def engine_state(self, running: int, waiting: int, kv_usage: float, replica: int = 0) -> None:
+    def engine_state(self, state: dict, replica: int = 0) -> None:
+        """An engine loop's published ``state`` (``EngineLoop._publish_state``)."""
         m, r = self.model_name, str(replica)
-        self.running.labels(m, r).set(running)
-        self.waiting.labels(m, r).set(waiting)
-        self.kv_usage.labels(m, r).set(kv_usage)
+        self.running.labels(m, r).set(state["running"])
+        self.waiting.labels(m, r).set(state["waiting"])
+        self.kv_usage.labels(m, r).set(state["kv_usage"])
+        if "spec_row_rounds" in state:
+            self.spec_acceptance.labels(m, r).set(state["spec_acceptance"])
+            self.spec_length.labels(m, r).set(state["spec_mean_accepted_length"])
+            self.spec_rounds.labels(m, r).set(state["spec_row_rounds"])
+            self.spec_draft_s.labels(m, r).set(state["spec_draft_time_s"])
+            self.spec_verify_s.labels(m, r).set(state["spec_verify_time_s"])
 
     def request_routed(self, replica: int, reason: str) -> None:
         self.routed.labels(self.model_name, str(replica), reason).inc()

@@ -224,3 +224,37 @@ def test_bad_speculative_configs_fail_before_any_work():
         engine(speculative_config={**SPEC, "num_speculative_tokens": 8})
     with pytest.raises(ValueError, match="fused decode"):
         engine(speculative_config=SPEC, fused_decode_max_rows=0)
+
+
+def test_the_option_as_flag_dict_and_json():
+    """``--speculative-config`` takes JSON, ``LLM`` a dict or the config; ``to_argv`` gives the flag back."""
+    import argparse
+
+    from ouro_jax.engine_config import EngineConfig, add_arguments, from_arguments, to_argv
+    from scheduler.speculation import SpeculativeConfig
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, ["scheduler"])
+    got = from_arguments(p.parse_args(["--speculative-config", '{"draft_loops": 2, "num_speculative_tokens": 4}']))
+    cfg = EngineConfig(**got)
+    assert cfg.speculative_config == SpeculativeConfig(draft_loops=2, num_speculative_tokens=4)
+    assert EngineConfig(speculative_config=dict(SPEC)).speculative_config == SpeculativeConfig(1, 3)
+    again = from_arguments(p.parse_args(to_argv({"speculative_config": cfg.speculative_config})))
+    assert EngineConfig(**again) == cfg
+    with pytest.raises(ValueError, match="method must be one of"):
+        EngineConfig(speculative_config={"method": "ngram"})
+
+
+def test_metrics_show_the_engines_acceptance():
+    from ouro_jax.server.engine_loop import SPEC_STATE
+    from ouro_jax.server.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    state = dict(running=1, waiting=0, kv_usage=0.5, spec_acceptance=0.75, spec_mean_accepted_length=2.5)
+    state.update(spec_row_rounds=8, spec_draft_time_s=0.25, spec_verify_time_s=0.5)
+    assert set(SPEC_STATE) <= set(state)
+    m.engine_state(state, replica=0)
+    text = m.render().decode()
+    assert 'ouro_spec_acceptance_ratio{model_name="m",replica="0"} 0.75' in text
+    assert 'ouro_spec_mean_accepted_length{model_name="m",replica="0"} 2.5' in text
+    assert 'ouro_spec_verify_seconds{model_name="m",replica="0"} 0.5' in text
