@@ -19,6 +19,13 @@ __all__ = [
     "sample",
     "sample_stochastic",
     "row_keys",
+    "spec_keys",
+    "filtered_probs",
+    "draft_sample",
+    "speculative_accept",
+    "SPEC_DRAFT",
+    "SPEC_ACCEPT",
+    "SPEC_RESIDUAL",
     "token_logprobs",
     "adjust_logits",
     "adjust_logits_reference",
@@ -32,6 +39,12 @@ __all__ = [
 ADJUST_ROW_WORDS = 4
 ADJUST_ENTRY_WORDS = 4
 
+# ``spec_keys``' purposes: the random streams of one token in speculative decoding, none equal to
+# the plain ``row_keys`` one (an exact draft token uses that very key, as plain decoding would)
+SPEC_DRAFT = 1
+SPEC_ACCEPT = 2
+SPEC_RESIDUAL = 3
+
 
 def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
     """``fold_in(PRNGKey(seed), step)`` per row -> ``[R, 2]`` raw uint32 keys."""
@@ -40,6 +53,22 @@ def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
         return jax.random.fold_in(jax.random.PRNGKey(seed), step)
 
     return jax.vmap(one)(seeds.astype(jnp.uint32), steps.astype(jnp.uint32))
+
+
+def spec_keys(seeds: jax.Array, steps: jax.Array, purpose: int) -> jax.Array:
+    """``fold_in(row_keys(seed, step), purpose)`` per row -> ``[R, 2]`` raw uint32 keys: a stream
+    of token ``step`` distinct from plain decoding's, one per ``purpose``: ``SPEC_DRAFT`` (1) the
+    draft's sample, ``SPEC_ACCEPT`` (2) the acceptance uniform, ``SPEC_RESIDUAL`` (3) the residual
+    sample. There is no purpose 0: where a token is sampled exactly as plain decoding samples it,
+    ``row_keys`` itself is its key."""
+    return _fold_purpose(row_keys(seeds, steps), purpose)
+
+
+def _fold_purpose(keys, purpose: int) -> jax.Array:
+    """``spec_keys`` from the rows' ``row_keys``."""
+    if purpose not in (SPEC_DRAFT, SPEC_ACCEPT, SPEC_RESIDUAL):
+        raise ValueError(f"spec_keys: purpose must be 1 (draft), 2 (accept) or 3 (residual), got {purpose!r}")
+    return jax.vmap(lambda k: jax.random.fold_in(k, purpose))(keys)
 
 
 def _filtered_logits(logits, temperature, top_k, top_p, min_p=None):
@@ -74,6 +103,80 @@ def sample_stochastic(logits, temperature, top_k, top_p, keys, min_p=None):
     masked = _filtered_logits(logits, temperature, top_k, top_p, min_p)
     drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy(logits))
+
+
+def filtered_probs(logits, temperature, top_k, top_p, min_p=None) -> jax.Array:
+    """The distribution ``[R, V]`` float32 a row samples its token from (``sample_stochastic``'s):
+    the softmax of the temperature-scaled, top-k / top-p (/ min-p) masked logits, or for a
+    temperature-0 row the one-hot of its ``greedy`` token."""
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.softmax(_filtered_logits(logits, temperature, top_k, top_p, min_p), axis=-1)
+    one_hot = jax.nn.one_hot(greedy(logits), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where((temperature > 0)[:, None], probs, one_hot)
+
+
+def draft_sample(logits, temperature, top_k, top_p, seeds, steps, exact, min_p=None) -> jax.Array:
+    """The draft's tokens ``[R]`` int32 of token index ``steps [R]``: a row whose token is final
+    (``exact [R]``: its exit rule fired within the draft) draws it exactly as plain decoding does
+    (``sample_stochastic`` with ``row_keys(seed, step)``); the others draw from the same filtered
+    distribution with the ``spec_keys(seed, step, SPEC_DRAFT)`` stream. Temperature 0: argmax."""
+    plain_keys = row_keys(seeds, steps)
+    keys = jnp.where(exact[:, None], plain_keys, _fold_purpose(plain_keys, SPEC_DRAFT))
+    return sample_stochastic(logits, temperature, top_k, top_p, keys, min_p)
+
+
+def speculative_accept(
+    target_logits, draft_logits, draft_tokens, exact, temperature, top_k, top_p, seeds, steps, min_p=None
+):
+    """The rule of speculative sampling (Leviathan et al. 2023, Chen et al. 2023), per row over its
+    ``K1`` drafted positions -> ``(count [R] int32 in 1..K1, tokens [R, K1] int32)``.
+
+    ``target_logits`` and ``draft_logits`` ``[R, K1, V]`` (any float) give, with the row's own
+    temperature / top-k / top-p (/ min-p), the target ``p`` and draft ``q`` (``filtered_probs``) at
+    each position; ``draft_tokens [R, K1]`` were drawn from ``q``; ``steps [R, K1]`` are their token
+    indices. In order of ``j``, ``x = draft_tokens[:, j]`` is accepted when ``exact[:, j]`` (drawn
+    from the target itself), else for a temperature-0 row when it is the target's argmax, else when
+    ``u < p(x) / q(x)``, ``u ~ U[0, 1)`` from ``spec_keys(seed, step, SPEC_ACCEPT)``. At the first
+    rejected position the token is drawn from ``normalize(max(p - q, 0))`` (from ``p`` where that
+    has no mass; temperature 0: the target's argmax) with ``spec_keys(seed, step, SPEC_RESIDUAL)``,
+    ``count = j + 1`` and the row stops; no rejection: ``count = K1``. ``tokens[:, :count]`` are the
+    row's tokens, distributed as plain sampling from ``p`` at every position; the rest repeat the
+    draft's tokens."""
+    r, k1, v = target_logits.shape
+    flat = lambda a: a.reshape(r * k1, *a.shape[2:])
+    per_pos = lambda a: None if a is None else jnp.repeat(a, k1)
+    # target and draft rows filtered in one call: one sort in the program, not two
+    both = lambda a: None if a is None else jnp.tile(per_pos(a), 2)
+    target = flat(target_logits.astype(jnp.float32))
+    stacked = jnp.concatenate([target, flat(draft_logits.astype(jnp.float32))])
+    probs = filtered_probs(stacked, both(temperature), both(top_k), both(top_p), both(min_p))
+    p, q = probs.reshape(2, r, k1, v)
+    drafts = draft_tokens.astype(jnp.int32)
+    px = jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
+    qx = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    # one ``row_keys`` per position, both streams folded from it: each threefry hash costs compile
+    # time (most of this function's on the CPU) and device time
+    plain_keys = row_keys(per_pos(seeds), flat(steps))
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(_fold_purpose(plain_keys, SPEC_ACCEPT))
+    # u * q(x) < p(x) is u < p(x) / q(x) without the division: q(x) = 0 accepts iff p(x) > 0
+    by_ratio = u.reshape(r, k1) * qx < px
+    target_argmax = greedy(target).reshape(r, k1)
+    is_greedy = (temperature <= 0)[:, None]
+    accepted = exact | jnp.where(is_greedy, drafts == target_argmax, by_ratio)
+    n_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)
+    # the residual is drawn only at the first rejected position (clipped: unused when none is)
+    rows, at = jnp.arange(r), jnp.minimum(n_accepted, k1 - 1)
+    pick = lambda a: a[rows, at]
+    p_at, q_at = pick(p), pick(q)
+    residual = jnp.maximum(p_at - q_at, 0.0)
+    has_mass = jnp.sum(residual, axis=-1, keepdims=True) > 0
+    residual_logits = jnp.log(jnp.where(has_mass, residual, p_at))
+    residual_keys = _fold_purpose(pick(plain_keys.reshape(r, k1, 2)), SPEC_RESIDUAL)
+    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(residual_keys, residual_logits).astype(jnp.int32)
+    replacement = jnp.where(temperature > 0, drawn, pick(target_argmax))
+    rejected_here = jnp.arange(k1)[None, :] == n_accepted[:, None]
+    tokens = jnp.where(rejected_here, replacement[:, None], drafts)
+    return jnp.minimum(n_accepted + 1, k1).astype(jnp.int32), tokens
 
 
 def sample(logits, temperature, top_k, top_p, keys):
