@@ -149,7 +149,7 @@ def test_rounds_beside_chunked_prefill_in_every_mode(mode):
 
 @pytest.mark.slow
 def test_three_loops_and_synthetic_depths():
-    params = [greedy(9, exit_mode="synthetic", exit_threshold=0.5), greedy(7), greedy(8, exit_threshold=0.5)]
+    params = [greedy(9, exit_mode="synthetic", synthetic_mean_loops=2.2), greedy(7), greedy(8, exit_threshold=0.5)]
     for weights in ("random", "converging"):
         check_spec_equals_plain(3, weights, params, spec={**SPEC, "draft_loops": 2, "num_speculative_tokens": 4})
 
@@ -164,8 +164,8 @@ def test_preemption_and_abort_between_rounds_lose_nothing():
     llm = engine(4, "converging", speculative_config=SPEC, **kw)
     assert outputs(llm, PROMPTS, params) == want
     assert llm.stats()["preemptions"] > 0
-    for rid, prompt in zip("xyz", PROMPTS):
-        llm.add_request(prompt, greedy(14), request_id=rid)
+    for rid, prompt, p in zip("xyz", PROMPTS, params):
+        llm.add_request(prompt, p, request_id=rid)
     while llm.stats()["spec_rounds"] < 3:
         llm.step()
     llm.abort("y")
