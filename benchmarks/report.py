@@ -5,11 +5,13 @@
 Reads ``<workload>.json`` (``benchmarks/run.py``), ``decode.json`` (``benchmarks/decode.py``),
 ``bucket_sweep.json`` / ``bucket_padding.json`` (``benchmarks/sweep_buckets.py``),
 ``generate.json`` (an earlier static-batch run; ``benchmarks.run`` now records ``generate()``
-baselines in the workload JSONs) and ``soak.json`` (``benchmarks/soak.py``), and writes
+baselines in the workload JSONs), ``self_spec.json`` (``benchmarks/self_spec.py``) and
+``soak.json`` (``benchmarks/soak.py``), and writes
 ``REPORT.md`` with the targets of docs/performance.md (issue 13's decode targets from
-decode.json), one table per workload, the decode table, the soak runs, the bucket sweep, and
-plots (throughput vs chunk per mode, latency CDFs, prompt throughput vs decode TPOT of the workloads
-with decode streams, TPOT vs floor per concurrency, bucket roofline, padding by bucket set).
+decode.json), one table per workload, the decode table, self-speculative decoding, the soak runs,
+the bucket sweep, and plots (throughput vs chunk per mode, latency CDFs, prompt throughput vs decode
+TPOT of the workloads with decode streams, TPOT vs floor per concurrency, speed-up vs acceptance,
+bucket roofline, padding by bucket set).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ __all__ = [
     "plot_bucket_sweep",
     "plot_decode",
     "decode_section",
+    "plot_self_spec",
+    "self_spec_section",
     "soak_section",
     "write_report",
     "main",
@@ -419,6 +423,106 @@ def decode_section(res: dict) -> str:
         out += "\n\nFailed: " + "; ".join(f"{r.get('label')} ({r['error'][:120]})" for r in bad)
     if res.get("skipped"):
         out += "\n\nSkipped: " + "; ".join(f"{s['label']} ({s['reason']})" for s in res["skipped"])
+    return out
+
+
+def _spec_records(result: dict) -> list:
+    """self_spec.json's speculative records with a speed-up (failed ones and baselines left out)."""
+    return [r for r in result.get("records", []) if r.get("mode") == "spec" and r.get("speedup") and "error" not in r]
+
+
+def _spec_variant(r: dict) -> str:
+    """'random d=1 k=3', 'converging(0.01) d=1 k=3': what a marker of the self_spec plot stands for."""
+    model = r["model"] if r.get("converging_scale") is None else f"{r['model']}({r['converging_scale']:g})"
+    return f"{model} d={r['draft_loops']} k={r['num_speculative_tokens']}"
+
+
+def plot_self_spec(result: dict, path: str) -> Optional[str]:
+    """self_spec.json: speed-up over plain decoding against the acceptance the engine measured, a
+    marker per (variant, d, k), a colour per concurrency; and speed-up per concurrency."""
+    recs = _spec_records(result)
+    if not recs:
+        return None
+    plt = _plt()
+    variants = list(dict.fromkeys(_spec_variant(r) for r in recs))
+    marker = {v: "osD^v<>pPX*h"[i % 12] for i, v in enumerate(variants)}
+    cs = sorted({r["concurrency"] for r in recs})
+    color = {c: plt.get_cmap("viridis")(i / max(1, len(cs) - 1)) for i, c in enumerate(cs)}
+    fig, (ax, axc) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in recs:
+        if r.get("acceptance") is not None:
+            ax.scatter(r["acceptance"], r["speedup"], marker=marker[_spec_variant(r)], color=color[r["concurrency"]])
+    for i, v in enumerate(variants):
+        rs = sorted((r for r in recs if _spec_variant(r) == v), key=lambda r: r["concurrency"])
+        axc.plot([r["concurrency"] for r in rs], [r["speedup"] for r in rs], marker=marker[v], color=f"C{i}", label=v)
+    for a in (ax, axc):
+        a.axhline(1.0, color="k", ls=":", lw=1)
+        a.set_ylabel("speed-up (plain TPOT / speculative TPOT)")
+    ax.set_xlabel("acceptance (accepted / proposed drafts)")
+    ax.set_xlim(-0.02, 1.02)
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], ls="", marker=marker[v], color="k", label=v) for v in variants]
+    handles += [Line2D([], [], ls="", marker="o", color=color[c], label=f"c={c}") for c in cs]
+    ax.legend(handles=handles, fontsize=7)
+    axc.set_xscale("log", base=2)
+    axc.set_xticks(cs, [str(c) for c in cs])
+    axc.set_xlabel("concurrent streams c")
+    axc.legend(fontsize=7)
+    title = f"self-speculative decoding, {result.get('preset')} on {result.get('device')}"
+    return _finish(plt, fig, path, f"{title} (jax {result.get('jax_version')})")
+
+
+def _tokens_equal(r: dict) -> str:
+    if r.get("tokens_equal") is None:
+        return "–"
+    if r["tokens_equal"]:
+        return "yes"
+    first = r.get("first_difference")
+    return "NO" if first is None else f"NO (from token {first})"
+
+
+def self_spec_section(res: dict) -> str:
+    """self_spec.json: per variant, c and d:k, the engine's acceptance and tokens per round, TPOT
+    beside plain decoding's of the same run, and whether the tokens stayed the same."""
+    order = {m: i for i, m in enumerate(("random", "converging"))}
+    recs = sorted(
+        (r for r in res.get("records", []) if r.get("mode") == "spec" and "error" not in r),
+        key=lambda r: (order.get(r["model"], 9), r["concurrency"], r["draft_loops"], r["num_speculative_tokens"]),
+    )
+    rows = [
+        [
+            r["model"] if r.get("converging_scale") is None else f"{r['model']} ({r['converging_scale']:g})",
+            r["concurrency"],
+            r["draft_loops"],
+            r["num_speculative_tokens"],
+            _pct(r.get("acceptance")),
+            _f(r.get("mean_accepted_length"), 2),
+            _f(r.get("tpot_ms"), 2),
+            _f(r.get("baseline_tpot_ms"), 2),
+            "–" if r.get("speedup") is None else f"{r['speedup']:.2f}x",
+            _f(r.get("tpot_floor_ms"), 2),
+            _tokens_equal(r),
+        ]
+        for r in recs
+    ]
+    head = [
+        "model",
+        "c",
+        "d",
+        "k",
+        "acceptance",
+        "tokens/round",
+        "TPOT p50 ms",
+        "plain TPOT ms",
+        "speed-up",
+        "plain floor ms",
+        "tokens equal",
+    ]
+    out = _table(head, rows)
+    bad = [r for r in res.get("records", []) if "error" in r]
+    if bad:
+        out += "\n\nFailed: " + "; ".join(f"{r.get('label')} ({r['error'][:120]})" for r in bad)
     return out
 
 
@@ -1085,6 +1189,29 @@ def write_report(folder: str) -> str:
             serve_features_section(feat),
             "",
         ]
+    spec = results.get("self_spec")
+    if spec and spec.get("benchmark") == "self_spec" and spec.get("records"):
+        cfg = spec.get("config", {})
+        lines += [
+            "## Self-speculative decoding (benchmarks/self_spec.py)",
+            "",
+            f"c streams at t=0, {cfg.get('context')}-token prompts warmed into the prefix cache, "
+            f"{cfg.get('output_tokens')} out, greedy, fixed full depth; preset {spec.get('preset')} "
+            f"{cfg.get('dtype')} on {spec.get('device')}. d loops draft k tokens, full depth verifies them; "
+            "acceptance and tokens per round are the engine's (`LLM.stats()`) over the timed batch; plain "
+            "TPOT is the same variant and c without `speculative_config`, in the same run; the floor is a "
+            "plain decode step's (`floors.decode_step_floor`, T loops). `converging (s)`: each layer adds s "
+            "of its update (`weights/converging.py`).",
+            "",
+            self_spec_section(spec),
+            "",
+        ]
+        try:
+            p = plot_self_spec(spec, os.path.join(folder, "self_spec.png"))
+        except ImportError:
+            p = None
+        if p:
+            lines += ["![self_spec](self_spec.png)", ""]
     soak = results.get("soak")
     if soak and soak.get("benchmark") == "soak" and soak.get("records"):
         lines += ["## Soak (benchmarks/soak.py)", "", soak_section(soak), ""]
