@@ -174,6 +174,7 @@ class _RoundResult:
     took on the device (the host launched both at once and did nothing else meanwhile)."""
 
     def __init__(self, runner: "ModelRunner", draft_tokens, out, launched: float):
+        # launched: when the draft was handed to the device (an idle one: the round before was read)
         self.runner, self.draft_tokens, self.out, self.launched = runner, draft_tokens, out, launched
 
     def __array__(self, dtype=None, copy=None):
@@ -630,7 +631,7 @@ class ModelRunner:
         self.invocations += 1
         self.spec_rounds += 1
         self.dispatch_time += launched - t
-        result = StepResult(np.zeros(0, np.float32), _RoundResult(self, state[0], out, launched), self._waited)
+        result = StepResult(np.zeros(0, np.float32), _RoundResult(self, state[0], out, t_call), self._waited)
         self._recent.append(result)
         return result
 
