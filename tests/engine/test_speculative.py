@@ -61,6 +61,7 @@ def engine(T: int = 4, weights: str = "random", **kw) -> LLM:
         max_model_len=48,
         buckets=[8, 32],
         fused_decode_max_rows=4,
+        num_blocks=4 * 12 * 4 + 1,  # four 48-token requests: a fixed pool (engines of one process share a GPU)
         progress=False,
     )
     args.update(kw)
