@@ -35,21 +35,13 @@ def checkpoint(T: int) -> str:
 
 @functools.cache
 def converging(T: int):
-    """The checkpoint's weights with every layer's branch norms scaled by SCALE (Ouro's sandwich norm
-    normalises a branch's output, so its scale is the branch's) and a final norm of ones (it runs
-    after every loop: a scale of its own would turn the state a little more each loop): later
-    loops move the state little."""
+    """The checkpoint's weights made to converge (``weights.converging``: each layer adds SCALE of its
+    update, the final norm nearly constant): later loops move the state little."""
     from weights.checkpoint import load_checkpoint
+    from weights.converging import converging_params
 
-    _, params = load_checkpoint(checkpoint(T))
-    out = dict(params, norm={"scale": np.ones_like(np.asarray(params["norm"]["scale"]))})
-    for name, layer in params.items():
-        if name.startswith("layers_"):
-            layer = dict(layer)
-            for norm in ("input_layernorm_2", "post_attention_layernorm_2"):
-                layer[norm] = {"scale": np.asarray(layer[norm]["scale"]) * SCALE}
-            out[name] = layer
-    return out
+    cfg, params = load_checkpoint(checkpoint(T))
+    return converging_params(params, cfg, SCALE)
 
 
 def engine(T: int = 4, weights: str = "random", **kw) -> LLM:
