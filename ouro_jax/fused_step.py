@@ -23,7 +23,18 @@ from .exit_rule import decide_exit_rows, fold_gate
 from .model import dtype_of
 from .step_program import coda, packed_size, recurrent, unpack
 
-__all__ = ["lockstep"]
+__all__ = ["exit_loop", "lockstep"]
+
+
+def exit_loop(params, kp, vp, ring, a: dict, prev, active, rem, loops_done, exits: tuple, **kw):
+    """One loop of rows in lock step, each deciding its exit after it: descriptor fields ``a``
+    (``recurrent``'s), the rows still ``active`` (an exited row writes no K/V: slot -1, as a
+    padding row's), their remaining mass ``rem`` and exit words ``exits`` (limit, min loops, delay,
+    threshold) -> ``(kp, vp, ring, h, g, remaining after this gate, rows exiting now)``."""
+    a = dict(a, row_slot=jnp.where(active, a["row_slot"], -1))
+    kp, vp, ring, h, g = recurrent(params, kp, vp, ring, a, prev, **kw)
+    nxt = fold_gate(rem, g)
+    return kp, vp, ring, h, g, nxt, active & decide_exit_rows(loops_done, nxt, rem, *exits)
 
 
 def lockstep(params, kp, vp, ring, packed, previous, **kw):
@@ -59,6 +70,7 @@ def lockstep(params, kp, vp, ring, packed, previous, **kw):
         ex = packed[first, words:].reshape(len(EXIT_FIELDS), R)
         limit, min_loops, delay = ex[0], ex[1], ex[2]
         thr = jax.lax.bitcast_convert_type(ex[3], jnp.float32)
+        exits = (limit, min_loops, delay, thr)
         real = jnp.arange(R) < packed[first, layout["header"].offset + HEADER.index("num_rows")]
         h_dtype = dtype_of(kw["dtype_name"])
 
@@ -68,10 +80,7 @@ def lockstep(params, kp, vp, ring, packed, previous, **kw):
         def loop(c):
             d, kp, vp, ring, rem, active, exit_h, depth, gates = c
             a = unpack(key, packed[first + d, :words])
-            a["row_slot"] = jnp.where(active, a["row_slot"], -1)  # an exited row writes no K/V
-            kp, vp, ring, h, g = recurrent(params, kp, vp, ring, a, prev, **kw)
-            nxt = fold_gate(rem, g)
-            out = active & decide_exit_rows(d + 1, nxt, rem, limit, min_loops, delay, thr)
+            kp, vp, ring, h, g, nxt, out = exit_loop(params, kp, vp, ring, a, prev, active, rem, d + 1, exits, **kw)
             exit_h = jnp.where(out[:, None], h.astype(h_dtype), exit_h)
             depth = jnp.where(out, d, depth)
             return d + 1, kp, vp, ring, nxt, active & ~out, exit_h, depth, gates.at[first + d].set(g)

@@ -27,11 +27,11 @@ from pallas_kernels import copy_kv_slots
 from scheduler.descriptor import EXIT_FIELDS, HEADER, descriptor_layout
 from scheduler.speculation import VERIFY_FIELDS, SpecKey, spec_layout
 
-from .exit_rule import decide_exit_rows, fold_gate
+from .fused_step import exit_loop
 from .model import OuroModel, dtype_of
 from .parallel import local_config
 from .sampling import draft_sample, greedy, speculative_accept
-from .step_program import packed_size, recurrent, unpack
+from .step_program import packed_size, unpack
 
 __all__ = ["draft", "verify"]
 
@@ -57,10 +57,6 @@ def _logits(params, h, kw) -> jax.Array:
     return model.apply({"params": params["top"]}, h, method=OuroModel.coda).astype(jnp.float32)
 
 
-def _step_kw(kw: dict, bucket) -> dict:
-    return dict(kw, key=bucket)
-
-
 def _greedy_accept(target, proposed, exact):
     """``speculative_accept`` when every row is greedy, without its sorts over the vocabulary: a
     draft is kept while it is the target's argmax; the first that is not is replaced by it."""
@@ -83,6 +79,7 @@ def draft(params, kp, vp, ring, packed, *, key: SpecKey, **kw):
     real = jnp.arange(R) < num_rows
     h_dtype = dtype_of(kw["dtype_name"])
     V = kw["config"].vocab_size
+    kw_d = dict(kw, key=bd)
     # the slots of planes d .. T-1 of request i's position j: verify row i * k1 + j
     vslots = vblock[:, slot_v : slot_v + bv.R]  # [T - d, Rv]
 
@@ -91,7 +88,7 @@ def draft(params, kp, vp, ring, packed, *, key: SpecKey, **kw):
         first = j * d
         ex = dblock[first, words:].reshape(len(EXIT_FIELDS), R)
         limit, min_loops, delay = ex[0], ex[1], ex[2]
-        thr = jax.lax.bitcast_convert_type(ex[3], jnp.float32)
+        exits = (limit, min_loops, delay, jax.lax.bitcast_convert_type(ex[3], jnp.float32))
 
         def more(c):
             return (c[0] < d) & jnp.any(c[5])
@@ -99,10 +96,7 @@ def draft(params, kp, vp, ring, packed, *, key: SpecKey, **kw):
         def loop(c):
             i, kp, vp, ring, rem, active, state, depth = c
             a = unpack(bd, dblock[first + i, :words])
-            a["row_slot"] = jnp.where(active, a["row_slot"], -1)  # an exited row writes no K/V
-            kp, vp, ring, h, g = recurrent(params, kp, vp, ring, a, prev, **_step_kw(kw, bd))
-            nxt = fold_gate(rem, g)
-            out = active & decide_exit_rows(i + 1, nxt, rem, limit, min_loops, delay, thr)
+            kp, vp, ring, h, _, nxt, out = exit_loop(params, kp, vp, ring, a, prev, active, rem, i + 1, exits, **kw_d)
             # an exiting row keeps its exit state; a row still running keeps its latest one
             state = jnp.where(active[:, None], h.astype(h_dtype), state)
             depth = jnp.where(out, i, depth)
@@ -176,7 +170,8 @@ def verify(params, kp, vp, ring, packed, draft_tokens, draft_depth, draft_rem, d
     h_dtype = dtype_of(kw["dtype_name"])
     w = {name: vw[i] for i, name in enumerate(VERIFY_FIELDS)}
     f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
-    limit, min_loops, delay, thr = w["exit_limit"], w["exit_min_loops"], w["exit_delay"], f32(w["exit_threshold"])
+    exits = (w["exit_limit"], w["exit_min_loops"], w["exit_delay"], f32(w["exit_threshold"]))
+    kw_v = dict(kw, key=bv)
     req, pos = jnp.arange(R) // k1, jnp.arange(R) % k1
     req_d = jnp.minimum(req, draft_depth.shape[1] - 1)
     cut = real & (draft_depth[pos, req_d] < 0)
@@ -188,10 +183,7 @@ def verify(params, kp, vp, ring, packed, draft_tokens, draft_depth, draft_rem, d
     def loop(c):
         i, kp, vp, ring, rem, active, state, depth = c
         a = unpack(bv, vblock[i - d, :words])
-        a["row_slot"] = jnp.where(active, a["row_slot"], -1)
-        kp, vp, ring, h, g = recurrent(params, kp, vp, ring, a, None, **_step_kw(kw, bv))
-        nxt = fold_gate(rem, g)
-        out = active & decide_exit_rows(i + 1, nxt, rem, limit, min_loops, delay, thr)
+        kp, vp, ring, h, _, nxt, out = exit_loop(params, kp, vp, ring, a, None, active, rem, i + 1, exits, **kw_v)
         state = jnp.where(out[:, None], h.astype(h_dtype), state)
         depth = jnp.where(out, i, depth)
         # an exiting row's K/V into the planes above now: later positions read them in later loops

@@ -872,17 +872,7 @@ class Scheduler:
         top_p = np.array([x.top_p for x in p], np.float64)
         seed = np.array([x.seed for x in p], np.uint32)
         empty = np.zeros(0, np.int64)
-        exits = np.zeros((4, tokens, n), np.float64)  # device_exit_params per token and row
-        for i, r in enumerate(rows):  # every row makes every token (_tokens_that_fit)
-            for j in range(tokens):
-                target = None
-                if p[i].exit_mode == "synthetic":
-                    target = (
-                        r.decode_target_loops
-                        if j == 0 and not done
-                        else synthetic_exit_loops(p[i], T, r.request_id, k0[i] + j)
-                    )
-                exits[:, j, i] = device_exit_params(p[i], T, target)
+        exits = self._exit_words(rows, tokens, done)  # every row makes every token (_tokens_that_fit)
         subs, descs, key = [], [], None
         # the device takes logprobs only for a batch that asks; a grammar's mask or a penalty's
         # counts need the token before, so such a batch's coda is sampled after launch (StepPipeline)
@@ -958,6 +948,21 @@ class Scheduler:
         st["fused_launches"] += 1
         st["fused_tokens"] += tokens
         return plan
+
+    def _exit_words(self, rows: list[Request], tokens: int, done: int = 0) -> np.ndarray:
+        """``[4, tokens, rows]``: ``device_exit_params`` of each row's next ``tokens`` tokens, ``done``
+        tokens after its token in flight (a synthetic row's draw of each token index)."""
+        T = self.num_loops
+        exits = np.zeros((4, tokens, len(rows)), np.float64)
+        for i, r in enumerate(rows):
+            p, k0 = r.sampling_params, len(r.output_token_ids) + done
+            for j in range(tokens):
+                target = None
+                if p.exit_mode == "synthetic":
+                    fresh = j == 0 and not done  # the token in flight's draw, made when it started
+                    target = r.decode_target_loops if fresh else synthetic_exit_loops(p, T, r.request_id, k0 + j)
+                exits[:, j, i] = device_exit_params(p, T, target)
+        return exits
 
     def _apply_fused(self, plan: BatchPlan, out: np.ndarray, deltas: dict) -> None:
         """Apply a fused step token after token, as the loop-by-loop path would have: each row's
@@ -1053,13 +1058,7 @@ class Scheduler:
             top_p=np.array([x.top_p for x in p], np.float64),
             seed=np.array([x.seed for x in p], np.uint32),
         )
-        exits = np.zeros((4, k1, n), np.float64)  # device_exit_params per position and row
-        for i, r in enumerate(rows):
-            for j in range(k1):
-                target = None
-                if p[i].exit_mode == "synthetic":
-                    target = r.decode_target_loops if j == 0 else synthetic_exit_loops(p[i], T, r.request_id, k0[i] + j)
-                exits[:, j, i] = device_exit_params(p[i], T, target)
+        exits = self._exit_words(rows, k1)
         last = np.array([r.output_token_ids[-1] for r in rows], np.int64)
         empty = np.zeros(0, np.int64)
         draft, key = [], None
