@@ -173,6 +173,8 @@ class EngineRun:
                 spec_row_rounds=row_rounds,
                 spec_proposed_tokens=_delta(s0, s1, "spec_proposed_tokens"),
                 spec_accepted_tokens=_delta(s0, s1, "spec_accepted_tokens"),
+                # steps decoded plainly because the rows' drafts were not accepted enough (RoundPolicy)
+                spec_declined_steps=_delta(s0, s1, "spec_declined_steps"),
                 # tokens after the first that rounds made (the rest came from plain steps)
                 spec_token_share=spec_tokens / decode_tokens if decode_tokens else None,
                 draft_time_s=_delta(s0, s1, "spec_draft_time_s"),

@@ -140,6 +140,7 @@ class Request:
         self.gates_folded = 0
         self.pending_gates: list = []  # lazily read gates of this token, in loop order
         self.pending_finalize: list[int] = []  # flat (src, dst) KV slot copies for the next invocation
+        self.spec_gain = None  # speculation.RoundGain once the request has taken part in a round
 
     # ---------------------------------------------------------------- sizes
     @property

@@ -69,6 +69,7 @@ from .sampling_params import LOGPROB_WORDS, read_logprobs
 from .sizes import blocks_per_plane, descriptor_rows, kv_planes, ring_rows, ring_slots
 from .speculation import (
     VERIFY_FIELDS,
+    RoundPolicy,
     SpecDescriptor,
     SpecKey,
     SpeculativeConfig,
@@ -388,6 +389,8 @@ class Scheduler:
         self._max_finalize_pairs = self.bucket_spec.key_for_bucket(self.bucket_spec.row_buckets[-1]).F
         self.policy = make_policy(config.prefill_mode)
         self.latency = make_latency_target(config, self.bucket_spec.row_buckets)  # None: no TPOT target
+        spec = config.speculative_config
+        self.round_policy = None if spec is None else RoundPolicy(spec, config.num_loops)  # None: no rounds
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []  # admission order
         self._requests: dict[object, Request] = {}  # every unfinished request, by id
@@ -838,9 +841,9 @@ class Scheduler:
             return None  # aborted since
         if not self._fusion_candidates(Selection("decode", rows, [], 1)):
             return None
-        if self.config.speculative_config is not None and all(self._speculable(r) for r in rows):
-            return None  # its next step is a round, whose positions depend on what this one gives
         done = len(plan.sub_plans) // self.num_loops  # tokens the step in flight gives every row
+        if self._rounds_pay(rows, done):
+            return None  # its next step is a round, whose positions depend on what this one gives
         want = self._tokens_that_fit(rows, done)
         if not want:
             return None
@@ -1013,16 +1016,26 @@ class Scheduler:
         sp = req.sampling_params
         return not _host_coda(sp) and sp.logprobs is None
 
+    def _rounds_pay(self, rows: list[Request], in_flight: int = 0) -> bool:
+        """Whether ``rows`` (each with ``in_flight`` more tokens than it has now) would take a round
+        next: every one speculable and ``RoundPolicy`` finds that the round pays."""
+        policy = self.round_policy
+        if policy is None or not all(self._speculable(r) for r in rows):
+            return False
+        if policy.pays(rows, in_flight):
+            return True
+        self._stats["spec_declined_steps"] += 1  # drafts not accepted enough: a plain step
+        return False
+
     def _speculates(self, sel, finalize: list) -> bool:
         """Whether the next step is a round of self-speculative decoding (``speculation.py``): the
         rows could run a fused step (``_fusion_candidates``), all at depth 0, every one speculable
         with the blocks of ``positions`` positions (no preemption, within ``max_model_len``),
         and the buckets hold the draft (within ``fused_decode_max_rows``) and the verify."""
-        spec = self.config.speculative_config
-        if spec is None or not self._fusion_candidates(sel):
+        if self.round_policy is None or not self._fusion_candidates(sel):
             return False
-        rows, k1, bs = sel.decode, spec.positions, self.bucket_spec
-        if any(r.decode_depth or not self._speculable(r) for r in rows):
+        rows, k1, bs = sel.decode, self.round_policy.positions, self.bucket_spec
+        if any(r.decode_depth for r in rows) or not self._rounds_pay(rows):
             return False
         n, pairs = len(rows), len(finalize) // 2
         if (
@@ -1162,6 +1175,8 @@ class Scheduler:
                 if req is None or req.status is not RequestStatus.RUNNING:
                     break  # aborted while in flight, or ended by an earlier token of this round
                 self._emit(req, t, e, deltas)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                self.round_policy.observe(req, int(count[i]))
 
     # ------------------------------------------------------------------ update
     def update(
@@ -1347,6 +1362,7 @@ class Scheduler:
             "spec_proposed_tokens",
             "spec_accepted_tokens",
             "spec_round_tokens",
+            "spec_declined_steps",
         ):
             st.setdefault(k, 0)
         # accepted drafts of those proposed, and tokens a row got per round (1 .. positions)

@@ -22,7 +22,12 @@ token from the residual distribution and ends the row's round. A round gives eve
 ``k + 1`` tokens for ``d * (k + 1) + (T - d)`` loops; greedy tokens and exit depths are plain
 decoding's, sampled ones follow plain decoding's distribution (not its ids for a seed).
 
-This module is the jax-free part: the option, and which rows a round may take.
+Rounds pay only where drafts are accepted: at none, a round costs ~2.3 plain tokens for one
+(``docs/decisions.md``). ``RoundPolicy`` keeps each request's tokens per round and runs a round
+only while the batch's mean pays for it; a request below that decodes plainly and probes again
+after a back-off that doubles each time a probe fails.
+
+This module is the jax-free part: the option, the policy, and the round's layout.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from .descriptor import EXIT_FIELDS, BatchDescriptor, StackedDescriptor, descrip
 
 __all__ = [
     "METHODS",
+    "RoundGain",
+    "RoundPolicy",
     "SpecDescriptor",
     "SpecKey",
     "SpeculativeConfig",
@@ -109,6 +116,66 @@ def speculative_option(name: str, value) -> Optional[SpeculativeConfig]:
     if unknown:
         raise ValueError(f"{name}: unknown key(s) {unknown}; known: {sorted(known)}")
     return SpeculativeConfig(**value)
+
+
+# ------------------------------------------------------------------------------------ policy
+#: A round against the plain tokens of the same loops: its drafted positions each pay a token's
+#: coda and sampling, and its host work cannot overlap the device (H200, ouro-1.4b, run 31: a
+#: round of d=1, k=3 took 2.3 plain tokens' time at c=1 and c=8, for 7 loops against 4).
+ROUND_COST_FACTOR = 1.3
+#: Plain tokens a request decodes after a failed probe before it probes again (doubling, capped).
+MIN_BACKOFF, MAX_BACKOFF = 16, 1024
+
+
+@dataclasses.dataclass
+class RoundGain:
+    """A request's record in rounds: tokens per round (an average halving the weight of older
+    rounds), and while below break-even, the output length of its next probe and the back-off
+    after it."""
+
+    tokens_per_round: float
+    probe_at: int = 0
+    backoff: int = MIN_BACKOFF
+
+
+class RoundPolicy:
+    """Whether a round pays for a batch of rows: a round gives every row its tokens per round for
+    ``break_even`` plain steps' time, so it runs while the rows' mean tokens per round is at least
+    that. A request that never took part counts as drafting every position right; one below
+    break-even counts as exactly break-even once its probe is due. Decisions depend on token
+    counts only, so a seeded run takes the same rounds every time."""
+
+    def __init__(self, spec: SpeculativeConfig, num_loops: int):
+        d, k1, T = spec.draft_loops, spec.positions, num_loops
+        self.positions = k1
+        self.break_even = ROUND_COST_FACTOR * (d * k1 + T - d) / T
+
+    def _expected(self, req, in_flight: int = 0) -> float:
+        g = req.spec_gain
+        if g is None:
+            return float(self.positions)
+        if g.tokens_per_round < self.break_even and len(req.output_token_ids) + in_flight >= g.probe_at:
+            return self.break_even  # a probe is due
+        return g.tokens_per_round
+
+    def pays(self, rows, in_flight: int = 0) -> bool:
+        """Whether a round of ``rows`` pays; ``in_flight``: tokens each row gets from a step still
+        running (a step scheduled ahead decides as the step after it would)."""
+        return sum(self._expected(r, in_flight) for r in rows) >= self.break_even * len(rows)
+
+    def observe(self, req, tokens: int) -> None:
+        """``req`` got ``tokens`` from a round (call after they are emitted)."""
+        g = req.spec_gain
+        if g is None:
+            g = req.spec_gain = RoundGain(float(self.positions))
+        else:
+            g.tokens_per_round = self._expected(req)
+        g.tokens_per_round = (g.tokens_per_round + tokens) / 2
+        done = len(req.output_token_ids)
+        if g.tokens_per_round >= self.break_even:
+            g.probe_at, g.backoff = 0, MIN_BACKOFF
+        elif done >= g.probe_at:  # fell below, or a probe failed: plain decoding for a while
+            g.probe_at, g.backoff = done + g.backoff, min(2 * g.backoff, MAX_BACKOFF)
 
 
 # ------------------------------------------------------------------------------- descriptors

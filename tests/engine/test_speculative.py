@@ -251,3 +251,18 @@ def test_metrics_show_the_engines_acceptance():
     assert 'ouro_spec_acceptance_ratio{model_name="m",replica="0"} 0.75' in text
     assert 'ouro_spec_mean_accepted_length{model_name="m",replica="0"} 2.5' in text
     assert 'ouro_spec_verify_seconds{model_name="m",replica="0"} 0.5' in text
+
+
+def test_rounds_stop_where_drafts_are_rejected_and_tokens_do_not_change():
+    """On random weights drafts are rejected: after the first rounds the request decodes plainly and
+    probes again after a back-off (``RoundPolicy``); on converging weights rounds keep going."""
+    prompt, params = PROMPTS[0], greedy(40, exit_mode="fixed")
+    want = outputs(engine(4, "random"), [prompt], params)
+    llm = engine(4, "random", speculative_config=SPEC)
+    assert outputs(llm, [prompt], params) == want
+    st = llm.stats()
+    assert st["spec_declined_steps"] > 0
+    assert 2 <= st["spec_rounds"] <= 5, st["spec_rounds"]  # 2 rounds, then probes after 16, 32 tokens
+    llm = engine(4, "converging", speculative_config=SPEC)
+    outputs(llm, [prompt], params)
+    assert llm.stats()["spec_declined_steps"] == 0

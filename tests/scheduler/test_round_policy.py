@@ -1,0 +1,91 @@
+"""``RoundPolicy``: rounds of self-speculative decoding run while drafts are accepted enough to pay
+for them, stop when they are not, and probe again after a doubling back-off (jax-free)."""
+
+import types
+
+import pytest
+
+from scheduler.speculation import MAX_BACKOFF, MIN_BACKOFF, ROUND_COST_FACTOR, RoundPolicy, SpeculativeConfig
+
+
+def request(done: int = 0):
+    return types.SimpleNamespace(spec_gain=None, output_token_ids=[0] * done)
+
+
+def emit(req, n: int) -> None:
+    req.output_token_ids += [0] * n
+
+
+@pytest.fixture
+def policy():
+    return RoundPolicy(SpeculativeConfig(draft_loops=1, num_speculative_tokens=3), num_loops=4)
+
+
+def test_break_even_is_the_rounds_loops_against_plain_tokens(policy):
+    assert policy.break_even == pytest.approx(ROUND_COST_FACTOR * (1 * 4 + 3) / 4)
+    deep = RoundPolicy(SpeculativeConfig(draft_loops=2, num_speculative_tokens=5), num_loops=4)
+    assert deep.break_even == pytest.approx(ROUND_COST_FACTOR * (2 * 6 + 2) / 4)
+
+
+def test_new_requests_and_accepted_drafts_keep_rounds_going(policy):
+    rows = [request(1), request(1)]
+    assert policy.pays(rows)
+    for _ in range(20):
+        for r in rows:
+            emit(r, 4)
+            policy.observe(r, 4)
+        assert policy.pays(rows)
+    assert all(r.spec_gain.tokens_per_round == 4 for r in rows)
+
+
+def run_rejected(policy, req, steps: int) -> list:
+    """Decode ``steps`` tokens of a request whose drafts are never accepted: a round when the policy
+    says so (1 token), a plain token otherwise; the output lengths at which rounds ran."""
+    rounds = []
+    while len(req.output_token_ids) < steps:
+        if policy.pays([req]):
+            rounds.append(len(req.output_token_ids))
+            emit(req, 1)
+            policy.observe(req, 1)
+        else:
+            emit(req, 1)
+    return rounds
+
+
+def test_rejected_drafts_stop_rounds_and_probes_back_off(policy):
+    req = request(1)
+    rounds = run_rejected(policy, req, 600)
+    # two rounds bring the estimate (4 + 1) / 2, then 1.75, below break-even; then probes after
+    # back-offs of 16, 32, 64, ... plain tokens
+    assert rounds[:2] == [1, 2]
+    gaps = [b - a - 1 for a, b in zip(rounds[1:], rounds[2:])]
+    assert gaps == [MIN_BACKOFF * 2**i for i in range(len(gaps))]
+    assert len(rounds) == 2 + len(gaps) and len(rounds) <= 8
+    assert req.spec_gain.backoff == min(MIN_BACKOFF * 2 ** (len(gaps) + 1), MAX_BACKOFF)
+
+
+def test_a_probe_that_succeeds_resumes_rounds(policy):
+    req = request(1)
+    run_rejected(policy, req, 40)
+    while not policy.pays([req]):
+        emit(req, 1)
+    emit(req, 4)
+    policy.observe(req, 4)  # the probe: every draft accepted
+    assert policy.pays([req]) and req.spec_gain.backoff == MIN_BACKOFF
+
+
+def test_the_batch_mean_decides(policy):
+    good, bad = request(1), request(1)
+    run_rejected(policy, bad, 5)
+    assert not policy.pays([bad])
+    emit(good, 4)
+    policy.observe(good, 4)
+    assert policy.pays([good, bad])  # one row's accepted drafts pay for the other's round
+    assert not policy.pays([bad] * 5 + [request(1)])  # (5 * 1.75 + 4) / 6 < break-even
+
+
+def test_a_step_in_flight_counts_toward_the_probe(policy):
+    req = request(1)
+    run_rejected(policy, req, 3)
+    due = req.spec_gain.probe_at - len(req.output_token_ids)
+    assert not policy.pays([req], due - 1) and policy.pays([req], due)
