@@ -262,7 +262,7 @@ def test_rounds_stop_where_drafts_are_rejected_and_tokens_do_not_change():
     assert outputs(llm, [prompt], params) == want
     st = llm.stats()
     assert st["spec_declined_steps"] > 0
-    assert 2 <= st["spec_rounds"] <= 5, st["spec_rounds"]  # 2 rounds, then probes after 16, 32 tokens
+    assert 3 <= st["spec_rounds"] <= 5, st["spec_rounds"]  # 3 rounds, then probes after 16, 32 tokens
     llm = engine(4, "converging", speculative_config=SPEC)
     outputs(llm, [prompt], params)
     assert llm.stats()["spec_declined_steps"] == 0

@@ -36,6 +36,13 @@ def test_new_requests_and_accepted_drafts_keep_rounds_going(policy):
             policy.observe(r, 4)
         assert policy.pays(rows)
     assert all(r.spec_gain.tokens_per_round == 4 for r in rows)
+    # drafts accepted at 80% a position: rounds of 1, 2, 3, 4 tokens; a run of single tokens
+    # does not stop them (the last WINDOW rounds beside the prior decide, not the latest one)
+    req = request(1)
+    for n in [4, 1, 1, 4, 2, 1, 4, 4, 1, 3, 1, 4]:
+        assert policy.pays([req])
+        emit(req, n)
+        policy.observe(req, n)
 
 
 def run_rejected(policy, req, steps: int) -> list:
@@ -55,12 +62,12 @@ def run_rejected(policy, req, steps: int) -> list:
 def test_rejected_drafts_stop_rounds_and_probes_back_off(policy):
     req = request(1)
     rounds = run_rejected(policy, req, 600)
-    # two rounds bring the estimate (4 + 1) / 2, then 1.75, below break-even; then probes after
-    # back-offs of 16, 32, 64, ... plain tokens
-    assert rounds[:2] == [1, 2]
-    gaps = [b - a - 1 for a, b in zip(rounds[1:], rounds[2:])]
+    # three rounds of one token bring the estimate to (2 * 4 + 3) / 5, below break-even; then a
+    # probe (one round, judged afresh) after back-offs of 16, 32, 64, ... plain tokens
+    assert rounds[:3] == [1, 2, 3]
+    gaps = [b - a - 1 for a, b in zip(rounds[2:], rounds[3:])]
     assert gaps == [MIN_BACKOFF * 2**i for i in range(len(gaps))]
-    assert len(rounds) == 2 + len(gaps) and len(rounds) <= 8
+    assert len(rounds) == 3 + len(gaps) and len(rounds) <= 9
     assert req.spec_gain.backoff == min(MIN_BACKOFF * 2 ** (len(gaps) + 1), MAX_BACKOFF)
 
 
@@ -76,16 +83,16 @@ def test_a_probe_that_succeeds_resumes_rounds(policy):
 
 def test_the_batch_mean_decides(policy):
     good, bad = request(1), request(1)
-    run_rejected(policy, bad, 5)
+    run_rejected(policy, bad, 40)  # its last probe failed: one round of one token beside break-even
     assert not policy.pays([bad])
     emit(good, 4)
     policy.observe(good, 4)
     assert policy.pays([good, bad])  # one row's accepted drafts pay for the other's round
-    assert not policy.pays([bad] * 5 + [request(1)])  # (5 * 1.75 + 4) / 6 < break-even
+    assert not policy.pays([bad] * 5 + [request(1)])  # (5 * 1.85 + 4) / 6 < break-even
 
 
 def test_a_step_in_flight_counts_toward_the_probe(policy):
     req = request(1)
-    run_rejected(policy, req, 3)
+    run_rejected(policy, req, 5)
     due = req.spec_gain.probe_at - len(req.output_token_ids)
     assert not policy.pays([req], due - 1) and policy.pays([req], due)
