@@ -45,7 +45,9 @@ __all__ = [
 ]
 
 GENERATE_MODE = "generate()"
-MODE_ORDER = ("split", "mixed", "wavefront", GENERATE_MODE)
+PLAIN_MODE = "plain_jax"  # benchmarks.plain_jax.PLAIN_MODE (this module imports no jax)
+MODE_ORDER = ("split", "mixed", "wavefront", GENERATE_MODE, PLAIN_MODE)
+BASELINE_MODES = (GENERATE_MODE, PLAIN_MODE)  # records of a workload that are not the engine's
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -341,7 +343,8 @@ def _decode_series(records) -> dict:
 
 def plot_decode(result: dict, path: str) -> Optional[str]:
     """decode.json: TPOT p50 per concurrency, one line per exit kind with its floor (dashed), and
-    the fraction of floor; one row of panels per context; generate() as open squares."""
+    the fraction of floor; one row of panels per context; generate() as open squares, the plain-JAX
+    baseline as a black line."""
     series = _decode_series(result.get("records", []))
     if not series:
         return None
@@ -363,6 +366,10 @@ def plot_decode(result: dict, path: str) -> Optional[str]:
                 ax.plot(x, [r["tpot_p50_ms"] for r in rs], style[p], color=color[e], label=name)
                 ax.plot(x, [r["tpot_floor_ms"] for r in rs], "--", color=color[e], alpha=0.6, label=f"{name} floor")
                 axf.plot(x, [100 * r["tpot_fraction_of_floor"] for r in rs], style[p], color=color[e], label=name)
+            elif p == PLAIN_MODE:
+                name = f"plain JAX {e}"
+                ax.plot(x, [r["tpot_p50_ms"] for r in rs], "x-", color="k", label=name)
+                axf.plot(x, [100 * r["tpot_fraction_of_floor"] for r in rs], "x-", color="k", label=name)
             else:
                 ax.plot(
                     x, [r["tpot_p50_ms"] for r in rs], "s", mfc="none", ms=9, color=color[e], label=f"generate() {e}"
@@ -385,17 +392,22 @@ def plot_decode(result: dict, path: str) -> Optional[str]:
 
 
 def decode_section(res: dict) -> str:
-    """The decode.json table: one row per record, grouped by context, path and exit kind."""
+    """The decode.json table: one row per record, grouped by context, path and exit kind; engine
+    rows at fixed depth with the plain-JAX baseline's TPOT at the same c and engine / baseline."""
     rows = []
+    path_name = {"generate": "generate()", PLAIN_MODE: "plain JAX"}
     for (ctx, p, e), rs in _decode_series(res.get("records", [])).items():
         for r in rs:
+            ratio = r.get("engine_over_baseline")
             rows.append(
                 [
                     ctx,
-                    p if p.startswith("engine") else "generate()",
+                    p if p.startswith("engine") else path_name.get(p, p),
                     e,
                     r["concurrency"],
                     _f(r["tpot_p50_ms"], 2),
+                    _f(r.get("baseline_tpot_ms"), 2),
+                    f"{_f(ratio, 2)}x" if ratio else "–",
                     _f(r["tpot_floor_ms"], 2),
                     _pct(r["tpot_fraction_of_floor"]),
                     _f(r.get("mean_loops_per_token"), 2),
@@ -410,6 +422,8 @@ def decode_section(res: dict) -> str:
         "exit",
         "c",
         "TPOT p50 ms",
+        "plain JAX ms",
+        "engine / plain JAX",
         "floor ms",
         "of floor",
         "loops/token",
@@ -1122,7 +1136,10 @@ def write_report(folder: str) -> str:
             f"c requests at t=0, {cfg.get('output_tokens')} out, prompts warmed into the prefix cache: "
             f"{cfg.get('prefix_warm')}; preset {cfg.get('preset')} {cfg.get('dtype')}, scale {cfg.get('scale')}. "
             "TPOT p50 against `floors.decode_step_floor` at c rows, the mean decode context and the mean "
-            "loops per token run; kernels per loop and device-busy share from a profiler trace.",
+            "loops per token run; kernels per loop and device-busy share from a profiler trace. Plain JAX: "
+            "`benchmarks/plain_jax.py` (dense K/V per loop, donated, one jit per loop, argmax) at the same c, "
+            "shapes and weights in the same run; engine / plain JAX = its TPOT / the engine's (above 1: the "
+            "engine is faster).",
             "",
             decode_section(dec),
             "",
