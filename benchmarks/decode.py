@@ -39,14 +39,14 @@ prompts: TPOT = (t(N tokens) - t(1 token)) / (N - 1), both executables compiled 
 threshold is a runtime argument); ``synthetic`` has no counterpart there.
 
 The plain-JAX baseline (``benchmarks/plain_jax.py``, issue 36; ``--no-plain-baseline`` skips it):
-per context and ``c``, ``time_decode`` of ``c`` streams over dense per-loop caches of prompt + out
-positions, on the engine's weights (the harness's ``params``), ``output_tokens - 1`` steps a round
-(the intervals a request's TPOT spans), fixed depth; TPOT p50 = the median of 3 rounds. It runs
-once the context's engine records are done, in the window where the engine is closed (its caches
-are as large as the engine's KV pool: 116 GB at 128 x 1K), and a ``c`` whose caches the free
-device memory cannot hold is skipped. The fixed-depth engine records of that context and ``c``
-then carry ``baseline_tpot_ms`` and ``engine_over_baseline`` (baseline TPOT / engine TPOT: above
-1, the engine is faster).
+per context and ``c`` when ``fixed`` is among the exit kinds, ``time_decode`` of ``c`` streams over
+dense per-loop caches of prompt + out - 1 positions, on the engine's weights (the harness's
+``params``), ``output_tokens - 1`` steps a round (the intervals a request's TPOT spans), fixed depth;
+TPOT p50 = the median of 3 rounds. It runs once the context's engine records are done, in the window
+where the engine is closed (its caches are as large as the engine's KV pool: 116 GB at 128 x 1K),
+and a ``c`` whose caches the free device memory cannot hold is skipped. The fixed-depth engine
+records of that context and ``c`` then carry ``baseline_tpot_ms`` and ``engine_over_baseline``
+(baseline TPOT / engine TPOT: above 1, the engine is faster).
 
 Records carry ``path: "engine"``, ``"generate"`` or ``"plain_jax"``. Writes ``<out>/decode.json``
 (after every record) and ``<out>/decode.png`` (TPOT and its floor per c, one line per exit kind, the
