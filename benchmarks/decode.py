@@ -2,7 +2,8 @@
 
     python -m benchmarks.decode [--concurrency 1 2 4 8 16 32 64 128] [--exit fixed synthetic2.5 ouro0.5]
         [--context 1024 4096] [--output-tokens 128] [--generate-batch 1 8] [--generate-context 1024]
-        [--profile-steps 8] [--quick] [--time-budget SECONDS] [--preset ouro-1.4b] [--out benchmarks/results]
+        [--profile-steps 8] [--no-plain-baseline] [--quick] [--time-budget SECONDS] [--preset ouro-1.4b]
+        [--out benchmarks/results]
 
 Per context and concurrency ``c``: ``c`` requests at t=0 with ``context``-token prompts (4K context
 means 4096-token prompts: the K/V a decode row reads is its prompt plus the tokens so far, so a 1K
@@ -35,11 +36,21 @@ defaults to 0.95 here, as in the suite (at JAX's 0.75 the pool holds ~100 1K str
 ``generate()`` (the static jitted ``ouro_jax.generate``) at ``--generate-batch`` sizes on the same
 prompts: TPOT = (t(N tokens) - t(1 token)) / (N - 1), both executables compiled first (median of
 ``--generate-reps`` calls); fixed depth, and ``ouro<threshold>`` kinds on the same executables (the
-threshold is a runtime argument); ``synthetic`` has no counterpart there. Records carry
-``path: "engine"`` or ``"generate"``.
+threshold is a runtime argument); ``synthetic`` has no counterpart there.
 
-Writes ``<out>/decode.json`` (after every record) and ``<out>/decode.png`` (TPOT and its floor per c,
-one line per exit kind).
+The plain-JAX baseline (``benchmarks/plain_jax.py``, issue 36; ``--no-plain-baseline`` skips it):
+per context and ``c`` when ``fixed`` is among the exit kinds, ``time_decode`` of ``c`` streams over
+dense per-loop caches of prompt + out - 1 positions, on the engine's weights (the harness's
+``params``), ``output_tokens - 1`` steps a round (the intervals a request's TPOT spans), fixed depth;
+TPOT p50 = the median of 3 rounds. It runs once the context's engine records are done, in the window
+where the engine is closed (its caches are as large as the engine's KV pool: 116 GB at 128 x 1K),
+and a ``c`` whose caches the free device memory cannot hold is skipped. The fixed-depth engine
+records of that context and ``c`` then carry ``baseline_tpot_ms`` and ``engine_over_baseline``
+(baseline TPOT / engine TPOT: above 1, the engine is faster).
+
+Records carry ``path: "engine"``, ``"generate"`` or ``"plain_jax"``. Writes ``<out>/decode.json``
+(after every record) and ``<out>/decode.png`` (TPOT and its floor per c, one line per exit kind, the
+plain-JAX baseline as a black line).
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ from benchmarks import fmt
 from benchmarks.floors import decode_step_floor
 from benchmarks.merge_results import merge_lists
 from benchmarks.metrics import ScheduleRecorder, exit_histogram, percentiles
+from benchmarks.plain_jax import PLAIN_MODE, PlainDecoder, time_decode
 from benchmarks.profile_step import aggregate, trace_kernels
 from benchmarks.workloads import (
     DECODE_CONCURRENCY,
@@ -78,7 +90,9 @@ GENERATE_MODE = "generate()"  # benchmarks.run's mode name of static-batch recor
 MODE = "split"
 # --quick: what a first look needs (flags given explicitly win)
 QUICK = dict(concurrency=[1, 8, 128], context=[1024], output_tokens=32, generate_batch=[1], generate_reps=1)
-ESTIMATE_S = dict(engine=6.0, generate=45.0)  # before one of the kind has run (time budget)
+# seconds a configuration of each kind takes before one has run (time budget); the plain
+# baseline compiles one loop executable per c and context
+ESTIMATE_S = {"engine": 6.0, "generate": 45.0, PLAIN_MODE: 45.0}
 
 
 class Skip(Exception):
@@ -414,6 +428,73 @@ class GenerateRunner:
         return recs
 
 
+# --------------------------------------------------------------------------- plain-JAX baseline
+class PlainDecodeRunner:
+    """``plain_jax.time_decode`` at the sweep's shapes (see the module doc), on the harness's weights."""
+
+    def __init__(self, h, a):
+        self.h, self.a = h, a
+
+    def run(self, context: int, c: int) -> dict:
+        from benchmarks.run import _memory
+
+        h, a, cfg = self.h, self.a, self.h.config
+        wl = decode_workload(cfg.vocab_size, c, "fixed", context, a.scale, a.seed, a.output_tokens)
+        p, n = wl.requests[0].num_prompt_tokens, wl.requests[0].params.max_tokens
+        need = PlainDecoder.cache_bytes(cfg, c, p + n - 1, h.dtype)
+        mem = _memory()
+        if mem["bytes_limit"] is not None and mem["bytes_in_use"] is not None:
+            free = mem["bytes_limit"] - mem["bytes_in_use"]
+            if need > 0.95 * free:  # the rest: the step's own buffers
+                raise Skip(f"its dense caches need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB of device memory free")
+        t = time_decode(cfg, h.params, c, p, n - 1, h.dtype)
+        tpot = float(np.median(t["round_ms"]))
+        T = cfg.num_loops
+        r = dict(
+            workload="decode",
+            path=PLAIN_MODE,
+            variant=f"b={c} ctx={context}",
+            label=f"decode plain_jax b={c} ctx={context}",
+            mode=PLAIN_MODE,
+            chunk=None,
+            exit="fixed",
+            concurrency=c,
+            context=context,
+            prompt_len=p,
+            output_tokens_per_request=n,
+            tpot_p50_ms=tpot,
+            tpot_best_ms=t["tpot_ms"],
+            round_ms=t["round_ms"],
+            tpot_note="median of rounds of n - 1 steps from the prompt length; caches of prompt + n - 1 "
+            "positions, not prefilled (a step's time depends on the shapes alone)",
+            first_call_s=t["first_call_s"],
+            dense_cache_bytes=t["cache_bytes"],
+            mean_loops_per_token=float(T),
+            compilations=0,
+            **_floor_fields(h, c, p + n / 2, T, tpot / 1e3),
+        )
+        r.update(_memory())
+        r["headline"] = _headline(r)
+        return r
+
+
+def attach_baseline(records: list, base: dict) -> list:
+    """``baseline_tpot_ms`` and ``engine_over_baseline`` (baseline TPOT / engine TPOT) on the
+    fixed-depth engine records of ``base``'s context and c; returns those records."""
+    out = []
+    for r in records:
+        if (
+            r.get("path") == "engine"
+            and r.get("exit") == "fixed"
+            and (r.get("context"), r.get("concurrency")) == (base["context"], base["concurrency"])
+            and r.get("tpot_p50_ms")
+        ):
+            r["baseline_tpot_ms"] = base["tpot_p50_ms"]
+            r["engine_over_baseline"] = base["tpot_p50_ms"] / r["tpot_p50_ms"]
+            out.append(r)
+    return out
+
+
 # ----------------------------------------------------------------------------------- output
 def format_record(r: dict) -> str:
     if "error" in r:
@@ -429,6 +510,8 @@ def format_record(r: dict) -> str:
             f" | first-token spread {fmt.ms(r.get('first_token_spread_s'))} ms | compiles "
             f"{r.get('compilations', 0) + r.get('xla_compilations', 0)}"
         )
+    elif r.get("path") == PLAIN_MODE:
+        s += f" | first call {r['first_call_s']:.1f} s (compile included)"
     return s
 
 
@@ -457,6 +540,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--generate-context", nargs="*", type=int, default=[1024], help="contexts of the generate() runs")
     ap.add_argument("--generate-reps", type=int, default=None, help="calls per timing (median; default 2)")
     ap.add_argument("--profile-steps", type=int, default=8, help="engine steps under the profiler per config; 0: none")
+    ap.add_argument(
+        "--no-plain-baseline",
+        dest="plain_baseline",
+        action="store_false",
+        help="no plain-JAX decode baseline (benchmarks/plain_jax.py) beside the engine",
+    )
     ap.add_argument("--cold", action="store_true", help="no prefix-cache warm-up: prefill runs in the timed batch")
     ap.add_argument("--chunk", type=int, default=128, help="prefill chunk of the engine (the warm-up prefill)")
     ap.add_argument("--quick", action="store_true", help="c 1 8 128, 1K context, 32 out, generate() at batch 1")
@@ -581,6 +670,7 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
                 prefix_warm=not a.cold,
                 profile_steps=a.profile_steps,
                 generate_batch=gen_batches,
+                plain_baseline=a.plain_baseline,
                 fused_variants=list(a.fused_variants) if a.fused_decode_max_rows else [],
                 generate_context=a.generate_context,
                 generate_reps=a.generate_reps,
@@ -599,11 +689,13 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
     variants = a.fused_variants if a.fused_decode_max_rows else a.fused_variants[:1]
     for ctx in a.context:
         plan += [("engine", ctx, c, kind, v) for v in variants for c in a.concurrency for kind in a.exit]
+        if a.plain_baseline and "fixed" in a.exit:  # beside the fixed-depth records, the engine closed
+            plan += [(PLAIN_MODE, ctx, c, "fixed", None) for c in a.concurrency]
         if ctx in a.generate_context:
             plan += [("generate", ctx, b, None, None) for b in gen_batches]
     estimates: dict = {}
     engine: Optional[EngineRunner] = None
-    gen = GenerateRunner(h, a)
+    gen, plain = GenerateRunner(h, a), PlainDecodeRunner(h, a)
     try:
         for kind, ctx, c, exit_kind, variant in plan:
             if variant is not None and variant != h.fused_decode_tokens:
@@ -611,9 +703,11 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
                     engine.close()
                     engine = None
                 h.fused_decode_tokens = variant
-            label = f"decode c={c} {exit_kind} ctx={ctx}" if kind == "engine" else f"decode generate() b={c} ctx={ctx}"
-            label += h.label_suffix if kind == "engine" else ""
-            mode = MODE if kind == "engine" else GENERATE_MODE
+            label = dict(
+                engine=f"decode c={c} {exit_kind} ctx={ctx}{h.label_suffix}",
+                generate=f"decode generate() b={c} ctx={ctx}",
+            ).get(kind, f"decode plain_jax b={c} ctx={ctx}")
+            mode = dict(engine=MODE, generate=GENERATE_MODE).get(kind, PLAIN_MODE)
             expect = float(np.mean(estimates.get(kind) or [ESTIMATE_S[kind]]))
             if kind == "engine" and engine is None and not h._executables:
                 expect += 60.0  # start-up (compilation) of the engine
@@ -622,7 +716,7 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
                 skipped.append(dict(label=label, mode=mode, chunk=None, reason=reason))
                 print(f"skip {label}: {reason}", flush=True)
                 continue
-            if kind == "generate" and engine is not None:  # the engine's KV pool would leave generate() no room
+            if kind != "engine" and engine is not None:  # the engine's KV pool would leave the others no room
                 engine.close()
                 engine = None
             t = time.monotonic()
@@ -633,6 +727,8 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
                         startups.append(engine.startup)
                     wl = decode_workload(h.config.vocab_size, c, exit_kind, ctx, a.scale, a.seed, a.output_tokens)
                     recs = [engine.run(wl, ctx)]
+                elif kind == PLAIN_MODE:
+                    recs = [plain.run(ctx, c)]
                 else:
                     recs = gen.run(ctx, c, a.exit)
             except Skip as e:
@@ -661,6 +757,9 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
                 r["config_s"] = dt / len(recs)
                 records.append(r)
                 print(format_record(r), flush=True)
+                if r.get("path") == PLAIN_MODE and "error" not in r:
+                    for e in attach_baseline(records, r):
+                        print(f"  engine / plain JAX: {e['engine_over_baseline']:.2f}x ({e['label']})", flush=True)
             save()
     except KeyboardInterrupt:  # a suite's time limit: every finished record is already saved
         print("interrupted: records so far are saved", flush=True)

@@ -10,6 +10,15 @@
 Both use the model's own layers (``OuroModel``), so their tokens equal the engine's at fixed depth
 in float32 (``tests/benchmarks/test_plain_jax.py``); what differs is everything around them.
 
+``time_decode`` times decode steps from a given context without prefilling it: a step reads every
+weight and all ``max_len`` positions of its dense caches whatever they hold (the mask, not the
+contents, decides which count), so its time depends on the shapes alone; a prefill would cost one
+more executable per shape (a loop executable compiles in ~41 s on the H200: docs/performance.md),
+and at 128 streams of 1K its float32 attention scores (~10 GB a layer) would not fit beside the
+116 GB of caches. ``benchmarks/decode.py`` runs it beside the engine's decode sweep (records
+``path: "plain_jax"`` in ``decode.json``) and ``benchmarks/run.py`` runs ``time_prefill`` beside
+``long4`` (records ``mode: "plain_jax"``), both on the engine's weights and the workloads' shapes.
+
     python -m benchmarks.plain_jax --preset ouro-1.4b --decode 1 8 32 --context 1024 \\
         --prefill 3x6000 --out /tmp/plain.json
 """
@@ -30,7 +39,9 @@ from ouro_jax.attention import dense_attention
 from ouro_jax.model import OuroModel, dtype_of
 from weights.config import OuroConfig
 
-__all__ = ["PlainDecoder", "plain_prefill", "time_decode", "time_prefill"]
+__all__ = ["PLAIN_MODE", "PlainDecoder", "plain_prefill", "time_decode", "time_prefill"]
+
+PLAIN_MODE = "plain_jax"  # the mode (and decode.json path) of these baselines' records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +76,13 @@ class PlainDecoder:
         self.pos = 0
         self.last = None
 
+    @staticmethod
+    def cache_bytes(config: OuroConfig, batch: int, max_len: int, dtype="bfloat16") -> int:
+        """Bytes of the dense caches of ``batch`` streams of ``max_len`` positions (K and V, every loop)."""
+        c = config
+        per_loop = c.num_hidden_layers * batch * max_len * c.num_key_value_heads * c.head_dim
+        return 2 * c.num_loops * per_loop * np.dtype(dtype_of(dtype)).itemsize
+
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=(4,))
     def _loop(self, params, x, start, cache):
         positions = start + jnp.arange(x.shape[1])[None, :]
@@ -97,6 +115,18 @@ class PlainDecoder:
         """One more token of every stream ``[B]``, fed back on the device."""
         return self._run(self.last[:, None])
 
+    def resume(self, pos: int, tokens) -> None:
+        """Continue every stream at position ``pos`` from ``tokens [B]``, whatever the caches hold:
+        positions from ``pos`` on are masked out until a step writes them."""
+        self.pos = pos
+        self.last = jnp.asarray(tokens, jnp.int32)
+
+    def free(self) -> None:
+        """Drop the caches now: the jit caches of the methods keep this object (their static
+        argument) alive, and with it the caches, until the process ends."""
+        self.caches.clear()
+        self.last = None
+
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype_name", "cudnn"))
 def plain_prefill(params, ids, *, config: OuroConfig, dtype_name: str, cudnn: bool):
@@ -121,35 +151,68 @@ def plain_prefill(params, ids, *, config: OuroConfig, dtype_name: str, cudnn: bo
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), kvs
 
 
-def time_decode(config, params, batch: int, context: int, tokens: int, dtype="bfloat16") -> dict:
-    """Milliseconds per token of ``batch`` streams at ``context`` positions (the best of 3 rounds)."""
-    dec = PlainDecoder(config, params, batch, context + 3 * tokens + 8, dtype)
-    ids = np.random.default_rng(0).integers(5, config.vocab_size, (batch, context))
-    dec.prefill(ids).block_until_ready()
-    dec.step().block_until_ready()  # compiled
-    best = float("inf")
-    for _ in range(3):
+def time_decode(config, params, batch: int, context: int, tokens: int, dtype="bfloat16", rounds: int = 3) -> dict:
+    """Milliseconds per token of ``batch`` streams taking ``tokens`` steps from position ``context``
+    (caches of ``context + tokens`` positions, not prefilled: see the module doc); every round starts
+    at ``context`` again. ``tpot_ms``: the best round; ``round_ms``: every round; ``first_call_s``:
+    the first step, compilation included."""
+    dec = PlainDecoder(config, params, batch, context + tokens, dtype)
+    start = np.random.default_rng(0).integers(5, config.vocab_size, batch)
+    try:
         t = time.perf_counter()
-        for _ in range(tokens):
-            dec.step()
-        dec.last.block_until_ready()
-        best = min(best, (time.perf_counter() - t) / tokens)
-    return dict(baseline="plain_jax_decode", batch=batch, context=context, tpot_ms=best * 1e3)
-
-
-def time_prefill(config, params, batch: int, length: int, dtype="bfloat16") -> dict:
-    """Seconds and tokens/s of one ``plain_prefill`` of ``batch`` prompts of ``length`` (best of 3)."""
-    ids = jnp.asarray(np.random.default_rng(0).integers(5, config.vocab_size, (batch, length)), jnp.int32)
-    run = functools.partial(
-        plain_prefill, config=config, dtype_name=str(dtype_of(dtype)), cudnn=jax.default_backend() == "gpu"
+        dec.resume(context, start)
+        dec.step().block_until_ready()
+        first_call_s = time.perf_counter() - t
+        rounds_s = []
+        for _ in range(rounds):
+            dec.resume(context, start)
+            t = time.perf_counter()
+            for _ in range(tokens):
+                dec.step()
+            dec.last.block_until_ready()
+            rounds_s.append((time.perf_counter() - t) / tokens)
+    finally:
+        dec.free()
+    return dict(
+        baseline="plain_jax_decode",
+        batch=batch,
+        context=context,
+        tokens=tokens,
+        max_len=context + tokens,
+        cache_bytes=PlainDecoder.cache_bytes(config, batch, context + tokens, dtype),
+        first_call_s=first_call_s,
+        round_ms=[x * 1e3 for x in rounds_s],
+        tpot_ms=min(rounds_s) * 1e3,
     )
+
+
+def time_prefill(config, params, ids, dtype="bfloat16", rounds: int = 3) -> dict:
+    """Seconds and tokens/s of one ``plain_prefill`` of the prompts ``ids [B, S]``: ``wall_s`` the
+    best of ``rounds`` calls, ``seconds_all`` every call, ``first_call_s`` the first (compilation
+    included)."""
+    ids = jnp.asarray(ids, jnp.int32)
+    batch, length = ids.shape
+    run = functools.partial(
+        plain_prefill, config=config, dtype_name=np.dtype(dtype_of(dtype)).name, cudnn=jax.default_backend() == "gpu"
+    )
+    t = time.perf_counter()
     jax.block_until_ready(run(params, ids))
-    best = float("inf")
-    for _ in range(3):
+    first_call_s = time.perf_counter() - t
+    seconds = []
+    for _ in range(rounds):
         t = time.perf_counter()
         jax.block_until_ready(run(params, ids))
-        best = min(best, time.perf_counter() - t)
-    return dict(baseline="plain_jax_prefill", batch=batch, length=length, wall_s=best, tok_s=batch * length / best)
+        seconds.append(time.perf_counter() - t)
+    best = min(seconds)
+    return dict(
+        baseline="plain_jax_prefill",
+        batch=batch,
+        length=length,
+        first_call_s=first_call_s,
+        seconds_all=seconds,
+        wall_s=best,
+        tok_s=batch * length / best,
+    )
 
 
 def main(argv=None) -> None:
@@ -173,7 +236,8 @@ def main(argv=None) -> None:
         print(json.dumps(records[-1]), flush=True)
     for spec in a.prefill:
         b, n = map(int, spec.split("x"))
-        records.append(time_prefill(config, params, b, n, a.dtype))
+        ids = np.random.default_rng(0).integers(5, config.vocab_size, (b, n))
+        records.append(time_prefill(config, params, ids, a.dtype))
         print(json.dumps(records[-1]), flush=True)
     if a.out:
         with open(a.out, "w") as f:

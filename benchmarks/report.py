@@ -11,7 +11,9 @@ baselines in the workload JSONs), ``self_spec.json`` (``benchmarks/self_spec.py`
 decode.json), one table per workload, the decode table, self-speculative decoding, the soak runs,
 the bucket sweep, and plots (throughput vs chunk per mode, latency CDFs, prompt throughput vs decode
 TPOT of the workloads with decode streams, TPOT vs floor per concurrency, speed-up vs acceptance,
-bucket roofline, padding by bucket set).
+bucket roofline, padding by bucket set). Records of the plain-JAX baselines (mode ``plain_jax``,
+``benchmarks/plain_jax.py``) are shown beside the engine's: engine / plain JAX per c in the decode
+table, per configuration under long4's table, and as lines in the plots.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ __all__ = [
 ]
 
 GENERATE_MODE = "generate()"
-MODE_ORDER = ("split", "mixed", "wavefront", GENERATE_MODE)
+PLAIN_MODE = "plain_jax"  # benchmarks.plain_jax.PLAIN_MODE (this module imports no jax)
+MODE_ORDER = ("split", "mixed", "wavefront", GENERATE_MODE, PLAIN_MODE)
+BASELINE_MODES = (GENERATE_MODE, PLAIN_MODE)  # records of a workload that are not the engine's
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -115,10 +119,11 @@ def plot_workload(result: dict, path: str) -> Optional[str]:
         ax.set_yscale("log")
         ax.set_ylabel(f"{h0['metric']} ({h0['unit']}); dashed: floor")
         axf.set_ylabel("% of floor")
+        for r in recs:  # the baselines: horizontal lines
+            if r["mode"] in BASELINE_MODES and r["headline"]["metric"] == h0["metric"]:
+                ls = ":" if r["mode"] == GENERATE_MODE else "-."
+                ax.axhline(r["headline"]["value"], color="k", ls=ls, label=f"{r['mode']} {r['label']}")
         ax.legend(fontsize=8)
-        for r in recs:  # generate() baselines: horizontal lines
-            if r["mode"] == GENERATE_MODE and r["headline"]["metric"] == h0["metric"]:
-                ax.axhline(r["headline"]["value"], color="k", ls=":", label=f"generate() {r['label']}")
     else:
         ax, axt = axes
         names = [f"{label}\n{mode}" for (label, mode) in series]
@@ -341,7 +346,8 @@ def _decode_series(records) -> dict:
 
 def plot_decode(result: dict, path: str) -> Optional[str]:
     """decode.json: TPOT p50 per concurrency, one line per exit kind with its floor (dashed), and
-    the fraction of floor; one row of panels per context; generate() as open squares."""
+    the fraction of floor; one row of panels per context; generate() as open squares, the plain-JAX
+    baseline as a black line."""
     series = _decode_series(result.get("records", []))
     if not series:
         return None
@@ -363,6 +369,10 @@ def plot_decode(result: dict, path: str) -> Optional[str]:
                 ax.plot(x, [r["tpot_p50_ms"] for r in rs], style[p], color=color[e], label=name)
                 ax.plot(x, [r["tpot_floor_ms"] for r in rs], "--", color=color[e], alpha=0.6, label=f"{name} floor")
                 axf.plot(x, [100 * r["tpot_fraction_of_floor"] for r in rs], style[p], color=color[e], label=name)
+            elif p == PLAIN_MODE:
+                name = f"plain JAX {e}"
+                ax.plot(x, [r["tpot_p50_ms"] for r in rs], "x-", color="k", label=name)
+                axf.plot(x, [100 * r["tpot_fraction_of_floor"] for r in rs], "x-", color="k", label=name)
             else:
                 ax.plot(
                     x, [r["tpot_p50_ms"] for r in rs], "s", mfc="none", ms=9, color=color[e], label=f"generate() {e}"
@@ -385,17 +395,22 @@ def plot_decode(result: dict, path: str) -> Optional[str]:
 
 
 def decode_section(res: dict) -> str:
-    """The decode.json table: one row per record, grouped by context, path and exit kind."""
+    """The decode.json table: one row per record, grouped by context, path and exit kind; engine
+    rows at fixed depth with the plain-JAX baseline's TPOT at the same c and engine / baseline."""
     rows = []
+    path_name = {"generate": "generate()", PLAIN_MODE: "plain JAX"}
     for (ctx, p, e), rs in _decode_series(res.get("records", [])).items():
         for r in rs:
+            ratio = r.get("engine_over_baseline")
             rows.append(
                 [
                     ctx,
-                    p if p.startswith("engine") else "generate()",
+                    p if p.startswith("engine") else path_name.get(p, p),
                     e,
                     r["concurrency"],
                     _f(r["tpot_p50_ms"], 2),
+                    _f(r.get("baseline_tpot_ms"), 2),
+                    f"{_f(ratio, 2)}x" if ratio else "–",
                     _f(r["tpot_floor_ms"], 2),
                     _pct(r["tpot_fraction_of_floor"]),
                     _f(r.get("mean_loops_per_token"), 2),
@@ -410,6 +425,8 @@ def decode_section(res: dict) -> str:
         "exit",
         "c",
         "TPOT p50 ms",
+        "plain JAX ms",
+        "engine / plain JAX",
         "floor ms",
         "of floor",
         "loops/token",
@@ -640,6 +657,27 @@ def _workload_table(res: dict) -> str:
     return _table(header, rows)
 
 
+def _plain_prefill_table(res: dict) -> str:
+    """The engine records of a workload against its plain-JAX one-shot prefill of the same run
+    (``engine_over_baseline``); "" where there is none (older results, other workloads)."""
+    recs = sorted((r for r in _ok(res.get("records", [])) if r.get("engine_over_baseline")), key=_row_order)
+    rows = [
+        [
+            r["label"],
+            r["mode"],
+            r.get("chunk") or "–",
+            _f(r["prefill_span"]["prompt_tok_s"]),
+            _f(r["prefill_span"]["seconds"], 3),
+            _f(r.get("baseline_prompt_tok_s")),
+            _f(r.get("baseline_wall_s"), 3),
+            f"**{_f(r['engine_over_baseline'], 2)}x**",
+        ]
+        for r in recs
+    ]
+    head = ["variant", "mode", "chunk", "engine prompt tok/s", "engine s", "plain JAX tok/s", "plain JAX s"]
+    return _table(head + ["engine / plain JAX"], rows) if rows else ""
+
+
 def _find(results, workload, pred):
     res = results.get(workload)
     if not res:
@@ -694,7 +732,7 @@ def _targets(results: dict) -> str:
     rows = []
 
     def serve(fixed_c):
-        recs = _find(results, "serve1k", lambda r: r["mode"] != GENERATE_MODE and r.get("exit") == "fixed")
+        recs = _find(results, "serve1k", lambda r: r["mode"] not in BASELINE_MODES and r.get("exit") == "fixed")
         if not recs:
             return None
         cs = sorted({r["concurrency"] for r in recs})
@@ -736,7 +774,8 @@ def _targets(results: dict) -> str:
             ]
         )
     rows += _decode_targets(results)
-    l4 = {(r["mode"], r.get("chunk")): r for r in _find(results, "long4", lambda r: r["mode"] != GENERATE_MODE)}
+    l4 = {(r["mode"], r.get("chunk")): r for r in _find(results, "long4", lambda r: r["mode"] not in BASELINE_MODES)}
+    plain = _find(results, "long4", lambda r: r["mode"] == PLAIN_MODE)
     w16, s16 = l4.get(("wavefront", 16)), l4.get(("split", 16))
     if w16:
         h = w16["headline"]
@@ -762,7 +801,13 @@ def _targets(results: dict) -> str:
                 "prefill long4, chunk 128",
                 ">= 75% of the FLOP floor (>= 45,000 tok/s)",
                 f"best {best['mode']}: {_f(h['value'])} tok/s vs floor {_f(h['floor'])} ({h['bound']}); "
-                + ", ".join(f"{r['mode']} {_f(r['headline']['value'])}" for r in c128),
+                + ", ".join(f"{r['mode']} {_f(r['headline']['value'])}" for r in c128)
+                + (
+                    f"; plain JAX one-shot {_f(plain[0]['prompt_tok_s'])} tok/s "
+                    f"(best / plain JAX {_f(h['value'] / plain[0]['prompt_tok_s'], 2)}x)"
+                    if plain
+                    else ""
+                ),
                 _pct(h["fraction"]),
                 "met" if h["fraction"] >= 0.75 else "not met",
             ]
@@ -794,7 +839,7 @@ def _targets(results: dict) -> str:
         for res in results.values()
         if res.get("benchmark") == "workload"
         for r in _ok(res.get("records", []))
-        if r["mode"] != GENERATE_MODE
+        if r["mode"] not in BASELINE_MODES
     ]
     if eng:
 
@@ -1100,6 +1145,17 @@ def write_report(folder: str) -> str:
                 f"workload: {', '.join(sorted({x['source'] for x in st}))}."
             )
         lines += ["", _workload_table(res), ""]
+        plain = _plain_prefill_table(res)
+        if plain:
+            lines += [
+                "Against the plain-JAX one-shot prefill of the same prompts and weights in the same run "
+                "(`benchmarks/plain_jax.py`: every loop's layers over the whole prompts in one jit, cuDNN causal "
+                "attention on a GPU; best of 3 calls): engine / plain JAX = the engine's prompt tok/s until the "
+                "last first token / the baseline's (above 1: the engine is faster).",
+                "",
+                plain,
+                "",
+            ]
         if res.get("skipped"):
             lines.append(
                 "Skipped: "
@@ -1122,7 +1178,10 @@ def write_report(folder: str) -> str:
             f"c requests at t=0, {cfg.get('output_tokens')} out, prompts warmed into the prefix cache: "
             f"{cfg.get('prefix_warm')}; preset {cfg.get('preset')} {cfg.get('dtype')}, scale {cfg.get('scale')}. "
             "TPOT p50 against `floors.decode_step_floor` at c rows, the mean decode context and the mean "
-            "loops per token run; kernels per loop and device-busy share from a profiler trace.",
+            "loops per token run; kernels per loop and device-busy share from a profiler trace. Plain JAX: "
+            "`benchmarks/plain_jax.py` (dense K/V per loop, donated, one jit per loop, argmax) at the same c, "
+            "shapes and weights in the same run; engine / plain JAX = its TPOT / the engine's (above 1: the "
+            "engine is faster).",
             "",
             decode_section(dec),
             "",

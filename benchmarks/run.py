@@ -26,6 +26,14 @@ histogram, and ``fraction_of_floor`` with the floor named (``bandwidth`` / ``flo
 ``ouro_jax.generate`` baselines (mode ``"generate()"``) run on the same batch where one applies
 (serve1k with exactly c requests, long4). ``--time-budget`` stops starting new configurations once
 the process has used that many seconds (start-up included).
+
+The plain-JAX one-shot prefill (``plain_jax.time_prefill``, issue 37; ``--no-plain-baseline`` skips
+it) runs on the same prompts and weights after a workload's engine configurations, where the
+workload has one (long4: ``Workload.plain_prefill_baseline``): a record of mode ``"plain_jax"``
+(best of 3 calls after a first, compiling one), and on every engine record of the run
+``baseline_prompt_tok_s``, ``baseline_wall_s`` and ``engine_over_baseline`` (the engine's prompt
+tok/s until the last first token / the baseline's: above 1, the engine is faster). It runs between
+engines, so no KV pool is resident beside its K/V (25 GB at 4 x 8064).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from benchmarks import fmt
 from benchmarks.floors import decode_step_floor, generate_floor, prefill_floor
 from benchmarks.merge_results import merge_lists
 from benchmarks.metrics import ScheduleRecorder, exit_histogram, floor_of, latency, mean_decoding_streams
+from benchmarks.plain_jax import PLAIN_MODE, time_prefill
 from benchmarks.workloads import (
     CHUNKS,
     EARLY_EXIT_MEAN_LOOPS,
@@ -72,6 +81,7 @@ from scheduler import BucketKey, SamplingParams
 __all__ = ["Harness", "drive", "DriveResult", "main", "save_json", "CompileEvents"]
 
 GENERATE_MODE = "generate()"
+PLAIN_PREFILL_ESTIMATE_S = 60.0  # a plain-JAX prefill baseline before one has run (time budget): its compile
 
 
 # ------------------------------------------------------------------------------- compile events
@@ -851,6 +861,78 @@ class Harness:
         gc.collect()
         return r
 
+    # ------------------------------------------------------------------ plain-JAX prefill baseline
+    def run_plain_prefill(self, wl: Workload, reps: int = 3) -> dict:
+        """``plain_jax.time_prefill`` of ``wl``'s prompts (one length, all at t=0) on these weights: one
+        jit over every loop, the first tokens and every loop's K/V out; no engine is resident."""
+        c = self.config
+        if len({s.num_prompt_tokens for s in wl.requests}) != 1:
+            raise ValueError(f"{wl.label}: a one-shot prefill needs prompts of one length")
+        ids = np.stack([s.prompt for s in wl.requests]).astype(np.int32)
+        n, p = ids.shape
+        t = time_prefill(c, self.params, ids, self.dtype, rounds=reps)
+        fl = prefill_floor(c, n, p, p, n * p, self.bw, self.peak)
+        floor = dict(
+            fl,
+            bandwidth=self.bw,
+            peak_flops=self.peak,
+            basis="floors.prefill_floor: the whole prompts in one chunk, every row of a loop in one invocation",
+        )
+        r = dict(
+            workload=wl.name,
+            variant=wl.variant,
+            label=wl.label,
+            mode=PLAIN_MODE,
+            chunk=None,
+            exit="fixed",
+            arrival="static batch",
+            concurrency=None,
+            requests=n,
+            requests_finished=n,
+            truncated=False,
+            wall_s=t["wall_s"],
+            seconds_all=t["seconds_all"],
+            first_call_s=t["first_call_s"],
+            prompt=p,
+            prompt_tokens=n * p,
+            output_tokens=n,  # the first tokens
+            prompt_tok_s=t["tok_s"],
+            output_tok_s=None,
+            floor=floor,
+            fraction_of_floor=fl["floor_s"] / t["wall_s"],
+            floor_bound=fl["bound"],
+            compilations=0,
+            headline=dict(
+                metric="prompt tok/s",
+                value=t["tok_s"],
+                floor=n * p / fl["floor_s"],
+                fraction=fl["floor_s"] / t["wall_s"],
+                bound=fl["bound"],
+                unit="tok/s",
+            ),
+        )
+        r.update(_memory())
+        gc.collect()
+        return r
+
+
+def attach_prefill_baseline(records: list, base: dict) -> list:
+    """``baseline_prompt_tok_s``, ``baseline_wall_s`` and ``engine_over_baseline`` (the engine's
+    prompt tok/s until the last first token / the baseline's) on the engine records of ``base``'s
+    workload variant that have a whole prefill span; returns those records."""
+    out = []
+    for r in records:
+        span = r.get("prefill_span") or {}
+        if r.get("mode") in (GENERATE_MODE, PLAIN_MODE) or r.get("variant") != base["variant"]:
+            continue
+        if "error" in r or not span.get("prompt_tok_s") or span.get("partial"):
+            continue
+        r["baseline_prompt_tok_s"] = base["prompt_tok_s"]
+        r["baseline_wall_s"] = base["wall_s"]
+        r["engine_over_baseline"] = span["prompt_tok_s"] / base["prompt_tok_s"]
+        out.append(r)
+    return out
+
 
 def _span(seconds: float, invocations: int, prompt_tokens: float, floor: dict, **extra) -> dict:
     """A prefill span's record: its prompt throughput, and the same against its floor."""
@@ -884,15 +966,17 @@ def format_record(r: dict) -> str:
         f"TTFT p50/p99 {fmt.ms(g('ttft', 'p50'))}/{fmt.ms(g('ttft', 'p99'))} ms | TPOT p50/p99 "
         f"{fmt.ms(g('tpot', 'p50'))}/{fmt.ms(g('tpot', 'p99'))} ms"
     )
-    if r["mode"] != GENERATE_MODE:
+    if r["mode"] == GENERATE_MODE:
+        s += f" | compile {r['compile_s']:.1f} s"
+    elif r["mode"] == PLAIN_MODE:
+        s += f" | first call {r['first_call_s']:.1f} s (compile included)"
+    else:
         s += (
             f" | rows/inv {r['rows_per_invocation']:.1f} | inv/s {fmt.num(r['invocations_per_s'])} | host/inv "
             f"{fmt.ms(r['host_time_per_invocation_s'])} ms | compiles {r['compilations']}"
         )
         if r.get("truncated"):
             s += " | TRUNCATED"
-    else:
-        s += f" | compile {r['compile_s']:.1f} s"
     return s
 
 
@@ -975,6 +1059,7 @@ def _result(
             seed=args.seed,
             modes=args.mode,
             chunks=args.chunk,
+            plain_baseline=args.plain_baseline,
             time_budget_s=args.time_budget,
             workload_budget_s=args.workload_budget.get(name),
             config_timeout_s=args.config_timeout,
@@ -1023,6 +1108,8 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
             for mode in modes:
                 for tgt in targets_of(args, wl):
                     plan.append(("engine", wl, mode, chunk, tuple(args.chunk or CHUNKS), tgt))
+        if args.plain_baseline and wl.plain_prefill_baseline:  # after the engines: no KV pool beside it
+            plan.append((PLAIN_MODE, wl, PLAIN_MODE, None, (), None))
     if args.generate_baseline is None or name in args.generate_baseline:
         gens = [wl for wl in variants if wl.generate_baseline]
         if name == "serve1k" and args.generate_concurrency is not None:  # in the order given
@@ -1034,7 +1121,8 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
         plan += [("generate", wl, GENERATE_MODE, None, (), None) for wl in gens]
     for kind, wl, mode, chunk, all_chunks, tgt in plan:
         tf = target_fields(h, wl, tgt)
-        est = estimates.get(kind) or ([0.0] if kind == "engine" else [args.generate_estimate])
+        first_estimate = {"engine": 0.0, PLAIN_MODE: PLAIN_PREFILL_ESTIMATE_S}.get(kind, args.generate_estimate)
+        est = estimates.get(kind) or [first_estimate]
         expect = float(np.mean(est))
         used = time.monotonic() - wl_start
         reason = None
@@ -1063,6 +1151,8 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
         try:
             if kind == "engine":
                 rec = h.run(wl, mode, chunk, all_chunks, timeout, tgt)
+            elif kind == PLAIN_MODE:
+                rec = h.run_plain_prefill(wl)
             else:
                 rec = h.run_generate(wl, args.generate_reps)
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
@@ -1081,6 +1171,9 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
         estimates.setdefault(kind, []).append(rec["config_s"])
         records.append(rec)
         print(format_record(rec), flush=True)
+        if kind == PLAIN_MODE and "error" not in rec:
+            for r in attach_prefill_baseline(records, rec):
+                print(f"  engine / plain JAX: {r['engine_over_baseline']:.2f}x ({r['mode']} chunk {r['chunk']})")
         save()
     res = save()
     if not args.no_plot:
@@ -1140,6 +1233,12 @@ def parser() -> argparse.ArgumentParser:
         "applies; give no names for none)",
     )
     ap.add_argument("--generate-only", action="store_true", help="only the generate() baselines (with --append)")
+    ap.add_argument(
+        "--no-plain-baseline",
+        dest="plain_baseline",
+        action="store_false",
+        help="no plain-JAX one-shot prefill (benchmarks/plain_jax.py) beside the engine (long4)",
+    )
     ap.add_argument("--generate-reps", type=int, default=1)
     ap.add_argument(
         "--generate-estimate",

@@ -120,6 +120,8 @@ class Workload:
     modes: tuple = SWEEP_MODES  # default sweep, in priority order
     chunks: tuple = SWEEP_CHUNKS
     generate_baseline: bool = False  # a static-batch generate() of the same batch applies
+    # a plain-JAX one-shot prefill of the same prompts applies (all at t=0, of one length)
+    plain_prefill_baseline: bool = False
     exit: str = "fixed"  # "fixed" | "early" (synthetic)
     description: str = ""
     engine_kw: dict = dataclasses.field(default_factory=dict)  # LLM options of this variant
@@ -204,6 +206,7 @@ def long4(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: i
             reqs,
             "batch",
             generate_baseline=True,
+            plain_prefill_baseline=True,
             description=f"{n} x {prompt}-token prompts at t=0, {out} out",
         )
     ]

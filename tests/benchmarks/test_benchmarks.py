@@ -1,7 +1,8 @@
 """The benchmark harness end to end on the tiny preset (CPU, small scale): every workload through
 ``benchmarks.run``, the bucket sweep (device part on the CPU, padding analysis on the scheduler
 alone), and the report. Nothing about speed is asserted: only the JSON schema, that every record
-carries a positive ``fraction_of_floor`` with its floor named, and that nothing recompiled."""
+carries a positive ``fraction_of_floor`` with its floor named, that nothing recompiled, and that
+long4's engine records stand beside the plain-JAX prefill of the same run."""
 
 import importlib.util
 import itertools
@@ -14,6 +15,7 @@ import pytest
 from benchmarks import report, run, sweep_buckets
 from benchmarks.floors import prefill_floor
 from benchmarks.metrics import ScheduleRecorder, floor_of, mean_decoding_streams
+from benchmarks.plain_jax import PLAIN_MODE
 from benchmarks.workloads import WORKLOADS, make, suite_shape
 from ouro_jax import get_preset
 from scheduler import SchedulerConfig
@@ -110,7 +112,7 @@ def test_every_workload_writes_its_records(results):
         for r in recs:
             assert r["fraction_of_floor"] > 0 and r["floor_bound"] in ("bandwidth", "flops")
             assert r["headline"]["fraction"] > 0 and r["headline"]["floor"] > 0
-            if r["mode"] == run.GENERATE_MODE:
+            if r["mode"] in (run.GENERATE_MODE, PLAIN_MODE):
                 continue
             assert RECORD_KEYS <= set(r), RECORD_KEYS - set(r)
             assert r["compilations"] == 0 and r["xla_compilations"] == 0
@@ -124,14 +126,75 @@ def test_every_workload_writes_its_records(results):
         modes = {r["mode"] for r in recs}
         if name in ("long4", "serve1k"):
             assert run.GENERATE_MODE in modes
+        assert (PLAIN_MODE in modes) == (name == "long4")  # the workloads with one prompt length at t=0
         if name in ("long4", "mixed32", "mixed128"):
             assert modes >= {"split", "mixed", "wavefront"}
-            assert all(r["prefill_span"]["fraction_of_floor"] > 0 for r in recs if r["mode"] != run.GENERATE_MODE)
+            engine = [r for r in recs if r["mode"] not in (run.GENERATE_MODE, PLAIN_MODE)]
+            assert all(r["prefill_span"]["fraction_of_floor"] > 0 for r in engine)
         if name in ("mixed32", "mixed128"):  # batch arrival: the TPOT floor's batch is what decoded together
             for r in recs:
                 tf = r["tpot_floor"]
                 assert tf["batch_from"].startswith("mean decoding streams") and 1 <= tf["batch"] <= r["requests"]
         assert os.path.exists(os.path.join(out, f"{name}.png")) or not HAVE_MPL
+
+
+@pytest.mark.slow
+def test_long4_stands_beside_the_plain_prefill(results, tmp_path):
+    out, res, _, h = results
+    recs = res["long4"]["records"]
+    (base,) = [r for r in recs if r["mode"] == PLAIN_MODE]
+    n, p = base["requests"], base["prompt"]
+    assert (n, p) == (1, 161) and base["prompt_tokens"] == n * p  # 4 x 8064 at scale 0.02, count 0.05
+    assert base["wall_s"] == min(base["seconds_all"]) and base["first_call_s"] > 0
+    assert base["prompt_tok_s"] == pytest.approx(n * p / base["wall_s"]) == base["headline"]["value"]
+    assert base["headline"]["metric"] == "prompt tok/s" and base["floor"]["invocations"] == h.config.num_loops
+    engine = [r for r in recs if r["mode"] in ("split", "mixed", "wavefront")]
+    assert engine
+    for r in engine:
+        assert r["baseline_prompt_tok_s"] == base["prompt_tok_s"] and r["baseline_wall_s"] == base["wall_s"]
+        assert r["engine_over_baseline"] == pytest.approx(r["prefill_span"]["prompt_tok_s"] / base["prompt_tok_s"])
+    text = open(report.write_report(out)).read()
+    section = text.split("## long4", 1)[1].split("\n## ", 1)[0]
+    assert "Against the plain-JAX one-shot prefill" in section and "| engine / plain JAX |" in section
+    assert f"**{report._f(engine[0]['engine_over_baseline'], 2)}x**" in section
+    # --no-plain-baseline: none, and no ratios
+    args = ["--workload", "long4", "--mode", "split", "--chunk", "16", "--generate-baseline", "--no-plain-baseline"]
+    again = run.main(args + SMALL + ["--out", str(tmp_path)], harness=h)["long4"]
+    assert not again["config"]["plain_baseline"] and [r["mode"] for r in again["records"]] == ["split"]
+    assert "engine_over_baseline" not in again["records"][0]
+    assert "Against the plain-JAX" not in open(report.write_report(str(tmp_path))).read()
+
+
+def test_attach_prefill_baseline_marks_the_engine_records_with_a_whole_span():
+    span = dict(prompt_tok_s=300.0)
+    recs = [
+        dict(variant="", mode="split", chunk=16, prefill_span=span),
+        dict(variant="", mode="wavefront", chunk=16, prefill_span=dict(span, partial=True)),  # truncated
+        dict(variant="", mode="mixed", chunk=16, error="x"),
+        dict(variant="", mode=run.GENERATE_MODE, chunk=None),
+        dict(variant="other", mode="split", chunk=16, prefill_span=span),
+    ]
+    base = dict(variant="", mode=PLAIN_MODE, prompt_tok_s=600.0, wall_s=2.0)
+    assert run.attach_prefill_baseline(recs + [base], base) == recs[:1]
+    assert (recs[0]["baseline_prompt_tok_s"], recs[0]["baseline_wall_s"], recs[0]["engine_over_baseline"]) == (
+        600.0,
+        2.0,
+        0.5,
+    )
+    assert not [r for r in recs[1:] if "engine_over_baseline" in r]
+
+
+def test_report_renders_long4_written_before_the_plain_baseline(tmp_path):
+    """The committed long4.json has no plain-JAX record: its section and targets render without one."""
+    src = os.path.join(os.path.dirname(report.__file__), "results", "long4.json")
+    with open(src) as f:
+        d = json.load(f)
+    assert not [r for r in d["records"] if r["mode"] == PLAIN_MODE or "engine_over_baseline" in r]
+    assert report._plain_prefill_table(d) == ""
+    targets = report._targets({"long4": d})
+    assert "prefill long4, chunk 128" in targets and "plain JAX" not in targets
+    base = dict(d["records"][0], mode=PLAIN_MODE, chunk=None, prompt_tok_s=50_000.0)
+    assert "plain JAX one-shot 50,000 tok/s" in report._targets({"long4": dict(d, records=d["records"] + [base])})
 
 
 @pytest.mark.slow

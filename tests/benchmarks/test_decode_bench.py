@@ -1,5 +1,6 @@
 """The ``decode`` workload (benchmarks/decode.py): its floor checked by hand for Ouro-1.4B, its
-options, and the whole sweep end to end on the tiny preset (CPU): records, skips, profile, plot."""
+options, and the whole sweep end to end on the tiny preset (CPU): records, skips, profile, the
+plain-JAX baseline beside the engine, plot and report."""
 
 import importlib.util
 import json
@@ -10,6 +11,7 @@ import pytest
 from benchmarks import decode as dec
 from benchmarks import report
 from benchmarks.floors import decode_step_floor, shape
+from benchmarks.plain_jax import PlainDecoder
 from benchmarks.workloads import DECODE_EXITS, decode_workload, exit_params
 from ouro_jax import get_preset
 
@@ -135,11 +137,34 @@ def test_decode_sweep_end_to_end_on_tiny(tmp_path):
     with open(os.path.join(out, "decode.json")) as f:
         d = json.load(f)
     assert d["benchmark"] == "decode" and d["workload"] == "decode" and d["config"]["prefix_warm"]
-    assert len(res["records"]) == len(d["records"]) == 2 * 3  # c in 1, 2 x three exit kinds
+    assert d["config"]["plain_baseline"]
+    assert not [r for r in d["records"] if "error" in r]
+    engine = [r for r in d["records"] if r["path"] == "engine"]
+    plain = {r["concurrency"]: r for r in d["records"] if r["path"] == "plain_jax"}
+    assert len(res["records"]) == len(d["records"]) == len(engine) + len(plain)
+    assert len(engine) == 2 * 3  # c in 1, 2 x three exit kinds
     cfg = get_preset("tiny")
     bw, peak = d["ceilings"]["bandwidth"], d["ceilings"]["peak_flops"]
-    for r in d["records"]:
-        assert "error" not in r, r.get("error")
+    # the plain-JAX baseline at every c (it has no KV pool to fill: c=4 too), fixed depth
+    assert sorted(plain) == [1, 2, 4]
+    for c, r in plain.items():
+        assert r["mode"] == "plain_jax" and r["exit"] == "fixed" and r["context"] == 1024
+        assert (r["prompt_len"], r["output_tokens_per_request"]) == (20, 3)
+        assert len(r["round_ms"]) == 3 and r["tpot_p50_ms"] == pytest.approx(sorted(r["round_ms"])[1])
+        assert 0 < r["tpot_best_ms"] <= r["tpot_p50_ms"] and r["first_call_s"] > 0
+        assert r["dense_cache_bytes"] == PlainDecoder.cache_bytes(cfg, c, 20 + 3 - 1, cfg.torch_dtype)
+        fl = decode_step_floor(cfg, c, 20 + 3 / 2, cfg.num_loops, bw, peak)
+        assert r["tpot_floor_ms"] == pytest.approx(fl["floor_s"] * 1e3) and r["mean_loops_per_token"] == cfg.num_loops
+        assert r["tpot_fraction_of_floor"] == pytest.approx(r["tpot_floor_ms"] / r["tpot_p50_ms"])
+        assert r["headline"]["value"] == r["tpot_p50_ms"]
+    for r in engine:
+        if r["exit"] == "fixed":  # beside the baseline of its c
+            base = plain[r["concurrency"]]["tpot_p50_ms"]
+            assert r["baseline_tpot_ms"] == base
+            assert r["engine_over_baseline"] == pytest.approx(base / r["tpot_p50_ms"]) and r["engine_over_baseline"] > 0
+        else:  # early exit: no baseline runs its depths
+            assert "baseline_tpot_ms" not in r and "engine_over_baseline" not in r
+    for r in engine:
         assert ENGINE_KEYS <= set(r), ENGINE_KEYS - set(r)
         assert r["workload"] == "decode" and r["path"] == "engine" and r["context"] == 1024
         assert r["exit"] in DECODE_EXITS and r["concurrency"] in (1, 2)
@@ -166,15 +191,23 @@ def test_decode_sweep_end_to_end_on_tiny(tmp_path):
     assert len(sk) == 3 and all("c=4" in s["label"] and "holds 2" in s["reason"] for s in sk)
     if HAVE_MPL:
         assert os.path.getsize(os.path.join(out, "decode.png")) > 0
+    md = open(report.write_report(out)).read()
+    fixed_c1 = next(r for r in engine if r["exit"] == "fixed" and r["concurrency"] == 1)
+    assert f"| {report._f(fixed_c1['engine_over_baseline'], 2)}x |" in md
+    assert f"| 1024 | plain JAX | fixed | 4 | {report._f(plain[4]['tpot_p50_ms'], 2)} | – | – |" in md
 
 
 @pytest.mark.slow  # compiles the static generate() twice (~20 s on a CPU)
 def test_decode_generate_records_and_report(tmp_path):
     out = str(tmp_path)
     argv = TINY + ["--concurrency", "1", "--context", "1024", "--exit", "fixed", "ouro0.5", "synthetic2.5"]
-    dec.main(argv + ["--generate-batch", "1", "2", "--generate-reps", "1", "--profile-steps", "0", "--out", out])
+    argv += ["--generate-batch", "1", "2", "--generate-reps", "1", "--profile-steps", "0", "--no-plain-baseline"]
+    dec.main(argv + ["--out", out])
     with open(os.path.join(out, "decode.json")) as f:
         d = json.load(f)
+    # --no-plain-baseline: no plain-JAX records, no ratio on the engine's
+    assert not d["config"]["plain_baseline"] and {r["path"] for r in d["records"]} == {"engine", "generate"}
+    assert not [r for r in d["records"] if "engine_over_baseline" in r]
     gen = [r for r in d["records"] if r.get("path") == "generate"]
     # fixed and ouro0.5 at batch 1 and 2; synthetic has no generate() counterpart
     assert sorted((r["concurrency"], r["exit"]) for r in gen) == [
@@ -258,7 +291,7 @@ def test_report_keeps_fused_variants_apart():
         (1024, "engine fused16x8", "ouro0.5"),
     }
     md = report.decode_section(res)
-    assert "| 1024 | engine fused16x8 | ouro0.5 | 8 | 2.90 | 1.35 | 46.6% | 1.29 | 1.55 |" in md
+    assert "| 1024 | engine fused16x8 | ouro0.5 | 8 | 2.90 | – | – | 1.35 | 46.6% | 1.29 | 1.55 |" in md
     assert "| 1024 | engine | ouro0.5 | 8 | 4.10 |" in md
     res["records"] = [dict(r, concurrency=1) for r in res["records"]]
     rows = [r for r in report._decode_targets({"decode": res}) if r[2] != "not run"]
@@ -267,3 +300,38 @@ def test_report_keeps_fused_variants_apart():
         "decode.json engine c=1, early exit, context 1024 (ouro0.5) [fused16x8]",
         "decode.json engine c=1, early exit, context 1024 (ouro0.5)",
     ]
+
+
+def test_attach_baseline_marks_the_fixed_depth_engine_records_of_its_c():
+    def eng(c, exit_kind, tpot, ctx=1024, suffix=""):
+        label = f"decode c={c} {exit_kind} ctx={ctx}{suffix}"
+        return dict(path="engine", label=label, concurrency=c, exit=exit_kind, context=ctx, tpot_p50_ms=tpot)
+
+    recs = [eng(8, "fixed", 4.0), eng(8, "fixed", 2.0, suffix=" fused8x1"), eng(8, "ouro0.5", 1.5)]
+    recs += [eng(1, "fixed", 3.0), eng(8, "fixed", 5.0, ctx=4096), dict(eng(8, "fixed", None), error="x")]
+    base = dict(path="plain_jax", concurrency=8, context=1024, tpot_p50_ms=6.0)
+    got = dec.attach_baseline(recs + [base], base)
+    assert got == recs[:2]  # both engine variants at fixed depth, c=8, 1K
+    assert [r["engine_over_baseline"] for r in got] == [1.5, 3.0] and got[0]["baseline_tpot_ms"] == 6.0
+    assert not [r for r in recs[2:] if "engine_over_baseline" in r]
+
+
+def test_report_shows_the_plain_baseline_and_renders_older_files(tmp_path):
+    """decode.json with plain-JAX records: a row of their own and engine / plain JAX on the engine's
+    fixed-depth rows; the committed decode.json (written before the baseline existed) still renders."""
+    floor = dict(tpot_floor_ms=1.0, mean_loops_per_token=4.0, exit="fixed", context=1024, concurrency=8)
+    eng = dict(floor, path="engine", label="decode c=8 fixed ctx=1024", tpot_p50_ms=4.0, tpot_fraction_of_floor=0.25)
+    base = dict(floor, path="plain_jax", label="decode plain_jax b=8 ctx=1024", tpot_p50_ms=8.0)
+    base["tpot_fraction_of_floor"] = 0.125
+    dec.attach_baseline([eng], base)
+    md = report.decode_section(dict(benchmark="decode", records=[eng, base]))
+    assert "| 1024 | engine | fixed | 8 | 4.00 | 8.00 | 2.00x | 1.00 | 25.0% |" in md
+    assert "| 1024 | plain JAX | fixed | 8 | 8.00 | – | – | 1.00 | 12.5% |" in md
+    old = os.path.join(os.path.dirname(report.__file__), "results", "decode.json")
+    with open(old) as f:
+        d = json.load(f)
+    assert not [r for r in d["records"] if r.get("path") == "plain_jax"]
+    md = report.decode_section(d)
+    assert "engine / plain JAX" in md and "plain JAX |" not in md.split("\n", 2)[2]
+    if HAVE_MPL:
+        assert os.path.getsize(report.plot_decode(dict(d, records=d["records"] + [base]), str(tmp_path / "d.png")))
