@@ -28,6 +28,7 @@ from .descriptor import StepResult
 from .exit_policy import decide_exit, decide_exit_rows, fold_gate, fold_gate_rows, gates_needed_at, synthetic_exit_loops
 from .sampling_params import SamplingParams
 from .sizes import blocks_per_plane, kv_planes
+from .speculation import VERIFY_FIELDS, SpecDescriptor
 
 __all__ = ["FakeRunner", "reference_generate", "embed", "gate_logit", "sample_token"]
 
@@ -89,7 +90,10 @@ class FakeRunner:
         self.last_fused_tokens = None  # the latest fused step's last samples (a step ahead feeds them)
 
     def step(self, desc) -> StepResult:
-        """Run one ``BatchDescriptor`` (or a ``StackedDescriptor``: a fused decode step)."""
+        """Run one ``BatchDescriptor`` (or a ``StackedDescriptor``: a fused decode step; or a
+        ``SpecDescriptor``: a round of self-speculative decoding)."""
+        if isinstance(desc, SpecDescriptor):
+            return StepResult(np.zeros(0, np.float32), self._run_round(desc))
         if hasattr(desc, "steps"):
             return StepResult(*self._run_fused(desc))
         return StepResult(*self._run(desc))
@@ -188,6 +192,97 @@ class FakeRunner:
             result[j, C:] = depth
         self.last_fused_tokens = prev
         return gates, result
+
+    def _run_round(self, desc: SpecDescriptor) -> np.ndarray:
+        """A round as ``ouro_jax/speculative.py`` runs it: per position, ``d`` draft loops of every
+        row in lock step (a row whose rule fires exits for real: finalized into every plane, its
+        token sampled as plain decoding's); the other rows are cut and draft a token from their
+        state (another key: the fake model has no distribution to draw from). Then the verify's
+        loops ``d .. T - 1`` of every cut position, each to its own exit, an exited row's plane
+        copied upward at once; a draft is kept while it equals the token plain decoding samples
+        there (exact-match acceptance: the fake's tokens are plain decoding's, sampled ones too).
+        Returns ``[C, 2 + 2 * positions]`` (``speculation.split_spec_output``)."""
+        key = desc.key
+        d, k1, T = key.draft_loops, key.positions, key.num_loops
+        draft, verify, n = desc.draft, desc.verify, desc.num_requests
+        R, C = key.draft.R, key.draft.C
+        vslot = np.stack([v.row_slot for v in verify])  # [T - d, Rv]: verify row i * k1 + j per plane
+        toks = np.zeros((k1, C), np.int64)
+        depth = np.full((k1, n), -1, np.int64)
+        rem0 = np.ones((k1, n), np.float32)
+        prev = None
+        for j in range(k1):
+            subs = draft.steps[j * d : (j + 1) * d]
+            args = (draft.exit_limit[j], draft.exit_min_loops[j], draft.exit_delay[j], draft.exit_threshold[j])
+            active = np.arange(R) < n
+            rem = np.ones(R, np.float32)
+            exit_h, dep, h = np.zeros(R, np.uint64), np.full(R, -1, np.int64), None
+            for t in range(d):
+                if not active.any():
+                    break
+                h, g = self._loop(subs[t], prev, active)
+                nxt = fold_gate_rows(rem, g)
+                out = active & decide_exit_rows(t + 1, nxt, rem, *args)
+                exit_h[out], dep[out] = h[out], t
+                rem = np.where(active, nxt, rem)
+                active &= ~out
+            for r in np.flatnonzero(dep[:n] >= 0):  # exited within the draft: planes above, as plain decoding
+                slots = [sub.row_slot[r] for sub in subs] + list(vslot[:, r * k1 + j])
+                for p in range(dep[r] + 1, T):
+                    self.kv[slots[p]] = self.kv[slots[dep[r]]]
+                    self.kv_written[slots[p]] = True
+            last = subs[-1]
+            plain = self._coda(last, exit_h[last.coda_row])
+            with np.errstate(over="ignore"):
+                drafted = sample_token(
+                    self.ring[last.row_ring[last.coda_row]],
+                    last.coda_temperature,
+                    last.coda_seed.astype(np.uint64) ^ np.uint64(0xD7AF7),
+                    last.coda_step,
+                    self.vocab_size,
+                )
+            cut_rows = np.isin(last.coda_row, np.flatnonzero(active))
+            prev = np.where(cut_rows, drafted, plain).astype(np.int32)
+            toks[j], depth[j], rem0[j] = prev, dep[:n], rem[:n]
+        # the verify: row i * k1 + j is request i's position p + j
+        w = dict(zip(VERIFY_FIELDS, desc.words))
+        f32 = lambda x: np.asarray(x, np.int32).view(np.float32)  # noqa: E731
+        exits = (w["exit_limit"], w["exit_min_loops"], w["exit_delay"], f32(w["exit_threshold"]))
+        Rv = key.verify.R
+        req, pos = np.arange(Rv) // k1, np.arange(Rv) % k1
+        real = np.arange(Rv) < n * k1
+        reqc = np.minimum(req, n - 1)
+        active = real & (depth[pos, reqc] < 0)
+        rem = np.where(real, rem0[pos, reqc], np.float32(1.0)).astype(np.float32)
+        exit_h, vdep = np.zeros(Rv, np.uint64), depth[pos, reqc].copy()
+        for t in range(d, T):
+            if not active.any():
+                break
+            h, g = self._loop(verify[t - d], None, active)
+            nxt = fold_gate_rows(rem, g)
+            out = active & decide_exit_rows(t + 1, nxt, rem, *exits)
+            exit_h[out], vdep[out] = h[out], t
+            for r in np.flatnonzero(out):  # the positions after it read its planes in the loops that follow
+                self.kv[vslot[t - d + 1 :, r]] = self.kv[vslot[t - d, r]]
+                self.kv_written[vslot[t - d + 1 :, r]] = True
+            rem = np.where(active, nxt, rem)
+            active &= ~out
+        temp = f32(w["temperature"])
+        target = sample_token(exit_h, temp, w["seed"].view(np.uint32), w["step"], self.vocab_size)
+        result = np.zeros((C, 2 + 2 * k1), np.int32)
+        for i in range(n):
+            kept, tokens = k1, []
+            for j in range(k1):
+                exact = depth[j, i] >= 0
+                tokens.append(int(toks[j, i]) if exact else int(target[i * k1 + j]))
+                if not exact and target[i * k1 + j] != toks[j, i]:
+                    kept = j + 1
+                    break
+            accepted = kept - 1 + (tokens[-1] == toks[kept - 1, i])
+            result[i, 0], result[i, 1] = accepted, kept
+            result[i, 2 : 2 + kept] = tokens
+            result[i, 2 + k1 : 2 + k1 + kept] = vdep[i * k1 : i * k1 + kept]
+        return result
 
     def _check_padding(self, desc) -> None:
         k = desc.key

@@ -47,6 +47,9 @@ if importlib.util.find_spec("jax") is not None:
     # CPU tests: keep XLA from grabbing every core's worth of threads on a 2-core machine and make
     # float32 matmuls exact-ish so that engine/generate equivalence tests compare like with like.
     os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # workers of ``-n N`` share a GPU: none may take 75% of its memory up front
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
     import jax
 

@@ -14,6 +14,7 @@ from weights.random_init import random_params
 CFG = get_preset("tiny")
 
 
+@pytest.mark.slow
 def test_plain_decoder_and_prefill_give_the_engines_tokens():
     params = random_params(CFG, 0)
     prompts = np.random.default_rng(3).integers(5, CFG.vocab_size, (2, 11))

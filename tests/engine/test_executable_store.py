@@ -203,6 +203,7 @@ def test_store_roundtrip_and_options(tmp_path):
     assert not os.path.exists(tmp_path / "off" / "ouro_executables")
 
 
+@pytest.mark.slow
 def test_startup_bench_times_every_executable_including_fused_steps(tmp_path):
     """``benchmarks.startup --compare-parallel`` times each executable on a synthetic input built for
     its own packed layout (a fused step's includes the exit words): a layout change breaks it here,

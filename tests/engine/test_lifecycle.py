@@ -405,6 +405,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert drained(self.e)
 
 
+@pytest.mark.slow
 def test_random_call_sequences_keep_the_books(llm):
     LifecycleMachine.engine = llm
     run_state_machine_as_test(

@@ -24,6 +24,7 @@ from tests.engine.conftest import fused_engine, tiny_fused_parts
 V = 37  # a small, odd vocabulary
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(
     rows=st.lists(

@@ -81,7 +81,7 @@ def check_spec_equals_plain(T, weights, params, spec=SPEC, **kw):
     return llm, want
 
 
-@pytest.mark.parametrize("weights", ["random", "converging"])
+@pytest.mark.parametrize("weights", [pytest.param("random", marks=pytest.mark.slow), "converging"])
 def test_greedy_rounds_give_plain_decodings_tokens_and_the_reference(weights):
     params = [greedy(9, exit_mode="fixed"), greedy(7, exit_mode="fixed"), greedy(8, exit_mode="fixed")]
     llm, want = check_spec_equals_plain(4, weights, params)

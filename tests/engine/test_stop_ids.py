@@ -24,6 +24,7 @@ def _write(folder, name, d):
         json.dump(d, f)
 
 
+@pytest.mark.slow
 def test_a_second_eos_in_generation_config_stops_greedy_output(folder):
     with LLM(folder, **SMALL) as llm:
         eos = llm.model_config.eos_token_id

@@ -199,6 +199,7 @@ def test_triton_half_serves_short_segments_and_merge_gives_reference(case):
     assert_close(got, want, b, np.float32, f"hybrid {case}")
 
 
+@pytest.mark.slow
 def test_merge_in_the_combine_kernel_on_one_mix():
     """Default-suite case of the test above: decode rows, a short chunk, two long segments (one
     with history, one crossing a 128-row tile), padding rows; the Mosaic half's tile-packed output

@@ -68,6 +68,7 @@ def write_cases(draw):
     return kvh, nb, bs, hd, layers, r, n_real, seed, dtype
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(write_cases())
 def test_write_kv_changes_exactly_the_slots(case):

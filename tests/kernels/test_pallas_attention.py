@@ -155,6 +155,7 @@ def test_all_padding_gives_zeros():
         np.testing.assert_array_equal(got, 0.0)
 
 
+@pytest.mark.slow
 def test_plan_bounds_and_reuse():
     """A plan built once can be passed in (what the runner does once per step, for all layers);
     the work list never overflows its static capacity, whatever the lengths."""

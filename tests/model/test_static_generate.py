@@ -106,6 +106,7 @@ def test_generate_rejects_a_bad_attention_choice_before_tracing(monkeypatch):
     assert [(k.name, k.num_rows) for k in kernels] == [("reference", 8)]
 
 
+@pytest.mark.slow
 def test_generate_compiles_with_the_fused_steps_options_at_top_level_only(monkeypatch):
     """At top level ``generate()`` compiles with the fused steps' XLA options (on the GPU: its
     while_loops as CUDA-graph conditional nodes); under a caller's ``jit``, where JAX refuses

@@ -58,10 +58,11 @@ class Harness:
     """Drives a Scheduler with a FakeRunner through ``StepPipeline`` and checks every plan.
     ``ahead``: fused decode steps scheduled one ahead of the reads (asynchronous scheduling)."""
 
-    def __init__(self, cfg: SchedulerConfig, lazy: bool = False, ahead: bool = False):
+    def __init__(self, cfg: SchedulerConfig, lazy: bool = False, ahead: bool = False, vocab: int = VOCAB):
         self.cfg = cfg
         self.s = Scheduler(cfg)
-        self.fr = FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, VOCAB)
+        self.fr = FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, vocab)
+        self.rounds = 0  # rounds of self-speculative decoding run
         self.pipeline = StepPipeline(self.s, _CheckedRunner(self), ahead=ahead)
         self.ring_tag: dict[int, tuple] = {}
         self.prompt_runs = Counter()  # (rid, pos, depth) -> times run
@@ -90,6 +91,10 @@ class Harness:
 
     def check_launch(self, plan, ahead: bool):
         T = self.cfg.num_loops
+        if plan.speculative:
+            assert not ahead, "a round is never scheduled ahead"
+            self.check_round(plan)
+            return
         if plan.sub_plans is None:
             assert not ahead, "only fused decode steps are scheduled ahead"
             self.check_plan(plan)
@@ -202,6 +207,39 @@ class Harness:
                 chunks = {r.chunk_start for r in plan.ranges_of(Phase.RECURRENT) if r.request_id == rid}
                 assert len(chunks) == 1, "mixed/split: one chunk of a request in flight"
 
+    def check_round(self, plan):
+        """A round (``SpecDescriptor``): request ``i``'s position ``p + j`` in ring row ``base + j``,
+        at its plane's slot in every draft sub-step and verify descriptor, every row at depth 0."""
+        s, cfg = self.s, self.cfg
+        desc = plan.descriptor
+        k = desc.key
+        d, k1, T, bs = k.draft_loops, k.positions, k.num_loops, cfg.block_size
+        assert len(desc.draft.steps) == d * k1 and len(desc.verify) == T - d
+        for r in plan.ranges:
+            req = s.get_request(r.request_id)
+            assert req is not None and req.status is RequestStatus.RUNNING and req.decode_depth == 0
+            assert (
+                r.token_start == req.position_in_flight and r.token_count == k1 and r.ring_row_offset == req.ring_base
+            )
+            table = s.block_manager.block_table(r.request_id)
+            i = r.row_start
+            for j in range(k1):
+                p = r.token_start + j
+                for t in range(T):
+                    sub = desc.draft.steps[j * d + t] if t < d else desc.verify[t - d]
+                    row = i if t < d else i * k1 + j
+                    assert sub.row_slot[row] == table[t][p // bs] * bs + p % bs
+                    assert sub.row_ring[row] == r.ring_row_offset + j
+                    assert sub.row_pos[row] == p
+        for sub in [*desc.draft.steps, *desc.verify]:
+            slots = sub.row_slot[sub.row_slot >= 0]
+            assert len(np.unique(slots)) == len(slots), "two rows write one K/V slot"
+        # ring rows other than the embeds are overwritten: a later decode token re-embeds at depth 0
+        for r in plan.ranges:
+            for j in range(k1):
+                self.ring_tag[r.ring_row_offset + j] = ("round", r.request_id, r.token_start + j)
+        self.rounds += 1
+
     def check_drained(self):
         s, cfg = self.s, self.cfg
         assert not s.has_unfinished() and not s.running and len(s.waiting) == 0
@@ -303,9 +341,9 @@ def workloads(draw):
     return cfg, reqs
 
 
-def run_workload(cfg, reqs, lazy=False, harness=None, ahead=False):
+def run_workload(cfg, reqs, lazy=False, harness=None, ahead=False, vocab=VOCAB):
     """Drive ``reqs`` (arrivals, aborts) through ``harness`` (default: a plain ``Harness``) to the end."""
-    h = harness or Harness(cfg, lazy=lazy, ahead=ahead)
+    h = harness or Harness(cfg, lazy=lazy, ahead=ahead, vocab=vocab)
     objs = {}
     pending = sorted(reqs, key=lambda r: r["arrival"])
     step = 0
@@ -333,7 +371,7 @@ def run_workload(cfg, reqs, lazy=False, harness=None, ahead=False):
     return h, objs, aborted
 
 
-def check_against_reference(cfg, objs, aborted):
+def check_against_reference(cfg, objs, aborted, vocab=VOCAB):
     rids = [rid for rid in objs if rid not in aborted]
     ref = reference_generate(
         [objs[r][1]["prompt"] for r in rids],
@@ -342,7 +380,7 @@ def check_against_reference(cfg, objs, aborted):
         request_ids=rids,
         kv_layout=cfg.kv_layout,
         eos_token_ids=cfg.eos_token_ids,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
     )
     for rid, want in zip(rids, ref):
         req = objs[rid][0]

@@ -7,13 +7,16 @@ whatever the prefill mode, chunk size, buckets, arrival order or aborts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from scheduler import Phase, Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.fake_runner import FakeRunner
+from scheduler.speculation import SpeculativeConfig
 from tests.scheduler.conftest import VOCAB, check_against_reference, run_workload, workloads
 
 
@@ -224,3 +227,75 @@ def test_abort_frees_everything_at_once_even_with_a_plan_in_flight():
         s.update(plan, res.gates, res.tokens)
     assert b.finish_reason == "length" and len(b.output_token_ids) == 3
     assert s.block_manager.num_free_blocks == cfg.num_blocks - 1
+
+
+# ------------------------------------------------------------------ self-speculative decoding
+@st.composite
+def speculative_workloads(draw):
+    """``workloads()`` with rounds on (LAST_EXITED, fused decode steps, ``d`` and ``k`` drawn), and
+    the fake model's vocabulary: a small one makes drafts agree by chance, so rounds keep tokens."""
+    cfg, reqs = draw(workloads())
+    T = cfg.num_loops
+    assume(T >= 2 and cfg.kv_layout == "last_exited")
+    spec = SpeculativeConfig(draw(st.integers(1, T - 1)), draw(st.integers(1, 3)))
+    try:
+        cfg = dataclasses.replace(cfg, fused_decode_max_rows=cfg.max_num_seqs, speculative_config=spec)
+    except ValueError:  # a ring region smaller than a round's positions
+        assume(False)
+    return cfg, reqs, draw(st.sampled_from([2, 3, VOCAB]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(speculative_workloads(), st.booleans())
+def test_rounds_under_random_workloads_keep_invariants_and_match_reference(wl, ahead):
+    """Rounds beside prompts, plain and fused steps, preemption, aborts and the prefix cache:
+    tokens and exit depths are the reference's, every block and ring region comes back."""
+    cfg, reqs, vocab = wl
+    h, objs, aborted = run_workload(cfg, reqs, ahead=ahead, vocab=vocab)
+    check_against_reference(cfg, objs, aborted, vocab)
+    st_ = h.s.stats()
+    assert st_["spec_rounds"] == h.rounds
+    assert st_["spec_accepted_tokens"] <= st_["spec_proposed_tokens"]
+
+
+@pytest.mark.parametrize("exit_mode", ["fixed", "ouro"])
+def test_rounds_keep_tokens_where_drafts_agree_and_where_they_do_not(exit_mode):
+    """Three requests decoding together: on a vocabulary of 2 drafts agree half the time (rounds
+    give several tokens each); on 101 they rarely do (RoundPolicy stops most rounds)."""
+    T = 4
+    params = [
+        SamplingParams(
+            max_tokens=40,
+            ignore_eos=True,
+            exit_mode=exit_mode,
+            exit_threshold=0.6 if exit_mode == "ouro" else 1.0,
+            temperature=t,
+        )
+        for t in (0.0, 0.0, 0.8)
+    ]
+    reqs = [
+        dict(rid=f"r{i}", prompt=[3 + i, 5, 7 + i], sp=p, arrival=0, abort_at=None, priority=0)
+        for i, p in enumerate(params)
+    ]
+    stats = {}
+    for vocab in (2, VOCAB):
+        cfg = SchedulerConfig(
+            num_loops=T,
+            num_blocks=1 + 3 * T * 12,
+            block_size=4,
+            max_num_seqs=3,
+            max_num_batched_tokens=16,
+            prefill_chunk_size=8,
+            max_model_len=48,
+            fused_decode_max_rows=3,
+            speculative_config=SpeculativeConfig(draft_loops=1, num_speculative_tokens=3),
+        )
+        h, objs, aborted = run_workload(cfg, reqs, vocab=vocab)
+        check_against_reference(cfg, objs, aborted, vocab)
+        stats[vocab] = st_ = h.s.stats()
+        assert h.rounds == st_["spec_rounds"] > 0
+    agree, differ = stats[2], stats[VOCAB]
+    # (positions that exit within the draft's loops count as accepted: the gate rule's are many)
+    assert agree["spec_acceptance"] > differ["spec_acceptance"] and agree["spec_mean_accepted_length"] > 1.5
+    assert differ["spec_declined_steps"] > agree["spec_declined_steps"]
+    assert differ["spec_rounds"] < agree["spec_rounds"]

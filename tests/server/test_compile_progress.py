@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.server.test_server_cli import ROOT
 
 # two executables (one row bucket and its sampler): compiled one after the other on a cold cache
@@ -40,6 +42,7 @@ def _first_time(pieces, pattern: str) -> float:
     raise AssertionError(f"{pattern!r} never shown:\n{text}")
 
 
+@pytest.mark.slow
 def test_generate_streams_the_compile_bar_and_no_progress_turns_it_off(tmp_path):
     pieces = _run(tmp_path / "cache")
     text = "".join(p for _, p in pieces)

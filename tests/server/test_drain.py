@@ -66,6 +66,7 @@ class _Stream(threading.Thread):
             self.first.set()
 
 
+@pytest.mark.slow
 def test_sigterm_keeps_answering_503_while_the_stream_in_flight_finishes(folder):
     server = _serve(folder)
     try:
@@ -102,6 +103,7 @@ def test_drain_timeout_aborts_the_stream_and_exits_0(folder):
     assert "drain: ended (timeout of 0.5 s)" in server.text and "0 requests finished, 1 aborted" in server.text
 
 
+@pytest.mark.slow
 def test_second_signal_aborts_at_once(folder):
     server = _serve(folder)
     try:

@@ -64,6 +64,7 @@ def test_choice_and_regex(llm):
     assert len(b.text) == 6 and b.text[:3].isdigit() and b.text[3] == "-" and b.text[4:].isalpha(), b.text
 
 
+@pytest.mark.slow
 def test_guided_rows_fuse_one_token_at_a_time():
     """Guided rows run in fused steps of one token, scheduled ahead, whose coda the separate
     sampler runs once the host has the mask (it needs the token before it), with the tokens and
