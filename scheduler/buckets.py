@@ -5,8 +5,9 @@ Every descriptor array's shape is a function of the row bucket ``R``:
 - ``S = R`` segments (every segment holds at least one row),
 - ``P = R`` prelude tokens (a prompt token is embedded in the invocation that runs its depth 0,
   a decode token likewise),
-- ``C = min(R, coda_cap)`` coda rows, ``coda_cap`` = ``max_num_seqs`` rounded up to a power of two
-  (at most one coda row per running request),
+- ``C = min(R, coda_cap)`` coda rows, ``coda_cap`` = ``max_num_seqs`` (plus ``extra_coda_rows``)
+  rounded up to a power of two (at most one coda row per running request, and with self-speculative
+  decoding one loop-by-loop verify's other positions),
 - ``F = C * (T - 1)`` finalize pairs (LAST_EXITED; 0 for SHARED): each token that exited early in
   the previous invocation copies its KV into at most ``T - 1`` later planes. The scheduler picks
   ``R`` large enough for the pending pairs (``R >= ceil(pairs / (T - 1))``).
@@ -53,6 +54,7 @@ class BucketSpec:
     block_size: int
     has_finalize: bool = True  # LAST_EXITED; SHARED never copies planes
     row_buckets: Optional[Sequence[int]] = None
+    extra_coda_rows: int = 0  # a loop-by-loop verify's positions beyond its request's one coda row
 
     def __post_init__(self):
         rows = self.row_buckets
@@ -75,7 +77,7 @@ class BucketSpec:
 
     @property
     def coda_cap(self) -> int:
-        return next_power_of_two(self.max_num_seqs)
+        return next_power_of_two(self.max_num_seqs + self.extra_coda_rows)
 
     @property
     def max_blocks_per_seq(self) -> int:

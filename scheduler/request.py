@@ -141,6 +141,7 @@ class Request:
         self.pending_gates: list = []  # lazily read gates of this token, in loop order
         self.pending_finalize: list[int] = []  # flat (src, dst) KV slot copies for the next invocation
         self.spec_gain = None  # speculation.RoundGain once the request has taken part in a round
+        self.loop_round = None  # speculation.LoopRound while a round runs on the loop-by-loop path
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -198,11 +199,18 @@ class Request:
         self.pending_gates = []
         self.pending_finalize = []
         self.decode_depth = 0
+        self.loop_round = None  # its drafts are dropped: the rebuild recomputes only its outputs
 
     @property
     def num_prefilled_tokens(self) -> int:
         """Final-depth frontier: prompt positions that have run every loop."""
         return self.prefill_depth_frontiers[-1]
+
+    @property
+    def decode_started(self) -> bool:
+        """Its token in flight has run a loop, or a loop-by-loop round is under way: it is not
+        at the start of a token (what fused steps and rounds of every row need)."""
+        return bool(self.decode_depth) or self.loop_round is not None
 
     @property
     def is_prefilling(self) -> bool:

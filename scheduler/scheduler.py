@@ -69,6 +69,8 @@ from .sampling_params import LOGPROB_WORDS, read_logprobs
 from .sizes import blocks_per_plane, descriptor_rows, kv_planes, ring_rows, ring_slots
 from .speculation import (
     VERIFY_FIELDS,
+    LoopRound,
+    PositionState,
     RoundPolicy,
     SpecDescriptor,
     SpecKey,
@@ -253,6 +255,11 @@ class SchedulerConfig:
                 f"of {self.ring_rows_per_request} rows: raise prefill_chunk_size or lower num_speculative_tokens",
             )
             need(
+                self.max_num_batched_tokens >= spec.positions,
+                f"speculative_config: a round verifies {spec.positions} positions of a request in one invocation: "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must hold them",
+            )
+            need(
                 self.target_tpot_ms is None,
                 "speculative_config does not take a target_tpot_ms yet: the latency target's cost model "
                 "knows loops, not rounds",
@@ -320,6 +327,7 @@ class SchedulerConfig:
             block_size=self.block_size,
             has_finalize=self.kv_layout == "last_exited",
             row_buckets=self.buckets,
+            extra_coda_rows=0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens,
         )
 
 
@@ -391,6 +399,7 @@ class Scheduler:
         self.latency = make_latency_target(config, self.bucket_spec.row_buckets)  # None: no TPOT target
         spec = config.speculative_config
         self.round_policy = None if spec is None else RoundPolicy(spec, config.num_loops)  # None: no rounds
+        self._verify_rows: dict = {}  # rows of the loop-by-loop verifies the next invocation takes
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []  # admission order
         self._requests: dict[object, Request] = {}  # every unfinished request, by id
@@ -629,7 +638,9 @@ class Scheduler:
             cap = None
             if self.latency is not None:
                 cap = self.latency.prompt_cap(self.running, cfg.max_num_batched_tokens, cfg.prefill_mode == "split")
-            sel = self.policy.select(self.running, cfg.max_num_batched_tokens, T, cap)
+            self._verify_rows = self._reserve_verify_rows()
+            budget = cfg.max_num_batched_tokens - sum(self._verify_rows.values())
+            sel = self.policy.select(self.running, budget, T, cap)
             if self.latency is not None:
                 waiting = any(r.is_prefilling for r in self.running)
                 self.latency.note_selection(waiting, sel is not None and bool(sel.prompt))
@@ -664,20 +675,42 @@ class Scheduler:
         prompt = sel.prompt if sel else []
 
         for req in decode:
-            d, pos, base, p = req.decode_depth, req.position_in_flight, req.ring_base, req.sampling_params
+            p = req.sampling_params
+            rnd = req.loop_round if req.loop_round is not None else self._start_loop_round(req)
+            if rnd is not None and not rnd.drafting:  # the verify: loop t of every cut position still running
+                if req.request_id not in self._verify_rows:
+                    continue  # its rows did not fit beside the others': it waits an invocation
+                t = rnd.verify_depth
+                for a, b in rnd.runs():
+                    pos, base = rnd.p0 + a, req.ring_base + a
+                    ranges.append(ScheduledRange(req.request_id, Phase.DECODE, t, pos, b - a, pos, base, row))
+                    segs.extend((req.batch_slot, t, pos, b - a, base))
+                    for j in range(a, b):
+                        kind = coda_kind(p, T, t + 1, rnd.states[j].decode_target_loops)
+                        if kind != "none":
+                            coda.append(CodaRow(req.request_id, row, rnd.k0 + j, kind == "speculative"))
+                            coda_params.extend((p.temperature, p.top_k, p.top_p, p.seed, rnd.k0 + j))
+                        row += 1
+                needs_gates = needs_gates or gate_needed(p, T, t)
+                continue
+            j = 0 if rnd is None else rnd.j  # the position a round drafts: p + j in ring row base + j
+            d, pos, base = req.decode_depth, req.position_in_flight + j, req.ring_base + j
             ranges.append(ScheduledRange(req.request_id, Phase.DECODE, d, pos, 1, pos, base, row))
             segs.extend((req.batch_slot, d if last_exited else 0, pos, 1, base))
             if d == 0:
                 pre_ring_dec.append(base)
-                pre_tok_dec.append(req.output_token_ids[-1])
+                pre_tok_dec.append(req.output_token_ids[-1] if j == 0 else rnd.states[j - 1].fed)
             kind = coda_kind(p, T, d + 1, req.decode_target_loops)
+            if rnd is not None and d == rnd.draft_loops - 1:
+                kind = "certain"  # the draft's last loop: a token either way (exact or drafted)
             if kind != "none":
-                k = len(req.output_token_ids)
+                k = len(req.output_token_ids) + j
                 coda.append(CodaRow(req.request_id, row, k, kind == "speculative"))
                 coda_params.extend((p.temperature, p.top_k, p.top_p, p.seed, k))
             if not needs_gates:
                 needs_gates = gate_needed(p, T, d)
             row += 1
+        decode_rows = row
         for req, d, s, e in prompt:
             cnt, ring, cs = e - s, req.ring_row(s), req.chunk_start(s)
             if d == 0:
@@ -731,7 +764,7 @@ class Scheduler:
         self._step += 1
         self._inflight = plan
 
-        self._count_loop(plan, len(decode))
+        self._count_loop(plan, decode_rows)
         self._stats["launches"] += 1
         self._stats["schedule_time_s"] += time.perf_counter() - t0
         return plan
@@ -773,7 +806,7 @@ class Scheduler:
         The held rows lose at most ``T - 1`` loops once; from then on every step is fused."""
         if not self._fusion_candidates(sel):
             return sel
-        deeper = [r for r in sel.decode if r.decode_depth]
+        deeper = [r for r in sel.decode if r.decode_started]
         if not deeper or len(deeper) == len(sel.decode):
             return sel
         if self.block_manager.num_free_blocks < len(sel.decode) * self.config.num_planes:
@@ -799,7 +832,7 @@ class Scheduler:
         need = descriptor_rows(len(rows), len(rows), len(rows), pairs, self.num_loops)  # as build_descriptor
         if self.bucket_spec.key_for(need).R > self.bucket_spec.key_for(cfg.fused_decode_max_rows).R:
             return 0
-        if any(req.decode_depth for req in rows):
+        if any(req.decode_started for req in rows):
             return 0
         return self._tokens_that_fit(rows)
 
@@ -1035,7 +1068,7 @@ class Scheduler:
         if self.round_policy is None or not self._fusion_candidates(sel):
             return False
         rows, k1, bs = sel.decode, self.round_policy.positions, self.bucket_spec
-        if any(r.decode_depth for r in rows) or not self._rounds_pay(rows):
+        if any(r.decode_started for r in rows) or not self._rounds_pay(rows):
             return False
         n, pairs = len(rows), len(finalize) // 2
         if (
@@ -1178,6 +1211,92 @@ class Scheduler:
             if req is not None and req.status is RequestStatus.RUNNING:
                 self.round_policy.observe(req, int(count[i]))
 
+    # -------------------------------------------------------- rounds loop by loop
+    def _start_loop_round(self, req: Request) -> Optional[LoopRound]:
+        """A round of ``req`` on the loop-by-loop path (``speculation.LoopRound``), where a prompt
+        in flight keeps the batch from fused steps and their rounds: when its token in flight is
+        at depth 0, its drafts pay (``RoundPolicy``) and it gets the blocks of every position."""
+        policy = self.round_policy
+        if policy is None or req.decode_depth or not self._rounds_pay([req]):
+            return None
+        k1, p0 = policy.positions, req.position_in_flight
+        if p0 + k1 > self.config.max_model_len or not self._grow_to(req, p0 + k1):
+            return None
+        req.loop_round = LoopRound(p0, len(req.output_token_ids), k1, self.config.speculative_config.draft_loops)
+        self._stats["spec_loop_rounds"] += 1
+        return req.loop_round
+
+    def _reserve_verify_rows(self) -> dict:
+        """Rows (and coda rows) each loop-by-loop verify under way takes beyond the one the policy
+        counts per decoding request, in admission order while they fit beside one row of every
+        decoding request; the first always (the policy's budget shrinks by it, and the bucket's
+        coda rows hold one verify beside every request: ``extra_coda_rows``). One that does not
+        fit waits an invocation."""
+        cfg = self.config
+        rows = cfg.max_num_batched_tokens - sum(r.is_decoding for r in self.running)
+        codas = self.bucket_spec.coda_cap - len(self.running)
+        out = {}
+        for r in self.running:
+            rnd = r.loop_round
+            if rnd is not None and not rnd.drafting:
+                need = len(rnd.active()) - 1
+                if (need <= rows and need <= codas) or not out:
+                    out[r.request_id] = need
+                    rows, codas = rows - need, codas - need
+        return out
+
+    def _apply_round_rows(self, req: Request, r: ScheduledRange, gates, toks, coda_index) -> None:
+        """A loop of a round's rows: the position being drafted (its exit for real, or cut after
+        the draft's last loop with its drafted token), or the verify's positions (each to its own
+        exit, finalized upward at once: the positions after it read those planes next)."""
+        T, p, rnd = self.num_loops, req.sampling_params, req.loop_round
+        last_exited = self.config.kv_layout == "last_exited"
+        if rnd.drafting:
+            d = r.depth
+            out = self._exits(req, p, d, gates, r.row_start)
+            if not out and d < rnd.draft_loops - 1:
+                req.decode_depth += 1
+                return
+            tok = int(toks.get()[coda_index[r.row_start]])
+            s = PositionState(req.exit_remaining, req.gates_folded, req.pending_gates, req.decode_target_loops)
+            if out:
+                s.token, s.exit_depth = tok, d
+                if last_exited and d < T - 1:
+                    self._queue_finalize(req, r.token_start, d)
+            else:
+                s.drafted = tok
+            rnd.states.append(s)
+            if rnd.j < rnd.positions:
+                req.start_token(self._target(req, rnd.k0 + rnd.j))
+            else:
+                rnd.verify_depth = rnd.draft_loops
+            return
+        t = r.depth
+        rnd.verified = t
+        for i in range(r.token_count):
+            s = rnd.states[r.token_start - rnd.p0 + i]
+            if self._exits(s, p, t, gates, r.row_start + i):
+                s.token, s.exit_depth = int(toks.get()[coda_index[r.row_start + i]]), t
+                if last_exited and t < T - 1:
+                    self._queue_finalize(req, r.token_start + i, t)
+
+    def _end_loop_round(self, req: Request, deltas: dict) -> None:
+        """Every position of ``req``'s round exited: its kept tokens in order, as plain decoding
+        would emit them (``LoopRound.result``), and the counters of acceptance."""
+        rnd, req.loop_round = req.loop_round, None
+        accepted, count, tokens, depths = rnd.result()
+        st = self._stats
+        st["spec_row_rounds"] += 1
+        st["spec_proposed_tokens"] += rnd.positions
+        st["spec_accepted_tokens"] += accepted
+        st["spec_round_tokens"] += count
+        for t, e in zip(tokens, depths):
+            if req.status is not RequestStatus.RUNNING:
+                break  # a stop token or max_tokens: the round's later tokens are dropped
+            self._emit(req, t, e, deltas)
+        if req.status is RequestStatus.RUNNING:
+            self.round_policy.observe(req, count)
+
     # ------------------------------------------------------------------ update
     def update(
         self,
@@ -1239,17 +1358,34 @@ class Scheduler:
                         self._emit(req, int(toks.get()[i]), T - 1, deltas, _logprob_record(req, lps, i))
             else:
                 self._apply_decode(req, r, gates, toks, coda_index, deltas, lps)
+        for rid in {r.request_id for r in plan.ranges if r.phase is Phase.DECODE}:
+            req = self._requests.get(rid)
+            rnd = None if req is None else req.loop_round
+            if rnd is not None and rnd.verified is not None:  # a loop of its verify ran
+                rnd.verify_depth, rnd.verified = rnd.verified + 1, None
+            if rnd is not None and not rnd.drafting and not rnd.active():
+                self._end_loop_round(req, deltas)
+
+    def _exits(self, state, params, d: int, gates, row: int) -> bool:
+        """Does the token of ``state`` (a ``Request``'s token in flight, or a round's
+        ``PositionState``) exit after loop ``d``, whose gate is row ``row`` of ``gates``: fold
+        the gates its rule reads by then, and decide."""
+        T = self.num_loops
+        if gate_needed(params, T, d):
+            state.pending_gates.append((gates, row))
+        need = gates_needed_at(params, T, d + 1)
+        while state.gates_folded < need:
+            lazy, i = state.pending_gates[state.gates_folded]
+            state.exit_remaining = fold_gate(state.exit_remaining, lazy.get()[i])
+            state.gates_folded += 1
+        return decide_exit(params, T, d + 1, state.exit_remaining, state.decode_target_loops)
 
     def _apply_decode(self, req, r, gates, toks, coda_index, deltas, lps) -> None:
         T, params, d = self.num_loops, req.sampling_params, r.depth
-        if gate_needed(params, T, d):
-            req.pending_gates.append((gates, r.row_start))
-        need = gates_needed_at(params, T, d + 1)
-        while req.gates_folded < need:
-            lazy, i = req.pending_gates[req.gates_folded]
-            req.exit_remaining = fold_gate(req.exit_remaining, lazy.get()[i])
-            req.gates_folded += 1
-        if not decide_exit(params, T, d + 1, req.exit_remaining, req.decode_target_loops):
+        if req.loop_round is not None:
+            self._apply_round_rows(req, r, gates, toks, coda_index)
+            return
+        if not self._exits(req, params, d, gates, r.row_start):
             req.decode_depth += 1
             return
         if self.latency is not None:
@@ -1363,6 +1499,7 @@ class Scheduler:
             "spec_accepted_tokens",
             "spec_round_tokens",
             "spec_declined_steps",
+            "spec_loop_rounds",
         ):
             st.setdefault(k, 0)
         # accepted drafts of those proposed, and tokens a row got per round (1 .. positions)

@@ -43,6 +43,8 @@ from .descriptor import EXIT_FIELDS, BatchDescriptor, StackedDescriptor, descrip
 
 __all__ = [
     "METHODS",
+    "LoopRound",
+    "PositionState",
     "RoundGain",
     "RoundPolicy",
     "SpecDescriptor",
@@ -189,6 +191,78 @@ class RoundPolicy:
             g.probe_at, g.backoff = 0, MIN_BACKOFF
         elif done >= g.probe_at:  # fell below, or a probe failed: plain decoding for a while
             g.probe_at, g.backoff = done + g.backoff, min(2 * g.backoff, MAX_BACKOFF)
+
+
+# ------------------------------------------------------------------ rounds loop by loop
+@dataclasses.dataclass
+class PositionState:
+    """One position of a loop-by-loop round: its exit state (the fields ``Request`` keeps for its
+    token in flight), its token (drafted, or final once it exits) and its exit depth (-1: cut)."""
+
+    exit_remaining: float = 1.0
+    gates_folded: int = 0
+    pending_gates: list = dataclasses.field(default_factory=list)
+    decode_target_loops: Optional[int] = None
+    token: int = -1
+    drafted: int = -1  # the token its draft gave (a cut position)
+    exit_depth: int = -1
+
+    @property
+    def fed(self) -> int:
+        """The token the next position's prelude embeds: the drafted one, or the exit's own."""
+        return self.drafted if self.drafted >= 0 else self.token
+
+
+class LoopRound:
+    """A request's round on the loop-by-loop path, beside prompt rows (``Scheduler``): its token
+    in flight and the ``positions - 1`` after it drafted one loop per invocation, position ``p0 +
+    j`` in ring row ``base + j`` (the request's own decode state runs the position being
+    drafted); then the cut positions verified together, loop ``t`` of every one still running in
+    one invocation. A draft is kept while it equals the token its position gives at full depth
+    (exact match: the round's tokens are plain decoding's, sampled ones too)."""
+
+    def __init__(self, p0: int, k0: int, positions: int, draft_loops: int):
+        self.p0, self.k0, self.positions, self.draft_loops = p0, k0, positions, draft_loops
+        self.states: list[PositionState] = []  # one per position drafted so far
+        self.verify_depth: Optional[int] = None  # the loop the verify runs next (None: drafting)
+        self.verified: Optional[int] = None  # the verify's loop applied in the current update
+
+    @property
+    def drafting(self) -> bool:
+        return self.verify_depth is None
+
+    @property
+    def j(self) -> int:
+        """The position being drafted."""
+        return len(self.states)
+
+    def active(self) -> list[int]:
+        """The verify's positions still running (cut and not exited yet)."""
+        return [j for j, s in enumerate(self.states) if s.exit_depth < 0]
+
+    def runs(self) -> list[tuple[int, int]]:
+        """The active positions as ``[start, end)`` runs of consecutive ones."""
+        out: list[tuple[int, int]] = []
+        for j in self.active():
+            if out and out[-1][1] == j:
+                out[-1] = (out[-1][0], j + 1)
+            else:
+                out.append((j, j + 1))
+        return out
+
+    def result(self) -> tuple[int, int, list[int], list[int]]:
+        """``(accepted drafts, tokens kept, tokens, exit depths)`` once every position exited:
+        positions are kept in order while each drafted token equals its final one (an exit
+        within the draft counts as agreeing); the first that differs is kept with its final
+        token and ends the round."""
+        tokens, depths, accepted = [], [], 0
+        for s in self.states:
+            tokens.append(s.token)
+            depths.append(s.exit_depth)
+            if s.drafted >= 0 and s.drafted != s.token:
+                break
+            accepted += 1
+        return accepted, len(tokens), tokens, depths
 
 
 # ------------------------------------------------------------------------------- descriptors

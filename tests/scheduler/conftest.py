@@ -150,7 +150,9 @@ class Harness:
             req = s.get_request(r.request_id)
             assert req is not None and req.status is RequestStatus.RUNNING
             # one range per request and depth, except runs of a rebuilt request split by depth caps
-            key = (r.request_id, r.depth, r.phase) + ((r.token_start,) if req.recompute_caps is not None else ())
+            # and a round's verify split around the positions that exited
+            split = req.recompute_caps is not None or req.loop_round is not None
+            key = (r.request_id, r.depth, r.phase) + ((r.token_start,) if split else ())
             assert key not in seen, "two ranges of one request at one depth"
             seen.add(key)
             rows = slice(r.row_start, r.row_start + r.token_count)
@@ -185,6 +187,15 @@ class Harness:
                     assert r.token_count == 1 and r.token_start == req.num_prefilled_tokens
                 for p in range(r.token_start, r.token_end):
                     self.prompt_runs[(r.request_id, p, r.depth)] += 1
+            elif req.loop_round is not None:  # a round on the loop-by-loop path
+                rnd = req.loop_round
+                if rnd.drafting:  # position p + j, in ring row base + j
+                    assert r.token_count == 1 and r.token_start == rnd.p0 + rnd.j and r.depth == req.decode_depth
+                    assert r.depth < rnd.draft_loops
+                else:  # the verify: positions still running, at the verify's loop
+                    assert r.depth == rnd.verify_depth
+                    assert all(p - rnd.p0 in rnd.active() for p in range(r.token_start, r.token_end))
+                assert r.ring_row_offset == req.ring_base + r.token_start - rnd.p0
             else:
                 assert r.token_count == 1 and r.token_start == req.position_in_flight + decode_at[0]
                 assert r.depth == (req.decode_depth if decode_at[1] is None else decode_at[1])

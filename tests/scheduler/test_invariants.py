@@ -260,8 +260,9 @@ def test_rounds_under_random_workloads_keep_invariants_and_match_reference(wl, a
 
 @pytest.mark.parametrize("exit_mode", ["fixed", "ouro"])
 def test_rounds_keep_tokens_where_drafts_agree_and_where_they_do_not(exit_mode):
-    """Three requests decoding together: on a vocabulary of 2 drafts agree half the time (rounds
-    give several tokens each); on 101 they rarely do (RoundPolicy stops most rounds)."""
+    """Three requests, two arriving while the first decodes: rounds run on the loop-by-loop path
+    beside their prompt chunks, then fused once all decode. On a vocabulary of 2 drafts agree half
+    the time (rounds give several tokens each); on 101 they rarely do (RoundPolicy stops most)."""
     T = 4
     params = [
         SamplingParams(
@@ -273,20 +274,21 @@ def test_rounds_keep_tokens_where_drafts_agree_and_where_they_do_not(exit_mode):
         )
         for t in (0.0, 0.0, 0.8)
     ]
+    # the later two arrive while the first decodes: their prompt chunks run beside its rounds
     reqs = [
-        dict(rid=f"r{i}", prompt=[3 + i, 5, 7 + i], sp=p, arrival=0, abort_at=None, priority=0)
+        dict(rid=f"r{i}", prompt=list(range(3 + i, 3 + i + 4 + 6 * i)), sp=p, arrival=6 * i, abort_at=None, priority=0)
         for i, p in enumerate(params)
     ]
     stats = {}
     for vocab in (2, VOCAB):
         cfg = SchedulerConfig(
             num_loops=T,
-            num_blocks=1 + 3 * T * 12,
+            num_blocks=1 + 3 * T * 14,
             block_size=4,
             max_num_seqs=3,
             max_num_batched_tokens=16,
             prefill_chunk_size=8,
-            max_model_len=48,
+            max_model_len=56,
             fused_decode_max_rows=3,
             speculative_config=SpeculativeConfig(draft_loops=1, num_speculative_tokens=3),
         )
@@ -295,6 +297,7 @@ def test_rounds_keep_tokens_where_drafts_agree_and_where_they_do_not(exit_mode):
         stats[vocab] = st_ = h.s.stats()
         assert h.rounds == st_["spec_rounds"] > 0
     agree, differ = stats[2], stats[VOCAB]
+    assert agree["spec_loop_rounds"] > 0 and agree["spec_rounds"] > 0
     # (positions that exit within the draft's loops count as accepted: the gate rule's are many)
     assert agree["spec_acceptance"] > differ["spec_acceptance"] and agree["spec_mean_accepted_length"] > 1.5
     assert differ["spec_declined_steps"] > agree["spec_declined_steps"]
