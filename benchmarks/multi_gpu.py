@@ -116,7 +116,9 @@ def phase_allreduce(a) -> dict:
         t_one = timed(chained(1), x, 5)
         per = max(0.0, (t_many - t_one) / (a.ar_iters - 1))  # launch and sync cost cancel
         nbytes = rows * hidden * itemsize
-        rows_out.append(dict(rows=rows, bytes=nbytes, seconds=per, busbw_GBps=2 * (n - 1) / n * nbytes / per / 1e9))
+        # timing noise can leave no difference to divide by (CPU devices under load): no bandwidth then
+        busbw = 2 * (n - 1) / n * nbytes / per / 1e9 if per > 0 else None
+        rows_out.append(dict(rows=rows, bytes=nbytes, seconds=per, busbw_GBps=busbw))
     big = a.busbw_mib << 20
     elems = big // itemsize
     x = jax.device_put(jnp.ones((n * (elems // hidden), hidden), dt), sharding)
@@ -369,7 +371,9 @@ def print_summary(r: dict) -> None:
     for x in ar["rows"]:
         print(
             f"  all-reduce [{x['rows']}, {ar['hidden']}] {ar['dtype']}: {1e6 * x['seconds']:.1f} us "
-            f"(bandwidth floor {1e6 * x['floor_s']:.2f} us, {x['busbw_GBps']:.2f} GB/s)"
+            f"(bandwidth floor {1e6 * x['floor_s']:.2f} us, "
+            + ("-" if x["busbw_GBps"] is None else f"{x['busbw_GBps']:.2f}")
+            + " GB/s)"
         )
     print(
         f"per layer at c=1 (2 all-reduces of {s['allreduce_rows_c1']} rows): "

@@ -27,7 +27,16 @@ Rounds pay only where drafts are accepted: at none, a round costs ~2.3 plain tok
 only while the batch's mean pays for it; a request below that decodes plainly and probes again
 after a back-off that doubles each time a probe fails.
 
-This module is the jax-free part: the option, the policy, and the round's layout.
+Where a prompt in flight keeps the batch from fused steps, a request's round runs on the
+loop-by-loop path instead (``LoopRound``), as rows beside the prompt's: its ``k + 1`` positions
+drafted one loop per invocation (``d`` loops each, position ``p + j`` in ring row ``base + j``),
+then its cut positions verified together, loop ``t`` of every one still running in one
+invocation, each to its own exit. The host keeps a draft while it equals the token its position
+gives at full depth (exact match, with plain decoding's key for both: its tokens are plain
+decoding's, sampled ones too).
+
+This module is the jax-free part: the option, the policy, the round's layout and its
+loop-by-loop state.
 """
 
 from __future__ import annotations
