@@ -269,3 +269,29 @@ def test_rounds_stop_where_drafts_are_rejected_and_tokens_do_not_change():
     llm = engine(4, "converging", speculative_config=SPEC)
     outputs(llm, [prompt], params)
     assert llm.stats()["spec_declined_steps"] == 0
+
+
+@pytest.mark.slow
+def test_loop_by_loop_rounds_keep_sampled_ids_of_plain_decoding():
+    """With more requests decoding than a fused step takes, rounds run loop by loop, where a draft
+    is kept only when it equals the token plain decoding samples (exact match, with plain
+    decoding's key): sampled ids, not just their distribution, are plain decoding's. Once one
+    request is left it fuses, and fused rounds follow the rule of speculative sampling: the
+    tokens are compared up to there."""
+    params = [
+        SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, seed=s, exit_mode="fixed") for s in (1, 2, 3)
+    ]
+    kw = dict(fused_decode_max_rows=1)
+    want = [toks for toks, _, _ in outputs(engine(4, "converging", **kw), PROMPTS, params)]
+    llm = engine(4, "converging", speculative_config=SPEC, **kw)
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        llm.add_request(prompt, p, request_id=i)
+    got = {i: [] for i in range(len(PROMPTS))}
+    while llm.has_unfinished():
+        outs = llm.step()
+        if llm.stats()["spec_rounds"]:
+            break  # a fused round: its sampled tokens follow plain decoding's distribution only
+        got.update({o.request_id: list(o.token_ids) for o in outs})
+    assert all(toks == want[i][: len(toks)] for i, toks in got.items())
+    st = llm.stats()
+    assert sum(map(len, got.values())) >= 20 and st["spec_loop_rounds"] > 0 and st["spec_accepted_tokens"] > 0
