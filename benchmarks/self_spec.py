@@ -32,6 +32,11 @@ context ``context + output / 2`` (``benchmarks/decode.py``'s floor at fixed dept
 ceilings measured in the run. Speculation can go below it: a round's tokens share one read of
 the weights per loop.
 
+``--arrivals N``: while the timed batch decodes, ``N`` prompts of ``--arrival-tokens`` tokens
+(2 out each) join, one every ``--arrival-every`` engine steps, so that prompt chunks are in flight
+and rounds run loop by loop beside them (``scheduler/speculation.py``, ``LoopRound``) instead of
+fused; the records carry ``arrivals`` in their labels, and ``spec_loop_rounds``.
+
 Writes ``<out>/self_spec.json`` after every record (``--append`` merges into an existing one by
 ``label``) and ``<out>/self_spec.png``: speed-up against acceptance, a marker per (variant, d, k),
 a colour per c.
@@ -42,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import os
 import shlex
 import sys
@@ -131,6 +137,9 @@ class EngineRun:
         self.prompts = decode_prompts(vocab_size, a.context, n, seed=a.seed)
         # other prompts for the warm runs: the timed ones must not be in the cache beyond their prefix warm
         self.warm_prompts = decode_prompts(vocab_size, a.context, n, seed=a.seed + 1000)
+        # --arrivals: long prompts arriving while the c streams decode (a prompt keeps rounds loop by loop)
+        self._runs = itertools.count()
+        self.arrival_prompts = decode_prompts(vocab_size, a.arrival_tokens, a.arrivals, seed=a.seed + 2000)
 
     def run(self, c: int) -> dict:
         from scheduler import SamplingParams
@@ -143,7 +152,7 @@ class EngineRun:
         llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
         s0 = llm.stats()
         t = time.perf_counter()
-        outs = llm.generate(prompts, exit_params("fixed", a.output_tokens, a.seed), use_tqdm=False)
+        outs = self._decode(prompts, exit_params("fixed", a.output_tokens, a.seed))
         wall = time.perf_counter() - t
         s1 = llm.stats()
         tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
@@ -161,6 +170,8 @@ class EngineRun:
             fused_launches=_delta(s0, s1, "fused_launches"),
             launches=_delta(s0, s1, "launches"),
         )
+        if a.arrivals:
+            r.update(arrival_tokens=a.arrival_tokens, arrival_every=a.arrival_every)
         if "spec_rounds" in s1:
             row_rounds = _delta(s0, s1, "spec_row_rounds")
             mal = window_ratio(s0, s1, "spec_mean_accepted_length", "spec_row_rounds")
@@ -170,6 +181,8 @@ class EngineRun:
                 acceptance=window_ratio(s0, s1, "spec_acceptance", "spec_proposed_tokens"),
                 mean_accepted_length=mal,
                 spec_rounds=_delta(s0, s1, "spec_rounds"),
+                # rounds of one request beside prompt rows (loop by loop), not in spec_rounds
+                spec_loop_rounds=_delta(s0, s1, "spec_loop_rounds"),
                 spec_row_rounds=row_rounds,
                 spec_proposed_tokens=_delta(s0, s1, "spec_proposed_tokens"),
                 spec_accepted_tokens=_delta(s0, s1, "spec_accepted_tokens"),
@@ -182,6 +195,28 @@ class EngineRun:
             )
         return r
 
+    def _decode(self, prompts, params) -> list:
+        """The timed batch's outputs, in prompt order; with ``--arrivals``, one of the arrival
+        prompts (2 tokens out) joins every ``--arrival-every`` engine steps while it decodes."""
+        llm, a = self.llm, self.a
+        if not a.arrivals:
+            return llm.generate(prompts, params, use_tqdm=False)
+        from scheduler import SamplingParams
+
+        tag = next(self._runs)
+        ids = [f"spec{tag}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            llm.add_request(prompt, params, request_id=rid)
+        done, steps, added = {}, 0, 0
+        while llm.has_unfinished():
+            done.update({o.request_id: o for o in llm.step() if o.finished})
+            steps += 1
+            if steps % a.arrival_every == 0 and added < a.arrivals:
+                side = SamplingParams(max_tokens=2, ignore_eos=True, exit_mode="fixed")
+                llm.add_request(self.arrival_prompts[added], side, request_id=f"arrival{tag}-{added}")
+                added += 1
+        return [done[rid] for rid in ids]
+
 
 # ------------------------------------------------------------------------------------ records
 def variant_name(variant: tuple[str, Optional[float]]) -> str:
@@ -190,14 +225,16 @@ def variant_name(variant: tuple[str, Optional[float]]) -> str:
     return model if scale is None else f"{model}({scale:g})"
 
 
-def _label(variant, c: int, spec: Optional[tuple[int, int]]) -> str:
-    return f"self_spec {variant_name(variant)} c={c} " + ("plain" if spec is None else f"d={spec[0]} k={spec[1]}")
+def _label(variant, c: int, spec: Optional[tuple[int, int]], arrivals: int = 0) -> str:
+    what = "plain" if spec is None else f"d={spec[0]} k={spec[1]}"
+    return f"self_spec {variant_name(variant)} c={c} {what}" + (f" arrivals={arrivals}" if arrivals else "")
 
 
-def _identity(variant, c: int, spec: Optional[tuple[int, int]]) -> dict:
+def _identity(variant, c: int, spec: Optional[tuple[int, int]], arrivals: int = 0) -> dict:
     # label, mode and chunk: the key merge_results merges --append runs by
     return dict(
-        label=_label(variant, c, spec),
+        label=_label(variant, c, spec, arrivals),
+        arrivals=arrivals,
         mode="plain" if spec is None else "spec",
         chunk=None,
         model=variant[0],
@@ -214,15 +251,15 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if i == len(a) == len(b) else i
 
 
-def error_record(variant, c: int, spec, e: BaseException) -> dict:
-    return dict(_identity(variant, c, spec), error=f"{type(e).__name__}: {e}"[:2000])
+def error_record(variant, c: int, spec, e: BaseException, arrivals: int = 0) -> dict:
+    return dict(_identity(variant, c, spec, arrivals), error=f"{type(e).__name__}: {e}"[:2000])
 
 
 def make_record(a, ctx: dict, variant, c: int, spec, got: dict, base: Optional[dict]) -> dict:
     """One record: the identity, the run's figures and, for ``d:k``, the baseline's beside them."""
     got = dict(got)
     tokens = got.pop("tokens")
-    r = dict(_identity(variant, c, spec), **got)
+    r = dict(_identity(variant, c, spec, a.arrivals), **got)
     if spec is None:
         r.update(baseline_tpot_ms=r["tpot_ms"], speedup=1.0, tokens_equal=True)
     else:
@@ -303,6 +340,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="weights and prompts")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: context + output + 2 (k + 1), pow2")
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool size (default: the engine's)")
+    ap.add_argument(
+        "--arrivals",
+        type=int,
+        default=0,
+        help="long prompts that arrive while the c streams decode (rounds then run loop by loop beside them)",
+    )
+    ap.add_argument("--arrival-tokens", type=int, default=2048, help="tokens of each arriving prompt")
+    ap.add_argument("--arrival-every", type=int, default=12, help="engine steps between two arrivals")
     ap.add_argument("--quick-ceilings", action="store_true")
     ap.add_argument("--no-plot", action="store_true")
     return ap
@@ -322,6 +367,8 @@ def _resolve(a) -> None:
         raise ValueError(f"--output-tokens must be >= 2 (TPOT needs two tokens), got {a.output_tokens}")
     if a.context < 1:
         raise ValueError(f"--context must be positive, got {a.context}")
+    if a.arrivals < 0 or a.arrival_tokens < 1 or a.arrival_every < 1:
+        raise ValueError("--arrivals must be >= 0, --arrival-tokens and --arrival-every >= 1")
     if not all(0.0 <= s <= 1.0 for s in a.converging_scale):
         raise ValueError(f"--converging-scale takes values in [0, 1], got {a.converging_scale}")
     from weights.config import get_preset
@@ -338,7 +385,7 @@ def _resolve(a) -> None:
     a.max_k = max((k for _, k in a.specs), default=0)
     if a.max_model_len is None:
         # one length for every engine of the run (same shapes); rounds may write past max_tokens
-        need = a.context + a.output_tokens + 2 * (a.max_k + 1)
+        need = max(a.context + a.output_tokens + 2 * (a.max_k + 1), a.arrival_tokens + 2 if a.arrivals else 0)
         a.max_model_len = 1 << (need - 1).bit_length()
     if a.context + a.output_tokens > a.max_model_len:
         raise ValueError(f"--max-model-len {a.max_model_len} < context + output tokens")
@@ -376,7 +423,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     )
     dtype = a.dtype or cfg.torch_dtype
     engine_kw = dict(
-        max_num_seqs=max(a.concurrency),
+        max_num_seqs=max(a.concurrency) + a.arrivals,
         max_model_len=a.max_model_len,
         enable_prefix_caching=True,
     )
@@ -443,7 +490,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             except Exception as e:  # noqa: BLE001 - one engine that fails must not lose the others
                 traceback.print_exc()
                 for c in a.concurrency:
-                    add(error_record(variant, c, spec, e))
+                    add(error_record(variant, c, spec, e, a.arrivals))
                 continue
             engines.append(
                 dict(
@@ -459,7 +506,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                         got = run.run(c)
                     except Exception as e:  # noqa: BLE001 - nor one concurrency the next
                         traceback.print_exc()
-                        add(error_record(variant, c, spec, e))
+                        add(error_record(variant, c, spec, e, a.arrivals))
                         continue
                     if spec is None:
                         baselines[c] = dict(tpot_ms=got["tpot_ms"], tokens=got["tokens"])

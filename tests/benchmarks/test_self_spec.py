@@ -28,6 +28,8 @@ NO_SPEC_REASON = "the engine has no speculative_config yet (EngineConfig): self-
         (["--concurrency", "0"], "--concurrency"),
         (["--output-tokens", "1"], "--output-tokens"),
         (["--converging-scale", "1.5"], "--converging-scale"),
+        (["--arrivals", "-1"], "--arrivals"),
+        (["--arrivals", "2", "--arrival-every", "0"], "--arrival-every"),
     ],
 )
 def test_bad_options_fail_before_any_work(argv, msg, tmp_path):
@@ -227,6 +229,26 @@ def test_self_spec_end_to_end_on_tiny(tmp_path):
         assert r["spec_rounds"] >= 1
     # measured, not set: the converging weights' depth 1 agrees with depth 4 far more often
     assert spec["converging"]["acceptance"] > spec["random"]["acceptance"] + 0.3
+
+
+@pytest.mark.slow  # two tiny engines (~30 s on 2 cores)
+@pytest.mark.skipif(not ss.has_speculative_config(), reason=NO_SPEC_REASON)
+def test_arrivals_put_rounds_beside_prompt_rows(tmp_path):
+    """``--arrivals``: long prompts join while the streams decode, so rounds run loop by loop
+    beside their rows; tokens stay the baseline's, and the records say so under their own labels."""
+    out = str(tmp_path)
+    argv = ["--models", "converging", "--converging-scale", "0.001", "--concurrency", "2", "--spec", "1:3"]
+    argv += ["--output-tokens", "12", "--arrivals", "3", "--arrival-tokens", "40", "--arrival-every", "2"]
+    ss.main(TINY + argv + ["--out", out])
+    with open(os.path.join(out, "self_spec.json")) as f:
+        recs = json.load(f)["records"]
+    assert {r["label"] for r in recs} == {
+        "self_spec converging(0.001) c=2 plain arrivals=3",
+        "self_spec converging(0.001) c=2 d=1 k=3 arrivals=3",
+    }
+    spec = next(r for r in recs if r["mode"] == "spec")
+    assert spec["arrivals"] == 3 and spec["arrival_tokens"] == 40 and spec["arrival_every"] == 2
+    assert spec["spec_loop_rounds"] >= 1 and spec["tokens_equal"]
 
 
 @pytest.mark.slow  # compiles the static generate() and forward() of the tiny preset (~15 s)
