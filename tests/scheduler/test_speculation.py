@@ -1,5 +1,7 @@
-"""``RoundPolicy``: rounds of self-speculative decoding run while drafts are accepted enough to pay
-for them, stop when they are not, and probe again after a doubling back-off (jax-free)."""
+"""The jax-free parts of self-speculative decoding (``scheduler/speculation.py``): ``RoundPolicy``
+(rounds run while drafts are accepted enough to pay for them, stop when they are not, and probe
+again after a doubling back-off), ``LoopRound`` (a round on the loop-by-loop path) and the
+buckets' coda rows for its verify."""
 
 import types
 
@@ -96,3 +98,32 @@ def test_a_step_in_flight_counts_toward_the_probe(policy):
     run_rejected(policy, req, 5)
     due = req.spec_gain.probe_at - len(req.output_token_ids)
     assert not policy.pays([req], due - 1) and policy.pays([req], due)
+
+
+# ------------------------------------------------------------------ LoopRound (rounds loop by loop)
+def test_loop_round_verifies_runs_of_cut_positions_and_keeps_the_agreeing_prefix():
+    from scheduler.speculation import LoopRound, PositionState
+
+    rnd = LoopRound(p0=10, k0=3, positions=4, draft_loops=1)
+    assert rnd.drafting and rnd.j == 0
+    rnd.states = [PositionState(drafted=5), PositionState(token=6, exit_depth=0), PositionState(drafted=7)]
+    rnd.states.append(PositionState(drafted=8))
+    assert rnd.j == 4 and [s.fed for s in rnd.states] == [5, 6, 7, 8]
+    rnd.verify_depth = 1
+    assert rnd.active() == [0, 2, 3] and rnd.runs() == [(0, 1), (2, 4)]  # the exited position splits the verify
+    for s, (tok, depth) in zip([rnd.states[0], rnd.states[2], rnd.states[3]], [(5, 3), (9, 2), (8, 3)]):
+        s.token, s.exit_depth = tok, depth
+    # position 0 agrees, 1 exited within the draft (kept), 2 differs: kept with its full-depth token, the end
+    assert rnd.result() == (2, 3, [5, 6, 9], [3, 0, 2])
+    for s in rnd.states:
+        s.token = s.drafted if s.drafted >= 0 else s.token
+    assert rnd.result() == (4, 4, [5, 6, 7, 8], [3, 0, 2, 3])
+
+
+def test_buckets_hold_one_verify_beside_every_request():
+    from scheduler.buckets import BucketSpec
+
+    plain = BucketSpec(64, 16, 4, 256, 4)
+    spec = BucketSpec(64, 16, 4, 256, 4, extra_coda_rows=3)
+    assert plain.coda_cap == 16 and spec.coda_cap == 32  # 16 requests + 3 more positions, a power of two
+    assert spec.key_for(8).C == 8 and spec.key_for(64).C == 32
