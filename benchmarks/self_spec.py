@@ -175,7 +175,9 @@ class EngineRun:
         if "spec_rounds" in s1:
             row_rounds = _delta(s0, s1, "spec_row_rounds")
             mal = window_ratio(s0, s1, "spec_mean_accepted_length", "spec_row_rounds")
-            spec_tokens = mal * row_rounds if mal is not None else 0.0
+            # tokens rounds emitted (not those drafted past a request's end); older engines: tokens kept
+            emitted = _delta(s0, s1, "spec_emitted_tokens")
+            spec_tokens = emitted if emitted is not None else (mal * row_rounds if mal is not None else 0.0)
             decode_tokens = sum(max(0, len(o.token_ids) - 1) for o in outs)
             r.update(
                 acceptance=window_ratio(s0, s1, "spec_acceptance", "spec_proposed_tokens"),

@@ -1208,6 +1208,7 @@ class Scheduler:
                 if req is None or req.status is not RequestStatus.RUNNING:
                     break  # aborted while in flight, or ended by an earlier token of this round
                 self._emit(req, t, e, deltas)
+                st["spec_emitted_tokens"] += 1
             if req is not None and req.status is RequestStatus.RUNNING:
                 self.round_policy.observe(req, int(count[i]))
 
@@ -1294,6 +1295,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # a stop token or max_tokens: the round's later tokens are dropped
             self._emit(req, t, e, deltas)
+            st["spec_emitted_tokens"] += 1
         if req.status is RequestStatus.RUNNING:
             self.round_policy.observe(req, count)
 
@@ -1500,6 +1502,7 @@ class Scheduler:
             "spec_round_tokens",
             "spec_declined_steps",
             "spec_loop_rounds",
+            "spec_emitted_tokens",
         ):
             st.setdefault(k, 0)
         # accepted drafts of those proposed, and tokens a row got per round (1 .. positions)

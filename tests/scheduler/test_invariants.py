@@ -256,6 +256,9 @@ def test_rounds_under_random_workloads_keep_invariants_and_match_reference(wl, a
     st_ = h.s.stats()
     assert st_["spec_rounds"] == h.rounds
     assert st_["spec_accepted_tokens"] <= st_["spec_proposed_tokens"]
+    # tokens rounds emitted: no more than they kept (those past a request's end are dropped)
+    assert st_["spec_emitted_tokens"] <= st_["spec_round_tokens"]
+    assert st_["spec_emitted_tokens"] <= st_["tokens"]
 
 
 @pytest.mark.parametrize("exit_mode", ["fixed", "ouro"])
