@@ -130,16 +130,16 @@ def speculative_option(name: str, value) -> Optional[SpeculativeConfig]:
 
 
 # ------------------------------------------------------------------------------------ policy
-#: A round against the plain tokens of the same loops: its drafted positions each pay a token's
-#: coda and sampling, and its host work cannot overlap the device (H200, ouro-1.4b, run 31: a
-#: round of d=1, k=3 took 2.3 plain tokens' time at c=1 and c=8, for 7 loops against 4).
+#: A round's time over its loop count, against plain tokens': its drafted positions each pay a
+#: token's coda and sampling, and its host work cannot overlap the device (measured on the H200:
+#: docs/decisions.md, "Self-speculative decoding").
 ROUND_COST_FACTOR = 1.3
 #: Plain tokens a request decodes after a failed probe before it probes again (doubling, capped).
 MIN_BACKOFF, MAX_BACKOFF = 16, 1024
 #: A request's estimate: its last ``WINDOW`` rounds' tokens, beside ``PRIOR_WEIGHT`` rounds of a
 #: prior (every position for a new request, break-even for a probe). A round's tokens vary widely
 #: (at 80% per draft: 1 token 20% of the time, 4 tokens 51%), so a short memory would pause
-#: requests whose drafts pay (run 32: a halving average declined 38 of 63 steps at 61% acceptance).
+#: requests whose drafts pay (a halving average did: docs/decisions.md).
 WINDOW, PRIOR_WEIGHT = 8, 2
 
 
