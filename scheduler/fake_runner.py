@@ -153,6 +153,29 @@ class FakeRunner:
         self.invocations += 1
         return out, gate_logit(out)
 
+    def _lockstep(self, subs, first: int, prev, active, rem, exits, on_exit=None):
+        """Loops ``first, first + 1, ...`` (``subs[i]`` runs loop ``first + i``) of the ``active``
+        rows in lock step until all exited, each row deciding after every loop by its exit words
+        ``exits`` (float32, as the device). Returns ``(exit states, exit depths (-1: still
+        running), remaining, still active, gates [len(subs), R])``; ``on_exit(t, out)`` runs after
+        loop ``t`` with the rows that exited there."""
+        R = len(active)
+        exit_h, depth = np.zeros(R, np.uint64), np.full(R, -1, np.int64)
+        gates = np.zeros((len(subs), R), np.float32)
+        for i, sub in enumerate(subs):
+            if not active.any():
+                break
+            t = first + i
+            h, gates[i] = self._loop(sub, prev, active)
+            nxt = fold_gate_rows(rem, gates[i])
+            out = active & decide_exit_rows(t + 1, nxt, rem, *exits)
+            exit_h[out], depth[out] = h[out], t
+            rem = np.where(active, nxt, rem)
+            active = active & ~out
+            if on_exit is not None:
+                on_exit(t, out)
+        return exit_h, depth, rem, active, gates
+
     def _run_fused(self, desc) -> tuple[np.ndarray, np.ndarray]:
         """A fused decode step with its exits decided here, as the device does (``StackedDescriptor``):
         per token, loops of every row in lock step until all exited (float32 rule), an exited row
@@ -167,19 +190,10 @@ class FakeRunner:
             subs = desc.steps[j * T : (j + 1) * T]
             args = (desc.exit_limit[j], desc.exit_min_loops[j], desc.exit_delay[j], desc.exit_threshold[j])
             active = np.arange(R) < subs[0].num_rows  # real rows, as on the device; every one makes every token
-            rem = np.ones(R, np.float32)
-            exit_h = np.zeros(R, np.uint64)
-            depth = np.zeros(R, np.int64)
-            for d in range(T):
-                if not active.any():
-                    break
-                h, g = self._loop(subs[d], prev, active)
-                gates[j * T + d] = g
-                nxt = fold_gate_rows(rem, g)
-                out = active & decide_exit_rows(d + 1, nxt, rem, *args)
-                exit_h[out], depth[out] = h[out], d
-                active &= ~out
-                rem = nxt
+            exit_h, depth, _, _, gates[j * T : (j + 1) * T] = self._lockstep(
+                subs, 0, prev, active, np.ones(R, np.float32), args
+            )
+            depth = np.maximum(depth, 0)  # padding rows never run
             if key.F:  # LAST_EXITED: plane e -> planes e+1..T-1 of every real row
                 for r in range(subs[0].num_rows):
                     src = subs[depth[r]].row_slot[r]
@@ -214,18 +228,7 @@ class FakeRunner:
         for j in range(k1):
             subs = draft.steps[j * d : (j + 1) * d]
             args = (draft.exit_limit[j], draft.exit_min_loops[j], draft.exit_delay[j], draft.exit_threshold[j])
-            active = np.arange(R) < n
-            rem = np.ones(R, np.float32)
-            exit_h, dep, h = np.zeros(R, np.uint64), np.full(R, -1, np.int64), None
-            for t in range(d):
-                if not active.any():
-                    break
-                h, g = self._loop(subs[t], prev, active)
-                nxt = fold_gate_rows(rem, g)
-                out = active & decide_exit_rows(t + 1, nxt, rem, *args)
-                exit_h[out], dep[out] = h[out], t
-                rem = np.where(active, nxt, rem)
-                active &= ~out
+            exit_h, dep, rem, active, _ = self._lockstep(subs, 0, prev, np.arange(R) < n, np.ones(R, np.float32), args)
             for r in np.flatnonzero(dep[:n] >= 0):  # exited within the draft: planes above, as plain decoding
                 slots = [sub.row_slot[r] for sub in subs] + list(vslot[:, r * k1 + j])
                 for p in range(dep[r] + 1, T):
@@ -254,19 +257,14 @@ class FakeRunner:
         reqc = np.minimum(req, n - 1)
         active = real & (depth[pos, reqc] < 0)
         rem = np.where(real, rem0[pos, reqc], np.float32(1.0)).astype(np.float32)
-        exit_h, vdep = np.zeros(Rv, np.uint64), depth[pos, reqc].copy()
-        for t in range(d, T):
-            if not active.any():
-                break
-            h, g = self._loop(verify[t - d], None, active)
-            nxt = fold_gate_rows(rem, g)
-            out = active & decide_exit_rows(t + 1, nxt, rem, *exits)
-            exit_h[out], vdep[out] = h[out], t
-            for r in np.flatnonzero(out):  # the positions after it read its planes in the loops that follow
+
+        def copy_up(t, out):  # the positions after an exited one read its planes in the loops that follow
+            for r in np.flatnonzero(out):
                 self.kv[vslot[t - d + 1 :, r]] = self.kv[vslot[t - d, r]]
                 self.kv_written[vslot[t - d + 1 :, r]] = True
-            rem = np.where(active, nxt, rem)
-            active &= ~out
+
+        exit_h, vdep, _, _, _ = self._lockstep(verify, d, None, active, rem, exits, copy_up)
+        vdep = np.where(vdep >= 0, vdep, depth[pos, reqc])  # positions that exited within the draft
         temp = f32(w["temperature"])
         target = sample_token(exit_h, temp, w["seed"].view(np.uint32), w["step"], self.vocab_size)
         result = np.zeros((C, 2 + 2 * k1), np.int32)

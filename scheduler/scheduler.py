@@ -1233,6 +1233,8 @@ class Scheduler:
         decoding request; the first always (the policy's budget shrinks by it, and the bucket's
         coda rows hold one verify beside every request: ``extra_coda_rows``). One that does not
         fit waits an invocation."""
+        if self.round_policy is None:
+            return {}
         cfg = self.config
         rows = cfg.max_num_batched_tokens - sum(r.is_decoding for r in self.running)
         codas = self.bucket_spec.coda_cap - len(self.running)
@@ -1250,8 +1252,7 @@ class Scheduler:
         """A loop of a round's rows: the position being drafted (its exit for real, or cut after
         the draft's last loop with its drafted token), or the verify's positions (each to its own
         exit, finalized upward at once: the positions after it read those planes next)."""
-        T, p, rnd = self.num_loops, req.sampling_params, req.loop_round
-        last_exited = self.config.kv_layout == "last_exited"
+        T, p, rnd = self.num_loops, req.sampling_params, req.loop_round  # LAST_EXITED: rounds need it
         if rnd.drafting:
             d = r.depth
             out = self._exits(req, p, d, gates, r.row_start)
@@ -1262,7 +1263,7 @@ class Scheduler:
             s = PositionState(req.exit_remaining, req.gates_folded, req.pending_gates, req.decode_target_loops)
             if out:
                 s.token, s.exit_depth = tok, d
-                if last_exited and d < T - 1:
+                if d < T - 1:
                     self._queue_finalize(req, r.token_start, d)
             else:
                 s.drafted = tok
@@ -1278,7 +1279,7 @@ class Scheduler:
             s = rnd.states[r.token_start - rnd.p0 + i]
             if self._exits(s, p, t, gates, r.row_start + i):
                 s.token, s.exit_depth = int(toks.get()[coda_index[r.row_start + i]]), t
-                if last_exited and t < T - 1:
+                if t < T - 1:
                     self._queue_finalize(req, r.token_start + i, t)
 
     def _end_loop_round(self, req: Request, deltas: dict) -> None:
@@ -1360,6 +1361,12 @@ class Scheduler:
                         self._emit(req, int(toks.get()[i]), T - 1, deltas, _logprob_record(req, lps, i))
             else:
                 self._apply_decode(req, r, gates, toks, coda_index, deltas, lps)
+        if self.round_policy is not None:
+            self._advance_loop_rounds(plan, deltas)
+
+    def _advance_loop_rounds(self, plan: BatchPlan, deltas: dict) -> None:
+        """After a plan's rows are applied: each loop-by-loop verify that ran moves one loop
+        deeper, and a round whose positions have all exited ends (``_end_loop_round``)."""
         for rid in {r.request_id for r in plan.ranges if r.phase is Phase.DECODE}:
             req = self._requests.get(rid)
             rnd = None if req is None else req.loop_round
