@@ -817,19 +817,7 @@ class Harness:
             mean_loops=loops,
         )
         r = dict(
-            workload=wl.name,
-            variant=wl.variant,
-            label=wl.label,
-            mode=GENERATE_MODE,
-            chunk=None,
-            exit=wl.exit,
-            arrival="static batch",
-            concurrency=n,
-            requests=n,
-            requests_finished=n,
-            truncated=False,
-            wall_s=sec,
-            seconds_all=times,
+            _static_batch_fields(wl, GENERATE_MODE, wl.exit, n, n, sec, times),
             compile_s=compile_s,
             xla_compiles_at_compile=(ev1[0] - ev0[0]) - (ev1[2] - ev0[2]),
             persistent_cache_hits=ev1[2] - ev0[2],
@@ -879,19 +867,7 @@ class Harness:
             basis="floors.prefill_floor: the whole prompts in one chunk, every row of a loop in one invocation",
         )
         r = dict(
-            workload=wl.name,
-            variant=wl.variant,
-            label=wl.label,
-            mode=PLAIN_MODE,
-            chunk=None,
-            exit="fixed",
-            arrival="static batch",
-            concurrency=None,
-            requests=n,
-            requests_finished=n,
-            truncated=False,
-            wall_s=t["wall_s"],
-            seconds_all=t["seconds_all"],
+            _static_batch_fields(wl, PLAIN_MODE, "fixed", None, n, t["wall_s"], t["seconds_all"]),
             first_call_s=t["first_call_s"],
             prompt=p,
             prompt_tokens=n * p,
@@ -914,6 +890,26 @@ class Harness:
         r.update(_memory())
         gc.collect()
         return r
+
+
+def _static_batch_fields(wl: Workload, mode: str, exit: str, concurrency, n: int, wall_s: float, seconds_all) -> dict:
+    """The identity and timing of a record of one static batch of ``n`` requests (``generate()``,
+    the plain-JAX prefill): every request finished, none truncated."""
+    return dict(
+        workload=wl.name,
+        variant=wl.variant,
+        label=wl.label,
+        mode=mode,
+        chunk=None,
+        exit=exit,
+        arrival="static batch",
+        concurrency=concurrency,
+        requests=n,
+        requests_finished=n,
+        truncated=False,
+        wall_s=wall_s,
+        seconds_all=seconds_all,
+    )
 
 
 def attach_prefill_baseline(records: list, base: dict) -> list:
