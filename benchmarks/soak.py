@@ -340,7 +340,11 @@ class Load:
 async def run_load(load: Load, args, burst_size: int) -> dict:
     import httpx
 
-    limits = httpx.Limits(max_connections=args.concurrency + burst_size + 16, max_keepalive_connections=64)
+    # idle connections expire before the server's 5 s keep-alive closes them: reusing one as the server
+    # closes it is a client-side ReadError, not the server's
+    limits = httpx.Limits(
+        max_connections=args.concurrency + burst_size + 16, max_keepalive_connections=64, keepalive_expiry=2.0
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_s), limits=limits) as client:
         t0 = time.monotonic()
         deadline = t0 + args.duration_s

@@ -521,7 +521,8 @@ class LLM:
             return None
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        # every executable, small samplers too: one under a threshold would compile again at each start
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         return path
 
     @staticmethod

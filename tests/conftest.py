@@ -58,3 +58,7 @@ if importlib.util.find_spec("jax") is not None:
     # One persistent compilation cache for the whole session: the many small engines of the tests
     # compile the same bucket shapes again and again.
     os.environ.setdefault("OURO_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="ouro_jax_xla_"))
+    from ouro_jax.llm import LLM
+
+    # on before anything compiles: an executable JAX compiled before it would never reach the disk
+    LLM.enable_compile_cache(os.environ["OURO_JAX_COMPILE_CACHE"])
