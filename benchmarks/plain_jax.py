@@ -1,7 +1,7 @@
 """What a JAX user would write without the engine: the baselines of issues #36 and #37.
 
-* **decode** (``PlainDecoder``): one dense K/V array per loop (``[L, B, S, KVH, hd]``, donated), the
-  layers written out, one jit per loop, argmax; no paging, gates, planes or batching machinery.
+* **decode** (``PlainDecoder``): one dense K/V pair per layer and loop (``[B, S, KVH, hd]``, donated),
+  the layers written out, one jit per loop, argmax; no paging, gates, planes or batching machinery.
   Fixed depth (every token runs the ``T`` loops), the same context for every stream.
 * **prefill** (``plain_prefill``): one jit running each loop's layers over the whole prompts, cuDNN
   causal attention on a GPU (``jax.nn.dot_product_attention``; XLA's elsewhere), the K/V of every
@@ -46,20 +46,22 @@ PLAIN_MODE = "plain_jax"  # the mode (and decode.json path) of these baselines' 
 
 @dataclasses.dataclass(frozen=True)
 class _DenseKV:
-    """The attention boundary over one loop's dense cache ``(k, v) [L, B, S, KVH, hd]``: the rows'
-    K/V written at ``start..start+Sq-1``, their queries attend causally to everything up to there."""
+    """The attention boundary over one loop's dense caches, a ``(k, v) [B, S, KVH, hd]`` pair per
+    layer: the rows' K/V written at ``start..start+Sq-1``, their queries attend causally to
+    everything up to there."""
 
     start: jax.Array  # int32 scalar: the first position of the rows
     scale: float
 
     def __call__(self, layer, q, k, v, cache):
-        kc, vc = cache
-        at = (layer, 0, self.start, 0, 0)
-        kc = jax.lax.dynamic_update_slice(kc, k[None].astype(kc.dtype), at)
-        vc = jax.lax.dynamic_update_slice(vc, v[None].astype(vc.dtype), at)
-        sq, sk = q.shape[1], kc.shape[2]
+        kc, vc = cache[layer]
+        at = (0, self.start, 0, 0)
+        kc = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), at)
+        vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), at)
+        sq, sk = q.shape[1], kc.shape[1]
         mask = jnp.arange(sk)[None, :] <= (self.start + jnp.arange(sq))[:, None]
-        return dense_attention(q, kc[layer], vc[layer], mask[None], self.scale), (kc, vc)
+        cache = (*cache[:layer], (kc, vc), *cache[layer + 1 :])
+        return dense_attention(q, kc, vc, mask[None], self.scale), cache
 
 
 class PlainDecoder:
@@ -71,8 +73,9 @@ class PlainDecoder:
         self.dt = dtype_of(dtype)
         self.params = params
         self.model = OuroModel(c, self.dt)
-        shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
-        self.caches = [(jnp.zeros(shape, self.dt), jnp.zeros(shape, self.dt)) for _ in range(c.num_loops)]
+        shape = (batch, max_len, c.num_key_value_heads, c.head_dim)
+        zeros = functools.partial(jnp.zeros, shape, self.dt)
+        self.caches = [tuple((zeros(), zeros()) for _ in range(c.num_hidden_layers)) for _ in range(c.num_loops)]
         self.pos = 0
         self.last = None
 
