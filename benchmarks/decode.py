@@ -40,7 +40,7 @@ threshold is a runtime argument); ``synthetic`` has no counterpart there.
 
 The plain-JAX baseline (``benchmarks/plain_jax.py``, issue 36; ``--no-plain-baseline`` skips it):
 per context and ``c`` when ``fixed`` is among the exit kinds, ``time_decode`` of ``c`` streams over
-dense per-loop caches of prompt + out - 1 positions, on the engine's weights (the harness's
+dense caches (a K/V pair per layer and loop) of prompt + out - 1 positions, on the engine's weights (the harness's
 ``params``), ``output_tokens - 1`` steps a round (the intervals a request's TPOT spans), fixed depth;
 TPOT p50 = the median of 3 rounds. It runs once the context's engine records are done, in the window
 where the engine is closed (its caches are as large as the engine's KV pool: 116 GB at 128 x 1K),

@@ -1184,7 +1184,7 @@ def write_report(folder: str) -> str:
             f"{cfg.get('prefix_warm')}; preset {cfg.get('preset')} {cfg.get('dtype')}, scale {cfg.get('scale')}. "
             "TPOT p50 against `floors.decode_step_floor` at c rows, the mean decode context and the mean "
             "loops per token run; kernels per loop and device-busy share from a profiler trace. Plain JAX: "
-            "`benchmarks/plain_jax.py` (dense K/V per loop, donated, one jit per loop, argmax) at the same c, "
+            "`benchmarks/plain_jax.py` (dense K/V per layer, donated, a jit per loop, argmax) at the same c, "
             "shapes and weights in the same run; engine / plain JAX = its TPOT / the engine's (above 1: the "
             "engine is faster).",
             "",
