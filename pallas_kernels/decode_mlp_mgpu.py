@@ -23,8 +23,9 @@ flight per CTA. (The single-projection version of this loop, measured at ``c47db
 than XLA's GEMM a call but lost in the engine to a transpose-and-sum per projection; here the
 transposed ``h^T`` is what the second kernel reads, and only the down projection's sum is left.)
 
-Layouts: ``w_gate_up`` is the model's ``gate_up_proj`` kernel ``[D, 2, I]`` (a free reshape to
-``[D, 2 I]``: gate columns, then up columns), ``w_down`` is ``down_proj``'s ``[I, D]``. TMA needs
+Layouts: ``w_gate_up`` is the model's fused ``gate_up_proj`` kernel ``[D, 2, I]`` (a free reshape
+to ``[D, 2 I]``: gate columns, then up columns) or the pair ``(gate_proj, up_proj)`` of ``[D, I]``
+kernels (the engine's layout); ``w_down`` is ``down_proj``'s ``[I, D]``. TMA needs
 K, I and D multiples of 64 (the 128-byte swizzle atoms of the weight tiles).
 
 :func:`decode_mlp_reference` is the jnp twin: the same f32 sums, ``h`` rounded to the model dtype
@@ -145,17 +146,34 @@ def mlp_tuning(
     return MlpTuning(int(block_k), int(gate_up_stages), int(down_splits), int(per_split), int(down_stages))
 
 
+def gate_up_sources(w_gate_up) -> tuple:
+    """``(gate [D, *], up [D, *], column of up's first output, I)`` of either layout: the fused
+    ``[D, 2, I]`` kernel as one ``[D, 2 I]`` matrix read twice, or the ``(gate, up)`` pair."""
+    if isinstance(w_gate_up, (tuple, list)):
+        gate, up = w_gate_up
+        if gate.ndim != 2 or gate.shape != up.shape:
+            raise ValueError(f"(w_gate, w_up) must be two [D, I] kernels, got {gate.shape} and {up.shape}")
+        return gate, up, 0, gate.shape[1]
+    if w_gate_up.ndim != 3 or w_gate_up.shape[1] != 2:
+        raise ValueError(f"w_gate_up must be [D, 2, I] or a (w_gate, w_up) pair, got {w_gate_up.shape}")
+    d, _, inter = w_gate_up.shape
+    both = w_gate_up.reshape(d, 2 * inter)
+    return both, both, inter, inter
+
+
 def _check(x, w_gate_up, w_down, *, kernel: bool):
     if x.ndim != 2:
         raise ValueError(f"x must be [M, D], got {x.shape}")
     m, d = x.shape
-    if w_gate_up.ndim != 3 or w_gate_up.shape[:2] != (d, 2):
-        raise ValueError(f"w_gate_up must be [D, 2, I] with D = {d}, got {w_gate_up.shape}")
-    inter = w_gate_up.shape[2]
+    gate, up, _, inter = gate_up_sources(w_gate_up)
+    if gate.shape[0] != d:
+        raise ValueError(f"x {x.shape} and the gate/up kernels {gate.shape} disagree on D")
     if w_down.shape != (inter, d):
         raise ValueError(f"w_down must be [I, D] = {(inter, d)}, got {w_down.shape}")
-    if not (x.dtype == w_gate_up.dtype == w_down.dtype):
-        raise ValueError(f"x and the weights must share a dtype, got {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")
+    if not (x.dtype == gate.dtype == up.dtype == w_down.dtype):
+        raise ValueError(
+            f"x and the weights must share a dtype, got {x.dtype}, {gate.dtype}, {up.dtype}, {w_down.dtype}"
+        )
     why = supported(x.dtype if kernel else jnp.bfloat16, m, d, inter)
     if why is not None:
         raise ValueError(f"decode_mlp_mgpu cannot serve {why}")
@@ -177,7 +195,7 @@ def _zero_pad_rows(ref, stages: int) -> None:
     plgpu.commit_smem()  # the writes above, before the TMA copies and the tensor cores (async proxy)
 
 
-def _gate_up_kernel(x_ref, w_ref, o_ref, x_smem, g_smem, u_smem, o_smem, ready, *, t: MlpTuning, steps, inter):
+def _gate_up_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, g_smem, u_smem, o_smem, ready, *, t, steps, up_col):
     """One CTA: ``h[:, n0:n0+64] = silu(x W_g) * (x W_u)`` over all of K."""
     bk, stages = t.block_k, t.gate_up_stages
     n0 = lax.axis_index("n") * BLOCK_N
@@ -185,8 +203,8 @@ def _gate_up_kernel(x_ref, w_ref, o_ref, x_smem, g_smem, u_smem, o_smem, ready, 
 
     def issue(i, slot):
         k0 = i * bk
-        plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, bk), pl.ds(n0, BLOCK_N)], g_smem.at[slot], ready.at[slot])
-        plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, bk), pl.ds(inter + n0, BLOCK_N)], u_smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(wg_ref.at[pl.ds(k0, bk), pl.ds(n0, BLOCK_N)], g_smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(wu_ref.at[pl.ds(k0, bk), pl.ds(up_col + n0, BLOCK_N)], u_smem.at[slot], ready.at[slot])
         plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, bk)], x_smem.at[slot, pl.ds(0, MAX_ROWS)], ready.at[slot])
 
     for i in range(stages):  # stages <= steps (mlp_tuning)
@@ -257,13 +275,15 @@ def _down_kernel(h_ref, w_ref, o_ref, h_smem, w_smem, o_smem, ready, *, t: MlpTu
 
 def _gate_up_call(x, w_gate_up, t: MlpTuning):
     """Kernel 1: ``x [MAX_ROWS, D]`` -> ``h [MAX_ROWS, I]`` in ``x``'s dtype."""
-    d, _, inter = w_gate_up.shape
+    gate, up, up_col, inter = gate_up_sources(w_gate_up)
+    d = gate.shape[0]
     dt, size = x.dtype, x.dtype.itemsize
     wide = _swizzled(SWIZZLE, size)  # [.., 64] tiles of 16-bit elements: 128-byte rows
 
-    def entry(x_ref, w_ref, o_ref):
+    def entry(x_ref, wg_ref, wu_ref, o_ref):
+        kernel = functools.partial(_gate_up_kernel, t=t, steps=_cdiv(d, t.block_k), up_col=up_col)
         pl.run_scoped(
-            functools.partial(_gate_up_kernel, x_ref, w_ref, o_ref, t=t, steps=_cdiv(d, t.block_k), inter=inter),
+            functools.partial(kernel, x_ref, wg_ref, wu_ref, o_ref),
             plgpu.SMEM((t.gate_up_stages, A_ROWS, t.block_k), dt, transforms=wide),
             plgpu.SMEM((t.gate_up_stages, t.block_k, BLOCK_N), dt, transforms=wide),
             plgpu.SMEM((t.gate_up_stages, t.block_k, BLOCK_N), dt, transforms=wide),
@@ -276,7 +296,7 @@ def _gate_up_call(x, w_gate_up, t: MlpTuning):
         out_type=jax.ShapeDtypeStruct((MAX_ROWS, inter), dt),
         grid=(inter // BLOCK_N,),
         grid_names=("n",),
-    )(x, w_gate_up.reshape(d, 2 * inter))
+    )(x, gate, up)
 
 
 def _down_call(h, w_down, t: MlpTuning):
@@ -355,8 +375,10 @@ def decode_mlp_reference(
         d, inter, 2, block_k=block_k, gate_up_stages=gate_up_stages, down_splits=down_splits, down_stages=down_stages
     )
     f32 = jnp.float32
-    gu = jnp.einsum("md,djn->mjn", x.astype(f32), w_gate_up.astype(f32), precision="highest")
-    g, u = gu[:, 0], gu[:, 1]
+    gate, up, up_col, _ = gate_up_sources(w_gate_up)
+    xf = x.astype(f32)
+    g = jnp.dot(xf, gate[:, :inter].astype(f32), precision="highest")
+    u = jnp.dot(xf, up[:, up_col : up_col + inter].astype(f32), precision="highest")
     h = (g / (1.0 + jnp.exp(-g)) * u).astype(x.dtype).astype(f32)
     chunk = t.down_steps_per_split * t.block_k
     kp = t.down_splits * chunk

@@ -84,6 +84,19 @@ def test_twin_matches_model_mlp(m, d, inter, knobs):
         np.testing.assert_allclose(np.asarray(part[s]), h[:, lo:hi] @ np.asarray(w_d, np.float64)[lo:hi], atol=1e-5)
 
 
+def _pair(w_gu):
+    """The engine's layout of the same weights: separate ``gate_proj`` and ``up_proj`` kernels."""
+    return w_gu[:, 0], w_gu[:, 1]
+
+
+def test_twin_takes_either_layout():
+    x, w_gu, w_d = _args(8, 192, 448, jnp.float32)
+    fused = decode_mlp_reference(x, w_gu, w_d, reduce=False)
+    np.testing.assert_array_equal(np.asarray(decode_mlp_reference(x, _pair(w_gu), w_d, reduce=False)), fused)
+    with pytest.raises(ValueError, match="two \\[D, I\\] kernels"):
+        decode_mlp_reference(x, (w_gu[:, 0], w_gu[:, 1, :64]), w_d)
+
+
 def test_twin_rounds_h_to_the_model_dtype():
     """In bf16 the twin stores ``h`` in bf16 as the kernel does; the sum stays close to the model's
     MLP, which also rounds the gate and up outputs."""
@@ -122,6 +135,8 @@ def test_refusals():
         decode_mlp_mgpu(jnp.zeros((17, 256), bf), w_gu, w_d)
     with pytest.raises(ValueError, match="w_down"):
         decode_mlp_mgpu(x, w_gu, w_d.T)
+    with pytest.raises(ValueError, match="disagree on D"):
+        decode_mlp_mgpu(x[:, :128], w_gu, w_d)
     with pytest.raises(ValueError, match="share a dtype"):
         decode_mlp_mgpu(x.astype(jnp.float16), w_gu, w_d)
     with pytest.raises(ValueError, match="float32"):
@@ -135,20 +150,21 @@ def test_refusals():
         decode_mlp_reference(jnp.zeros((17, 256), jnp.float32), w_gu.astype(jnp.float32), w_d.astype(jnp.float32))
 
 
-def _lower(m, d, inter, **knobs):
+def _lower(m, d, inter, pair=False, **knobs):
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
 
     def f(x, w_gu, w_d):
         return decode_mlp_mgpu(x, w_gu, w_d, **knobs)
 
-    args = sd((m, d), bf), sd((d, 2, inter), bf), sd((inter, d), bf)
+    w_gu = (sd((d, inter), bf), sd((d, inter), bf)) if pair else sd((d, 2, inter), bf)
+    args = sd((m, d), bf), w_gu, sd((inter, d), bf)
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2  # both launches
 
 
-@pytest.mark.parametrize("m", [1, 8, 16])
-def test_mosaic_lowering_ouro_shapes(m):
-    _lower(m, *OURO)
+@pytest.mark.parametrize("m,pair", [(1, False), (8, True), (16, False)])
+def test_mosaic_lowering_ouro_shapes(m, pair):
+    _lower(m, *OURO, pair=pair)
 
 
 @pytest.mark.parametrize("d,inter,knobs", AWKWARD)
@@ -167,9 +183,11 @@ def test_mosaic_lowering_awkward_shapes(d, inter, knobs):
 @pytest.mark.parametrize("d,inter,knobs", [(*OURO, {}), *AWKWARD])
 def test_kernel_matches_twin(m, d, inter, knobs):
     """bf16: the kernel's f32 partials equal the twin's up to summation order (the same bf16 ``h``
-    but where a product's rounding of ``h`` flips), and the output is close to the model's MLP."""
+    but where a product's rounding of ``h`` flips), in both weight layouts, and the output is close
+    to the model's MLP."""
     x, w_gu, w_d = _args(m, d, inter, jnp.bfloat16, seed=m)
     got = np.asarray(decode_mlp_mgpu(x, w_gu, w_d, reduce=False, **knobs))
+    np.testing.assert_array_equal(np.asarray(decode_mlp_mgpu(x, _pair(w_gu), w_d, reduce=False, **knobs)), got)
     want = np.asarray(decode_mlp_reference(x, w_gu, w_d, reduce=False, **knobs))
     assert got.shape == want.shape and np.isfinite(got).all()
     scale = max(1.0, float(np.abs(want).max()))
