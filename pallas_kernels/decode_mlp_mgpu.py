@@ -339,16 +339,9 @@ def decode_mlp_mgpu(
     """``down(silu(x W_g) * (x W_u))`` of ``x [M, D]`` (module docstring). ``reduce=True``: ``[M, D]``
     in float32; ``reduce=False``: the down launch's f32 partials ``[splits, M, D]`` (their sum is the
     output)."""
+    knobs = dict(block_k=block_k, gate_up_stages=gate_up_stages, down_splits=down_splits, down_stages=down_stages)
     m, d, inter = _check(x, w_gate_up, w_down, kernel=True)
-    t = mlp_tuning(
-        d,
-        inter,
-        x.dtype.itemsize,
-        block_k=block_k,
-        gate_up_stages=gate_up_stages,
-        down_splits=down_splits,
-        down_stages=down_stages,
-    )
+    t = mlp_tuning(d, inter, x.dtype.itemsize, **knobs)
     x = jnp.pad(x, ((0, MAX_ROWS - m), (0, 0)))  # XLA fuses it into the norm that makes x
     part = _down_call(_gate_up_call(x, w_gate_up, t), w_down, t)[:, :m]  # [splits, M, D]
     return jnp.sum(part, axis=0) if reduce else part
@@ -370,10 +363,9 @@ def decode_mlp_reference(
     of the inputs, ``h`` rounded to ``x``'s dtype as the kernel stores it, the down partials over
     the same K ranges (split ``s`` covers ``[s * steps_per_split * block_k, ...)``, the last clipped
     at I). Also takes float32 (CPU checks)."""
+    knobs = dict(block_k=block_k, gate_up_stages=gate_up_stages, down_splits=down_splits, down_stages=down_stages)
     m, d, inter = _check(x, w_gate_up, w_down, kernel=False)
-    t = mlp_tuning(
-        d, inter, 2, block_k=block_k, gate_up_stages=gate_up_stages, down_splits=down_splits, down_stages=down_stages
-    )
+    t = mlp_tuning(d, inter, 2, **knobs)  # the kernel's tuning: its 16-bit tiles, whatever x's dtype
     f32 = jnp.float32
     gate, up, up_col, _ = gate_up_sources(w_gate_up)
     xf = x.astype(f32)
