@@ -5,28 +5,28 @@ the down GEMM and its split-K reduce (``docs/roadmap.md``: ~27 us a layer at 8 r
 weight reads). Here it is two, and the down projection's split sum goes into the norm that
 follows it, a fusion XLA runs anyway:
 
-1. ``gate_up_silu``: grid ``I / 64`` CTAs. A CTA streams the gate and up columns ``n0 .. n0+63``
-   over all of K, so it owns whole sums and applies ``silu(g) * u`` in its epilogue. It writes
-   ``h^T [I, ROWS]`` in the model dtype.
-2. ``down``: grid ``D / 64`` column blocks x ``splits`` K ranges. A CTA streams its weight tile and
-   the matching rows of ``h^T`` (L2-resident, 180 KB at Ouro-1.4B) and writes its f32 partial
-   ``y^T`` block, ``[splits, D, ROWS]``. ``decode_mlp_mgpu`` returns their sum as ``[M, D]``: XLA
-   fuses the sum and transpose into the consumer.
+1. gate/up: grid ``I / gate_up_block_n`` CTAs (64 columns by default: 88 at Ouro-1.4B). A CTA
+   streams its gate and up columns over all of K, so it owns whole sums and applies
+   ``silu(g) * u`` in its epilogue. It writes ``h [16, I]`` in the model dtype.
+2. down: grid ``D / down_block_n`` column blocks x ``down_splits`` K ranges (32 x 4 at
+   Ouro-1.4B). A CTA streams its weight tiles and the matching columns of ``h`` (L2-resident,
+   180 KB at Ouro-1.4B) and writes its f32 partial ``[16, block_n]``; ``decode_mlp_mgpu`` returns
+   their sum as ``[M, D]``, which XLA fuses into the consumer.
 
 Both are the decode projections' shape, ``x [M, K] @ w [K, N]`` with M = 1..16 rows: reading ``w``
-once is the work, compute an afterthought. The product is computed transposed, ``y^T = w^T x^T``:
-a weight tile ``[block_k, 64]`` in shared memory read through a transposed view is wgmma's
-64-row A operand, and the ``ROWS = 16`` padded rows of ``x`` are its narrow N operand, so no
-tensor-core work or shared memory is spent padding rows up to 64. One warpgroup runs a ring of
-``stages`` slots, each filled by TMA copies on one barrier; ``stages`` tiles of the weight are in
-flight per CTA. (The single-projection version of this loop, measured at ``c47db58``, was 6% faster
-than XLA's GEMM a call but lost in the engine to a transpose-and-sum per projection; here the
-transposed ``h^T`` is what the second kernel reads, and only the down projection's sum is left.)
+once is the work, compute an afterthought. wgmma's A operand has 64 rows: the 16 rows of ``x`` (or
+``h``) that TMA copies fill the top of a zeroed 64-row tile, and only those rows of the accumulator
+are stored (an output row reads only its own row of A). The weight tile ``[block_k, block_n]`` is
+the B operand. One warpgroup runs a ring of ``stages`` slots, each filled by TMA copies on one
+barrier, so ``stages`` weight tiles are in flight per CTA. (A single-projection kernel of this kind,
+measured at ``c47db58``, was 6% faster than XLA's GEMM a call but lost in the engine to a
+transpose-and-sum per projection; here nothing is transposed and only the down projection's split
+sum is left, inside a fusion XLA runs anyway.)
 
-Layouts: ``w_gate_up`` is the model's fused ``gate_up_proj`` kernel ``[D, 2, I]`` (a free reshape
-to ``[D, 2 I]``: gate columns, then up columns) or the pair ``(gate_proj, up_proj)`` of ``[D, I]``
-kernels (the engine's layout); ``w_down`` is ``down_proj``'s ``[I, D]``. TMA needs
-K, I and D multiples of 64 (the 128-byte swizzle atoms of the weight tiles).
+Layouts: ``w_gate_up`` is the fused ``gate_up_proj`` kernel ``[D, 2, I]`` of the engine's steps and
+``generate()`` (a free reshape to ``[D, 2 I]``: gate columns, then up columns) or the checkpoint's
+pair ``(gate_proj, up_proj)`` of ``[D, I]`` kernels; ``w_down`` is ``down_proj``'s ``[I, D]``. TMA
+needs I and D multiples of 64 (the weight tiles' rows are whole swizzle atoms).
 
 :func:`decode_mlp_reference` is the jnp twin: the same f32 sums, ``h`` rounded to the model dtype
 where the kernel stores it, the same split decomposition; it also takes float32 (CPU tests).
@@ -49,12 +49,12 @@ __all__ = ["MAX_ROWS", "MlpTuning", "decode_mlp_mgpu", "decode_mlp_reference", "
 
 MAX_ROWS = 16  # rows one launch serves: the rows TMA moves into the A operands and out of the accumulators
 A_ROWS = 64  # wgmma's M: the A operand's rows, the first MAX_ROWS of them real
-BLOCK_N = 64  # weight columns per CTA: wgmma's M rows of the transposed weight tile
+BLOCK_N = 64  # default weight columns per CTA (wgmma's N): 128-byte tile rows, the widest swizzle
+BLOCK_NS = (16, 32, 64)  # the widths whose 16-bit rows are a swizzle (32, 64, 128 bytes)
 TILE_BYTES = 16 * 1024  # a weight tile per pipeline step, as the skinny GEMM's measured default
 NUM_SMS = 132  # an H200
 SMEM_LIMIT = 227 * 1024 - 1024  # per CTA on Hopper, less the barriers
 MAX_STAGES = 8
-SWIZZLE = 128  # bytes: the weight and x tiles' rows of 64 16-bit elements
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -70,6 +70,8 @@ class MlpTuning:
     down_splits: int  # K ranges of kernel 2 (grid dimension), none empty
     down_steps_per_split: int
     down_stages: int
+    gate_up_block_n: int = BLOCK_N  # I columns per kernel-1 CTA (its grid: I / this)
+    down_block_n: int = BLOCK_N  # D columns per kernel-2 CTA (its grid: D / this x splits)
 
 
 def supported(dtype, m: int, d: int, inter: int) -> str | None:
@@ -85,14 +87,18 @@ def supported(dtype, m: int, d: int, inter: int) -> str | None:
     return None
 
 
-def _stage_bytes(block_k: int, weight_tiles: int, x_rows: int, itemsize: int = 2) -> int:
-    return (weight_tiles * block_k * BLOCK_N + x_rows * block_k) * itemsize
+def _stage_bytes(block_k: int, block_n: int, weight_tiles: int, itemsize: int = 2) -> int:
+    """One ring slot: ``weight_tiles`` weight tiles ``[block_k, block_n]`` and the A tile ``[64, block_k]``."""
+    return (weight_tiles * block_k * block_n + A_ROWS * block_k) * itemsize
 
 
 def smem_bytes(t: MlpTuning, itemsize: int = 2) -> tuple[int, int]:
     """Shared memory of a CTA of each kernel: the ring and the output staging."""
-    k1 = t.gate_up_stages * _stage_bytes(t.block_k, 2, A_ROWS, itemsize) + A_ROWS * BLOCK_N * itemsize
-    k2 = t.down_stages * _stage_bytes(t.block_k, 1, A_ROWS, itemsize) + A_ROWS * BLOCK_N * 4
+    k1 = (
+        t.gate_up_stages * _stage_bytes(t.block_k, t.gate_up_block_n, 2, itemsize)
+        + A_ROWS * t.gate_up_block_n * itemsize
+    )
+    k2 = t.down_stages * _stage_bytes(t.block_k, t.down_block_n, 1, itemsize) + A_ROWS * t.down_block_n * 4
     return k1, k2
 
 
@@ -105,30 +111,36 @@ def mlp_tuning(
     gate_up_stages: int | None = None,
     down_splits: int | None = None,
     down_stages: int | None = None,
+    gate_up_block_n: int = BLOCK_N,
+    down_block_n: int = BLOCK_N,
     target_ctas: int = NUM_SMS,
 ) -> MlpTuning:
     """Defaults for a ``D = d``, ``I = inter`` MLP; any knob given overrides its default.
 
-    ``block_k``: a ``TILE_BYTES`` weight tile per step. ``down_splits``: enough K ranges that the
-    down launch's ``D / 64`` column blocks reach ``target_ctas`` (Ouro-1.4B: 32 x 4 = 128), cut to
-    the steps and normalised so that none is empty. Stages: as many slots as fit one CTA's
-    shared memory, at most ``MAX_STAGES`` and the steps there are. A given knob is checked
-    (``ValueError``)."""
+    ``block_k``: a ``TILE_BYTES`` weight tile per step at 64 columns. ``down_splits``: enough K
+    ranges that the down launch's ``D / down_block_n`` column blocks reach ``target_ctas``
+    (Ouro-1.4B: 32 x 4 = 128), cut to the steps and normalised so that none is empty. Stages: as
+    many slots as fit one CTA's shared memory, at most ``MAX_STAGES`` and the steps there are.
+    ``*_block_n``: 16, 32 or 64 columns a CTA (narrower: more CTAs, narrower swizzles). A given
+    knob is checked (``ValueError``)."""
+    for name, bn, n in (("gate_up_block_n", gate_up_block_n, inter), ("down_block_n", down_block_n, d)):
+        if bn not in BLOCK_NS or n % bn:
+            raise ValueError(f"{name}={bn} must be one of {BLOCK_NS} and divide {n}")
     if block_k is None:
         block_k = max(64, TILE_BYTES // (BLOCK_N * itemsize) // 64 * 64)
     if block_k < 64 or block_k % 64:
         raise ValueError(f"block_k={block_k} must be a positive multiple of 64 (128-byte swizzle atoms)")
     k1_steps, k2_steps = _cdiv(d, block_k), _cdiv(inter, block_k)
     if down_splits is None:
-        down_splits = max(1, target_ctas // (d // BLOCK_N))
+        down_splits = max(1, target_ctas // (d // down_block_n))
     if down_splits < 1:
         raise ValueError(f"down_splits={down_splits} must be >= 1")
     down_splits = min(down_splits, k2_steps)
     per_split = _cdiv(k2_steps, down_splits)
     down_splits = _cdiv(k2_steps, per_split)
 
-    def fit(weight_tiles: int, staging: int, steps: int, given: int | None, name: str) -> int:
-        per_stage = _stage_bytes(block_k, weight_tiles, A_ROWS, itemsize)
+    def fit(weight_tiles: int, block_n: int, staging: int, steps: int, given: int | None, name: str) -> int:
+        per_stage = _stage_bytes(block_k, block_n, weight_tiles, itemsize)
         if given is None:
             given = max(1, min(MAX_STAGES, (SMEM_LIMIT - staging) // per_stage))
         if given < 1:
@@ -141,9 +153,18 @@ def mlp_tuning(
             )
         return given
 
-    gate_up_stages = fit(2, A_ROWS * BLOCK_N * itemsize, k1_steps, gate_up_stages, "gate_up_stages")
-    down_stages = fit(1, A_ROWS * BLOCK_N * 4, per_split, down_stages, "down_stages")
-    return MlpTuning(int(block_k), int(gate_up_stages), int(down_splits), int(per_split), int(down_stages))
+    k1_out, k2_out = A_ROWS * gate_up_block_n * itemsize, A_ROWS * down_block_n * 4
+    gate_up_stages = fit(2, gate_up_block_n, k1_out, k1_steps, gate_up_stages, "gate_up_stages")
+    down_stages = fit(1, down_block_n, k2_out, per_split, down_stages, "down_stages")
+    return MlpTuning(
+        int(block_k),
+        int(gate_up_stages),
+        int(down_splits),
+        int(per_split),
+        int(down_stages),
+        int(gate_up_block_n),
+        int(down_block_n),
+    )
 
 
 def gate_up_sources(w_gate_up) -> tuple:
@@ -197,14 +218,14 @@ def _zero_pad_rows(ref, stages: int) -> None:
 
 def _gate_up_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, g_smem, u_smem, o_smem, ready, *, t, steps, up_col):
     """One CTA: ``h[:, n0:n0+64] = silu(x W_g) * (x W_u)`` over all of K."""
-    bk, stages = t.block_k, t.gate_up_stages
-    n0 = lax.axis_index("n") * BLOCK_N
+    bk, stages, bn = t.block_k, t.gate_up_stages, t.gate_up_block_n
+    n0 = lax.axis_index("n") * bn
     _zero_pad_rows(x_smem, stages)
 
     def issue(i, slot):
         k0 = i * bk
-        plgpu.copy_gmem_to_smem(wg_ref.at[pl.ds(k0, bk), pl.ds(n0, BLOCK_N)], g_smem.at[slot], ready.at[slot])
-        plgpu.copy_gmem_to_smem(wu_ref.at[pl.ds(k0, bk), pl.ds(up_col + n0, BLOCK_N)], u_smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(wg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], g_smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(wu_ref.at[pl.ds(k0, bk), pl.ds(up_col + n0, bn)], u_smem.at[slot], ready.at[slot])
         plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, bk)], x_smem.at[slot, pl.ds(0, MAX_ROWS)], ready.at[slot])
 
     for i in range(stages):  # stages <= steps (mlp_tuning)
@@ -225,18 +246,18 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, g_smem, u_smem, o_smem
 
         return acc_g[...], acc_u[...]
 
-    acc = plgpu.ACC((A_ROWS, BLOCK_N), jnp.float32)
+    acc = plgpu.ACC((A_ROWS, bn), jnp.float32)
     g, u = pl.run_scoped(acc_scope, acc, acc)
     o_smem[...] = (g / (1.0 + jnp.exp(-g)) * u).astype(o_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, MAX_ROWS)], o_ref.at[:, pl.ds(n0, BLOCK_N)])
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, MAX_ROWS)], o_ref.at[:, pl.ds(n0, bn)])
     plgpu.wait_smem_to_gmem(0)
 
 
 def _down_kernel(h_ref, w_ref, o_ref, h_smem, w_smem, o_smem, ready, *, t: MlpTuning, k_steps: int):
     """One CTA: the f32 partial ``y[:, n0:n0+64]`` of its K range, ``h W_d``."""
-    bk, stages, sps = t.block_k, t.down_stages, t.down_steps_per_split
-    n0 = lax.axis_index("n") * BLOCK_N
+    bk, stages, sps, bn = t.block_k, t.down_stages, t.down_steps_per_split, t.down_block_n
+    n0 = lax.axis_index("n") * bn
     sp = lax.axis_index("split")
     step0 = sp * sps
     n_steps = jnp.minimum(sps, k_steps - step0)  # >= 1: the tuning leaves no split empty
@@ -244,7 +265,7 @@ def _down_kernel(h_ref, w_ref, o_ref, h_smem, w_smem, o_smem, ready, *, t: MlpTu
 
     def issue(i, slot):
         k0 = (step0 + i) * bk
-        plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, bk), pl.ds(n0, BLOCK_N)], w_smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], w_smem.at[slot], ready.at[slot])
         plgpu.copy_gmem_to_smem(h_ref.at[:, pl.ds(k0, bk)], h_smem.at[slot, pl.ds(0, MAX_ROWS)], ready.at[slot])
 
     for i in range(stages):
@@ -267,9 +288,9 @@ def _down_kernel(h_ref, w_ref, o_ref, h_smem, w_smem, o_smem, ready, *, t: MlpTu
 
         return acc_ref[...]
 
-    o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC((A_ROWS, BLOCK_N), jnp.float32))
+    o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC((A_ROWS, bn), jnp.float32))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, MAX_ROWS)], o_ref.at[sp, :, pl.ds(n0, BLOCK_N)])
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, MAX_ROWS)], o_ref.at[sp, :, pl.ds(n0, bn)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -277,24 +298,24 @@ def _gate_up_call(x, w_gate_up, t: MlpTuning):
     """Kernel 1: ``x [MAX_ROWS, D]`` -> ``h [MAX_ROWS, I]`` in ``x``'s dtype."""
     gate, up, up_col, inter = gate_up_sources(w_gate_up)
     d = gate.shape[0]
-    dt, size = x.dtype, x.dtype.itemsize
-    wide = _swizzled(SWIZZLE, size)  # [.., 64] tiles of 16-bit elements: 128-byte rows
+    dt, size, bn = x.dtype, x.dtype.itemsize, t.gate_up_block_n
+    tiles = _swizzled(bn * size, size)  # wgmma takes A and B in one swizzle: the weight tiles' rows
 
     def entry(x_ref, wg_ref, wu_ref, o_ref):
         kernel = functools.partial(_gate_up_kernel, t=t, steps=_cdiv(d, t.block_k), up_col=up_col)
         pl.run_scoped(
             functools.partial(kernel, x_ref, wg_ref, wu_ref, o_ref),
-            plgpu.SMEM((t.gate_up_stages, A_ROWS, t.block_k), dt, transforms=wide),
-            plgpu.SMEM((t.gate_up_stages, t.block_k, BLOCK_N), dt, transforms=wide),
-            plgpu.SMEM((t.gate_up_stages, t.block_k, BLOCK_N), dt, transforms=wide),
-            plgpu.SMEM((A_ROWS, BLOCK_N), dt, transforms=wide),
+            plgpu.SMEM((t.gate_up_stages, A_ROWS, t.block_k), dt, transforms=tiles),
+            plgpu.SMEM((t.gate_up_stages, t.block_k, bn), dt, transforms=tiles),
+            plgpu.SMEM((t.gate_up_stages, t.block_k, bn), dt, transforms=tiles),
+            plgpu.SMEM((A_ROWS, bn), dt, transforms=tiles),
             plgpu.Barrier(num_arrivals=3, num_barriers=t.gate_up_stages),
         )
 
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((MAX_ROWS, inter), dt),
-        grid=(inter // BLOCK_N,),
+        grid=(inter // bn,),
         grid_names=("n",),
     )(x, gate, up)
 
@@ -302,26 +323,28 @@ def _gate_up_call(x, w_gate_up, t: MlpTuning):
 def _down_call(h, w_down, t: MlpTuning):
     """Kernel 2: ``h [MAX_ROWS, I]`` -> the f32 partials ``[splits, MAX_ROWS, D]``."""
     inter, d = w_down.shape
-    dt, size = h.dtype, h.dtype.itemsize
+    dt, size, bn = h.dtype, h.dtype.itemsize, t.down_block_n
+    tiles = _swizzled(bn * size, size)
 
     def entry(h_ref, w_ref, o_ref):
         pl.run_scoped(
             functools.partial(_down_kernel, h_ref, w_ref, o_ref, t=t, k_steps=_cdiv(inter, t.block_k)),
-            plgpu.SMEM((t.down_stages, A_ROWS, t.block_k), dt, transforms=_swizzled(SWIZZLE, size)),
-            plgpu.SMEM((t.down_stages, t.block_k, BLOCK_N), dt, transforms=_swizzled(SWIZZLE, size)),
-            plgpu.SMEM((A_ROWS, BLOCK_N), jnp.float32, transforms=_swizzled(SWIZZLE, 4)),
+            plgpu.SMEM((t.down_stages, A_ROWS, t.block_k), dt, transforms=tiles),
+            plgpu.SMEM((t.down_stages, t.block_k, bn), dt, transforms=tiles),
+            plgpu.SMEM((A_ROWS, bn), jnp.float32, transforms=_swizzled(min(128, bn * 4), 4)),
             plgpu.Barrier(num_arrivals=2, num_barriers=t.down_stages),
         )
 
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((t.down_splits, MAX_ROWS, d), jnp.float32),
-        grid=(d // BLOCK_N, t.down_splits),
+        grid=(d // bn, t.down_splits),
         grid_names=("n", "split"),
     )(h, w_down)
 
 
-_STATIC = ("block_k", "gate_up_stages", "down_splits", "down_stages", "reduce")
+_KNOBS = ("block_k", "gate_up_stages", "down_splits", "down_stages", "gate_up_block_n", "down_block_n")
+_STATIC = (*_KNOBS, "reduce")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -334,12 +357,14 @@ def decode_mlp_mgpu(
     gate_up_stages: int | None = None,
     down_splits: int | None = None,
     down_stages: int | None = None,
+    gate_up_block_n: int = BLOCK_N,
+    down_block_n: int = BLOCK_N,
     reduce: bool = True,
 ):
     """``down(silu(x W_g) * (x W_u))`` of ``x [M, D]`` (module docstring). ``reduce=True``: ``[M, D]``
     in float32; ``reduce=False``: the down launch's f32 partials ``[splits, M, D]`` (their sum is the
     output)."""
-    knobs = dict(block_k=block_k, gate_up_stages=gate_up_stages, down_splits=down_splits, down_stages=down_stages)
+    knobs = dict(zip(_KNOBS, (block_k, gate_up_stages, down_splits, down_stages, gate_up_block_n, down_block_n)))
     m, d, inter = _check(x, w_gate_up, w_down, kernel=True)
     t = mlp_tuning(d, inter, x.dtype.itemsize, **knobs)
     x = jnp.pad(x, ((0, MAX_ROWS - m), (0, 0)))  # XLA fuses it into the norm that makes x
@@ -357,13 +382,15 @@ def decode_mlp_reference(
     gate_up_stages: int | None = None,
     down_splits: int | None = None,
     down_stages: int | None = None,
+    gate_up_block_n: int = BLOCK_N,
+    down_block_n: int = BLOCK_N,
     reduce: bool = True,
 ):
     """jnp twin of :func:`decode_mlp_mgpu` (same arguments and outputs): exact f32 sums of products
     of the inputs, ``h`` rounded to ``x``'s dtype as the kernel stores it, the down partials over
     the same K ranges (split ``s`` covers ``[s * steps_per_split * block_k, ...)``, the last clipped
     at I). Also takes float32 (CPU checks)."""
-    knobs = dict(block_k=block_k, gate_up_stages=gate_up_stages, down_splits=down_splits, down_stages=down_stages)
+    knobs = dict(zip(_KNOBS, (block_k, gate_up_stages, down_splits, down_stages, gate_up_block_n, down_block_n)))
     m, d, inter = _check(x, w_gate_up, w_down, kernel=False)
     t = mlp_tuning(d, inter, 2, **knobs)  # the kernel's tuning: its 16-bit tiles, whatever x's dtype
     f32 = jnp.float32

@@ -85,7 +85,7 @@ def test_twin_matches_model_mlp(m, d, inter, knobs):
 
 
 def _pair(w_gu):
-    """The engine's layout of the same weights: separate ``gate_proj`` and ``up_proj`` kernels."""
+    """The checkpoint's layout of the same weights: separate ``gate_proj`` and ``up_proj`` kernels."""
     return w_gu[:, 0], w_gu[:, 1]
 
 
@@ -143,6 +143,10 @@ def test_refusals():
         decode_mlp_mgpu(*(a.astype(jnp.float32) for a in (x, w_gu, w_d)))
     with pytest.raises(ValueError, match="block_k=96"):
         mlp_tuning(256, 320, block_k=96)
+    with pytest.raises(ValueError, match="gate_up_block_n=48"):
+        mlp_tuning(256, 320, gate_up_block_n=48)
+    with pytest.raises(ValueError, match="down_block_n=64 must be one of .* and divide 224"):
+        mlp_tuning(224, 320)
     with pytest.raises(ValueError, match="shared memory"):
         mlp_tuning(4096, 4096, block_k=512, gate_up_stages=4)
     # the twin refuses the same shapes (but takes float32)
@@ -167,6 +171,12 @@ def test_mosaic_lowering_ouro_shapes(m, pair):
     _lower(m, *OURO, pair=pair)
 
 
+@pytest.mark.parametrize("gate_up_block_n,down_block_n,splits", [(32, 32, 2), (16, 64, 4), (64, 16, 1)])
+def test_mosaic_lowering_narrow_blocks(gate_up_block_n, down_block_n, splits):
+    """Narrower CTAs: 16 / 32 columns, their tiles and the A tiles in 32 / 64-byte swizzles."""
+    _lower(8, *OURO, gate_up_block_n=gate_up_block_n, down_block_n=down_block_n, down_splits=splits)
+
+
 @pytest.mark.parametrize("d,inter,knobs", AWKWARD)
 def test_mosaic_lowering_awkward_shapes(d, inter, knobs):
     _lower(3, d, inter, **knobs)
@@ -180,7 +190,9 @@ def test_mosaic_lowering_awkward_shapes(d, inter, knobs):
 @gpu
 @skip_no_hopper
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
-@pytest.mark.parametrize("d,inter,knobs", [(*OURO, {}), *AWKWARD])
+@pytest.mark.parametrize(
+    "d,inter,knobs", [(*OURO, {}), (*OURO, dict(gate_up_block_n=32, down_block_n=16, down_splits=1)), *AWKWARD]
+)
 def test_kernel_matches_twin(m, d, inter, knobs):
     """bf16: the kernel's f32 partials equal the twin's up to summation order (the same bf16 ``h``
     but where a product's rounding of ``h`` flips), in both weight layouts, and the output is close
