@@ -187,12 +187,19 @@ def test_mosaic_lowering_awkward_shapes(d, inter, knobs):
 # ----------------------------------------------------------------------------------------------
 
 
+# Ouro-1.4B at every bucket size the engine sends, narrow CTAs, and the awkward shapes at 3 rows
+GPU_CASES = [
+    (1, *OURO, {}),
+    (8, *OURO, {}),
+    (16, *OURO, {}),
+    (8, *OURO, dict(gate_up_block_n=32, down_block_n=16, down_splits=1)),
+    *[(3, *case) for case in AWKWARD],
+]
+
+
 @gpu
 @skip_no_hopper
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
-@pytest.mark.parametrize(
-    "d,inter,knobs", [(*OURO, {}), (*OURO, dict(gate_up_block_n=32, down_block_n=16, down_splits=1)), *AWKWARD]
-)
+@pytest.mark.parametrize("m,d,inter,knobs", GPU_CASES)
 def test_kernel_matches_twin(m, d, inter, knobs):
     """bf16: the kernel's f32 partials equal the twin's up to summation order (the same bf16 ``h``
     but where a product's rounding of ``h`` flips), in both weight layouts, and the output is close
