@@ -103,10 +103,10 @@ def sweep_knobs(config) -> list[dict]:
     t = mlp_tuning(config.hidden_size, config.intermediate_size)
     out = [{}]
     for bk, splits in itertools.product((64, 128, 256), (2, 4, 8)):
-        if (bk, splits) != (t.block_k, t.down_splits):
+        if (bk, splits) != (t.block_k, t.down.splits):
             out.append(dict(block_k=bk, down_splits=splits))
     out += [dict(gate_up_stages=s) for s in (2, 3) if s != t.gate_up_stages]
-    out += [dict(down_stages=s) for s in (2, 4) if s != t.down_stages]
+    out += [dict(down_stages=s) for s in (2, 4) if s != t.down.stages]
     # narrower CTAs: more of them (gate/up 176 at Ouro-1.4B), fewer down splits for the same count
     out += [dict(gate_up_block_n=32), dict(gate_up_block_n=32, gate_up_stages=3)]  # 1 or 2 CTAs an SM
     out += [dict(down_block_n=32, down_splits=2), dict(down_block_n=16, down_splits=1)]

@@ -15,16 +15,8 @@ import pytest
 
 from ouro_jax.model import OuroMLP
 from pallas_kernels import dispatch
-from pallas_kernels.decode_mlp_mgpu import (
-    MAX_ROWS,
-    NUM_SMS,
-    SMEM_LIMIT,
-    decode_mlp_mgpu,
-    decode_mlp_reference,
-    mlp_tuning,
-    smem_bytes,
-    supported,
-)
+from pallas_kernels.decode_matmul_mgpu import NUM_SMS, SMEM_LIMIT
+from pallas_kernels.decode_mlp_mgpu import MAX_ROWS, decode_mlp_mgpu, decode_mlp_reference, mlp_tuning, supported
 from weights.config import OuroConfig
 
 ON_HOPPER = dispatch.hopper_available()
@@ -74,11 +66,11 @@ def test_twin_matches_model_mlp(m, d, inter, knobs):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     part = decode_mlp_reference(x, w_gu, w_d, reduce=False, **knobs)
     t = mlp_tuning(d, inter, **knobs)
-    assert part.shape == (t.down_splits, m, d)
+    assert part.shape == (t.down.splits, m, d)
     g, u = np.einsum("md,djn->jmn", np.asarray(x, np.float64), np.asarray(w_gu, np.float64))
     h = g / (1 + np.exp(-g)) * u
-    chunk = t.down_steps_per_split * t.block_k
-    for s in range(t.down_splits):
+    chunk = t.down.steps_per_split * t.block_k
+    for s in range(t.down.splits):
         lo, hi = s * chunk, min(inter, (s + 1) * chunk)
         assert hi > lo  # no split is empty
         np.testing.assert_allclose(np.asarray(part[s]), h[:, lo:hi] @ np.asarray(w_d, np.float64)[lo:hi], atol=1e-5)
@@ -114,14 +106,14 @@ def test_default_tuning(d, inter):
     """Every CTA of both launches resident at once (one per SM) with its shared memory under the
     limit, no empty split, at least two slots in flight; Ouro-1.4B: 88 gate/up CTAs, 32 x 4 down."""
     t = mlp_tuning(d, inter)
-    k1, k2 = smem_bytes(t)
+    k1, k2 = t.smem_bytes()
     assert k1 <= SMEM_LIMIT and k2 <= SMEM_LIMIT
-    assert inter // 64 <= 2 * NUM_SMS and (d // 64) * t.down_splits <= NUM_SMS
-    assert t.gate_up_stages >= 2 and t.down_stages >= 2
+    assert inter // 64 <= 2 * NUM_SMS and (d // 64) * t.down.splits <= NUM_SMS
+    assert t.gate_up_stages >= 2 and t.down.stages >= 2
     steps = -(-inter // t.block_k)
-    assert (t.down_splits - 1) * t.down_steps_per_split < steps <= t.down_splits * t.down_steps_per_split
+    assert (t.down.splits - 1) * t.down.steps_per_split < steps <= t.down.splits * t.down.steps_per_split
     if (d, inter) == OURO:
-        assert (inter // 64, d // 64, t.down_splits, t.block_k) == (88, 32, 4, 128)
+        assert (inter // 64, d // 64, t.down.splits, t.block_k) == (88, 32, 4, 128)
 
 
 def test_refusals():
