@@ -8,7 +8,7 @@ Two blocks of a decode layer, each chained over ``n`` layers in one jit with wha
   post-MLP norm's fusion).
 * ``attn_proj``: the pre-attention RMSNorm, the fused Q/K/V projection, the O projection of its Q
   part (the attention itself left out: it is not a GEMM), the post-attention RMSNorm and the
-  residual add. ``mgpu`` runs both projections with ``pallas_kernels.decode_matmul_mgpu``.
+  residual add. ``mgpu`` runs both projections with ``pallas_kernels.decode_gemm_mgpu``.
 
 Each layer has its own weights (the preset's layers, cycled: Ouro-1.4B's 24 MLPs are 1.66 GB, far
 past the L2). A layer is ``(t(2n) - t(n)) / n`` (``benchmarks/timing.py``: the jit's own launch
@@ -39,7 +39,7 @@ from benchmarks.timing import per_call_s
 from ouro_jax import get_preset
 from ouro_jax.model import OuroMLP
 from pallas_kernels import dispatch
-from pallas_kernels.decode_matmul_mgpu import decode_matmul_mgpu, matmul_tuning
+from pallas_kernels.decode_gemm_mgpu import decode_gemm_mgpu, gemm_tuning
 from pallas_kernels.decode_mlp_mgpu import decode_mlp_mgpu, mlp_tuning
 
 __all__ = ["BLOCKS", "block_weights", "main", "sweep_knobs", "time_chain"]
@@ -87,8 +87,8 @@ def _block_fn(block: str, path: str, config, knobs: dict):
 
     def attn_proj(h, w_qkv, w_o):
         if path == "mgpu":
-            qkv = decode_matmul_mgpu(h, w_qkv, **knobs.get("qkv", {}))
-            return decode_matmul_mgpu(qkv[:, :dq].astype(h.dtype), w_o, **knobs.get("o", {}))
+            qkv = decode_gemm_mgpu(h, w_qkv, **knobs.get("qkv", {}))
+            return decode_gemm_mgpu(qkv[:, :dq].astype(h.dtype), w_o, **knobs.get("o", {}))
         return jnp.dot(jnp.dot(h, w_qkv)[:, :dq], w_o).astype(jnp.float32)
 
     return attn_proj
@@ -127,7 +127,7 @@ def sweep_knobs(block: str, config) -> list[dict]:
     """The defaults first, then the knobs around them."""
     d, inter = config.hidden_size, config.intermediate_size
     if block == "attn_proj":
-        o = matmul_tuning(config.num_attention_heads * config.head_dim, d)
+        o = gemm_tuning(config.num_attention_heads * config.head_dim, d)
         out = [{}]
         out += [dict(o=dict(splits=s)) for s in (2, 8) if s != o.splits]
         out += [dict(qkv=dict(block_n=32)), dict(qkv=dict(splits=2)), dict(o=dict(block_n=32, splits=2))]

@@ -13,10 +13,10 @@ follows it, a fusion XLA runs anyway:
    180 KB at Ouro-1.4B) and writes its f32 partial ``[16, block_n]``; ``decode_mlp_mgpu`` returns
    their sum as ``[M, D]``, which XLA fuses into the consumer.
 
-Kernel 2 is ``decode_matmul_mgpu``'s launch; kernel 1 is its loop with two weight tiles a step (the
+Kernel 2 is ``decode_gemm_mgpu``'s launch; kernel 1 is its loop with two weight tiles a step (the
 gate and up columns of the same block) and SiLU x up in the epilogue. Both read the rows of ``x``
 (or ``h``) into the top of wgmma's 64-row A operand and stream the weights at HBM bandwidth
-(``pallas_kernels/decode_matmul_mgpu.py`` says how).
+(``pallas_kernels/decode_gemm_mgpu.py`` says how).
 
 Layouts: ``w_gate_up`` is the fused ``gate_up_proj`` kernel ``[D, 2, I]`` of the engine's steps and
 ``generate()`` (a free reshape to ``[D, 2 I]``: gate columns, then up columns) or the checkpoint's
@@ -40,17 +40,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.decode_matmul_mgpu import (
+from pallas_kernels.decode_gemm_mgpu import (
     A_ROWS,
     BLOCK_N,
     MAX_ROWS,
-    MatmulTuning,
+    GemmTuning,
     cdiv,
     check_knobs,
     default_block_k,
     fit_stages,
-    matmul_call,
-    matmul_tuning,
+    gemm_call,
+    gemm_tuning,
     pad_rows,
     split_products,
     stage_bytes,
@@ -68,7 +68,7 @@ class MlpTuning:
     block_k: int  # K per pipeline step of both kernels (a multiple of 64)
     gate_up_stages: int  # slots of kernel 1's ring: a gate tile, an up tile and x's slice each
     gate_up_block_n: int  # I columns per kernel-1 CTA (its grid: I / this)
-    down: MatmulTuning  # kernel 2
+    down: GemmTuning  # kernel 2
 
     def smem_bytes(self, itemsize: int = 2) -> tuple[int, int]:
         """Shared memory of a CTA of each kernel: the ring and the output staging."""
@@ -103,12 +103,12 @@ def mlp_tuning(
     down_block_n: int = BLOCK_N,
 ) -> MlpTuning:
     """Defaults for a ``D = d``, ``I = inter`` MLP; any knob given overrides its default (checked:
-    ``ValueError``). ``block_k``: both kernels' step. The down launch is ``matmul_tuning(I, D)``'s
+    ``ValueError``). ``block_k``: both kernels' step. The down launch is ``gemm_tuning(I, D)``'s
     (Ouro-1.4B: 32 column blocks x 4 splits); kernel 1 takes as many slots as fit a CTA.
     ``*_block_n``: 16, 32 or 64 columns a CTA (narrower: more CTAs, narrower swizzles)."""
     block_k = default_block_k(itemsize) if block_k is None else block_k
     check_knobs(block_k, gate_up_block_n=(gate_up_block_n, inter))
-    down = matmul_tuning(
+    down = gemm_tuning(
         inter,
         d,
         itemsize,
@@ -246,7 +246,7 @@ def decode_mlp_mgpu(
     knobs = dict(zip(_KNOBS, (block_k, gate_up_stages, down_splits, down_stages, gate_up_block_n, down_block_n)))
     m, d, inter = _check(x, w_gate_up, w_down, kernel=True)
     t = mlp_tuning(d, inter, x.dtype.itemsize, **knobs)
-    part = matmul_call(_gate_up_call(pad_rows(x), w_gate_up, t), w_down, t.down)[:, :m]  # [splits, M, D]
+    part = gemm_call(_gate_up_call(pad_rows(x), w_gate_up, t), w_down, t.down)[:, :m]  # [splits, M, D]
     return jnp.sum(part, axis=0) if reduce else part
 
 

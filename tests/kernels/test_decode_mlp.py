@@ -15,7 +15,7 @@ import pytest
 
 from ouro_jax.model import OuroMLP
 from pallas_kernels import dispatch
-from pallas_kernels.decode_matmul_mgpu import NUM_SMS, SMEM_LIMIT
+from pallas_kernels.decode_gemm_mgpu import NUM_SMS, SMEM_LIMIT
 from pallas_kernels.decode_mlp_mgpu import MAX_ROWS, decode_mlp_mgpu, decode_mlp_reference, mlp_tuning, supported
 from weights.config import OuroConfig
 

@@ -1,4 +1,4 @@
-"""The decode projections' Mosaic GPU GEMM (pallas_kernels/decode_matmul_mgpu.py).
+"""The decode projections' Mosaic GPU GEMM (pallas_kernels/decode_gemm_mgpu.py).
 
 On CPU: the jnp twin against ``x @ w`` in float32 on awkward shapes, each split's partial against
 its own K range, the default tuning at Ouro-1.4B's projections, the refused launches, and
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch
-from pallas_kernels.decode_matmul_mgpu import (
+from pallas_kernels.decode_gemm_mgpu import (
     MAX_ROWS,
     NUM_SMS,
     SMEM_LIMIT,
-    decode_matmul_mgpu,
-    decode_matmul_reference,
-    matmul_tuning,
+    decode_gemm_mgpu,
+    decode_gemm_reference,
+    gemm_tuning,
     supported,
 )
 
@@ -55,11 +55,11 @@ def _dot(x, w):
 def test_twin_matches_dot(m, k, out, knobs):
     """float32: the split partials sum to the product; each is its own K range's product."""
     x, w = _args(m, k, out, jnp.float32, seed=m)
-    got = decode_matmul_reference(x, w, **knobs)
+    got = decode_gemm_reference(x, w, **knobs)
     assert got.shape == (m, *out) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), _dot(x, w), rtol=1e-5, atol=1e-5)
-    part = decode_matmul_reference(x, w, reduce=False, **knobs)
-    t = matmul_tuning(k, int(np.prod(out)), **knobs)
+    part = decode_gemm_reference(x, w, reduce=False, **knobs)
+    t = gemm_tuning(k, int(np.prod(out)), **knobs)
     assert part.shape == (t.splits, m, *out)
     chunk = t.steps_per_split * t.block_k
     for s in range(t.splits):
@@ -73,7 +73,7 @@ def test_default_tuning_ouro_shapes(name):
     """One CTA an SM at most (132), under the shared-memory limit, at least two slots in flight."""
     k, out = OURO[name]
     n = int(np.prod(out))
-    t = matmul_tuning(k, n)
+    t = gemm_tuning(k, n)
     blocks, splits = t.grid(n)
     assert blocks * splits <= NUM_SMS and t.smem_bytes() <= SMEM_LIMIT and t.stages >= 2
     assert {"qkv": 1, "o": 4, "down": 4}[name] == splits and t.block_n == 64
@@ -86,22 +86,22 @@ def test_refusals():
     assert "float32" in supported(jnp.float32, 8, 256, 128)
     assert f"{MAX_ROWS + 1} rows" in supported(bf, MAX_ROWS + 1, 256, 128)
     assert "N=72" in supported(bf, 8, 256, 72) and supported(bf, 8, 256, 80) is None
-    assert matmul_tuning(256, 80).block_n == 16 and matmul_tuning(256, 96).block_n == 32
+    assert gemm_tuning(256, 80).block_n == 16 and gemm_tuning(256, 96).block_n == 32
     with pytest.raises(ValueError, match="disagree on K"):
-        decode_matmul_mgpu(x, w[:128])
+        decode_gemm_mgpu(x, w[:128])
     with pytest.raises(ValueError, match="share a dtype"):
-        decode_matmul_mgpu(x.astype(jnp.float16), w)
+        decode_gemm_mgpu(x.astype(jnp.float16), w)
     with pytest.raises(ValueError, match="K=100"):
-        decode_matmul_reference(jnp.zeros((8, 100), jnp.float32), jnp.zeros((100, 128), jnp.float32))
+        decode_gemm_reference(jnp.zeros((8, 100), jnp.float32), jnp.zeros((100, 128), jnp.float32))
     with pytest.raises(ValueError, match="block_n=48"):
-        matmul_tuning(256, 192, block_n=48)
+        gemm_tuning(256, 192, block_n=48)
     with pytest.raises(ValueError, match="stages=8 need"):
-        matmul_tuning(8192, 128, block_k=512, splits=1, stages=8)
+        gemm_tuning(8192, 128, block_k=512, splits=1, stages=8)
 
 
 def _lower(m, k, out, **knobs):
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    lowered = jax.jit(lambda x, w: decode_matmul_mgpu(x, w, **knobs)).trace(sd((m, k), bf), sd((k, *out), bf))
+    lowered = jax.jit(lambda x, w: decode_gemm_mgpu(x, w, **knobs)).trace(sd((m, k), bf), sd((k, *out), bf))
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -125,8 +125,8 @@ def test_kernel_matches_twin(m, k, out, knobs):
     """bf16: the kernel's f32 partials equal the twin's up to summation order; the sum is close to
     XLA's bf16 product."""
     x, w = _args(m, k, out, jnp.bfloat16, seed=m)
-    got = np.asarray(decode_matmul_mgpu(x, w, reduce=False, **knobs))
-    want = np.asarray(decode_matmul_reference(x, w, reduce=False, **knobs))
+    got = np.asarray(decode_gemm_mgpu(x, w, reduce=False, **knobs))
+    want = np.asarray(decode_gemm_reference(x, w, reduce=False, **knobs))
     assert got.shape == want.shape and np.isfinite(got).all()
     scale = max(1.0, float(np.abs(want).max()))
     np.testing.assert_allclose(got, want, atol=1e-3 * scale, rtol=0)

@@ -10,7 +10,7 @@ matching ``[16, block_k]`` slice of ``x``); it waits for the slot, issues the wg
 ahead, so ``stages`` weight tiles are in flight. wgmma's A operand has 64 rows: the 16 rows that
 TMA copies fill the top of a 64-row tile zeroed once, and only those rows of the accumulator are
 stored (an output row reads only its own row of A). Each CTA writes its f32 partial
-``[16, block_n]``; ``decode_matmul_mgpu`` returns the sum of the splits (XLA fuses it into the
+``[16, block_n]``; ``decode_gemm_mgpu`` returns the sum of the splits (XLA fuses it into the
 consumer) or the partials themselves.
 
 (A skinny GEMM measured at ``c47db58`` computed ``y^T = w^T x^T`` instead and lost in the engine to
@@ -18,7 +18,7 @@ the transpose-and-sum that its output needed; nothing here is transposed.)
 
 Also the building blocks of ``decode_mlp_mgpu`` (its down projection is this kernel). K must be a
 multiple of 64 and N of 16; ``block_n`` (16, 32 or 64: 32-, 64- or 128-byte tile rows, the swizzle
-wgmma's operands share) must divide N. :func:`decode_matmul_reference` is the jnp twin
+wgmma's operands share) must divide N. :func:`decode_gemm_reference` is the jnp twin
 (the same f32 partials over the same K ranges; it also takes float32). Pallas' GPU interpreter
 does not model wgmma, so the CPU tests cross-lower the kernel for CUDA; the GPU tests compare
 kernel and twin.
@@ -37,10 +37,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = [
     "MAX_ROWS",
-    "MatmulTuning",
-    "decode_matmul_mgpu",
-    "decode_matmul_reference",
-    "matmul_tuning",
+    "GemmTuning",
+    "decode_gemm_mgpu",
+    "decode_gemm_reference",
+    "gemm_tuning",
     "supported",
 ]
 
@@ -106,8 +106,8 @@ def zero_pad_rows(ref, stages: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class MatmulTuning:
-    """Static knobs of one launch (``matmul_tuning`` checks and normalises them)."""
+class GemmTuning:
+    """Static knobs of one launch (``gemm_tuning`` checks and normalises them)."""
 
     block_k: int  # K per pipeline step (a multiple of 64)
     splits: int  # K ranges (grid dimension), none empty
@@ -123,7 +123,7 @@ class MatmulTuning:
         return self.stages * stage_bytes(self.block_k, self.block_n, 1, itemsize) + A_ROWS * self.block_n * 4
 
 
-def matmul_tuning(
+def gemm_tuning(
     k: int,
     n: int,
     itemsize: int = 2,
@@ -134,7 +134,7 @@ def matmul_tuning(
     block_n: int | None = None,
     target_ctas: int = NUM_SMS,
     knob_prefix: str = "",
-) -> MatmulTuning:
+) -> GemmTuning:
     """Defaults for ``[M, k] @ [k, n]``; any knob given overrides its default (checked: ``ValueError``).
 
     ``block_k``: a ``TILE_BYTES`` weight tile per step at 64 columns. ``splits``: enough K ranges
@@ -155,7 +155,7 @@ def matmul_tuning(
     splits = cdiv(steps, per_split)
     per_stage = stage_bytes(block_k, block_n, 1, itemsize)
     stages = fit_stages(per_stage, A_ROWS * block_n * 4, per_split, stages, f"{knob_prefix}stages")
-    return MatmulTuning(int(block_k), int(splits), int(per_split), int(stages), int(block_n))
+    return GemmTuning(int(block_k), int(splits), int(per_split), int(stages), int(block_n))
 
 
 def supported(dtype, m: int, k: int, n: int) -> str | None:
@@ -171,7 +171,7 @@ def supported(dtype, m: int, k: int, n: int) -> str | None:
     return None
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, ready, *, t: MatmulTuning, k_steps: int):
+def _gemm_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, ready, *, t: GemmTuning, k_steps: int):
     """One CTA: the f32 partial ``y[:, n0:n0+block_n]`` of its K range."""
     bk, stages, sps, bn = t.block_k, t.stages, t.steps_per_split, t.block_n
     n0 = lax.axis_index("n") * bn
@@ -211,7 +211,7 @@ def _matmul_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, ready, *, t: Mat
     plgpu.wait_smem_to_gmem(0)
 
 
-def matmul_call(x, w, t: MatmulTuning):
+def gemm_call(x, w, t: GemmTuning):
     """The launch: ``x [MAX_ROWS, K] @ w [K, N]`` -> the f32 partials ``[splits, MAX_ROWS, N]``."""
     k, n = w.shape
     dt, size, bn = x.dtype, x.dtype.itemsize, t.block_n
@@ -219,7 +219,7 @@ def matmul_call(x, w, t: MatmulTuning):
 
     def entry(x_ref, w_ref, o_ref):
         pl.run_scoped(
-            functools.partial(_matmul_kernel, x_ref, w_ref, o_ref, t=t, k_steps=cdiv(k, t.block_k)),
+            functools.partial(_gemm_kernel, x_ref, w_ref, o_ref, t=t, k_steps=cdiv(k, t.block_k)),
             plgpu.SMEM((t.stages, A_ROWS, t.block_k), dt, transforms=tiles),
             plgpu.SMEM((t.stages, t.block_k, bn), dt, transforms=tiles),
             plgpu.SMEM((A_ROWS, bn), jnp.float32, transforms=swizzled(bn, 4)),
@@ -252,7 +252,7 @@ def _check(x, w, *, kernel: bool) -> tuple[int, int, int]:
         n *= s
     why = supported(x.dtype if kernel else jnp.bfloat16, m, k, n)
     if why is not None:
-        raise ValueError(f"decode_matmul_mgpu cannot serve {why}")
+        raise ValueError(f"decode_gemm_mgpu cannot serve {why}")
     return m, k, n
 
 
@@ -266,15 +266,15 @@ _STATIC = ("block_k", "splits", "stages", "block_n", "reduce")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def decode_matmul_mgpu(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True):
+def decode_gemm_mgpu(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True):
     """``x [M, K] @ w [K, *out]`` (module docstring). ``reduce=True``: ``[M, *out]`` in float32;
     ``reduce=False``: the f32 partials ``[splits, M, *out]`` of the K splits (their sum is the product)."""
     m, k, n = _check(x, w, kernel=True)
-    t = matmul_tuning(k, n, x.dtype.itemsize, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
-    return _finish(matmul_call(pad_rows(x), w.reshape(k, n), t), m, w.shape[1:], reduce)
+    t = gemm_tuning(k, n, x.dtype.itemsize, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
+    return _finish(gemm_call(pad_rows(x), w.reshape(k, n), t), m, w.shape[1:], reduce)
 
 
-def split_products(x, w, t: MatmulTuning):
+def split_products(x, w, t: GemmTuning):
     """The twin's partials: f32 products of ``x [M, K]`` and ``w [K, N]`` over ``t``'s K ranges
     (split ``s`` covers ``[s * steps_per_split * block_k, ...)``, the last clipped at K), exact
     for 16-bit inputs."""
@@ -288,8 +288,8 @@ def split_products(x, w, t: MatmulTuning):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def decode_matmul_reference(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True):
-    """jnp twin of :func:`decode_matmul_mgpu` (same arguments and outputs). Also takes float32."""
+def decode_gemm_reference(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True):
+    """jnp twin of :func:`decode_gemm_mgpu` (same arguments and outputs). Also takes float32."""
     m, k, n = _check(x, w, kernel=False)
-    t = matmul_tuning(k, n, 2, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
+    t = gemm_tuning(k, n, 2, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
     return _finish(split_products(x, w.reshape(k, n), t), m, w.shape[1:], reduce)
