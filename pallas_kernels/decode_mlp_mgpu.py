@@ -227,23 +227,11 @@ _STATIC = (*_KNOBS, "reduce")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def decode_mlp_mgpu(
-    x,
-    w_gate_up,
-    w_down,
-    *,
-    block_k: int | None = None,
-    gate_up_stages: int | None = None,
-    down_splits: int | None = None,
-    down_stages: int | None = None,
-    gate_up_block_n: int = BLOCK_N,
-    down_block_n: int = BLOCK_N,
-    reduce: bool = True,
-):
+def decode_mlp_mgpu(x, w_gate_up, w_down, *, reduce: bool = True, **knobs):
     """``down(silu(x W_g) * (x W_u))`` of ``x [M, D]`` (module docstring). ``reduce=True``: ``[M, D]``
     in float32; ``reduce=False``: the down launch's f32 partials ``[splits, M, D]`` (their sum is the
-    output)."""
-    knobs = dict(zip(_KNOBS, (block_k, gate_up_stages, down_splits, down_stages, gate_up_block_n, down_block_n)))
+    output). ``knobs``: :func:`mlp_tuning`'s (``block_k``, ``gate_up_stages``, ``down_splits``,
+    ``down_stages``, ``gate_up_block_n``, ``down_block_n``)."""
     m, d, inter = _check(x, w_gate_up, w_down, kernel=True)
     t = mlp_tuning(d, inter, x.dtype.itemsize, **knobs)
     part = gemm_call(_gate_up_call(pad_rows(x), w_gate_up, t), w_down, t.down)[:, :m]  # [splits, M, D]
@@ -251,24 +239,11 @@ def decode_mlp_mgpu(
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def decode_mlp_reference(
-    x,
-    w_gate_up,
-    w_down,
-    *,
-    block_k: int | None = None,
-    gate_up_stages: int | None = None,
-    down_splits: int | None = None,
-    down_stages: int | None = None,
-    gate_up_block_n: int = BLOCK_N,
-    down_block_n: int = BLOCK_N,
-    reduce: bool = True,
-):
+def decode_mlp_reference(x, w_gate_up, w_down, *, reduce: bool = True, **knobs):
     """jnp twin of :func:`decode_mlp_mgpu` (same arguments and outputs): exact f32 sums of products
     of the inputs, ``h`` rounded to ``x``'s dtype as the kernel stores it, the down partials over
     the same K ranges (split ``s`` covers ``[s * steps_per_split * block_k, ...)``, the last clipped
     at I). Also takes float32 (CPU checks)."""
-    knobs = dict(zip(_KNOBS, (block_k, gate_up_stages, down_splits, down_stages, gate_up_block_n, down_block_n)))
     m, d, inter = _check(x, w_gate_up, w_down, kernel=False)
     t = mlp_tuning(d, inter, 2, **knobs)  # the kernel's tuning: its 16-bit tiles, whatever x's dtype
     f32 = jnp.float32
