@@ -54,8 +54,8 @@ def _model_mlp(x, w_gu, w_d):
 # ----------------------------------------------------------------------------------------------
 
 
-# M = 1 and 8 by default (an engine bucket), the other row counts in the slow suite (CPU time)
-@pytest.mark.parametrize("m", [1, pytest.param(3, marks=pytest.mark.slow), 8, pytest.param(16, marks=pytest.mark.slow)])
+# M = 8 by default (an engine bucket), the other row counts in the slow suite (CPU time)
+@pytest.mark.parametrize("m", [8, *(pytest.param(m, marks=pytest.mark.slow) for m in (1, 3, 16))])
 @pytest.mark.parametrize("d,inter,knobs", AWKWARD)
 def test_twin_matches_model_mlp(m, d, inter, knobs):
     """float32: the twin's partials sum to the model's MLP; each is its own K range's product."""
@@ -158,7 +158,7 @@ def _lower(m, d, inter, pair=False, **knobs):
     assert text.count("mosaic_gpu") >= 2  # both launches
 
 
-@pytest.mark.parametrize("m,pair", [(1, False), (8, True), (16, False)])
+@pytest.mark.parametrize("m,pair", [(8, True), *(pytest.param(m, False, marks=pytest.mark.slow) for m in (1, 16))])
 def test_mosaic_lowering_ouro_shapes(m, pair):
     _lower(m, *OURO, pair=pair)
 
