@@ -19,9 +19,9 @@ the transpose-and-sum that its output needed; nothing here is transposed.)
 Also the building blocks of ``decode_mlp_mgpu`` (its down projection is this kernel). K must be a
 multiple of 64 and N of 16; ``block_n`` (16, 32 or 64: 32-, 64- or 128-byte tile rows, the swizzle
 wgmma's operands share) must divide N. :func:`decode_gemm_reference` is the jnp twin
-(the same f32 partials over the same K ranges; it also takes float32). Pallas' GPU interpreter
-does not model wgmma, so the CPU tests cross-lower the kernel for CUDA; the GPU tests compare
-kernel and twin.
+(the same f32 partials over the same K ranges; it also takes float32). The CPU tests cross-lower
+the kernel for CUDA and run it in Pallas' GPU interpreter with wgmma, which the interpreter does not
+model, stood in for; the GPU tests compare kernel and twin.
 """
 
 from __future__ import annotations

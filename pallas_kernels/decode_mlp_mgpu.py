@@ -25,8 +25,8 @@ needs I and D multiples of 64 (the weight tiles' rows are whole swizzle atoms).
 
 :func:`decode_mlp_reference` is the jnp twin: the same f32 sums, ``h`` rounded to the model dtype
 where the kernel stores it, the same split decomposition; it also takes float32 (CPU tests).
-Pallas' GPU interpreter does not model wgmma, so the CPU tests cross-lower the kernels for CUDA
-instead; the GPU tests compare kernel and twin.
+The CPU tests cross-lower the kernels for CUDA and run them in Pallas' GPU interpreter with wgmma,
+which the interpreter does not model, stood in for; the GPU tests compare kernel and twin.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
-"""Shared by the attention kernel tests: ragged paged batches (``make_batch``), a float64 numpy
-dense-softmax oracle, a runner that pads and calls a kernel (``run``), and the tolerance rule."""
+"""Shared by the kernel tests: ragged paged batches (``make_batch``), a float64 numpy dense-softmax
+oracle, a runner that pads and calls a kernel (``run``), the tolerance rule, and the Mosaic GPU
+interpreter with a stand-in for wgmma (``mosaic_interpret``)."""
 
+import functools
 import math
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def make_batch(
@@ -161,3 +164,27 @@ def pool_copies(hlo_text, shape):
     return [
         ln for ln in hlo_text.splitlines() if " copy(" in ln and f"[{dims}]" in ln.split("=", 1)[-1].split("copy(")[0]
     ]
+
+
+@pytest.fixture
+def mosaic_interpret(monkeypatch):
+    """Mosaic GPU kernels run on the CPU in Pallas' GPU interpreter (TMA copies, barriers, rings,
+    out-of-bounds fills and stores), with wgmma, which it does not model, replaced by an f32
+    product accumulated in a shared-memory ref (zeroed, as a wgmma accumulator starts). What this
+    cannot check is wgmma itself and the hardware's layouts: the GPU tests do. Call
+    ``mosaic_interpret(jitted_fn)``: the function unjitted, so that no trace of the real kernel is
+    reused. (The interpreter's race detector stays off: it flags the TMA refill of a
+    ring slot after the wgmma that read it, a pattern the skinny GEMM of c47db58 ran correctly on
+    the H200.)"""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def wgmma(acc, a, b):
+        acc[...] += jnp.dot(a[...].astype(jnp.float32), b[...].astype(jnp.float32), precision="highest")
+
+    params = plgpu.InterpretGPUParams(uninitialized_memory="zero")
+    monkeypatch.setattr(plgpu, "wgmma", wgmma)
+    monkeypatch.setattr(plgpu, "wgmma_wait", lambda n: None)
+    monkeypatch.setattr(plgpu, "ACC", lambda shape, dtype=jnp.float32: plgpu.SMEM(shape, dtype))
+    monkeypatch.setattr(plgpu, "kernel", functools.partial(plgpu.kernel, interpret=params))
+
+    return lambda fn: fn.__wrapped__

@@ -3,7 +3,9 @@
 On CPU: the jnp twin against ``x @ w`` in float32 on awkward shapes, each split's partial against
 its own K range, the default tuning at Ouro-1.4B's projections, the refused launches, and
 cross-lowering for CUDA (no device: TMA slices, swizzles, the wgmma operands and layouts are
-accepted). On the GPU (``-m gpu``): kernel == twin (f32 partials) and close to XLA's bf16 product.
+accepted), and the kernel in Pallas' GPU interpreter (its TMA ring, K splits and tails, with wgmma
+stood in for) against the twin. On the GPU (``-m gpu``): kernel == twin (f32 partials) and close
+to XLA's bf16 product.
 """
 
 import jax
@@ -113,6 +115,26 @@ def test_mosaic_lowering_ouro_shapes(name):
 @pytest.mark.parametrize("k,out,knobs", AWKWARD)
 def test_mosaic_lowering_awkward_shapes(k, out, knobs):
     _lower(3, k, out, **knobs)
+
+
+# K tails, uneven splits, rings that wrap (more steps than slots), narrow CTAs
+INTERPRET = [
+    (3, 256, (64,), dict(block_k=64, splits=2, stages=1, block_n=32)),
+    pytest.param(3, 640, (96,), dict(block_k=64, splits=3, stages=2, block_n=32), marks=pytest.mark.slow),
+    pytest.param(5, 320, (7, 64), dict(block_k=128, splits=2, stages=1), marks=pytest.mark.slow),
+    pytest.param(16, 1024, (64,), dict(block_k=64, splits=1, stages=3, block_n=16), marks=pytest.mark.slow),
+    pytest.param(1, 192, (192,), dict(block_k=128), marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("m,k,out,knobs", INTERPRET)
+def test_kernel_in_the_interpreter_matches_twin(mosaic_interpret, m, k, out, knobs):
+    """The kernel's data movement on the CPU (Pallas' GPU interpreter, wgmma stood in for): its
+    partials equal the twin's."""
+    x, w = _args(m, k, out, jnp.bfloat16, seed=m)
+    got = np.asarray(mosaic_interpret(decode_gemm_mgpu)(x, w, reduce=False, **knobs))
+    want = np.asarray(decode_gemm_reference(x, w, reduce=False, **knobs))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @gpu

@@ -3,8 +3,9 @@
 On CPU: the jnp twin against the model's own MLP (``OuroMLP``) in float32 on awkward shapes, each
 down partial against its own K range, the default tuning at Ouro-1.4B shapes, the refused
 launches, and cross-lowering of the kernels for CUDA (Pallas -> Mosaic GPU without a device: the
-TMA slices, swizzles, wgmma operands and layouts are accepted; whether it runs and how fast only
-the GPU says). On the GPU (``-m gpu``): kernel == twin (f32 partials) and close to the model's MLP
+TMA slices, swizzles, wgmma operands and layouts are accepted), and both launches in Pallas' GPU
+interpreter with wgmma stood in for (the data movement; wgmma and speed only the GPU checks). On
+the GPU (``-m gpu``): kernel == twin (f32 partials) and close to the model's MLP
 in bf16, at Ouro-1.4B shapes and awkward ones.
 """
 
@@ -177,6 +178,34 @@ def test_mosaic_lowering_awkward_shapes(d, inter, knobs):
 # ----------------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------------
+
+
+# K tails in both kernels, rings that wrap, uneven splits, narrow CTAs, both weight layouts
+INTERPRET = [
+    (5, 256, 128, dict(block_k=64, gate_up_stages=2, down_splits=1, down_stages=1, gate_up_block_n=32), False),
+    pytest.param(
+        5,
+        640,
+        1216,
+        dict(block_k=64, gate_up_stages=2, down_stages=3, gate_up_block_n=32, down_block_n=16),
+        False,
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(3, 192, 448, dict(gate_up_stages=1, down_splits=2, down_stages=1), True, marks=pytest.mark.slow),
+    pytest.param(16, 256, 320, dict(block_k=64, down_splits=2), False, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("m,d,inter,knobs,pair", INTERPRET)
+def test_kernels_in_the_interpreter_match_twin(mosaic_interpret, m, d, inter, knobs, pair):
+    """Both launches' data movement on the CPU (Pallas' GPU interpreter, wgmma stood in for): the
+    partials equal the twin's up to the bf16 rounding of an ``h`` whose f32 sums ran in another
+    order (a misplaced tile would be off by the size of the values)."""
+    x, w_gu, w_d = _args(m, d, inter, jnp.bfloat16, seed=m)
+    weights = _pair(w_gu) if pair else w_gu
+    got = np.asarray(mosaic_interpret(decode_mlp_mgpu)(x, weights, w_d, reduce=False, **knobs))
+    want = np.asarray(decode_mlp_reference(x, weights, w_d, reduce=False, **knobs))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * max(1.0, float(np.abs(want).max())))
 
 
 # Ouro-1.4B at every bucket size the engine sends, narrow CTAs, and the awkward shapes at 3 rows
