@@ -166,6 +166,11 @@ def pool_copies(hlo_text, shape):
     ]
 
 
+def first_by_default(cases):
+    """Parametrize cases: the first in the default suite, the rest in the slow one (CPU time)."""
+    return [cases[0], *(pytest.param(*c, marks=pytest.mark.slow) for c in cases[1:])]
+
+
 @pytest.fixture
 def mosaic_interpret(monkeypatch):
     """Mosaic GPU kernels run on the CPU in Pallas' GPU interpreter (TMA copies, barriers, rings,

@@ -23,6 +23,7 @@ from pallas_kernels.decode_gemm_mgpu import (
     gemm_tuning,
     supported,
 )
+from tests.kernels.conftest import first_by_default
 
 ON_HOPPER = dispatch.hopper_available()
 gpu = pytest.mark.gpu
@@ -32,10 +33,10 @@ skip_no_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper (sm90+
 OURO = {"qkv": (2048, (16, 3, 128)), "o": (2048, (2048,)), "down": (5632, (2048,))}
 # (K, out, knobs): K tails, more splits than steps, uneven splits, narrow CTAs, one step
 AWKWARD = [
+    (640, (96,), dict(block_k=64, splits=3, stages=2, block_n=32)),  # 10 steps: 4, 4, 2; 32-column CTAs
     (192, (192,), dict(block_k=128)),  # a K tail
     (320, (7, 64), dict(block_k=128, splits=2)),  # N = 448; K: 3 steps in splits of 2 and 1
     (256, (128,), dict(splits=16)),  # splits cut to the steps
-    (640, (96,), dict(block_k=64, splits=3, stages=2, block_n=32)),  # 10 steps: 4, 4, 2; 32-column CTAs
     (64, (64,), dict(block_n=16)),  # one step, 16-column CTAs
 ]
 
@@ -53,7 +54,7 @@ def _dot(x, w):
 
 
 @pytest.mark.parametrize("m", [8, *(pytest.param(m, marks=pytest.mark.slow) for m in (1, 16))])
-@pytest.mark.parametrize("k,out,knobs", AWKWARD)
+@pytest.mark.parametrize("k,out,knobs", first_by_default(AWKWARD))
 def test_twin_matches_dot(m, k, out, knobs):
     """float32: the split partials sum to the product; each is its own K range's product."""
     x, w = _args(m, k, out, jnp.float32, seed=m)
@@ -112,7 +113,7 @@ def test_mosaic_lowering_ouro_shapes(name):
     _lower(8, *OURO[name])
 
 
-@pytest.mark.parametrize("k,out,knobs", AWKWARD)
+@pytest.mark.parametrize("k,out,knobs", first_by_default(AWKWARD))
 def test_mosaic_lowering_awkward_shapes(k, out, knobs):
     _lower(3, k, out, **knobs)
 

@@ -18,6 +18,7 @@ from ouro_jax.model import OuroMLP
 from pallas_kernels import dispatch
 from pallas_kernels.decode_gemm_mgpu import NUM_SMS, SMEM_LIMIT
 from pallas_kernels.decode_mlp_mgpu import MAX_ROWS, decode_mlp_mgpu, decode_mlp_reference, mlp_tuning, supported
+from tests.kernels.conftest import first_by_default
 from weights.config import OuroConfig
 
 ON_HOPPER = dispatch.hopper_available()
@@ -57,7 +58,7 @@ def _model_mlp(x, w_gu, w_d):
 
 # M = 8 by default (an engine bucket), the other row counts in the slow suite (CPU time)
 @pytest.mark.parametrize("m", [8, *(pytest.param(m, marks=pytest.mark.slow) for m in (1, 3, 16))])
-@pytest.mark.parametrize("d,inter,knobs", AWKWARD)
+@pytest.mark.parametrize("d,inter,knobs", first_by_default(AWKWARD))
 def test_twin_matches_model_mlp(m, d, inter, knobs):
     """float32: the twin's partials sum to the model's MLP; each is its own K range's product."""
     x, w_gu, w_d = _args(m, d, inter, jnp.float32, seed=m)
@@ -164,13 +165,15 @@ def test_mosaic_lowering_ouro_shapes(m, pair):
     _lower(m, *OURO, pair=pair)
 
 
-@pytest.mark.parametrize("gate_up_block_n,down_block_n,splits", [(32, 32, 2), (16, 64, 4), (64, 16, 1)])
+@pytest.mark.parametrize(
+    "gate_up_block_n,down_block_n,splits", first_by_default([(32, 32, 2), (16, 64, 4), (64, 16, 1)])
+)
 def test_mosaic_lowering_narrow_blocks(gate_up_block_n, down_block_n, splits):
     """Narrower CTAs: 16 / 32 columns, their tiles and the A tiles in 32 / 64-byte swizzles."""
     _lower(8, *OURO, gate_up_block_n=gate_up_block_n, down_block_n=down_block_n, down_splits=splits)
 
 
-@pytest.mark.parametrize("d,inter,knobs", AWKWARD)
+@pytest.mark.parametrize("d,inter,knobs", first_by_default(AWKWARD))
 def test_mosaic_lowering_awkward_shapes(d, inter, knobs):
     _lower(3, d, inter, **knobs)
 
