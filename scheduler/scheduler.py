@@ -1196,21 +1196,27 @@ class Scheduler:
         accepted, count, toks, depths = split_spec_output(out, k1)
         if plan.num_rows and (count[: plan.num_rows].min() < 1 or count[: plan.num_rows].max() > k1):
             raise ValueError(f"Scheduler.update: a round kept a token count outside [1, {k1}]")
-        st = self._stats
         for r in plan.ranges:
-            i = r.row_start
-            st["spec_row_rounds"] += 1
-            st["spec_proposed_tokens"] += k1
-            st["spec_accepted_tokens"] += int(accepted[i])
-            st["spec_round_tokens"] += int(count[i])
-            req = self._requests.get(r.request_id)
-            for t, e in zip(toks[i, : count[i]].tolist(), depths[i, : count[i]].tolist()):
-                if req is None or req.status is not RequestStatus.RUNNING:
-                    break  # aborted while in flight, or ended by an earlier token of this round
-                self._emit(req, t, e, deltas)
-                st["spec_emitted_tokens"] += 1
-            if req is not None and req.status is RequestStatus.RUNNING:
-                self.round_policy.observe(req, int(count[i]))
+            i, n = r.row_start, int(count[r.row_start])
+            req = self._requests.get(r.request_id)  # None: aborted while in flight
+            self._end_round(req, k1, int(accepted[i]), toks[i, :n].tolist(), depths[i, :n].tolist(), deltas)
+
+    def _end_round(self, req: Optional[Request], positions: int, accepted: int, tokens, depths, deltas) -> None:
+        """A row's round ended, fused or loop by loop: its kept tokens emitted in order, as plain
+        decoding would emit them (a stop token or ``max_tokens`` ends the request there; the
+        round's later tokens are dropped), the counters of acceptance, the policy's estimate."""
+        st = self._stats
+        st["spec_row_rounds"] += 1
+        st["spec_proposed_tokens"] += positions
+        st["spec_accepted_tokens"] += accepted
+        st["spec_round_tokens"] += len(tokens)
+        for t, e in zip(tokens, depths):
+            if req is None or req.status is not RequestStatus.RUNNING:
+                break
+            self._emit(req, t, e, deltas)
+            st["spec_emitted_tokens"] += 1
+        if req is not None and req.status is RequestStatus.RUNNING:
+            self.round_policy.observe(req, len(tokens))
 
     # -------------------------------------------------------- rounds loop by loop
     def _start_loop_round(self, req: Request) -> Optional[LoopRound]:
@@ -1286,19 +1292,8 @@ class Scheduler:
         """Every position of ``req``'s round exited: its kept tokens in order, as plain decoding
         would emit them (``LoopRound.result``), and the counters of acceptance."""
         rnd, req.loop_round = req.loop_round, None
-        accepted, count, tokens, depths = rnd.result()
-        st = self._stats
-        st["spec_row_rounds"] += 1
-        st["spec_proposed_tokens"] += rnd.positions
-        st["spec_accepted_tokens"] += accepted
-        st["spec_round_tokens"] += count
-        for t, e in zip(tokens, depths):
-            if req.status is not RequestStatus.RUNNING:
-                break  # a stop token or max_tokens: the round's later tokens are dropped
-            self._emit(req, t, e, deltas)
-            st["spec_emitted_tokens"] += 1
-        if req.status is RequestStatus.RUNNING:
-            self.round_policy.observe(req, count)
+        accepted, _, tokens, depths = rnd.result()
+        self._end_round(req, rnd.positions, accepted, tokens, depths, deltas)
 
     # ------------------------------------------------------------------ update
     def update(
