@@ -18,12 +18,6 @@ run. Every ``mgpu`` record first checks one pass over the layers against ``xla``
 
     python -m benchmarks.decode_gemm                      # rows 1 / 8 / 16, the kernels' defaults
     python -m benchmarks.decode_gemm --sweep --out DIR    # and the knobs around them, at 8 rows
-    python -m benchmarks.decode_gemm --tiled --profile    # the defaults on tiled weights too; kernels traced
-
-Knob sets with ``tiled`` run on weights laid out by ``tile_weight`` / ``tile_mlp_weights`` (each
-step's weight tile contiguous), converted once before anything is timed. ``--profile``: one
-more call of each default chain under the profiler; its record carries ``kernels``, the kernels of
-a layer by name (``us_per_layer``, ``count_per_layer``).
 
 Writes ``<out>/decode_gemm.json``. Off a Hopper GPU only the ``xla`` paths run (a plumbing check).
 """
@@ -45,14 +39,12 @@ from benchmarks.timing import per_call_s
 from ouro_jax import get_preset
 from ouro_jax.model import OuroMLP
 from pallas_kernels import dispatch
-from pallas_kernels.decode_gemm_mgpu import decode_gemm_mgpu, gemm_tuning, tile_weight
-from pallas_kernels.decode_mlp_mgpu import decode_mlp_mgpu, mlp_tuning, tile_mlp_weights
+from pallas_kernels.decode_gemm_mgpu import decode_gemm_mgpu, gemm_tuning
+from pallas_kernels.decode_mlp_mgpu import decode_mlp_mgpu, mlp_tuning
 
-__all__ = ["BLOCKS", "block_weights", "kernel_weights", "main", "sweep_knobs", "time_chain"]
+__all__ = ["BLOCKS", "block_weights", "main", "sweep_knobs", "time_chain"]
 
 BLOCKS = ("mlp", "attn_proj")
-# each block's kernels on tiled weights, the other knobs at their defaults
-TILED = {"mlp": dict(tiled=True), "attn_proj": dict(qkv=dict(tiled=True), o=dict(tiled=True))}
 EPS = 1e-6
 
 
@@ -76,28 +68,6 @@ def block_weights(block: str, config, layers: int, dtype=jnp.bfloat16, seed: int
             out.append((_normal(k1, (d, 2, inter), d, dtype), _normal(k2, (inter, d), inter, dtype)))
         else:
             out.append((_normal(k1, (d, 3 * dq), d, dtype), _normal(k2, (dq, d), dq, dtype)))
-    return out
-
-
-def kernel_weights(block: str, weights: list, knobs: dict) -> list:
-    """``weights`` as the ``mgpu`` path with ``knobs`` reads them: tiled where the knobs say
-    ``tiled`` (``tiled`` stays in the knobs; the tiles fix ``block_k`` and the widths)."""
-    if block == "mlp":
-        if not knobs.get("tiled"):
-            return weights
-        kn = {k: v for k, v in knobs.items() if k != "tiled"}
-        return [tile_mlp_weights(w1, w2, **kn) for w1, w2 in weights]
-    if not any(knobs.get(p, {}).get("tiled") for p in ("qkv", "o")):
-        return weights
-    out = []
-    for pair in weights:
-        tiled = []
-        for w, kn in zip(pair, (knobs.get("qkv", {}), knobs.get("o", {}))):
-            if kn.get("tiled"):
-                t = gemm_tuning(w.shape[0], w.shape[1], block_k=kn.get("block_k"), block_n=kn.get("block_n"))
-                w = tile_weight(w, t.block_k, t.block_n)
-            tiled.append(w)
-        out.append(tuple(tiled))
     return out
 
 
@@ -144,33 +114,13 @@ def time_chain(block, path, config, weights, rows: int, knobs: dict, n: int, rep
     return per_call_s(lambda k: _chain(block, path, config, knobs, k), (x, weights), n, reps)
 
 
-def _check(block, config, weights, kweights, rows: int, knobs: dict) -> float:
-    """Relative max error of one pass over the layers on ``mgpu`` (``kweights``: the weights as it
-    reads them) against ``xla``."""
+def _check(block, config, weights, rows: int, knobs: dict) -> float:
+    """Relative max error of one pass over the layers on ``mgpu`` against ``xla``."""
     x = jax.random.normal(jax.random.PRNGKey(2), (rows, config.hidden_size), jnp.float32)
     n = len(weights)
     want = np.asarray(_chain(block, "xla", config, {}, n)(x, weights))
-    got = np.asarray(_chain(block, "mgpu", config, knobs, n)(x, kweights))
+    got = np.asarray(_chain(block, "mgpu", config, knobs, n)(x, weights))
     return float(np.abs(got - want).max() / max(1e-6, np.abs(want).max()))
-
-
-def profile_chain(block, path, config, weights, rows: int, knobs: dict, n: int) -> list[dict]:
-    """The kernels of one call of the ``n``-layer chain, by name: ``us_per_layer``,
-    ``count_per_layer`` (``profile_step.trace_kernels``), the longest first."""
-    from benchmarks.profile_step import base_name, trace_kernels
-
-    run = _chain(block, path, config, knobs, n)
-    x = jax.random.normal(jax.random.PRNGKey(1), (rows, config.hidden_size), jnp.float32)
-    jax.block_until_ready(run(x, weights))  # compiled and warm before the trace
-    _, _, events, _, _ = trace_kernels(lambda: jax.block_until_ready(run(x, weights)))
-    by: dict = {}
-    for e in events:
-        if e.get("duration_ns") is not None:
-            acc = by.setdefault(base_name(e["name"]), [0.0, 0])
-            acc[0] += float(e["duration_ns"])
-            acc[1] += 1
-    rows_out = [dict(name=k, us_per_layer=v[0] / 1e3 / n, count_per_layer=v[1] / n) for k, v in by.items()]
-    return sorted(rows_out, key=lambda r: -r["us_per_layer"])
 
 
 def sweep_knobs(block: str, config) -> list[dict]:
@@ -194,9 +144,6 @@ def sweep_knobs(block: str, config) -> list[dict]:
     out += [dict(gate_up_block_n=32), dict(gate_up_block_n=32, gate_up_stages=3)]  # 1 or 2 CTAs an SM
     out += [dict(down_block_n=32, down_splits=2), dict(down_block_n=16, down_splits=1)]
     out += [dict(gate_up_block_n=32, down_block_n=32, down_splits=2)]
-    # the weights in contiguous tiles
-    out += [TILED[block], dict(tiled=True, gate_up_block_n=32), dict(tiled=True, block_k=256)]
-    out += [dict(tiled=True, gate_up_block_n=32, down_block_n=32, down_splits=2)]
     return out
 
 
@@ -210,8 +157,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sweep", action="store_true", help="also the kernel knobs around the defaults")
     ap.add_argument("--sweep-rows", nargs="*", type=int, default=[8], help="the rows the sweep runs at")
-    ap.add_argument("--tiled", action="store_true", help="also the defaults on tiled weights")
-    ap.add_argument("--profile", action="store_true", help="trace the kernels of the default (and tiled) chains")
     ap.add_argument("--out", default=".")
     a = ap.parse_args(argv)
     config = get_preset(a.preset)
@@ -225,18 +170,13 @@ def main(argv=None) -> dict:
         for rows in a.rows:
             for path in paths:
                 sweep = path == "mgpu" and a.sweep and rows in a.sweep_rows
-                plain = [{}] + ([TILED[block]] if a.tiled and path == "mgpu" else [])
-                for knobs in sweep_knobs(block, config) if sweep else plain:
+                for knobs in sweep_knobs(block, config) if sweep else [{}]:
                     rec = dict(block=block, path=path, rows=rows, knobs=knobs, floor_us=floor_s * 1e6)
                     try:
-                        kw = kernel_weights(block, weights, knobs) if path == "mgpu" else weights
                         if path == "mgpu":
-                            rec["max_rel_err"] = _check(block, config, weights, kw, rows, knobs)
-                        s = time_chain(block, path, config, kw, rows, knobs, a.chain, a.reps)
+                            rec["max_rel_err"] = _check(block, config, weights, rows, knobs)
+                        s = time_chain(block, path, config, weights, rows, knobs, a.chain, a.reps)
                         rec.update(us_per_layer=s * 1e6, of_floor=floor_s / s)
-                        if a.profile and knobs in ({}, TILED[block]):
-                            rec["kernels"] = profile_chain(block, path, config, kw, rows, knobs, a.chain)
-                        del kw
                     except Exception as e:  # noqa: BLE001 - a knob the kernel refuses is a record, not the end
                         rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                     records.append(rec)

@@ -42,8 +42,6 @@ __all__ = [
     "decode_gemm_reference",
     "gemm_tuning",
     "supported",
-    "tile_weight",
-    "untile_weight",
 ]
 
 MAX_ROWS = 16  # rows one launch serves: the rows TMA moves into the A operands and out of the accumulators
@@ -116,7 +114,6 @@ class GemmTuning:
     steps_per_split: int
     stages: int  # ring slots: a weight tile and x's slice each
     block_n: int = BLOCK_N  # N columns per CTA
-    tiled: bool = False  # the weight comes as tile_weight's [N / block_n, steps, block_k, block_n]
 
     def grid(self, n: int) -> tuple[int, int]:
         return n // self.block_n, self.splits
@@ -137,7 +134,6 @@ def gemm_tuning(
     block_n: int | None = None,
     target_ctas: int = NUM_SMS,
     knob_prefix: str = "",
-    tiled: bool = False,
 ) -> GemmTuning:
     """Defaults for ``[M, k] @ [k, n]``; any knob given overrides its default (checked: ``ValueError``).
 
@@ -145,8 +141,7 @@ def gemm_tuning(
     that the ``n / block_n`` column blocks reach ``target_ctas`` (one CTA an SM), cut to the steps
     and normalised so that none is empty. ``stages``: as many slots as fit a CTA's shared memory.
     ``block_n``: the widest of ``BLOCK_NS`` that divides ``n``.
-    ``knob_prefix``: before the knobs' names in errors (``down_`` for the MLP's down launch).
-    ``tiled``: the launch reads a :func:`tile_weight` layout (the same steps and splits)."""
+    ``knob_prefix``: before the knobs' names in errors (``down_`` for the MLP's down launch)."""
     block_k = default_block_k(itemsize) if block_k is None else block_k
     if block_n is None:
         block_n = max([b for b in BLOCK_NS if n % b == 0], default=BLOCK_N)
@@ -160,7 +155,7 @@ def gemm_tuning(
     splits = cdiv(steps, per_split)
     per_stage = stage_bytes(block_k, block_n, 1, itemsize)
     stages = fit_stages(per_stage, A_ROWS * block_n * 4, per_split, stages, f"{knob_prefix}stages")
-    return GemmTuning(int(block_k), int(splits), int(per_split), int(stages), int(block_n), bool(tiled))
+    return GemmTuning(int(block_k), int(splits), int(per_split), int(stages), int(block_n))
 
 
 def supported(dtype, m: int, k: int, n: int) -> str | None:
@@ -176,26 +171,6 @@ def supported(dtype, m: int, k: int, n: int) -> str | None:
     return None
 
 
-def tile_weight(w, block_k: int, block_n: int):
-    """``w [K, *out]`` -> ``[N / block_n, cdiv(K, block_k), block_k, block_n]`` (N = prod(out)):
-    every pipeline step's weight tile one contiguous block, so a TMA copy reads whole DRAM pages
-    instead of ``block_n``-wide row pieces ``N`` apart. K is zero-padded to whole steps. Done once
-    at load time; :func:`untile_weight` inverts it."""
-    k = w.shape[0]
-    w2 = w.reshape(k, -1)
-    n = w2.shape[1]
-    check_knobs(block_k, block_n=(block_n, n))
-    steps = cdiv(k, block_k)
-    w2 = jnp.pad(w2, ((0, steps * block_k - k), (0, 0)))
-    return w2.reshape(steps, block_k, n // block_n, block_n).transpose(2, 0, 1, 3)
-
-
-def untile_weight(wt, k: int):
-    """:func:`tile_weight`'s ``[N / bn, steps, bk, bn]`` -> ``[K, N]``."""
-    nb, steps, bk, bn = wt.shape
-    return wt.transpose(1, 2, 0, 3).reshape(steps * bk, nb * bn)[:k]
-
-
 def _gemm_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, ready, *, t: GemmTuning, k_steps: int):
     """One CTA: the f32 partial ``y[:, n0:n0+block_n]`` of its K range."""
     bk, stages, sps, bn = t.block_k, t.stages, t.steps_per_split, t.block_n
@@ -207,8 +182,7 @@ def _gemm_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, ready, *, t: GemmT
 
     def issue(i, slot):
         k0 = (step0 + i) * bk
-        tile = w_ref.at[lax.axis_index("n"), step0 + i] if t.tiled else w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)]
-        plgpu.copy_gmem_to_smem(tile, w_smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], w_smem.at[slot], ready.at[slot])
         plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, bk)], x_smem.at[slot, pl.ds(0, MAX_ROWS)], ready.at[slot])
 
     for i in range(stages):
@@ -238,10 +212,8 @@ def _gemm_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, ready, *, t: GemmT
 
 
 def gemm_call(x, w, t: GemmTuning):
-    """The launch: ``x [MAX_ROWS, K] @ w [K, N]`` (or ``w`` tiled, ``t.tiled``) -> the f32 partials
-    ``[splits, MAX_ROWS, N]``."""
-    k = x.shape[1]
-    n = w.shape[0] * w.shape[3] if t.tiled else w.shape[1]
+    """The launch: ``x [MAX_ROWS, K] @ w [K, N]`` -> the f32 partials ``[splits, MAX_ROWS, N]``."""
+    k, n = w.shape
     dt, size, bn = x.dtype, x.dtype.itemsize, t.block_n
     tiles = swizzled(bn, size)  # wgmma takes A and B in one swizzle: the weight tiles' rows
 
@@ -267,40 +239,21 @@ def pad_rows(x):
     return jnp.pad(x, ((0, MAX_ROWS - x.shape[0]), (0, 0)))
 
 
-def tiled_knobs(w, block_k, block_n) -> tuple[int, int]:
-    """``(block_k, block_n)`` of a :func:`tile_weight` layout; ``ValueError`` where the knobs
-    given disagree with it (the tiles fix both)."""
-    if w.ndim != 4:
-        raise ValueError(f"a tiled weight must be [N / block_n, steps, block_k, block_n], got {w.shape}")
-    bk, bn = w.shape[2], w.shape[3]
-    for name, given, got in (("block_k", block_k, bk), ("block_n", block_n, bn)):
-        if given is not None and given != got:
-            raise ValueError(f"{name}={given} disagrees with the tiled weight's {got}")
-    return bk, bn
-
-
-def _check(x, w, *, kernel: bool, tiled: bool = False) -> tuple[int, int, int, tuple]:
-    """``(M, K, N, out shape)``; ``ValueError`` for what the launch cannot serve."""
+def _check(x, w, *, kernel: bool) -> tuple[int, int, int]:
     if x.ndim != 2 or w.ndim < 2:
         raise ValueError(f"x must be [M, K] and w [K, *out], got {x.shape} and {w.shape}")
     m, k = x.shape
-    if tiled:
-        if w.ndim != 4 or w.shape[1] != cdiv(k, w.shape[2]):
-            raise ValueError(f"tiled w {w.shape} is not tile_weight's layout of a K={k} weight")
-        out = (w.shape[0] * w.shape[3],)
-    elif w.shape[0] != k:
+    if w.shape[0] != k:
         raise ValueError(f"x {x.shape} and w {w.shape} disagree on K")
-    else:
-        out = w.shape[1:]
     if x.dtype != w.dtype:
         raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
     n = 1
-    for s in out:
+    for s in w.shape[1:]:
         n *= s
     why = supported(x.dtype if kernel else jnp.bfloat16, m, k, n)
     if why is not None:
         raise ValueError(f"decode_gemm_mgpu cannot serve {why}")
-    return m, k, n, out
+    return m, k, n
 
 
 def _finish(part, m: int, out_shape: tuple, reduce: bool):
@@ -309,24 +262,16 @@ def _finish(part, m: int, out_shape: tuple, reduce: bool):
     return jnp.sum(part, axis=0) if reduce else part
 
 
-_STATIC = ("block_k", "splits", "stages", "block_n", "reduce", "tiled")
-
-
-def _tuning(w, k, n, tiled, **knobs) -> GemmTuning:
-    if tiled:
-        knobs["block_k"], knobs["block_n"] = tiled_knobs(w, knobs["block_k"], knobs["block_n"])
-    return gemm_tuning(k, n, 2, tiled=tiled, **knobs)
+_STATIC = ("block_k", "splits", "stages", "block_n", "reduce")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def decode_gemm_mgpu(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True, tiled=False):
+def decode_gemm_mgpu(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True):
     """``x [M, K] @ w [K, *out]`` (module docstring). ``reduce=True``: ``[M, *out]`` in float32;
-    ``reduce=False``: the f32 partials ``[splits, M, *out]`` of the K splits (their sum is the product).
-    ``tiled``: ``w`` is :func:`tile_weight`'s layout (its tiles fix ``block_k`` and ``block_n``;
-    the output is ``[M, N]``)."""
-    m, k, n, out = _check(x, w, kernel=True, tiled=tiled)
-    t = _tuning(w, k, n, tiled, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
-    return _finish(gemm_call(pad_rows(x), w if tiled else w.reshape(k, n), t), m, out, reduce)
+    ``reduce=False``: the f32 partials ``[splits, M, *out]`` of the K splits (their sum is the product)."""
+    m, k, n = _check(x, w, kernel=True)
+    t = gemm_tuning(k, n, x.dtype.itemsize, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
+    return _finish(gemm_call(pad_rows(x), w.reshape(k, n), t), m, w.shape[1:], reduce)
 
 
 def split_products(x, w, t: GemmTuning):
@@ -343,8 +288,8 @@ def split_products(x, w, t: GemmTuning):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def decode_gemm_reference(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True, tiled=False):
+def decode_gemm_reference(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True):
     """jnp twin of :func:`decode_gemm_mgpu` (same arguments and outputs). Also takes float32."""
-    m, k, n, out = _check(x, w, kernel=False, tiled=tiled)
-    t = _tuning(w, k, n, tiled, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
-    return _finish(split_products(x, untile_weight(w, k) if tiled else w.reshape(k, n), t), m, out, reduce)
+    m, k, n = _check(x, w, kernel=False)
+    t = gemm_tuning(k, n, 2, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
+    return _finish(split_products(x, w.reshape(k, n), t), m, w.shape[1:], reduce)

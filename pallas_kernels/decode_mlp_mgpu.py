@@ -55,20 +55,10 @@ from pallas_kernels.decode_gemm_mgpu import (
     split_products,
     stage_bytes,
     swizzled,
-    tile_weight,
-    untile_weight,
     zero_pad_rows,
 )
 
-__all__ = [
-    "MAX_ROWS",
-    "MlpTuning",
-    "decode_mlp_mgpu",
-    "decode_mlp_reference",
-    "mlp_tuning",
-    "supported",
-    "tile_mlp_weights",
-]
+__all__ = ["MAX_ROWS", "MlpTuning", "decode_mlp_mgpu", "decode_mlp_reference", "mlp_tuning", "supported"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +69,6 @@ class MlpTuning:
     gate_up_stages: int  # slots of kernel 1's ring: a gate tile, an up tile and x's slice each
     gate_up_block_n: int  # I columns per kernel-1 CTA (its grid: I / this)
     down: GemmTuning  # kernel 2
-    tiled: bool = False  # the weights come as tile_mlp_weights' layouts
 
     def smem_bytes(self, itemsize: int = 2) -> tuple[int, int]:
         """Shared memory of a CTA of each kernel: the ring and the output staging."""
@@ -112,13 +101,11 @@ def mlp_tuning(
     down_stages: int | None = None,
     gate_up_block_n: int = BLOCK_N,
     down_block_n: int = BLOCK_N,
-    tiled: bool = False,
 ) -> MlpTuning:
     """Defaults for a ``D = d``, ``I = inter`` MLP; any knob given overrides its default (checked:
     ``ValueError``). ``block_k``: both kernels' step. The down launch is ``gemm_tuning(I, D)``'s
     (Ouro-1.4B: 32 column blocks x 4 splits); kernel 1 takes as many slots as fit a CTA.
-    ``*_block_n``: 16, 32 or 64 columns a CTA (narrower: more CTAs, narrower swizzles).
-    ``tiled``: both launches read :func:`tile_mlp_weights`' layouts."""
+    ``*_block_n``: 16, 32 or 64 columns a CTA (narrower: more CTAs, narrower swizzles)."""
     block_k = default_block_k(itemsize) if block_k is None else block_k
     check_knobs(block_k, gate_up_block_n=(gate_up_block_n, inter))
     down = gemm_tuning(
@@ -130,43 +117,11 @@ def mlp_tuning(
         stages=down_stages,
         block_n=down_block_n,
         knob_prefix="down_",
-        tiled=tiled,
     )
     per_stage = stage_bytes(block_k, gate_up_block_n, 2, itemsize)
     staging = A_ROWS * gate_up_block_n * itemsize
     stages = fit_stages(per_stage, staging, cdiv(d, block_k), gate_up_stages, "gate_up_stages")
-    return MlpTuning(int(block_k), int(stages), int(gate_up_block_n), down, bool(tiled))
-
-
-def tile_mlp_weights(w_gate_up, w_down, **knobs) -> tuple:
-    """Both kernels' weights in the tiles they stream (``tile_weight``; once, at load time):
-    ``(gate/up [2 I / gate_up_block_n, steps, block_k, gate_up_block_n]`` (gate's column blocks,
-    then up's), ``down [D / down_block_n, steps, block_k, down_block_n])``. ``knobs``: the
-    :func:`mlp_tuning` knobs the launches will run with (their tiles fix ``block_k`` and the widths).
-    ``w_gate_up``: the fused ``[D, 2, I]`` kernel or the ``(gate, up)`` pair."""
-    gate, up, up_col, inter = gate_up_sources(w_gate_up)
-    d = gate.shape[0]
-    t = mlp_tuning(d, inter, 2, **knobs)  # the kernels' 16-bit tiles, whatever the dtype (f32: CPU twins)
-    both = jnp.concatenate([gate[:, :inter], up[:, up_col : up_col + inter]], axis=1)
-    gu = tile_weight(both, t.block_k, t.gate_up_block_n)
-    return gu, tile_weight(w_down, t.block_k, t.down.block_n)
-
-
-def _tiled_knobs(w_gate_up, w_down, knobs: dict) -> dict:
-    """The knobs of tiled weights: their tiles fix ``block_k`` and both widths (``ValueError``
-    where a knob given disagrees, or the two disagree on ``block_k``)."""
-    out = dict(knobs)
-    for name, w in (("gate_up_block_n", w_gate_up), ("down_block_n", w_down)):
-        if w.ndim != 4:
-            raise ValueError(f"tiled MLP weights must be tile_mlp_weights' 4-d layouts, got {w.shape}")
-        if out.get(name) not in (None, w.shape[3]):
-            raise ValueError(f"{name}={out[name]} disagrees with the tiled weight's {w.shape[3]}")
-        out[name] = w.shape[3]
-    if w_gate_up.shape[2] != w_down.shape[2] or out.get("block_k") not in (None, w_down.shape[2]):
-        tiles = (w_gate_up.shape[2], w_down.shape[2])
-        raise ValueError(f"block_k: the tiles give {tiles}, the knobs {out.get('block_k')}")
-    out["block_k"] = w_down.shape[2]
-    return out
+    return MlpTuning(int(block_k), int(stages), int(gate_up_block_n), down)
 
 
 def gate_up_sources(w_gate_up) -> tuple:
@@ -184,22 +139,10 @@ def gate_up_sources(w_gate_up) -> tuple:
     return both, both, inter, inter
 
 
-def _untiled(w_gate_up, w_down, d: int) -> tuple:
-    """:func:`tile_mlp_weights`' layouts back to ``((gate [D, I], up [D, I]), down [I, D])``."""
-    both = untile_weight(w_gate_up, d)
-    inter = both.shape[1] // 2
-    return (both[:, :inter], both[:, inter:]), untile_weight(w_down, inter)
-
-
-def _check(x, w_gate_up, w_down, *, kernel: bool, tiled: bool = False):
+def _check(x, w_gate_up, w_down, *, kernel: bool):
     if x.ndim != 2:
         raise ValueError(f"x must be [M, D], got {x.shape}")
     m, d = x.shape
-    if tiled:
-        for name, w, k in (("gate/up", w_gate_up, d), ("down", w_down, w_gate_up.shape[0] * w_gate_up.shape[-1] // 2)):
-            if w.ndim != 4 or w.shape[1] != cdiv(k, w.shape[2]):
-                raise ValueError(f"tiled {name} weight {w.shape} is not tile_mlp_weights' layout for D={d}")
-        w_gate_up, w_down = jax.eval_shape(functools.partial(_untiled, d=d), w_gate_up, w_down)
     gate, up, _, inter = gate_up_sources(w_gate_up)
     if gate.shape[0] != d:
         raise ValueError(f"x {x.shape} and the gate/up kernels {gate.shape} disagree on D")
@@ -218,18 +161,13 @@ def _check(x, w_gate_up, w_down, *, kernel: bool, tiled: bool = False):
 def _gate_up_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, g_smem, u_smem, o_smem, ready, *, t, steps, up_col):
     """One CTA: ``h[:, n0:n0+block_n] = silu(x W_g) * (x W_u)`` over all of K."""
     bk, stages, bn = t.block_k, t.gate_up_stages, t.gate_up_block_n
-    nb = lax.axis_index("n")
-    n0 = nb * bn
+    n0 = lax.axis_index("n") * bn
     zero_pad_rows(x_smem, stages)
 
     def issue(i, slot):
         k0 = i * bk
-        if t.tiled:  # one [2 I / bn, steps, bk, bn] array: gate's column blocks, then up's
-            g_tile, u_tile = wg_ref.at[nb, i], wu_ref.at[up_col // bn + nb, i]
-        else:
-            g_tile, u_tile = wg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], wu_ref.at[pl.ds(k0, bk), pl.ds(up_col + n0, bn)]
-        plgpu.copy_gmem_to_smem(g_tile, g_smem.at[slot], ready.at[slot])
-        plgpu.copy_gmem_to_smem(u_tile, u_smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(wg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], g_smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(wu_ref.at[pl.ds(k0, bk), pl.ds(up_col + n0, bn)], u_smem.at[slot], ready.at[slot])
         plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, bk)], x_smem.at[slot, pl.ds(0, MAX_ROWS)], ready.at[slot])
 
     for i in range(stages):  # stages <= steps (mlp_tuning)
@@ -260,12 +198,8 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, g_smem, u_smem, o_smem
 
 def _gate_up_call(x, w_gate_up, t: MlpTuning):
     """Kernel 1: ``x [MAX_ROWS, D]`` -> ``h [MAX_ROWS, I]`` in ``x``'s dtype."""
-    d = x.shape[1]
-    if t.tiled:
-        inter = w_gate_up.shape[0] * t.gate_up_block_n // 2
-        gate, up, up_col = w_gate_up, w_gate_up, inter
-    else:
-        gate, up, up_col, inter = gate_up_sources(w_gate_up)
+    gate, up, up_col, inter = gate_up_sources(w_gate_up)
+    d = gate.shape[0]
     dt, size, bn = x.dtype, x.dtype.itemsize, t.gate_up_block_n
     tiles = swizzled(bn, size)  # wgmma takes A and B in one swizzle: the weight tiles' rows
 
@@ -289,38 +223,29 @@ def _gate_up_call(x, w_gate_up, t: MlpTuning):
 
 
 _KNOBS = ("block_k", "gate_up_stages", "down_splits", "down_stages", "gate_up_block_n", "down_block_n")
-_STATIC = (*_KNOBS, "reduce", "tiled")
-
-
-def _tuning(w_gate_up, w_down, d: int, inter: int, tiled: bool, knobs: dict) -> MlpTuning:
-    if tiled:
-        knobs = _tiled_knobs(w_gate_up, w_down, knobs)
-    return mlp_tuning(d, inter, 2, tiled=tiled, **knobs)
+_STATIC = (*_KNOBS, "reduce")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def decode_mlp_mgpu(x, w_gate_up, w_down, *, reduce: bool = True, tiled: bool = False, **knobs):
+def decode_mlp_mgpu(x, w_gate_up, w_down, *, reduce: bool = True, **knobs):
     """``down(silu(x W_g) * (x W_u))`` of ``x [M, D]`` (module docstring). ``reduce=True``: ``[M, D]``
     in float32; ``reduce=False``: the down launch's f32 partials ``[splits, M, D]`` (their sum is the
     output). ``knobs``: :func:`mlp_tuning`'s (``block_k``, ``gate_up_stages``, ``down_splits``,
-    ``down_stages``, ``gate_up_block_n``, ``down_block_n``). ``tiled``: the weights are
-    :func:`tile_mlp_weights`' (their tiles fix ``block_k`` and the widths)."""
-    m, d, inter = _check(x, w_gate_up, w_down, kernel=True, tiled=tiled)
-    t = _tuning(w_gate_up, w_down, d, inter, tiled, knobs)
+    ``down_stages``, ``gate_up_block_n``, ``down_block_n``)."""
+    m, d, inter = _check(x, w_gate_up, w_down, kernel=True)
+    t = mlp_tuning(d, inter, x.dtype.itemsize, **knobs)
     part = gemm_call(_gate_up_call(pad_rows(x), w_gate_up, t), w_down, t.down)[:, :m]  # [splits, M, D]
     return jnp.sum(part, axis=0) if reduce else part
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def decode_mlp_reference(x, w_gate_up, w_down, *, reduce: bool = True, tiled: bool = False, **knobs):
+def decode_mlp_reference(x, w_gate_up, w_down, *, reduce: bool = True, **knobs):
     """jnp twin of :func:`decode_mlp_mgpu` (same arguments and outputs): exact f32 sums of products
     of the inputs, ``h`` rounded to ``x``'s dtype as the kernel stores it, the down partials over
     the same K ranges (split ``s`` covers ``[s * steps_per_split * block_k, ...)``, the last clipped
     at I). Also takes float32 (CPU checks)."""
-    m, d, inter = _check(x, w_gate_up, w_down, kernel=False, tiled=tiled)
-    t = _tuning(w_gate_up, w_down, d, inter, tiled, knobs)  # the kernel's: its 16-bit tiles, whatever x's dtype
-    if tiled:
-        w_gate_up, w_down = _untiled(w_gate_up, w_down, d)
+    m, d, inter = _check(x, w_gate_up, w_down, kernel=False)
+    t = mlp_tuning(d, inter, 2, **knobs)  # the kernel's tuning: its 16-bit tiles, whatever x's dtype
     f32 = jnp.float32
     gate, up, up_col, _ = gate_up_sources(w_gate_up)
     xf = x.astype(f32)

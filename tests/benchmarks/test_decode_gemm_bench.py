@@ -1,7 +1,6 @@
 """``benchmarks/decode_gemm.py`` off the GPU: the XLA chains are timed against their floors, the
 knob sweeps start at the defaults and repeat nothing, and the record file is written."""
 
-import dataclasses
 import json
 
 import pytest
@@ -26,18 +25,3 @@ def test_sweep_starts_at_the_defaults_and_repeats_none(block):
     knobs = decode_gemm.sweep_knobs(block, get_preset("ouro-1.4b"))
     assert knobs[0] == {} and len(knobs) > 5
     assert len({json.dumps(k, sort_keys=True) for k in knobs}) == len(knobs)
-
-
-def test_tiled_knob_sets_get_tiled_weights():
-    """The ``mgpu`` path's weights for a knob set: tiled where it says ``tiled`` (each projection
-    of ``attn_proj`` on its own), the given arrays otherwise."""
-    config = dataclasses.replace(get_preset("tiny"), intermediate_size=128)  # whole 64-column tiles
-    for block in decode_gemm.BLOCKS:
-        weights = decode_gemm.block_weights(block, config, 2)
-        assert decode_gemm.kernel_weights(block, weights, {}) is weights
-        tiled = decode_gemm.kernel_weights(block, weights, decode_gemm.TILED[block])
-        assert len(tiled) == 2 and all(w.ndim == 4 for pair in tiled for w in pair)
-        assert all(sum(w.size for w in p) >= sum(w.size for w in q) for p, q in zip(tiled, weights))
-    weights = decode_gemm.block_weights("attn_proj", config, 1)
-    ((qkv, o),) = decode_gemm.kernel_weights("attn_proj", weights, {"o": {"tiled": True}})
-    assert qkv is weights[0][0] and o.ndim == 4

@@ -22,8 +22,6 @@ from pallas_kernels.decode_gemm_mgpu import (
     decode_gemm_reference,
     gemm_tuning,
     supported,
-    tile_weight,
-    untile_weight,
 )
 from tests.kernels.conftest import first_by_default
 
@@ -104,41 +102,6 @@ def test_refusals():
         gemm_tuning(8192, 128, block_k=512, splits=1, stages=8)
 
 
-@pytest.mark.parametrize("k,out,knobs", first_by_default(AWKWARD))
-def test_tiled_weight_twin_equals_row_major(k, out, knobs):
-    """``tile_weight`` puts each step's ``[block_k, block_n]`` tile in one block, K zero-padded;
-    ``untile_weight`` inverts it; the twin on the tiles equals the twin on ``w`` (the tiles fix
-    ``block_k`` and ``block_n``, and the output is ``[M, N]``)."""
-    x, w = _args(3, k, out, jnp.float32)
-    t = gemm_tuning(k, int(np.prod(out)), **knobs)
-    wt = tile_weight(w, t.block_k, t.block_n)
-    n = int(np.prod(out))
-    assert wt.shape == (n // t.block_n, -(-k // t.block_k), t.block_k, t.block_n)
-    w2 = np.asarray(w).reshape(k, n)
-    j, lo, bn = wt.shape[0] - 1, (wt.shape[1] - 1) * t.block_k, t.block_n
-    tile = np.asarray(wt[j, -1])  # the last column block's last step: K's tail, zero-padded
-    np.testing.assert_array_equal(tile[: k - lo], w2[lo:, j * bn : (j + 1) * bn])
-    assert not tile[k - lo :].any()
-    np.testing.assert_array_equal(np.asarray(untile_weight(wt, k)), w2)
-    rest = {name: v for name, v in knobs.items() if name not in ("block_k", "block_n")}
-    got = decode_gemm_reference(x, wt, tiled=True, reduce=False, **rest)
-    want = decode_gemm_reference(x, w, reduce=False, **knobs).reshape(t.splits, 3, n)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_tiled_refusals():
-    x, w = _args(8, 256, (128,), jnp.bfloat16)
-    wt = tile_weight(w, 128, 64)
-    with pytest.raises(ValueError, match="block_k=64 disagrees"):
-        decode_gemm_mgpu(x, wt, tiled=True, block_k=64)
-    with pytest.raises(ValueError, match="not tile_weight's layout"):
-        decode_gemm_mgpu(x[:, :128], wt, tiled=True)
-    with pytest.raises(ValueError, match="not tile_weight's layout"):
-        decode_gemm_mgpu(x, w, tiled=True)
-    with pytest.raises(ValueError, match="block_n=48"):
-        tile_weight(w, 128, 48)
-
-
 def _lower(m, k, out, **knobs):
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     lowered = jax.jit(lambda x, w: decode_gemm_mgpu(x, w, **knobs)).trace(sd((m, k), bf), sd((k, *out), bf))
@@ -153,14 +116,6 @@ def test_mosaic_lowering_ouro_shapes(name):
 @pytest.mark.parametrize("k,out,knobs", first_by_default(AWKWARD))
 def test_mosaic_lowering_awkward_shapes(k, out, knobs):
     _lower(3, k, out, **knobs)
-
-
-def test_mosaic_lowering_tiled_weights():
-    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    k, (n,) = OURO["o"]
-    f = jax.jit(lambda x, w: decode_gemm_mgpu(x, w, tiled=True))
-    lowered = f.trace(sd((8, k), bf), sd((n // 64, k // 128, 128, 64), bf))
-    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
 # K tails, uneven splits, rings that wrap (more steps than slots), narrow CTAs
@@ -183,16 +138,6 @@ def test_kernel_in_the_interpreter_matches_twin(mosaic_interpret, m, k, out, kno
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("m,k,out,knobs", [(3, 320, (96,), dict(block_k=128, block_n=32, splits=2, stages=1))])
-def test_tiled_kernel_in_the_interpreter_matches_twin(mosaic_interpret, m, k, out, knobs):
-    """The tiled layout's TMA copies (a whole contiguous tile a step, a K tail of zero padding)."""
-    x, w = _args(m, k, out, jnp.bfloat16, seed=m)
-    wt = tile_weight(w, knobs["block_k"], knobs["block_n"])
-    got = np.asarray(mosaic_interpret(decode_gemm_mgpu)(x, wt, reduce=False, tiled=True, **knobs))
-    want = np.asarray(decode_gemm_reference(x, w, reduce=False, **knobs)).reshape(got.shape)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
 @gpu
 @skip_no_hopper
 @pytest.mark.parametrize(
@@ -210,7 +155,3 @@ def test_kernel_matches_twin(m, k, out, knobs):
     np.testing.assert_allclose(got, want, atol=1e-3 * scale, rtol=0)
     xla = np.asarray(jnp.einsum("mk,k...->m...", x, w), np.float32)
     np.testing.assert_allclose(got.sum(0), xla, atol=2e-2 * scale, rtol=0)
-    t = gemm_tuning(k, int(np.prod(out)), **knobs)
-    rest = {name: v for name, v in knobs.items() if name not in ("block_k", "block_n")}
-    tiled = decode_gemm_mgpu(x, tile_weight(w, t.block_k, t.block_n), reduce=False, tiled=True, **rest)
-    np.testing.assert_array_equal(np.asarray(tiled).reshape(got.shape), got)  # the same tiles, the same sums

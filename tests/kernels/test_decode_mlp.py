@@ -17,14 +17,7 @@ import pytest
 from ouro_jax.model import OuroMLP
 from pallas_kernels import dispatch
 from pallas_kernels.decode_gemm_mgpu import NUM_SMS, SMEM_LIMIT
-from pallas_kernels.decode_mlp_mgpu import (
-    MAX_ROWS,
-    decode_mlp_mgpu,
-    decode_mlp_reference,
-    mlp_tuning,
-    supported,
-    tile_mlp_weights,
-)
+from pallas_kernels.decode_mlp_mgpu import MAX_ROWS, decode_mlp_mgpu, decode_mlp_reference, mlp_tuning, supported
 from tests.kernels.conftest import first_by_default
 from weights.config import OuroConfig
 
@@ -155,42 +148,6 @@ def test_refusals():
         decode_mlp_reference(jnp.zeros((17, 256), jnp.float32), w_gu.astype(jnp.float32), w_d.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("d,inter,knobs", first_by_default(AWKWARD))
-def test_tiled_twin_equals_row_major(d, inter, knobs):
-    """``tile_mlp_weights``: gate's column blocks, then up's, and down's, each step's tile one block;
-    the twin on them equals the twin on the fused kernel and on the pair (the tiles fix
-    ``block_k`` and both widths)."""
-    x, w_gu, w_d = _args(3, d, inter, jnp.float32)
-    t = mlp_tuning(d, inter, **knobs)
-    tg, td = tile_mlp_weights(w_gu, w_d, **knobs)
-    bn, steps = t.gate_up_block_n, -(-d // t.block_k)
-    assert tg.shape == (2 * inter // bn, steps, t.block_k, bn)
-    assert td.shape == (d // t.down.block_n, -(-inter // t.block_k), t.block_k, t.down.block_n)
-    up0 = np.asarray(tg[inter // bn, 0])  # up's first tile
-    np.testing.assert_array_equal(up0[: min(d, t.block_k)], np.asarray(w_gu)[: t.block_k, 1, :bn])
-    pair_tiles = tile_mlp_weights(_pair(w_gu), w_d, **knobs)
-    for a, b in zip(pair_tiles, (tg, td)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    rest = {k: v for k, v in knobs.items() if k != "block_k"}
-    got = decode_mlp_reference(x, tg, td, tiled=True, reduce=False, **rest)
-    np.testing.assert_array_equal(
-        np.asarray(got), np.asarray(decode_mlp_reference(x, w_gu, w_d, reduce=False, **knobs))
-    )
-
-
-def test_tiled_refusals():
-    x, w_gu, w_d = _args(8, 256, 320, jnp.bfloat16)
-    tg, td = tile_mlp_weights(w_gu, w_d)
-    with pytest.raises(ValueError, match="gate_up_block_n=32 disagrees"):
-        decode_mlp_mgpu(x, tg, td, tiled=True, gate_up_block_n=32)
-    with pytest.raises(ValueError, match="block_k"):
-        decode_mlp_mgpu(x, tg, tile_mlp_weights(w_gu, w_d, block_k=64)[1], tiled=True)
-    with pytest.raises(ValueError, match="not tile_mlp_weights' layout"):
-        decode_mlp_mgpu(x[:, :128], tg, td, tiled=True)
-    with pytest.raises(ValueError, match="4-d layouts|not tile_mlp_weights' layout"):
-        decode_mlp_mgpu(x, w_gu, w_d, tiled=True)
-
-
 def _lower(m, d, inter, pair=False, **knobs):
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
 
@@ -219,16 +176,6 @@ def test_mosaic_lowering_narrow_blocks(gate_up_block_n, down_block_n, splits):
 @pytest.mark.parametrize("d,inter,knobs", first_by_default(AWKWARD))
 def test_mosaic_lowering_awkward_shapes(d, inter, knobs):
     _lower(3, d, inter, **knobs)
-
-
-def test_mosaic_lowering_tiled_weights():
-    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    d, inter = OURO
-    args = sd((8, d), bf), sd((2 * inter // 64, d // 128, 128, 64), bf), sd((d // 64, inter // 128, 128, 64), bf)
-    text = (
-        jax.jit(lambda *a: decode_mlp_mgpu(*a, tiled=True)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    )
-    assert text.count("mosaic_gpu") >= 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,16 +211,6 @@ def test_kernels_in_the_interpreter_match_twin(mosaic_interpret, m, d, inter, kn
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * max(1.0, float(np.abs(want).max())))
 
 
-def test_tiled_kernels_in_the_interpreter_match_twin(mosaic_interpret):
-    """The tiled layouts' TMA copies: up's tiles after gate's, K tails of zero padding in both."""
-    knobs = dict(block_k=128, gate_up_block_n=32, down_splits=2, gate_up_stages=1, down_stages=1)
-    x, w_gu, w_d = _args(5, 192, 256, jnp.bfloat16, seed=5)
-    tg, td = tile_mlp_weights(w_gu, w_d, **knobs)
-    got = np.asarray(mosaic_interpret(decode_mlp_mgpu)(x, tg, td, reduce=False, tiled=True, **knobs))
-    want = np.asarray(decode_mlp_reference(x, w_gu, w_d, reduce=False, **knobs))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * max(1.0, float(np.abs(want).max())))
-
-
 # Ouro-1.4B at every bucket size the engine sends, narrow CTAs, and the awkward shapes at 3 rows
 GPU_CASES = [
     (1, *OURO, {}),
@@ -301,5 +238,3 @@ def test_kernel_matches_twin(m, d, inter, knobs):
     np.testing.assert_allclose(got.sum(0), want.sum(0), atol=2e-2 * scale, rtol=0)
     model = np.asarray(_model_mlp(x, w_gu, w_d), np.float32)
     np.testing.assert_allclose(got.sum(0), model, atol=5e-2 * scale, rtol=0)
-    tiled = decode_mlp_mgpu(x, *tile_mlp_weights(w_gu, w_d, **knobs), reduce=False, tiled=True, **knobs)
-    np.testing.assert_array_equal(np.asarray(tiled), got)  # the same tiles, the same sums
