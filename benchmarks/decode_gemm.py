@@ -18,6 +18,12 @@ run. Every ``mgpu`` record first checks one pass over the layers against ``xla``
 
     python -m benchmarks.decode_gemm                      # rows 1 / 8 / 16, the kernels' defaults
     python -m benchmarks.decode_gemm --sweep --out DIR    # and the knobs around them, at 8 rows
+    python -m benchmarks.decode_gemm --profile            # each chain's kernels traced too
+
+``--profile``: one more call of each timed chain under the profiler; its record carries
+``kernels``, a layer's kernels by name (``us_per_layer``, ``count_per_layer``), and their sum
+``kernel_us_per_layer`` (device time alone: the wall-clock figure of a chain moved by up to 20%
+between two calls of one run on the H200, run 33).
 
 Writes ``<out>/decode_gemm.json``. Off a Hopper GPU only the ``xla`` paths run (a plumbing check).
 """
@@ -123,6 +129,25 @@ def _check(block, config, weights, rows: int, knobs: dict) -> float:
     return float(np.abs(got - want).max() / max(1e-6, np.abs(want).max()))
 
 
+def profile_chain(block, path, config, weights, rows: int, knobs: dict, n: int) -> list[dict]:
+    """The kernels of one call of the ``n``-layer chain, by name: ``us_per_layer``,
+    ``count_per_layer`` (``profile_step.trace_kernels``), the longest first."""
+    from benchmarks.profile_step import base_name, trace_kernels
+
+    run = _chain(block, path, config, knobs, n)
+    x = jax.random.normal(jax.random.PRNGKey(1), (rows, config.hidden_size), jnp.float32)
+    jax.block_until_ready(run(x, weights))  # compiled and warm before the trace
+    _, _, events, _, _ = trace_kernels(lambda: jax.block_until_ready(run(x, weights)))
+    by: dict = {}
+    for e in events:
+        if e.get("duration_ns") is not None:
+            acc = by.setdefault(base_name(e["name"]), [0.0, 0])
+            acc[0] += float(e["duration_ns"])
+            acc[1] += 1
+    out = [dict(name=k, us_per_layer=v[0] / 1e3 / n, count_per_layer=v[1] / n) for k, v in by.items()]
+    return sorted(out, key=lambda r: -r["us_per_layer"])
+
+
 def sweep_knobs(block: str, config) -> list[dict]:
     """The defaults first, then the knobs around them."""
     d, inter = config.hidden_size, config.intermediate_size
@@ -157,6 +182,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sweep", action="store_true", help="also the kernel knobs around the defaults")
     ap.add_argument("--sweep-rows", nargs="*", type=int, default=[8], help="the rows the sweep runs at")
+    ap.add_argument("--profile", action="store_true", help="trace each chain's kernels too")
     ap.add_argument("--out", default=".")
     a = ap.parse_args(argv)
     config = get_preset(a.preset)
@@ -177,6 +203,9 @@ def main(argv=None) -> dict:
                             rec["max_rel_err"] = _check(block, config, weights, rows, knobs)
                         s = time_chain(block, path, config, weights, rows, knobs, a.chain, a.reps)
                         rec.update(us_per_layer=s * 1e6, of_floor=floor_s / s)
+                        if a.profile:
+                            rec["kernels"] = profile_chain(block, path, config, weights, rows, knobs, a.chain)
+                            rec["kernel_us_per_layer"] = sum(k["us_per_layer"] for k in rec["kernels"])
                     except Exception as e:  # noqa: BLE001 - a knob the kernel refuses is a record, not the end
                         rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                     records.append(rec)

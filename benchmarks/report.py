@@ -451,7 +451,17 @@ def _spec_records(result: dict) -> list:
 def _spec_variant(r: dict) -> str:
     """'random d=1 k=3', 'converging(0.01) d=1 k=3': what a marker of the self_spec plot stands for."""
     model = r["model"] if r.get("converging_scale") is None else f"{r['model']}({r['converging_scale']:g})"
-    return f"{model} d={r['draft_loops']} k={r['num_speculative_tokens']}"
+    beside = f" arrivals={r['arrivals']}" if r.get("arrivals") else ""
+    return f"{model} d={r['draft_loops']} k={r['num_speculative_tokens']}{beside}"
+
+
+def _spec_beside(r: dict) -> str:
+    """The prompts that arrived while a record's streams decoded (``--arrivals``)."""
+    if not r.get("arrivals"):
+        return "–"
+    rounds = r.get("spec_loop_rounds")
+    size = f" x {r['arrival_tokens']}" if r.get("arrival_tokens") else ""
+    return f"{r['arrivals']}{size}" + ("" if rounds is None else f" ({rounds} loop-by-loop rounds)")
 
 
 def plot_self_spec(result: dict, path: str) -> Optional[str]:
@@ -505,7 +515,13 @@ def self_spec_section(res: dict) -> str:
     order = {m: i for i, m in enumerate(("random", "converging"))}
     recs = sorted(
         (r for r in res.get("records", []) if r.get("mode") == "spec" and "error" not in r),
-        key=lambda r: (order.get(r["model"], 9), r["concurrency"], r["draft_loops"], r["num_speculative_tokens"]),
+        key=lambda r: (
+            order.get(r["model"], 9),
+            r.get("arrivals") or 0,
+            r["concurrency"],
+            r["draft_loops"],
+            r["num_speculative_tokens"],
+        ),
     )
     rows = [
         [
@@ -513,6 +529,8 @@ def self_spec_section(res: dict) -> str:
             r["concurrency"],
             r["draft_loops"],
             r["num_speculative_tokens"],
+            _f(r.get("output_tokens"), 0),
+            _spec_beside(r),
             _pct(r.get("acceptance")),
             _f(r.get("mean_accepted_length"), 2),
             _f(r.get("tpot_ms"), 2),
@@ -528,6 +546,8 @@ def self_spec_section(res: dict) -> str:
         "c",
         "d",
         "k",
+        "out",
+        "prompts beside",
         "acceptance",
         "tokens/round",
         "TPOT p50 ms",
@@ -1260,12 +1280,13 @@ def write_report(folder: str) -> str:
             "## Self-speculative decoding (benchmarks/self_spec.py)",
             "",
             f"c streams at t=0, {cfg.get('context')}-token prompts warmed into the prefix cache, "
-            f"{cfg.get('output_tokens')} out, greedy, fixed full depth; preset {spec.get('preset')} "
+            f"`out` tokens each, greedy, fixed full depth; preset {spec.get('preset')} "
             f"{cfg.get('dtype')} on {spec.get('device')}. d loops draft k tokens, full depth verifies them; "
             "acceptance and tokens per round are the engine's (`LLM.stats()`) over the timed batch; plain "
             "TPOT is the same variant and c without `speculative_config`, in the same run; the floor is a "
             "plain decode step's (`floors.decode_step_floor`, T loops). `converging (s)`: each layer adds s "
-            "of its update (`weights/converging.py`).",
+            "of its update (`weights/converging.py`). `prompts beside`: prompts (count x tokens) that "
+            "arrived while the streams decoded, so that rounds ran loop by loop beside their chunks.",
             "",
             self_spec_section(spec),
             "",

@@ -94,17 +94,27 @@ def test_report_section_and_plot(tmp_path):
         _spec_record("random", 1, 1, 3, 0.05, 4.1, 3.0),
         _spec_record("converging", 8, 1, 3, 0.81, 2.0, 3.4, scale=0.01),
         dict(_spec_record("converging", 1, 1, 3, 0.83, 1.6, 3.0, scale=0.01), tokens_equal=False, first_difference=37),
+        dict(
+            _spec_record("converging", 4, 1, 3, 0.7, 3.0, 3.0, scale=0.01),
+            output_tokens=128,
+            arrivals=4,
+            arrival_tokens=2048,
+            spec_loop_rounds=87,
+        ),
         dict(label="self_spec random c=1 plain", mode="plain", model="random", concurrency=1, tpot_ms=3.0),
         dict(label="self_spec random c=8 d=2 k=3", mode="spec", model="random", concurrency=8, error="Boom: x"),
     ]
     res = dict(benchmark="self_spec", preset="ouro-1.4b", device="H200", config=dict(context=1024), records=recs)
     md = report.self_spec_section(res)
     lines = md.splitlines()
-    assert lines[0].startswith("| model | c | d | k | acceptance | tokens/round | TPOT p50 ms | plain TPOT ms")
+    assert lines[0].startswith(
+        "| model | c | d | k | out | prompts beside | acceptance | tokens/round | TPOT p50 ms | plain TPOT ms"
+    )
     body = [x for x in lines[2:] if x.startswith("|")]
-    assert len(body) == 3  # spec records only; random first, then by c
-    assert body[0].startswith("| random | 1 | 1 | 3 | 5.0% |") and "0.73x" in body[0]
-    assert body[1].startswith("| converging (0.01) | 1 | 1 | 3 | 83.0% | 3.49 |") and "1.88x" in body[1]
+    assert len(body) == 4  # spec records only; random first, then by prompts beside, then by c
+    assert body[0].startswith("| random | 1 | 1 | 3 | – | – | 5.0% |") and "0.73x" in body[0]
+    assert body[1].startswith("| converging (0.01) | 1 | 1 | 3 | – | – | 83.0% | 3.49 |") and "1.88x" in body[1]
+    assert body[3].startswith("| converging (0.01) | 4 | 1 | 3 | 128 | 4 x 2048 (87 loop-by-loop rounds) | 70.0% |")
     assert body[1].endswith("| NO (from token 37) |") and body[0].endswith("| yes |")
     assert "Failed: self_spec random c=8 d=2 k=3 (Boom: x)" in md
     with open(tmp_path / "self_spec.json", "w") as f:
