@@ -39,6 +39,7 @@ __all__ = [
     "plot_bucket_sweep",
     "plot_decode",
     "decode_section",
+    "decode_gemm_section",
     "plot_self_spec",
     "self_spec_section",
     "soak_section",
@@ -507,6 +508,41 @@ def _tokens_equal(r: dict) -> str:
         return "yes"
     first = r.get("first_difference")
     return "NO" if first is None else f"NO (from token {first})"
+
+
+def _knobs(k: dict) -> str:
+    """``{'qkv': {'splits': 2}}`` -> ``qkv.splits=2``; ``{}`` -> ``defaults``."""
+    flat = []
+    for name, v in k.items():
+        flat += [f"{name}.{a}={b}" for a, b in v.items()] if isinstance(v, dict) else [f"{name}={v}"]
+    return ", ".join(flat) or "defaults"
+
+
+def decode_gemm_section(res: dict) -> str:
+    """decode_gemm.json: per block, rows, path and knobs, a layer's wall-clock and kernel device
+    time against one read of the block's weights; the three longest kernels."""
+    rows = []
+    for r in res.get("records", []):
+        kernels = ", ".join(f"{k['name']} {k['us_per_layer']:.1f}" for k in r.get("kernels", [])[:3])
+        dev = r.get("kernel_us_per_layer")
+        rows.append(
+            [
+                r["block"],
+                r["rows"],
+                r["path"],
+                _knobs(r.get("knobs") or {}),
+                _f(r.get("us_per_layer"), 2),
+                _f(dev, 2),
+                _f(r.get("floor_us"), 2),
+                _pct(None if not dev else r["floor_us"] / dev),
+                kernels or r.get("error", "–")[:80],
+            ]
+        )
+    head = ["block", "rows", "path", "knobs", "us a layer", "kernel us a layer", "floor us", "of floor", "kernels (us)"]
+    out = _table(head, rows)
+    if res.get("truncated"):
+        out += f"\n\nCut short: {res['truncated']}."
+    return out
 
 
 def self_spec_section(res: dict) -> str:
@@ -1271,6 +1307,24 @@ def write_report(folder: str) -> str:
             f"Preset {feat.get('preset')} on {feat.get('device')}; every path on one engine, in turn.",
             "",
             serve_features_section(feat),
+            "",
+        ]
+    gemm = results.get("decode_gemm")
+    if gemm and gemm.get("benchmark") == "decode_gemm" and gemm.get("records"):
+        bw = (gemm.get("ceilings") or {}).get("bandwidth")
+        lines += [
+            "## Decode GEMM kernels (benchmarks/decode_gemm.py)",
+            "",
+            f"A decode layer's MLP block (norm, MLP, norm, residual) and attention projections (norm, Q/K/V, "
+            f"O of Q, norm, residual), each chained over {gemm.get('chain')} layers of their own weights, "
+            f"XLA against the Mosaic GPU kernels (`pallas_kernels/decode_mlp_mgpu.py`, "
+            f"`decode_gemm_mgpu.py`); preset {gemm.get('preset')} on {gemm.get('device')}, {gemm.get('run')}. "
+            "`us a layer`: wall clock, (t(2n) - t(n)) / n; `kernel us a layer`: the kernels' device time "
+            "in a profiler trace (the steadier figure); the floor is one read of the block's weights at "
+            + ("the copy bandwidth measured in the run" if not bw else f"{bw / 1e12:.2f} TB/s, measured in the run")
+            + ".",
+            "",
+            decode_gemm_section(gemm),
             "",
         ]
     spec = results.get("self_spec")

@@ -28,3 +28,28 @@ def test_sweep_starts_at_the_defaults_and_repeats_none(block):
     knobs = decode_gemm.sweep_knobs(block, get_preset("ouro-1.4b"))
     assert knobs[0] == {} and len(knobs) > 5
     assert len({json.dumps(k, sort_keys=True) for k in knobs}) == len(knobs)
+
+
+def test_report_section(tmp_path):
+    """decode_gemm.json in REPORT.md: a row per record (knobs flattened, kernel device time against
+    the floor, the longest kernels), the cut-short note, and the section in the written report."""
+    from benchmarks import report
+
+    kern = [dict(name="entry_mosaic_gpu_kernel", us_per_layer=23.0, count_per_layer=2.0)]
+    recs = [
+        dict(block="mlp", path="xla", rows=8, knobs={}, floor_us=16.0, us_per_layer=30.0),
+        dict(block="attn_proj", path="mgpu", rows=8, knobs={"o": {"splits": 2}}, floor_us=8.0, us_per_layer=20.0)
+        | dict(kernels=kern, kernel_us_per_layer=16.0),
+        dict(block="mlp", path="mgpu", rows=8, knobs={"block_k": 96}, floor_us=16.0, error="ValueError: block_k=96"),
+    ]
+    res = dict(benchmark="decode_gemm", preset="ouro-1.4b", device="H200", chain=24, records=recs, truncated="time")
+    body = [ln for ln in report.decode_gemm_section(res).splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    assert body[0].startswith("| mlp | 8 | xla | defaults | 30.00 | – | 16.00 | – | – |")
+    assert (
+        body[1] == "| attn_proj | 8 | mgpu | o.splits=2 | 20.00 | 16.00 | 8.00 | 50.0% | entry_mosaic_gpu_kernel 23.0 |"
+    )
+    assert "block_k=96" in body[2] and "ValueError" in body[2]
+    assert "Cut short: time." in report.decode_gemm_section(res)
+    (tmp_path / "decode_gemm.json").write_text(json.dumps(res))
+    report.write_report(str(tmp_path))
+    assert "## Decode GEMM kernels (benchmarks/decode_gemm.py)" in (tmp_path / "REPORT.md").read_text()
