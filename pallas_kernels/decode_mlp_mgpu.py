@@ -7,10 +7,11 @@ follows it, a fusion XLA runs anyway:
 
 1. gate/up: grid ``I / gate_up_block_n`` CTAs (64 columns by default: 88 at Ouro-1.4B). A CTA
    streams its gate and up columns over all of K, so it owns whole sums and applies
-   ``silu(g) * u`` in its epilogue. It writes ``h [16, I]`` in the model dtype.
+   ``silu(g) * u`` in its epilogue. It writes ``h [R, I]`` in the model dtype (``R``: the rows
+   rounded up to 8).
 2. down: grid ``D / down_block_n`` column blocks x ``down_splits`` K ranges (32 x 4 at
    Ouro-1.4B). A CTA streams its weight tiles and the matching columns of ``h`` (L2-resident,
-   180 KB at Ouro-1.4B) and writes its f32 partial ``[16, block_n]``; ``decode_mlp_mgpu`` returns
+   at most 180 KB at Ouro-1.4B) and writes its f32 partial ``[R, block_n]``; ``decode_mlp_mgpu`` returns
    their sum as ``[M, D]``, which XLA fuses into the consumer.
 
 Kernel 2 is ``decode_gemm_mgpu``'s launch; kernel 1 is its loop with two weight tiles a step (the
@@ -161,6 +162,7 @@ def _check(x, w_gate_up, w_down, *, kernel: bool):
 def _gate_up_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, g_smem, u_smem, o_smem, ready, *, t, steps, up_col):
     """One CTA: ``h[:, n0:n0+block_n] = silu(x W_g) * (x W_u)`` over all of K."""
     bk, stages, bn = t.block_k, t.gate_up_stages, t.gate_up_block_n
+    rows = x_ref.shape[0]  # a whole number of row groups (pad_rows)
     n0 = lax.axis_index("n") * bn
     zero_pad_rows(x_smem, stages)
 
@@ -168,7 +170,7 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, g_smem, u_smem, o_smem
         k0 = i * bk
         plgpu.copy_gmem_to_smem(wg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], g_smem.at[slot], ready.at[slot])
         plgpu.copy_gmem_to_smem(wu_ref.at[pl.ds(k0, bk), pl.ds(up_col + n0, bn)], u_smem.at[slot], ready.at[slot])
-        plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, bk)], x_smem.at[slot, pl.ds(0, MAX_ROWS)], ready.at[slot])
+        plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, bk)], x_smem.at[slot, pl.ds(0, rows)], ready.at[slot])
 
     for i in range(stages):  # stages <= steps (mlp_tuning)
         issue(jnp.int32(i), i)
@@ -192,12 +194,12 @@ def _gate_up_kernel(x_ref, wg_ref, wu_ref, o_ref, x_smem, g_smem, u_smem, o_smem
     g, u = pl.run_scoped(acc_scope, acc, acc)
     o_smem[...] = (g / (1.0 + jnp.exp(-g)) * u).astype(o_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, MAX_ROWS)], o_ref.at[:, pl.ds(n0, bn)])
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[:, pl.ds(n0, bn)])
     plgpu.wait_smem_to_gmem(0)
 
 
 def _gate_up_call(x, w_gate_up, t: MlpTuning):
-    """Kernel 1: ``x [MAX_ROWS, D]`` -> ``h [MAX_ROWS, I]`` in ``x``'s dtype."""
+    """Kernel 1: ``x [R, D]`` -> ``h [R, I]`` in ``x``'s dtype (``R``: ``pad_rows``')."""
     gate, up, up_col, inter = gate_up_sources(w_gate_up)
     d = gate.shape[0]
     dt, size, bn = x.dtype, x.dtype.itemsize, t.gate_up_block_n
@@ -216,7 +218,7 @@ def _gate_up_call(x, w_gate_up, t: MlpTuning):
 
     return plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((MAX_ROWS, inter), dt),
+        out_type=jax.ShapeDtypeStruct((x.shape[0], inter), dt),
         grid=(inter // bn,),
         grid_names=("n",),
     )(x, gate, up)

@@ -102,10 +102,18 @@ def test_refusals():
         gemm_tuning(8192, 128, block_k=512, splits=1, stages=8)
 
 
-def _lower(m, k, out, **knobs):
+def _lower(m, k, out, **knobs) -> str:
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     lowered = jax.jit(lambda x, w: decode_gemm_mgpu(x, w, **knobs)).trace(sd((m, k), bf), sd((k, *out), bf))
-    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    return text
+
+
+@pytest.mark.parametrize("m,padded", [(8, False), (16, False), (3, True)])
+def test_rows_padded_only_to_a_group_of_8(m, padded):
+    """The engine's buckets (8, 16 rows) go to the launch as they are: a pad is one more kernel."""
+    assert ("stablehlo.pad" in _lower(m, *OURO["o"])) == padded
 
 
 @pytest.mark.parametrize("name", sorted(OURO))
