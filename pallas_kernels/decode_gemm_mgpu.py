@@ -238,8 +238,8 @@ def gemm_call(x, w, t: GemmTuning):
 
 def pad_rows(x):
     """``x [M, K]`` -> ``[R, K]``, ``R`` = M rounded up to a whole ``ROW_GROUP``: what the launches read
-    and write. The engine's decode buckets (8, 16 rows) need no pad; a pad is one more XLA fusion
-    (1.2 us a launch on the H200, run 33)."""
+    and write. The engine's decode buckets (8, 16 rows) need no pad, which would be one more XLA
+    kernel (docs/roadmap.md has its cost)."""
     m = x.shape[0]
     r = cdiv(m, ROW_GROUP) * ROW_GROUP
     return x if r == m else jnp.pad(x, ((0, r - m), (0, 0)))
