@@ -7,10 +7,10 @@ CTAs. The CTA's one warpgroup runs a ring of ``stages`` shared-memory slots, eac
 TMA copies on one barrier (a weight tile ``[block_k, block_n]``, wgmma's B operand, and the
 matching ``[R, block_k]`` slice of ``x``, ``R`` its rows rounded up to 8); it waits for the slot,
 issues the wgmma into a ``[64, block_n]`` f32 accumulator, waits for it and refills the slot with
-the step ``stages`` ahead, so ``stages`` weight tiles are in flight. wgmma's A operand has 64 rows: the ``R <= 16`` rows
-that TMA copies fill the top of a 64-row tile zeroed once, and only those rows of the accumulator
-are stored (an output row reads only its own row of A). Each CTA writes its f32 partial
-``[R, block_n]``; ``decode_gemm_mgpu`` returns the sum of the splits (XLA fuses it into the
+the step ``stages`` ahead, so ``stages`` weight tiles are in flight. wgmma's A operand has 64 rows:
+the ``R <= 16`` rows that TMA copies fill the top of a 64-row tile zeroed once, and only those rows
+of the accumulator are stored (an output row reads only its own row of A). Each CTA writes its f32
+partial ``[R, block_n]``; ``decode_gemm_mgpu`` returns the sum of the splits (XLA fuses it into the
 consumer) or the partials themselves.
 
 (A skinny GEMM measured at ``c47db58`` computed ``y^T = w^T x^T`` instead and lost in the engine to

@@ -11,8 +11,8 @@ follows it, a fusion XLA runs anyway:
    rounded up to 8).
 2. down: grid ``D / down_block_n`` column blocks x ``down_splits`` K ranges (32 x 4 at
    Ouro-1.4B). A CTA streams its weight tiles and the matching columns of ``h`` (L2-resident,
-   at most 180 KB at Ouro-1.4B) and writes its f32 partial ``[R, block_n]``; ``decode_mlp_mgpu`` returns
-   their sum as ``[M, D]``, which XLA fuses into the consumer.
+   at most 180 KB at Ouro-1.4B) and writes its f32 partial ``[R, block_n]``; ``decode_mlp_mgpu``
+   returns their sum as ``[M, D]``, which XLA fuses into the consumer.
 
 Kernel 2 is ``decode_gemm_mgpu``'s launch; kernel 1 is its loop with two weight tiles a step (the
 gate and up columns of the same block) and SiLU x up in the epilogue. Both read the rows of ``x``
