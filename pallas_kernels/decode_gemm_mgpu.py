@@ -159,12 +159,21 @@ def gemm_tuning(
     return GemmTuning(int(block_k), int(splits), int(per_split), int(stages), int(block_n))
 
 
-def supported(dtype, m: int, k: int, n: int) -> str | None:
-    """Why the kernel cannot serve ``[m, k] @ [k, n]`` in ``dtype`` (``None`` when it can)."""
+def rows_and_dtype_unsupported(dtype, m: int) -> str | None:
+    """Why a launch of these kernels cannot take ``m`` rows of ``dtype`` (``None`` when it can):
+    the check ``decode_mlp_mgpu`` shares."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name} (needs bfloat16 or float16)"
     if not 1 <= m <= MAX_ROWS:
         return f"{m} rows (needs 1..{MAX_ROWS})"
+    return None
+
+
+def supported(dtype, m: int, k: int, n: int) -> str | None:
+    """Why the kernel cannot serve ``[m, k] @ [k, n]`` in ``dtype`` (``None`` when it can)."""
+    why = rows_and_dtype_unsupported(dtype, m)
+    if why is not None:
+        return why
     if k < 64 or k % 64:
         return f"K={k} (needs a multiple of 64: x's tiles are whole swizzle atoms)"
     if n < 16 or n % 16:

@@ -53,6 +53,7 @@ from pallas_kernels.decode_gemm_mgpu import (
     gemm_call,
     gemm_tuning,
     pad_rows,
+    rows_and_dtype_unsupported,
     split_products,
     stage_bytes,
     swizzled,
@@ -81,10 +82,9 @@ class MlpTuning:
 def supported(dtype, m: int, d: int, inter: int) -> str | None:
     """Why the kernels cannot serve ``m`` rows of a ``D = d``, ``I = inter`` MLP in ``dtype``
     (``None`` when they can)."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"dtype {jnp.dtype(dtype).name} (needs bfloat16 or float16)"
-    if not 1 <= m <= MAX_ROWS:
-        return f"{m} rows (needs 1..{MAX_ROWS})"
+    why = rows_and_dtype_unsupported(dtype, m)
+    if why is not None:
+        return why
     for name, v in (("hidden size", d), ("intermediate size", inter)):
         if v < 64 or v % 64:
             return f"{name} {v} (needs a multiple of 64: the tiles' rows are whole swizzle atoms)"

@@ -1,6 +1,7 @@
 """Shared by the kernel tests: ragged paged batches (``make_batch``), a float64 numpy dense-softmax
 oracle, a runner that pads and calls a kernel (``run``), the tolerance rule, and the Mosaic GPU
-interpreter with a stand-in for wgmma (``mosaic_interpret``)."""
+interpreter with a stand-in for wgmma (``mosaic_interpret``), and the mark that skips a test off
+a Hopper GPU (``skip_no_hopper``)."""
 
 import functools
 import math
@@ -8,6 +9,11 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from pallas_kernels import dispatch
+
+ON_HOPPER = dispatch.hopper_available()
+skip_no_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper (sm90+) GPU")
 
 
 def make_batch(

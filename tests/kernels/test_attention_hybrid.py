@@ -25,11 +25,9 @@ from hypothesis import strategies as st
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention_mgpu import ALIGN, mgpu_tiles
-from tests.kernels.conftest import assert_close, make_batch
+from tests.kernels.conftest import assert_close, make_batch, skip_no_hopper
 
-ON_HOPPER = dispatch.hopper_available()
 gpu = pytest.mark.gpu
-skip_no_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper (sm90+) GPU")
 LONG = dispatch.HYBRID_MIN_SEGMENT_ROWS
 
 

@@ -27,11 +27,9 @@ from pallas_kernels.ragged_paged_attention_mgpu import (
     supported,
     tile_rows,
 )
-from tests.kernels.conftest import assert_close, make_batch, run
+from tests.kernels.conftest import assert_close, make_batch, run, skip_no_hopper
 
-ON_HOPPER = dispatch.hopper_available()
 gpu = pytest.mark.gpu
-skip_no_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper (sm90+) GPU")
 
 
 # ----------------------------------------------------------------------------------------------

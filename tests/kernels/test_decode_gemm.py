@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dispatch
 from pallas_kernels.decode_gemm_mgpu import (
     MAX_ROWS,
     NUM_SMS,
@@ -23,11 +22,9 @@ from pallas_kernels.decode_gemm_mgpu import (
     gemm_tuning,
     supported,
 )
-from tests.kernels.conftest import first_by_default
+from tests.kernels.conftest import first_by_default, skip_no_hopper
 
-ON_HOPPER = dispatch.hopper_available()
 gpu = pytest.mark.gpu
-skip_no_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper (sm90+) GPU")
 
 # Ouro-1.4B's projections of a layer outside the MLP's gate/up: (K, out shape of the stored kernel)
 OURO = {"qkv": (2048, (16, 3, 128)), "o": (2048, (2048,)), "down": (5632, (2048,))}

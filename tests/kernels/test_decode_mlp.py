@@ -15,15 +15,12 @@ import numpy as np
 import pytest
 
 from ouro_jax.model import OuroMLP
-from pallas_kernels import dispatch
 from pallas_kernels.decode_gemm_mgpu import NUM_SMS, SMEM_LIMIT
 from pallas_kernels.decode_mlp_mgpu import MAX_ROWS, decode_mlp_mgpu, decode_mlp_reference, mlp_tuning, supported
-from tests.kernels.conftest import first_by_default
+from tests.kernels.conftest import first_by_default, skip_no_hopper
 from weights.config import OuroConfig
 
-ON_HOPPER = dispatch.hopper_available()
 gpu = pytest.mark.gpu
-skip_no_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper (sm90+) GPU")
 
 OURO = (2048, 5632)  # Ouro-1.4B: hidden size D, intermediate size I
 # (D, I, knobs): K tails of both kernels, more splits than steps, one step, uneven splits
