@@ -131,21 +131,18 @@ def _check(block, config, weights, rows: int, knobs: dict) -> float:
 
 def profile_chain(block, path, config, weights, rows: int, knobs: dict, n: int) -> list[dict]:
     """The kernels of one call of the ``n``-layer chain, by name: ``us_per_layer``,
-    ``count_per_layer`` (``profile_step.trace_kernels``), the longest first."""
-    from benchmarks.profile_step import base_name, trace_kernels
+    ``count_per_layer`` (``profile_step.trace_kernels`` and ``aggregate``, a layer as the
+    invocation), the longest first."""
+    from benchmarks.profile_step import aggregate, trace_kernels
 
     run = _chain(block, path, config, knobs, n)
     x = jax.random.normal(jax.random.PRNGKey(1), (rows, config.hidden_size), jnp.float32)
     jax.block_until_ready(run(x, weights))  # compiled and warm before the trace
     _, _, events, _, _ = trace_kernels(lambda: jax.block_until_ready(run(x, weights)))
-    by: dict = {}
-    for e in events:
-        if e.get("duration_ns") is not None:
-            acc = by.setdefault(base_name(e["name"]), [0.0, 0])
-            acc[0] += float(e["duration_ns"])
-            acc[1] += 1
-    out = [dict(name=k, us_per_layer=v[0] / 1e3 / n, count_per_layer=v[1] / n) for k, v in by.items()]
-    return sorted(out, key=lambda r: -r["us_per_layer"])
+    kernels = aggregate(events, n, top=64)["top_kernels"]
+    return [
+        dict(name=k["name"], us_per_layer=k["ms_per_inv"] * 1e3, count_per_layer=k["count_per_inv"]) for k in kernels
+    ]
 
 
 def sweep_knobs(block: str, config) -> list[dict]:
