@@ -2,11 +2,9 @@
 
 * **decode** (``PlainDecoder``): one dense K/V pair per layer and loop (donated), the layers written
   out, one jit per loop, argmax; no paging, gates, planes or batching machinery. Fixed depth (every
-  token runs the ``T`` loops), the same context for every stream. ``cache_layout``: ``bshd``
-  (``[B, S, KVH, hd]``, ``ouro_jax.attention.dense_attention``'s; run 33's figures) or ``bhsd``
-  (``[B, KVH, S, hd]``, gpt-fast's: the attention products' batch dimensions lead, so XLA need
-  not transpose a cache before them). The faster one stays and the other goes, once a GPU run has
-  timed both side by side (``--cache-layout bshd bhsd``; docs/roadmap.md).
+  token runs the ``T`` loops), the same context for every stream. Caches lie ``[B, KVH, S, hd]``
+  (gpt-fast's: the attention products' batch dimensions lead); ``[B, S, KVH, hd]`` was 11-18%
+  slower and is gone (docs/decisions.md, "Plain-JAX decode baseline").
 * **prefill** (``plain_prefill``): one jit running each loop's layers over the whole prompts, cuDNN
   causal attention on a GPU (``jax.nn.dot_product_attention``; XLA's elsewhere), the K/V of every
   loop and layer returned (what a decode after it reads), and the first token.
@@ -24,7 +22,7 @@ and at 128 streams of 1K its float32 attention scores (~10 GB a layer) would not
 ``long4`` (records ``mode: "plain_jax"``), both on the engine's weights and the workloads' shapes.
 
     python -m benchmarks.plain_jax --preset ouro-1.4b --decode 1 8 32 --context 1024 \\
-        --prefill 3x6000 [--cache-layout bshd bhsd] --out /tmp/plain.json
+        --prefill 3x6000 --out /tmp/plain.json
 """
 
 from __future__ import annotations
@@ -39,38 +37,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouro_jax.attention import dense_attention
 from ouro_jax.model import OuroModel, dtype_of
 from weights.config import OuroConfig
 
-__all__ = ["CACHE_LAYOUTS", "PLAIN_MODE", "PlainDecoder", "plain_prefill", "time_decode", "time_prefill"]
+__all__ = ["PLAIN_MODE", "PlainDecoder", "plain_prefill", "time_decode", "time_prefill"]
 
 PLAIN_MODE = "plain_jax"  # the mode (and decode.json path) of these baselines' records
-CACHE_LAYOUTS = ("bshd", "bhsd")  # PlainDecoder's dense caches: [B, S, KVH, hd] or [B, KVH, S, hd]
 
 
 @dataclasses.dataclass(frozen=True)
 class _DenseKV:
-    """The attention boundary over one loop's dense caches, a ``(k, v)`` pair per layer in
-    ``layout`` (``CACHE_LAYOUTS``): the rows' K/V written at ``start..start+Sq-1``, their queries
-    attend causally to everything up to there (softmax in float32)."""
+    """The attention boundary over one loop's dense caches, a ``(k, v)`` pair ``[B, KVH, S, hd]``
+    per layer: the rows' K/V written at ``start..start+Sq-1``, their queries attend causally to
+    everything up to there (softmax in float32)."""
 
     start: jax.Array  # int32 scalar: the first position of the rows
     scale: float
-    layout: str = "bshd"
 
     def __call__(self, layer, q, k, v, cache):
         kc, vc = cache[layer]
-        if self.layout == "bhsd":
-            k, v, at, sk = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), (0, 0, self.start, 0), kc.shape[2]
-        else:
-            at, sk = (0, self.start, 0, 0), kc.shape[1]
-        kc = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), at)
-        vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), at)
+        at = (0, 0, self.start, 0)
+        kc = jax.lax.dynamic_update_slice(kc, k.transpose(0, 2, 1, 3).astype(kc.dtype), at)
+        vc = jax.lax.dynamic_update_slice(vc, v.transpose(0, 2, 1, 3).astype(vc.dtype), at)
         cache = (*cache[:layer], (kc, vc), *cache[layer + 1 :])
-        mask = jnp.arange(sk)[None, :] <= (self.start + jnp.arange(q.shape[1]))[:, None]  # [Sq, Sk]
-        if self.layout == "bshd":
-            return dense_attention(q, kc, vc, mask[None], self.scale), cache
+        mask = jnp.arange(kc.shape[2])[None, :] <= (self.start + jnp.arange(q.shape[1]))[:, None]  # [Sq, Sk]
         b, sq, h, hd = q.shape
         kvh = kc.shape[1]
         qg = q.reshape(b, sq, kvh, h // kvh, hd).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, Sq, hd]
@@ -84,19 +74,12 @@ class PlainDecoder:
     """Greedy fixed-depth decoding of ``B`` streams over dense per-loop K/V caches of ``max_len``
     positions: ``prefill(ids [B, S])`` then ``step()`` per token (``T`` jitted loops + lm_head)."""
 
-    def __init__(
-        self, config: OuroConfig, params: dict, batch: int, max_len: int, dtype="bfloat16", cache_layout="bshd"
-    ):
-        if cache_layout not in CACHE_LAYOUTS:
-            raise ValueError(f"cache_layout must be one of {CACHE_LAYOUTS}, got {cache_layout!r}")
+    def __init__(self, config: OuroConfig, params: dict, batch: int, max_len: int, dtype="bfloat16"):
         c = self.config = config
         self.dt = dtype_of(dtype)
         self.params = params
         self.model = OuroModel(c, self.dt)
-        self.cache_layout = cache_layout
-        kvh, hd = c.num_key_value_heads, c.head_dim
-        shape = (batch, kvh, max_len, hd) if cache_layout == "bhsd" else (batch, max_len, kvh, hd)
-        zeros = functools.partial(jnp.zeros, shape, self.dt)
+        zeros = functools.partial(jnp.zeros, (batch, c.num_key_value_heads, max_len, c.head_dim), self.dt)
         self.caches = [tuple((zeros(), zeros()) for _ in range(c.num_hidden_layers)) for _ in range(c.num_loops)]
         self.pos = 0
         self.last = None
@@ -111,7 +94,7 @@ class PlainDecoder:
     @functools.partial(jax.jit, static_argnums=0, donate_argnums=(4,))
     def _loop(self, params, x, start, cache):
         positions = start + jnp.arange(x.shape[1])[None, :]
-        att = _DenseKV(start, self.config.attn_scale, self.cache_layout)
+        att = _DenseKV(start, self.config.attn_scale)
         h, _, cache = self.model.apply({"params": params}, x, positions, att, cache, method=OuroModel.recurrent)
         return h, cache
 
@@ -177,13 +160,13 @@ def plain_prefill(params, ids, *, config: OuroConfig, dtype_name: str, cudnn: bo
 
 
 def time_decode(
-    config, params, batch: int, context: int, tokens: int, dtype="bfloat16", rounds: int = 3, cache_layout="bshd"
+    config, params, batch: int, context: int, tokens: int, dtype="bfloat16", rounds: int = 3
 ) -> dict:
     """Milliseconds per token of ``batch`` streams taking ``tokens`` steps from position ``context``
     (caches of ``context + tokens`` positions, not prefilled: see the module doc); every round starts
     at ``context`` again. ``tpot_ms``: the best round; ``round_ms``: every round; ``first_call_s``:
     the first step, compilation included."""
-    dec = PlainDecoder(config, params, batch, context + tokens, dtype, cache_layout)
+    dec = PlainDecoder(config, params, batch, context + tokens, dtype)
     start = np.random.default_rng(0).integers(5, config.vocab_size, batch)
     try:
         t = time.perf_counter()
@@ -202,7 +185,6 @@ def time_decode(
         dec.free()
     return dict(
         baseline="plain_jax_decode",
-        cache_layout=cache_layout,
         batch=batch,
         context=context,
         tokens=tokens,
@@ -251,7 +233,6 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prefill", nargs="*", default=["3x6000"], help="BATCHxLENGTH prompts")
-    ap.add_argument("--cache-layout", nargs="+", default=["bshd"], choices=CACHE_LAYOUTS, help="decode caches")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from ouro_jax import get_preset
@@ -261,9 +242,8 @@ def main(argv=None) -> None:
     params = init_params(config, 0, a.dtype)
     records = []
     for b in a.decode:
-        for layout in a.cache_layout:  # side by side, one batch size at a time
-            records.append(time_decode(config, params, b, a.context, a.tokens, a.dtype, cache_layout=layout))
-            print(json.dumps(records[-1]), flush=True)
+        records.append(time_decode(config, params, b, a.context, a.tokens, a.dtype))
+        print(json.dumps(records[-1]), flush=True)
     for spec in a.prefill:
         b, n = map(int, spec.split("x"))
         ids = np.random.default_rng(0).integers(5, config.vocab_size, (b, n))

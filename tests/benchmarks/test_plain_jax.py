@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.plain_jax import CACHE_LAYOUTS, PlainDecoder, plain_prefill, time_decode, time_prefill
+from benchmarks.plain_jax import PlainDecoder, plain_prefill, time_decode, time_prefill
 from ouro_jax import LLM, SamplingParams, get_preset
 from weights.random_init import random_params
 
@@ -22,22 +22,20 @@ def test_plain_decoder_and_prefill_give_the_engines_tokens():
         outs = llm.generate(list(prompts), SamplingParams(max_tokens=6, ignore_eos=True, exit_mode="fixed"))
     want = np.array([o.token_ids for o in outs])
     dev = jax.tree.map(jnp.asarray, params)
-    for layout in CACHE_LAYOUTS:
-        dec = PlainDecoder(CFG, dev, batch=2, max_len=32, dtype="float32", cache_layout=layout)
-        got = [np.asarray(dec.prefill(prompts))] + [np.asarray(dec.step()) for _ in range(5)]
-        np.testing.assert_array_equal(np.stack(got, 1), want, err_msg=layout)
+    dec = PlainDecoder(CFG, dev, batch=2, max_len=32, dtype="float32")
+    got = [np.asarray(dec.prefill(prompts))] + [np.asarray(dec.step()) for _ in range(5)]
+    np.testing.assert_array_equal(np.stack(got, 1), want)
     first, kvs = plain_prefill(dev, jnp.asarray(prompts), config=CFG, dtype_name="float32", cudnn=False)
     np.testing.assert_array_equal(np.asarray(first), want[:, 0])
     shape = (CFG.num_hidden_layers, 2, 11, CFG.num_key_value_heads, CFG.head_dim)
     assert len(kvs) == CFG.num_loops and kvs[0][0].shape == shape
 
 
-@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
-def test_resumed_decoder_repeats_its_steps_and_time_decode_frees_its_caches(layout):
+def test_resumed_decoder_repeats_its_steps_and_time_decode_frees_its_caches():
     """``time_decode``'s rounds restart at one position: the same steps from the same tokens give
     the same tokens whatever the caches held before (the positions after are masked, then rewritten)."""
     dev = jax.tree.map(jnp.asarray, random_params(CFG, 0))
-    dec = PlainDecoder(CFG, dev, batch=2, max_len=16, dtype="float32", cache_layout=layout)
+    dec = PlainDecoder(CFG, dev, batch=2, max_len=16, dtype="float32")
     assert PlainDecoder.cache_bytes(CFG, 2, 16, "float32") == sum(x.nbytes for x in jax.tree.leaves(dec.caches))
     runs = []
     for _ in range(2):
@@ -46,12 +44,9 @@ def test_resumed_decoder_repeats_its_steps_and_time_decode_frees_its_caches(layo
     np.testing.assert_array_equal(runs[0], runs[1])
     dec.free()
     assert dec.caches == [] and dec.last is None
-    t = time_decode(CFG, dev, batch=2, context=9, tokens=3, dtype="float32", rounds=2, cache_layout=layout)
-    assert t["cache_layout"] == layout
+    t = time_decode(CFG, dev, batch=2, context=9, tokens=3, dtype="float32", rounds=2)
     assert t["max_len"] == 12 and len(t["round_ms"]) == 2 and t["tpot_ms"] == min(t["round_ms"]) > 0
     assert t["cache_bytes"] == PlainDecoder.cache_bytes(CFG, 2, 12, "float32")
     p = time_prefill(CFG, dev, np.ones((2, 5), np.int32), dtype="float32", rounds=2)
     assert (p["batch"], p["length"]) == (2, 5) and p["wall_s"] == min(p["seconds_all"])
     assert p["tok_s"] == pytest.approx(10 / p["wall_s"])
-    with pytest.raises(ValueError, match="cache_layout"):
-        PlainDecoder(CFG, dev, batch=1, max_len=4, cache_layout="sbhd")
