@@ -32,7 +32,12 @@ attention (partials and merge): what the padding rows of a bucket cost. Writes
 DIR/attention_decode_buckets_<R>[_<R2>].json (and .png), also copied to benchmarks/results/,
 instead of the sweep's files.
 
-Usage: PYTHONPATH=. python3 benchmarks/attention_sweep.py [--out DIR] [--quick] [--tune]
+Mosaic tuning mode (``--mgpu-tune``, Hopper only): the Mosaic kernel's pipeline (``block_kv`` x
+steps in flight) on the segment shapes wavefront and split invocations emit (``MGPU_TUNE_SHAPES``),
+each against one read of its K/V and its causal FLOPs. Writes DIR/attention_mgpu_tune.json
+(records ``sweep: "mgpu_tuning"``) instead of the sweep's files.
+
+Usage: PYTHONPATH=. python3 benchmarks/attention_sweep.py [--out DIR] [--quick] [--tune] [--mgpu-tune]
        [--decode-rows 1,8,32,128 --decode-ctx 512,1024,2048,4096,8192 --no-prefill]
        [--decode-bucket 8,16 --decode-rows 1,2,4,8,16 --decode-ctx 1024,4096]
 Writes DIR/attention_sweep.json (and .png), also copied to benchmarks/results/.
@@ -60,6 +65,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks import ceilings as ceilings_mod  # noqa: E402
 from benchmarks.timing import per_call_s  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
+from pallas_kernels import ragged_paged_attention_mgpu as mgpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (
     default_tuning,
     make_plan,  # noqa: E402
@@ -473,6 +479,58 @@ def tune(key, reps):
     return recs
 
 
+# (segments, rows each, context): wavefront chunks of 128 and 64 rows at 4K, split chunks of 1024 at
+# 8K, 2048-row prompts; (block_kv, steps in flight) pairs, the default first
+MGPU_TUNE_SHAPES = ((8, 128, 4096), (16, 64, 4096), (4, 1024, 8192), (2, 2048, 4096))
+MGPU_TUNE_PIPELINES = ((mgpu.BLOCK_KV, mgpu.MAX_CONCURRENT_STEPS), (128, 3), (64, 2), (64, 3), (64, 4))
+
+
+def mgpu_fn(n_calls, layers, block_kv, steps):
+    @jax.jit
+    def f(q, k, v, qs, ql, cl, bt):
+        packing = mgpu.make_packing(qs, ql, cl, bt, num_rows=q.shape[0])
+        for i in range(n_calls):
+            q = mgpu.ragged_paged_attention_mgpu(
+                q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers), sm_scale=SCALE, block_kv=block_kv,
+                max_concurrent_steps=steps, packing=packing,
+            )  # fmt: skip
+        return q
+
+    return f
+
+
+def mgpu_tune(key, reps):
+    """The Mosaic kernel's pipelines on ``MGPU_TUNE_SHAPES``: ms a call, TB/s of one K/V read,
+    causal TFLOP/s, and the largest difference from the default pipeline's output."""
+    recs = []
+    for n, ql, ctx in MGPU_TUNE_SHAPES:
+        c = build_case(key, n, ql, ctx)
+        args = (c["q"], c["k"], c["v"], c["seg"]["q_start"], c["seg"]["q_len"], c["seg"]["ctx_len"], c["seg"]["tables"])
+        layers, first = c["layers"], None
+        for bk, st in MGPU_TUNE_PIPELINES:
+            shape = dict(n_seg=n, q_len=ql, ctx=ctx)
+            rec = dict(sweep="mgpu_tuning", kind="prefill", block_kv=bk, stages=st, shape=shape)
+            try:
+                out = mgpu_fn(1, layers, bk, st)(*args).astype(jnp.float32)
+                first = out if first is None else first
+                ms = timeit(lambda m, bk=bk, st=st: mgpu_fn(m, layers, bk, st), args, max(layers, 8), reps)
+                rec.update(
+                    ms=ms,
+                    tb_s=n * ctx * KV_TOKEN_BYTES / (ms * 1e-3) / 1e12,
+                    tflops=useful_flops(n, ql, ctx) / (ms * 1e-3) / 1e12,
+                    max_abs_diff_vs_default=float(jnp.max(jnp.abs(out - first))),
+                )
+                speed = f"{rec['tb_s']:.2f} TB/s, {rec['tflops']:.0f} TF/s"
+                log(f"mgpu {n}x{ql}@{ctx} block_kv {bk} x {st}: {ms:.4f} ms ({speed})")
+            except Exception as e:  # noqa: BLE001  (the record says so; the other pipelines still run)
+                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(f"mgpu {n}x{ql}@{ctx} block_kv {bk} x {st} FAILED: {rec['error']}")
+            recs.append(rec)
+        del c, args
+        gc.collect()
+    return recs
+
+
 def plot(records, path):
     try:
         import matplotlib
@@ -660,6 +718,7 @@ def main():
     ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true", help="time tuning variants first")
+    ap.add_argument("--mgpu-tune", action="store_true", help="only the Mosaic kernel's pipelines (Hopper)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--variants", action="store_true", help="also time other tilings on a few shapes (variants_ms)")
     ap.add_argument("--no-copy", action="store_true", help="do not copy to benchmarks/results")
@@ -684,6 +743,14 @@ def main():
     t_start = time.time()
     if args.decode_bucket:
         return bucket_main(args, key, reps, dev, t_start)
+    if args.mgpu_tune:
+        if not dispatch.hopper_available():
+            raise SystemExit("--mgpu-tune needs a Hopper GPU: the Mosaic kernel has no CPU mode")
+        path = os.path.join(args.out, "attention_mgpu_tune.json")
+        recs = mgpu_tune(key, reps)
+        with open(path, "w") as fh:
+            json.dump(dict(device=dev.device_kind, jax_version=jax.__version__, records=recs), fh, indent=1)
+        return log(f"wrote {path} in {time.time() - t_start:.0f} s")
     ceilings = measure_ceilings()
     log(f"ceilings: {ceilings}")
 
