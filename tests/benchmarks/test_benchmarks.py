@@ -478,3 +478,21 @@ def test_report_start_up_target_reads_the_start_up_benchmark_first():
     starts[1]["ready_s"] = 8.5
     rows = report._startup_rows({"startup": dict(workload="startup", starts=starts)})
     assert rows[0][-1] == "not met"
+
+
+def test_sequential_bound_never_beats_the_floor_and_meets_it_when_every_kernel_is_flop_bound(capsys):
+    """Kernels at their own rooflines one after another: K/V reads cannot hide under GEMM FLOPs, so
+    the bound is at least the floor; with large chunks every kernel is FLOP-bound and the two agree;
+    with 64-row chunks of long prompts attention is bandwidth-bound and the bound is ~72% of it."""
+    cfg = get_preset("ouro-1.4b")
+    for chunk, rows in ((16, 256), (64, 1024), (128, 1024), (1000, 3000)):  # 3000: a partial last invocation
+        f = prefill_floor(cfg, 4, 8064, chunk, rows, 4.12e12, 671e12)
+        assert f["sequential_s"] >= f["floor_s"] * (1 - 1e-9)
+    big = prefill_floor(cfg, 4, 8064, 1024, 4096, 4.12e12, 671e12)
+    assert big["bound"] == "flops" and big["sequential_s"] == pytest.approx(big["floor_s"], rel=1e-9)
+    c64 = prefill_floor(cfg, 4, 8064, 64, 1024, 4.12e12, 671e12)
+    assert c64["floor_s"] / c64["sequential_s"] == pytest.approx(0.724, abs=0.005)
+    from benchmarks.floors import main as floors_main
+
+    floors_main(["--chunk", "64", "--rows", "1024", "--peak", "671e12", "--bw", "4.12e12"])
+    assert "72% of the floor" in capsys.readouterr().out
