@@ -159,9 +159,7 @@ def plain_prefill(params, ids, *, config: OuroConfig, dtype_name: str, cudnn: bo
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), kvs
 
 
-def time_decode(
-    config, params, batch: int, context: int, tokens: int, dtype="bfloat16", rounds: int = 3
-) -> dict:
+def time_decode(config, params, batch: int, context: int, tokens: int, dtype="bfloat16", rounds: int = 3) -> dict:
     """Milliseconds per token of ``batch`` streams taking ``tokens`` steps from position ``context``
     (caches of ``context + tokens`` positions, not prefilled: see the module doc); every round starts
     at ``context`` again. ``tpot_ms``: the best round; ``round_ms``: every round; ``first_call_s``:
