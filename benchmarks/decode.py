@@ -465,6 +465,7 @@ class PlainDecodeRunner:
             tpot_p50_ms=tpot,
             tpot_best_ms=t["tpot_ms"],
             round_ms=t["round_ms"],
+            dispatch_ms=t["dispatch_ms"],
             tpot_note="median of rounds of n - 1 steps from the prompt length; caches of prompt + n - 1 "
             "positions, not prefilled (a step's time depends on the shapes alone)",
             first_call_s=t["first_call_s"],

@@ -46,6 +46,7 @@ def test_resumed_decoder_repeats_its_steps_and_time_decode_frees_its_caches():
     assert dec.caches == [] and dec.last is None
     t = time_decode(CFG, dev, batch=2, context=9, tokens=3, dtype="float32", rounds=2)
     assert t["max_len"] == 12 and len(t["round_ms"]) == 2 and t["tpot_ms"] == min(t["round_ms"]) > 0
+    assert all(0 < d <= r for d, r in zip(t["dispatch_ms"], t["round_ms"]))
     assert t["cache_bytes"] == PlainDecoder.cache_bytes(CFG, 2, 12, "float32")
     p = time_prefill(CFG, dev, np.ones((2, 5), np.int32), dtype="float32", rounds=2)
     assert (p["batch"], p["length"]) == (2, 5) and p["wall_s"] == min(p["seconds_all"])
