@@ -4,7 +4,7 @@
   out, one jit per loop, argmax; no paging, gates, planes or batching machinery. Fixed depth (every
   token runs the ``T`` loops), the same context for every stream. Caches lie ``[B, KVH, S, hd]``
   (gpt-fast's: the attention products' batch dimensions lead); ``[B, S, KVH, hd]`` was 11-18%
-  slower and is gone (docs/decisions.md, "Plain-JAX decode baseline").
+  slower and is gone (docs/decisions.md, "Decode").
 * **prefill** (``plain_prefill``): one jit running each loop's layers over the whole prompts, cuDNN
   causal attention on a GPU (``jax.nn.dot_product_attention``; XLA's elsewhere), the K/V of every
   loop and layer returned (what a decode after it reads), and the first token.
@@ -163,8 +163,8 @@ def time_decode(config, params, batch: int, context: int, tokens: int, dtype="bf
     """Milliseconds per token of ``batch`` streams taking ``tokens`` steps from position ``context``
     (caches of ``context + tokens`` positions, not prefilled: see the module doc); every round starts
     at ``context`` again. ``tpot_ms``: the best round; ``round_ms``: every round; ``dispatch_ms``: the
-    host's part of each (until its last step is issued); ``first_call_s``:
-    the first step, compilation included."""
+    host's part of each (until its last step is issued); ``first_call_s``: the first step,
+    compilation included."""
     dec = PlainDecoder(config, params, batch, context + tokens, dtype)
     start = np.random.default_rng(0).integers(5, config.vocab_size, batch)
     try:
