@@ -22,7 +22,7 @@ and at 128 streams of 1K its float32 attention scores (~10 GB a layer) would not
 ``long4`` (records ``mode: "plain_jax"``), both on the engine's weights and the workloads' shapes.
 
     python -m benchmarks.plain_jax --preset ouro-1.4b --decode 1 8 32 --context 1024 \\
-        --prefill 3x6000 --out /tmp/plain.json
+        --prefill 3x6000 [--profile] --out /tmp/plain.json
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import numpy as np
 from ouro_jax.model import OuroModel, dtype_of
 from weights.config import OuroConfig
 
-__all__ = ["PLAIN_MODE", "PlainDecoder", "plain_prefill", "time_decode", "time_prefill"]
+__all__ = ["PLAIN_MODE", "PlainDecoder", "plain_prefill", "profile_decode", "time_decode", "time_prefill"]
 
 PLAIN_MODE = "plain_jax"  # the mode (and decode.json path) of these baselines' records
 
@@ -228,6 +228,42 @@ def time_prefill(config, params, ids, dtype="bfloat16", rounds: int = 3) -> dict
     )
 
 
+def profile_decode(config, params, batch: int, context: int, steps: int = 10, dtype="bfloat16") -> dict:
+    """``steps`` decode steps of ``batch`` streams at ``context`` under the profiler: kernels a token,
+    device-busy time a token (the union of kernel intervals) and the traced wall a token. Busy well
+    under the wall means the loop waits on kernel launches, not on the device's work."""
+    from benchmarks.metrics import interval_union
+    from benchmarks.profile_step import trace_kernels
+
+    dec = PlainDecoder(config, params, batch, context + steps + 1, dtype)
+    try:
+        dec.resume(context, np.random.default_rng(0).integers(5, config.vocab_size, batch))
+        dec.step().block_until_ready()  # compiled before the trace
+
+        def run() -> float:
+            t = time.perf_counter()
+            for _ in range(steps):
+                dec.step()
+            dec.last.block_until_ready()
+            return time.perf_counter() - t
+
+        wall, plane, events, _, _ = trace_kernels(run)
+    finally:
+        dec.free()
+    busy, span = interval_union([(e["start_ns"], e["start_ns"] + e["duration_ns"]) for e in events])
+    return dict(
+        baseline="plain_jax_decode_profile",
+        batch=batch,
+        context=context,
+        steps=steps,
+        device_plane=plane,
+        kernels_per_token=len(events) / steps,
+        busy_ms_per_token=busy / 1e6 / steps,
+        span_ms_per_token=span / 1e6 / steps,
+        traced_wall_ms_per_token=wall * 1e3 / steps,
+    )
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="ouro-1.4b")
@@ -236,6 +272,7 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prefill", nargs="*", default=["3x6000"], help="BATCHxLENGTH prompts")
+    ap.add_argument("--profile", action="store_true", help="also each decode batch's kernels and busy time a token")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from ouro_jax import get_preset
@@ -247,6 +284,9 @@ def main(argv=None) -> None:
     for b in a.decode:
         records.append(time_decode(config, params, b, a.context, a.tokens, a.dtype))
         print(json.dumps(records[-1]), flush=True)
+        if a.profile:
+            records.append(profile_decode(config, params, b, a.context, dtype=a.dtype))
+            print(json.dumps(records[-1]), flush=True)
     for spec in a.prefill:
         b, n = map(int, spec.split("x"))
         ids = np.random.default_rng(0).integers(5, config.vocab_size, (b, n))

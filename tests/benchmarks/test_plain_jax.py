@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.plain_jax import PlainDecoder, plain_prefill, time_decode, time_prefill
+from benchmarks.plain_jax import PlainDecoder, plain_prefill, profile_decode, time_decode, time_prefill
 from ouro_jax import LLM, SamplingParams, get_preset
 from weights.random_init import random_params
 
@@ -51,3 +51,11 @@ def test_resumed_decoder_repeats_its_steps_and_time_decode_frees_its_caches():
     p = time_prefill(CFG, dev, np.ones((2, 5), np.int32), dtype="float32", rounds=2)
     assert (p["batch"], p["length"]) == (2, 5) and p["wall_s"] == min(p["seconds_all"])
     assert p["tok_s"] == pytest.approx(10 / p["wall_s"])
+
+
+def test_profile_decode_counts_kernels_and_busy_time_per_token():
+    """On a CPU the host plane's XLA thunks stand in for kernels: the plumbing, not the figures."""
+    dev = jax.tree.map(jnp.asarray, random_params(CFG, 0))
+    p = profile_decode(CFG, dev, batch=2, context=5, steps=3, dtype="float32")
+    assert p["kernels_per_token"] > 0 and 0 < p["busy_ms_per_token"] <= p["span_ms_per_token"]
+    assert p["traced_wall_ms_per_token"] > 0 and (p["batch"], p["steps"]) == (2, 3)
