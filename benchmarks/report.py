@@ -200,16 +200,20 @@ def tradeoff_points(result: dict, tag: str = "decode", prompt_tag: str = "long")
     """One point per record of a workload with decode streams: ``tpot_ms`` (p50 of the ``tag``
     streams), ``prompt_tok_s`` (the prompt work done on the ``prompt_tag`` prompts, finished or
     not, where the record has it; else the ``prompt_tag`` prompts that got a token; else every
-    prompt), ``mode``, ``chunk`` and ``target_tpot_ms`` (None: unconstrained)."""
+    prompt), ``mode``, ``series`` (the mode and the engine options of the label), ``chunk`` and
+    ``target_tpot_ms`` (None: unconstrained)."""
     out = []
     for r in _ok(result.get("records", [])):
         tpot = _lat(r, "tpot", "p50", tag)
         if not tpot or tag not in (r.get("latency_by_tag") or {}):
             continue
         by = r.get("prompt_work_tok_s_by_tag") or r.get("prompt_tok_s_by_tag") or {}
+        # the engine's options beyond the mode (a " fused128x1" label part) make a series of their own
+        engine = re.sub(r" target .*$", "", r.get("label", "")[len(r.get("workload", "")) :])
         out.append(
             dict(
                 mode=r["mode"],
+                series=r["mode"] + engine,
                 chunk=r.get("chunk"),
                 tpot_ms=1e3 * tpot,
                 prompt_tok_s=by.get(prompt_tag, r.get("prompt_tok_s")),
@@ -229,17 +233,18 @@ def plot_tradeoff(result: dict, path: str) -> Optional[str]:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 5))
-    modes = [m for m in MODE_ORDER if any(p["mode"] == m for p in pts)]
-    for i, mode in enumerate(modes):
+    order = {m: i for i, m in enumerate(MODE_ORDER)}
+    series = sorted({p["series"]: p["mode"] for p in pts}.items(), key=lambda kv: (order.get(kv[1], 99), kv[0]))
+    for i, (mode, _) in enumerate(series):
         color = f"C{i}"
         free = sorted(
-            (p for p in pts if p["mode"] == mode and p["target_tpot_ms"] is None), key=lambda p: p["chunk"] or 0
+            (p for p in pts if p["series"] == mode and p["target_tpot_ms"] is None), key=lambda p: p["chunk"] or 0
         )
         if free:
             ax.plot([p["tpot_ms"] for p in free], [p["prompt_tok_s"] for p in free], "o-", color=color, label=mode)
             for p in free:
                 ax.annotate(f"c{p['chunk']}", (p["tpot_ms"], p["prompt_tok_s"]), fontsize=7, color=color)
-        tgt = [p for p in pts if p["mode"] == mode and p["target_tpot_ms"] is not None]
+        tgt = [p for p in pts if p["series"] == mode and p["target_tpot_ms"] is not None]
         if tgt:
             ax.plot(
                 [p["tpot_ms"] for p in tgt],

@@ -441,8 +441,8 @@ class LLM:
         self._live: dict[object, Request] = {}  # queued or running, by id
         # outputs produced but not yet handed out (the latest per request; see the class docstring)
         self._unreported: dict[object, RequestOutput] = {}
-        # fused decode steps scheduled one ahead of the host's reads (scheduler/pipeline.py); the
-        # latency target times every plan itself (_timed_step) and runs without it
+        # fused decode steps scheduled one ahead of the host's reads (scheduler/pipeline.py), which
+        # also times the device for a latency target's cost model
         self._pipeline = StepPipeline(
             self.scheduler,
             self.runner,
@@ -459,8 +459,6 @@ class LLM:
         self._prompt_lp_ids: set = set()
         self._prompt_lp_pending: list = []
         self._grammar = None  # GrammarCompiler of this tokenizer, built at the first guided request
-        self._unsynced: list = []  # plans launched since the host last waited for a device result
-        self._sync_t = 0.0
         self.warmup_time = (
             self.runner.warmup(self.executable_keys(), cfg.progress, cfg.compile_threads) if cfg.warmup else 0.0
         )
@@ -749,13 +747,8 @@ class LLM:
     # ------------------------------------------------------------------------- the loop
     def _advance(self) -> list[RequestOutput]:
         """One invocation; the outputs of the requests it gave tokens or finished."""
-        if self.scheduler.latency is None:
-            deltas = self._pipeline.advance()
-        else:
-            plan = self.scheduler.schedule()
-            deltas = None if plan is None else self._timed_step(plan)
+        deltas = self._pipeline.advance()
         if deltas is None:
-            self._unsynced = []  # nothing runs: a later window must not count the idle time
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler has unfinished requests but nothing it can run")
             return []
@@ -851,31 +844,6 @@ class LLM:
             out["bitmask"] = new_bitmask(plan.descriptor.key.C, self.model_config.vocab_size)
             fill_bitmask_rows(out["bitmask"], rows)
         return out
-
-    def _timed_step(self, plan) -> list:
-        """One invocation whose wall time feeds the latency target's cost model. Results are read
-        only now and then (prompt-only plans never block), so the time between two blocking reads
-        is charged to every plan launched in between, together."""
-        if not self._unsynced:  # the device is idle: the window starts now
-            self._sync_t = time.perf_counter()
-        result = self._pipeline.launch(plan)
-        self._unsynced.append(plan)
-        read = []
-
-        def reader(get):
-            def f():
-                read.append(True)
-                return get()
-
-            return f
-
-        records = None if result.logprobs is None else reader(result.logprobs)
-        deltas = self.scheduler.update(plan, reader(result.gates), reader(result.tokens), records)
-        if read:
-            now = time.perf_counter()
-            self.scheduler.observe(self._unsynced, now - self._sync_t)
-            self._unsynced, self._sync_t = [], now
-        return deltas
 
     def _collect(self, mine: Optional[set]) -> list[RequestOutput]:
         """Outputs for the caller that drives the loop: every request's (``mine=None``) or only

@@ -13,6 +13,21 @@ window of measured runs. The engine reads device results only now and then (prom
 block), so one measurement is the time between two blocking reads and covers every plan launched
 in between: the model is fitted on their summed features, which a linear model allows.
 
+Token cycles (staged prefill modes with fused decode steps, streams of one fixed depth): while
+prompts prefill, each token of the streams is one fused step of all of them (their ``T`` loops in
+one launch: on the H200 64 streams at ~256 context took 11.3 ms a token fused against 14.2 ms loop
+by loop) followed by one prompt-only invocation, which the scheduler builds and launches while
+the fused step runs (``Scheduler.schedule_ahead``). A cycle is one token of every stream, so its
+measured time is the streams' TPOT. Its prompt rows follow a feedback loop rather than the cost
+model's absolute prediction (a fused step's fixed cost is not identifiable from windows that
+always hold one fused step and one prompt invocation): the prompt invocation gets a budget of
+predicted seconds (the model's ``a`` an invocation, ``b + c * pos / tile`` a prompt row), moved
+each cycle by ``CYCLE_GAIN`` times the measured cycle's error against the target, never below
+``min_prompt_share`` of the cycle, never more than one invocation beyond what the cycle could
+spend. At least one chunk runs every cycle; where the prompts' ready work (one chunk a depth a
+prompt, in the wavefront) is less than the budget buys, up to ``MAX_CYCLE_PROMPTS`` prompt
+invocations run.
+
 Never starving: decode rows are never capped; with no decode stream running prompts are not capped
 either; waiting prompts always get at least ``min_prompt_share`` of the predicted invocation time
 (a target that decode alone already misses is relaxed to ``decode time / (1 - share)``, so an
@@ -32,6 +47,14 @@ import numpy as np
 from .plan import Phase
 
 __all__ = ["CostModel", "LatencyTarget", "plan_features", "make_latency_target", "KV_TILE_ROWS"]
+
+# Fraction of a token cycle's measured error (target - cycle seconds) that moves its prompt
+# budget each cycle: below 1, so that one slow cycle (a host hiccup) does not swing the next.
+CYCLE_GAIN = 0.5
+
+# Most prompt-only invocations of one token cycle (where the prompts' ready work, one chunk a
+# depth a prompt in the wavefront, leaves the target room for more than one).
+MAX_CYCLE_PROMPTS = 4
 
 # Query rows that share one pass over their segment's K/V in the attention kernels (the Mosaic
 # kernel's 128-row tiles; the Triton kernel's tiles are 16-128 rows, one per short segment).
@@ -167,6 +190,18 @@ class LatencyTarget:
         self.forced = 0  # invocations given a chunk by the starvation rule
         self.capped = 0  # invocations whose prompt rows the target limited
         self.relaxed = 0  # invocations whose target decode alone would miss: prompts got the minimum share
+        # token cycles (module docstring)
+        self.cycle_plan = None  # the latest cycle's fused step
+        self.cycles = 0  # fused steps that opened a cycle
+        self.cycles_measured = 0  # cycles whose time moved the prompt budget
+        self.cycle_prompt_s: Optional[float] = None  # the prompt invocation's budget of predicted seconds
+        self.cycle_s: Optional[float] = None  # the latest measured cycle
+        self._cycle_spent = 0.0  # predicted seconds of the open cycle's prompt invocations
+        self._closed_spent = 0.0  # the same of the cycle that the latest fused step closed
+        self._cycle_prompts = 0  # prompt invocations of the open cycle
+        self._cycle_row_s = 0.0  # the latest predicted seconds of a prompt row
+        self._row_budget = max(self.row_buckets)  # the most rows an invocation takes
+        self._window_closed_cycle = False  # the previous timing window ended at a cycle's fused step
 
     # ------------------------------------------------------------------ measure
     def observe(self, plans, seconds: float) -> None:
@@ -174,6 +209,10 @@ class LatencyTarget:
         plans = plans if isinstance(plans, (list, tuple)) else [plans]
         feats = [plan_features(p) for p in plans]
         self.model.observe(tuple(sum(f[i] for f in feats) for i in range(3)), seconds)
+        closes_cycle = self.cycle_plan is not None and any(p is self.cycle_plan for p in plans)
+        if closes_cycle and self._window_closed_cycle:  # the window is one whole cycle
+            self._control_cycle(seconds)
+        self._window_closed_cycle = closes_cycle
 
     def observe_loops(self, loops: int) -> None:
         """A decode token left after ``loops`` loops."""
@@ -213,6 +252,67 @@ class LatencyTarget:
             self.forced += 1
             return max(1, min(self.prompt_chunk, budget - (0 if split else n_d)))
         return cap
+
+    # ------------------------------------------------------------------ token cycles
+    def cycle_step(self, plan) -> None:
+        """A cycle's fused step was scheduled (``plan``): the window that reads it closes a cycle."""
+        self.cycle_plan = plan
+        self.cycles += 1
+        # the cycle that ends here ran its prompt invocations between the two fused steps: the
+        # window that reads this one measures them
+        self._closed_spent = self._cycle_spent
+        self._cycle_spent, self._cycle_prompts = 0.0, 0
+
+    def cycle_prompt_rows(self, prefilling: list, budget: int) -> int:
+        """Prompt rows of the cycle's next prompt-only invocation, 0 for none (the fused step is
+        next): as many as the rest of the cycle's prompt budget buys at the model's cost (a fixed
+        cost an invocation, ``_prompt_row_s`` a row). The first one takes at least one chunk
+        (only one chunk until the model is fitted); later ones run while a chunk still fits."""
+        chunk = min(budget, self.prompt_chunk)
+        per_row = self._prompt_row_s(prefilling)
+        if per_row is None:
+            return 0 if self._cycle_prompts else chunk
+        if self.cycle_prompt_s is None:
+            self.cycle_prompt_s = self.min_prompt_share * self.target_s
+        left = self.cycle_prompt_s - self._cycle_spent - self.model.coefficients[0]
+        if self._cycle_prompts:
+            if self._cycle_prompts >= MAX_CYCLE_PROMPTS or left < per_row * chunk:
+                return 0
+        rows = budget if per_row <= 0 else int(max(left, 0.0) // per_row)
+        return max(chunk, min(budget, rows))
+
+    def cycle_prompt_ran(self, rows: int, prefilling: list) -> None:
+        """A prompt invocation of ``rows`` rows was scheduled: its predicted time is spent."""
+        self._cycle_prompts += 1
+        per_row = self._prompt_row_s(prefilling)
+        if per_row is not None:
+            self._cycle_spent += self.model.coefficients[0] + per_row * rows
+
+    def _prompt_row_s(self, prefilling: list) -> Optional[float]:
+        """The model's seconds a prompt row adds (its row, its share of its segment's K/V pass at
+        the furthest position that may run), ``None`` before the model is fitted."""
+        if not self.model.fitted or not prefilling:
+            return None
+        _, b, c = self.model.coefficients
+        pos = max(min(r.prefill_len, r.prefill_depth_frontiers[0] + r.prefill_chunk_size) for r in prefilling)
+        self._cycle_row_s = b + c * pos / min(self.prompt_chunk, KV_TILE_ROWS)
+        return self._cycle_row_s
+
+    def _control_cycle(self, seconds: float) -> None:
+        """One whole cycle took ``seconds``: move the prompt budget by the error against the target."""
+        self.cycle_s = seconds
+        self.cycles_measured += 1
+        if self.cycle_prompt_s is None:
+            return
+        budget = self.cycle_prompt_s + CYCLE_GAIN * (self.target_s - seconds)
+        least = self.min_prompt_share * seconds
+        if budget < least:
+            budget = least
+            self.relaxed += 1
+        # no more than one more invocation beyond what the cycle could spend (when the prompts had
+        # no more ready work, a budget growing further would only have to unwind once they have)
+        most = self._closed_spent + self.model.coefficients[0] + self._cycle_row_s * self._row_budget
+        self.cycle_prompt_s = min(budget, max(least, most))
 
     def note_selection(self, prompt_waiting: bool, ran_prompt: bool) -> None:
         """What the invocation just scheduled did: the starvation count is of invocations in which
@@ -264,6 +364,10 @@ class LatencyTarget:
             latency_capped=self.capped,
             latency_forced=self.forced,
             latency_relaxed=self.relaxed,
+            latency_cycles=self.cycles,
+            latency_cycles_measured=self.cycles_measured,
+            latency_cycle_ms=None if self.cycle_s is None else self.cycle_s * 1e3,
+            latency_cycle_prompt_ms=None if self.cycle_prompt_s is None else self.cycle_prompt_s * 1e3,
         )
 
 

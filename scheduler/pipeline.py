@@ -9,6 +9,14 @@ next one of the same rows (``Scheduler.schedule_ahead``: its first token is fed 
 the last tokens of the step before) and the runner launches it before the host reads the first;
 the host then reads and applies step ``k`` while the device runs step ``k + 1``. The scheduler
 decides when that is allowed; tokens and exit depths do not change (tests/scheduler/test_invariants.py).
+Under a latency target's token cycles the step launched ahead of a fused step is the cycle's
+prompt-only invocation instead (``Scheduler.schedule_ahead``).
+
+With a latency target (``scheduler.latency``) the pipeline also times the device for its cost
+model: results are read only now and then (prompt-only plans never block), so the wall time
+between two blocking reads is charged to the plans that ran in it, together: every plan
+launched up to the one whose read blocked (a plan launched ahead of it ran after it, and goes
+to the next window).
 
 Works with any runner whose ``step(descriptor)`` returns a ``StepResult`` (``ModelRunner``,
 ``FakeRunner``); free of jax.
@@ -16,6 +24,7 @@ Works with any runner whose ``step(descriptor)`` returns a ``StepResult`` (``Mod
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from .scheduler import RequestDelta, Scheduler
@@ -24,14 +33,20 @@ from .scheduler import RequestDelta, Scheduler
 class StepPipeline:
     """Drives ``scheduler`` and ``runner``; ``ahead=False`` is the plain synchronous loop."""
 
-    def __init__(self, scheduler: Scheduler, runner, ahead: bool = True, sampler_inputs=None, after_launch=None):
+    def __init__(
+        self, scheduler: Scheduler, runner, ahead: bool = True, sampler_inputs=None, after_launch=None, clock=None
+    ):
         self.scheduler, self.runner, self.ahead = scheduler, runner, ahead
+        self._clock = time.perf_counter if clock is None else clock  # seconds (tests: a synthetic device's)
         # plan -> None, called right after a one-loop plan's launch (prompt logprobs read its ring rows)
         self.after_launch = after_launch
         # plan -> what its coda rows need of the sampler beyond the descriptor (a dict of keywords
         # of ``runner.step`` / ``runner.complete``: a grammar's bitmask, logprobs, penalties)
         self.sampler_inputs = sampler_inputs
         self._pending = None  # (plan, result): launched ahead, not yet applied
+        self._timed = scheduler.latency is not None
+        self._uncharged: list = []  # plans launched since the window below opened
+        self._window_t = 0.0  # when the current timing window opened
 
     @property
     def pending(self) -> bool:
@@ -44,6 +59,7 @@ class StepPipeline:
         if self._pending is None:
             plan = self.scheduler.schedule()
             if plan is None:
+                self._uncharged = []  # nothing runs: the idle time until the next launch is no one's
                 return None
             result = self.launch(plan)
         else:
@@ -53,9 +69,32 @@ class StepPipeline:
             nxt = self.scheduler.schedule_ahead()
             if nxt is not None:
                 self._pending = (nxt, self.launch(nxt, defer=True))
-        deltas = self.scheduler.update(plan, result.gates, result.tokens, result.logprobs)
+        deltas = self._update(plan, result)
         if self._pending is not None and not self.scheduler.has_unfinished():
             deltas += self.drain()  # every row ended: nothing should stay in flight
+        return deltas
+
+    def _update(self, plan, result) -> list[RequestDelta]:
+        """``scheduler.update`` of ``plan``; timed (module docstring) when a latency target is set."""
+        if not self._timed:
+            return self.scheduler.update(plan, result.gates, result.tokens, result.logprobs)
+        read = []
+
+        def reader(get):
+            def f():
+                out = get()
+                read.append(True)
+                return out
+
+            return f
+
+        lps = None if result.logprobs is None else reader(result.logprobs)
+        deltas = self.scheduler.update(plan, reader(result.gates), reader(result.tokens), lps)
+        if read:
+            now = self._clock()
+            i = next(k for k, p in enumerate(self._uncharged) if p is plan) + 1
+            self.scheduler.observe(self._uncharged[:i], now - self._window_t)
+            self._uncharged, self._window_t = self._uncharged[i:], now
         return deltas
 
     def launch(self, plan, defer: bool = False):
@@ -68,6 +107,10 @@ class StepPipeline:
             if not defer:
                 self._complete(plan, result)
             return result
+        if self._timed:
+            if not self._uncharged:  # the device is idle: a window opens now
+                self._window_t = self._clock()
+            self._uncharged.append(plan)
         extra = None if self.sampler_inputs is None else self.sampler_inputs(plan)
         result = self.runner.step(plan.descriptor, **extra) if extra else self.runner.step(plan.descriptor)
         if self.after_launch is not None and plan.sub_plans is None:
@@ -85,4 +128,4 @@ class StepPipeline:
             return []
         (plan, result), self._pending = self._pending, None
         self._complete(plan, result)
-        return self.scheduler.update(plan, result.gates, result.tokens, result.logprobs)
+        return self._update(plan, result)

@@ -12,7 +12,8 @@ never blocks the host, and the device can run ahead while the next plan is built
 in flight: ``schedule`` refuses to run again before ``update`` has seen the previous plan. The
 exception is asynchronous scheduling of fused decode steps: ``schedule_ahead`` builds the next
 fused step of the same rows while the one in flight is still unread (its tokens are fed on the
-device), so the host reads one step while the device runs the next (``pipeline.StepPipeline``).
+device), so the host reads one step while the device runs the next (``pipeline.StepPipeline``);
+under a latency target's token cycles it builds the cycle's prompt-only invocation instead.
 
 What ``update`` applies: prompt frontiers advance (``Request.prefill_depth_frontiers``); the
 prompt's first token comes from the coda of its last position at depth ``T-1``, once every
@@ -405,6 +406,7 @@ class Scheduler:
         self._requests: dict[object, Request] = {}  # every unfinished request, by id
         self._inflight: Optional[BatchPlan] = None
         self._ahead: Optional[BatchPlan] = None  # launched by schedule_ahead, updated after _inflight
+        self._cycle_prompt_due = False  # a token cycle's fused step ran: its prompt invocations are next
         self._step = 0
         self._stats = Counter()
         self._keys_used = Counter()
@@ -635,12 +637,32 @@ class Scheduler:
                 self._grow()
             self._admit()
             self._stats["max_running"] = max(self._stats["max_running"], len(self.running))
+            cycle = self._cycle_streams() if self.latency is not None else None
+            if cycle is not None and cycle[1]:  # a token cycle (LatencyTarget, "Token cycles")
+                for req in self.running:
+                    if req.pending_finalize:
+                        finalize.extend(req.pending_finalize)
+                        req.pending_finalize = []
+                plan = self._cycle_prompt_plan(finalize) if self._cycle_prompt_due else None
+                if plan is None and self._cycle_fused_fits(cycle[0], finalize):
+                    plan = self.fused_plan(cycle[0], finalize, 1)
+                    self.latency.cycle_step(plan)
+                    self._cycle_prompt_due = True
+                    self._stats["cycle_fused_steps"] += 1
+                if plan is not None:
+                    self._inflight = plan
+                    self._stats["schedule_time_s"] += time.perf_counter() - t0
+                    return plan
+            self._cycle_prompt_due = False
             cap = None
             if self.latency is not None:
                 cap = self.latency.prompt_cap(self.running, cfg.max_num_batched_tokens, cfg.prefill_mode == "split")
             self._verify_rows = self._reserve_verify_rows()
             budget = cfg.max_num_batched_tokens - sum(self._verify_rows.values())
-            sel = self.policy.select(self.running, budget, T, cap)
+            running = self.running
+            if cycle is not None and not cycle[1]:  # streams mid-token finish it; those at depth 0 wait
+                running = [r for r in running if not (r.is_decoding and r.decode_depth == 0)]
+            sel = self.policy.select(running, budget, T, cap)
             if self.latency is not None:
                 waiting = any(r.is_prefilling for r in self.running)
                 self.latency.note_selection(waiting, sel is not None and bool(sel.prompt))
@@ -661,6 +683,13 @@ class Scheduler:
             plan = self._inflight = self.fused_plan(sel.decode, finalize, fused)
             self._stats["schedule_time_s"] += time.perf_counter() - t0
             return plan
+        plan = self._inflight = self._loop_plan(sel, finalize)
+        self._stats["schedule_time_s"] += time.perf_counter() - t0
+        return plan
+
+    def _loop_plan(self, sel: Optional[Selection], finalize: list) -> BatchPlan:
+        """The one-loop invocation of ``sel`` (decode rows, prompt ranges) and ``finalize`` copies."""
+        cfg, T = self.config, self.num_loops
         last_exited = cfg.kv_layout == "last_exited"
 
         ranges: list[ScheduledRange] = []
@@ -762,11 +791,8 @@ class Scheduler:
             descriptor=desc,
         )
         self._step += 1
-        self._inflight = plan
-
         self._count_loop(plan, decode_rows)
         self._stats["launches"] += 1
-        self._stats["schedule_time_s"] += time.perf_counter() - t0
         return plan
 
     def _count_loop(self, plan: BatchPlan, decode_rows: int) -> None:
@@ -851,6 +877,64 @@ class Scheduler:
                 return want
         return 0
 
+    # ------------------------------------------------------------ latency target: token cycles
+    def _cycle_streams(self) -> Optional[tuple[list[Request], bool]]:
+        """``(decoding requests, all at the start of a token)`` when a latency target's token
+        cycles apply (``scheduler/latency_target.py``), else ``None``: a staged prefill mode with
+        fused decode steps and no speculation, prompts prefilling beside the streams, every stream
+        within ``fused_decode_max_rows`` and of one fixed depth. Streams whose exits read gates
+        stay in the shared invocations: a fused step runs every row to the deepest row's exit."""
+        cfg, T = self.config, self.num_loops
+        if not cfg.fused_decode_max_rows or cfg.prefill_mode == "split" or self.round_policy is not None:
+            return None
+        decoding = [r for r in self.running if r.is_decoding]
+        if not decoding or len(decoding) > cfg.fused_decode_max_rows:
+            return None
+        if not any(r.is_prefilling for r in self.running):
+            return None
+        depths = set()
+        for r in decoding:
+            p = r.sampling_params
+            if p.exit_mode == "synthetic" or gate_needed(p, T, 0):
+                return None
+            depths.add(p.resolved_max_loops(T))
+        if len(depths) != 1:
+            return None
+        return decoding, not any(r.decode_started for r in decoding)
+
+    def _cycle_fused_fits(self, rows: list[Request], finalize: list) -> bool:
+        """One fused token of ``rows`` fits the fused buckets (with ``finalize``) and gets its blocks."""
+        need = descriptor_rows(len(rows), len(rows), len(rows), len(finalize) // 2, self.num_loops)
+        if self.bucket_spec.key_for(need).R > self.bucket_spec.key_for(self.config.fused_decode_max_rows).R:
+            return False
+        return all(_tokens_left(r) >= 1 and self._grow_to(r, r.position_in_flight + 1) for r in rows)
+
+    def _cycle_prompt_ahead(self) -> Optional[BatchPlan]:
+        """A token cycle's prompt-only invocation, built while the cycle's fused step is in flight
+        (``schedule_ahead``): it needs nothing of that step's tokens, so the runner launches it
+        right behind, and the host reads the step's tokens while the device runs the prompts."""
+        if not self._cycle_prompt_due or self.latency.cycle_plan is not self._inflight:
+            return None
+        t0 = time.perf_counter()
+        plan = self._ahead = self._cycle_prompt_plan([])
+        self._stats["schedule_time_s"] += time.perf_counter() - t0
+        return plan
+
+    def _cycle_prompt_plan(self, finalize: list) -> Optional[BatchPlan]:
+        """The token cycle's next prompt-only invocation (``LatencyTarget.cycle_prompt_rows``
+        rows), or ``None`` when the cycle's prompt budget is spent or no prompt range can run:
+        then the cycle's next step is its fused one."""
+        prefilling = [r for r in self.running if r.is_prefilling]
+        budget = self.config.max_num_batched_tokens
+        cap = self.latency.cycle_prompt_rows(prefilling, budget) if prefilling else 0
+        sel = self.policy.select(prefilling, budget, self.num_loops, cap) if cap else None
+        if sel is None or not sel.prompt:
+            self._cycle_prompt_due = False
+            return None
+        self.latency.cycle_prompt_ran(sum(e - s for _, _, s, e in sel.prompt), prefilling)
+        self._stats["cycle_prompt_invocations"] += 1
+        return self._loop_plan(sel, finalize)
+
     def schedule_ahead(self) -> Optional[BatchPlan]:
         """The next fused decode step of the rows of the fused step in flight, built before that
         step's tokens are read, or ``None``. Asynchronous scheduling: the runner launches it right
@@ -866,8 +950,10 @@ class Scheduler:
         the K/V it writes lands in freed blocks before any later invocation can use them (one
         device stream). ``update`` takes the two plans in launch order."""
         plan = self._inflight
-        if plan is None or plan.sub_plans is None or self._ahead is not None or self.latency is not None:
+        if plan is None or plan.sub_plans is None or self._ahead is not None:
             return None
+        if self.latency is not None:
+            return self._cycle_prompt_ahead()
         t0 = time.perf_counter()
         rows = [self._requests.get(r.request_id) for r in plan.sub_plans[0].ranges]
         if any(r is None or r.status is not RequestStatus.RUNNING or r.pending_finalize for r in rows):

@@ -30,51 +30,70 @@ def linear_cost(a, b, c):
 
 
 class TimedHarness(Harness):
-    """A Harness whose plans take ``cost(plan)`` seconds of a synthetic clock; the scheduler is told
-    the time between blocking reads (lazy results: a read is a ``needs_*`` thunk being called)."""
+    """A Harness on a synthetic device: each plan takes ``cost(plan)`` seconds, run in launch order;
+    the host takes no time but waits where ``update`` reads a result (lazy results: a read is a
+    ``needs_*`` thunk being called) until that plan is done. The pipeline's clock is the host's,
+    so the scheduler is told the time between blocking reads, as ``LLM``'s pipeline tells it."""
 
-    def __init__(self, cfg, cost):
-        super().__init__(cfg, lazy=True)
-        self.cost, self.clock, self.unsynced = cost, 0.0, []
-        self.token_times: dict = {}  # rid -> synthetic times of its tokens
+    def __init__(self, cfg, cost, ahead=False):
+        super().__init__(cfg, lazy=True, ahead=ahead, clock=lambda: self.host_now)
+        self.cost, self.host_now, self.device_end = cost, 0.0, 0.0
+        self.done_at: dict = {}  # plan step -> synthetic time its device work ends
+        self.token_times: dict = {}  # rid -> synthetic times of its tokens (when the host read them)
         self.no_prompt_run = 0  # invocations in a row in which a prefilling request got no prompt row
         self.max_no_prompt_run = 0
         self.decode_gap: dict = {}  # rid -> invocations since its last decode row
         self.max_decode_gap = 0
         self.fitted_at = None  # synthetic time at which the cost model first had enough observations
+        self.prompt_ahead = 0  # token cycles' prompt invocations launched behind their fused step
+        self.cycle_start = None  # synthetic time of the first token cycle
+
+    def prompt_rows_per_cycle(self) -> float:
+        """Mean rows of the cycles' prompt invocations."""
+        st = self.s.stats()
+        rows = [p.num_rows for p in self.plans if p.sub_plans is None and not p.ranges_of(Phase.DECODE)]
+        return sum(rows) / max(st["latency_cycles"], 1)
+
+    def check_launch(self, plan, ahead):
+        super().check_launch(plan, ahead)
+        self.prompt_ahead += ahead and plan.sub_plans is None
+        lt = self.s.latency
+        if self.cycle_start is None and lt is not None and lt.cycles:
+            self.cycle_start = self.host_now
+        self.device_end = max(self.device_end, self.host_now) + self.cost(plan)
+        self.done_at[plan.step] = self.device_end
+
+    def on_read(self, plan):
+        self.host_now = max(self.host_now, self.done_at[plan.step])
 
     def step(self):
         s = self.s
         prefilling = any(r.is_prefilling for r in s.running)
         decoding = {r.request_id for r in s.running if r.is_decoding}
-        nreads = len(self.reads)
+        n_plans = len(self.plans)
         deltas = super().step()
         if deltas is None:
-            self.unsynced = []
             return None
-        plan = self.plans[-1]
-        self.clock += self.cost(plan)
-        self.unsynced.append(plan)
-        if len(self.reads) > nreads:
-            s.observe(self.unsynced, sum(self.cost(p) for p in self.unsynced))
-            self.unsynced = []
-            if self.fitted_at is None and s.latency is not None and s.latency.model.fitted:
-                self.fitted_at = self.clock
+        if self.fitted_at is None and s.latency is not None and s.latency.model.fitted:
+            self.fitted_at = self.host_now
         for d in deltas:
-            self.token_times.setdefault(d.request_id, []).extend([self.clock] * len(d.new_token_ids))
-        ran_prompt = any(r.phase is Phase.RECURRENT for r in plan.ranges)
-        self.no_prompt_run = 0 if (ran_prompt or not prefilling) else self.no_prompt_run + 1
-        self.max_no_prompt_run = max(self.max_no_prompt_run, self.no_prompt_run)
-        got = {r.request_id for r in plan.ranges if r.phase is Phase.DECODE}
-        self.decode_gap = {rid: g for rid, g in self.decode_gap.items() if rid in decoding}  # preempted: anew
-        for rid in decoding:
-            self.decode_gap[rid] = 0 if rid in got else self.decode_gap.get(rid, 0) + 1
-            self.max_decode_gap = max(self.max_decode_gap, self.decode_gap[rid])
+            self.token_times.setdefault(d.request_id, []).extend([self.host_now] * len(d.new_token_ids))
+        for plan in self.plans[n_plans:]:
+            ran_prompt = any(r.phase is Phase.RECURRENT for r in plan.ranges)
+            self.no_prompt_run = 0 if (ran_prompt or not prefilling) else self.no_prompt_run + 1
+            self.max_no_prompt_run = max(self.max_no_prompt_run, self.no_prompt_run)
+            subs = plan.sub_plans or [plan]
+            for sub in subs:
+                got = {r.request_id for r in sub.ranges if r.phase is Phase.DECODE}
+                self.decode_gap = {rid: g for rid, g in self.decode_gap.items() if rid in decoding}  # preempted
+                for rid in decoding:
+                    self.decode_gap[rid] = 0 if rid in got else self.decode_gap.get(rid, 0) + 1
+                    self.max_decode_gap = max(self.max_decode_gap, self.decode_gap[rid])
         return deltas
 
 
-def drive(cfg, reqs, cost):
-    return run_workload(cfg, reqs, harness=TimedHarness(cfg, cost))
+def drive(cfg, reqs, cost, ahead=False):
+    return run_workload(cfg, reqs, harness=TimedHarness(cfg, cost, ahead))
 
 
 # ------------------------------------------------------------------------------- unit
@@ -258,6 +277,108 @@ def test_target_never_starves_prompts_nor_decode_and_keeps_tokens(wl, target_ms,
     check_against_reference(cfg, objs, aborted)
 
 
+# ------------------------------------------------------------------------- token cycles
+def fused_cost(a, a_fused, b, c):
+    """``linear_cost`` with ``a_fused`` instead of ``a`` per sub-step of a fused decode step (its
+    loops launch no host work of their own: on the H200 they cost less than one-loop invocations)."""
+
+    def cost(plan):
+        n, rows, ctx = plan_features(plan)
+        return (a_fused if plan.sub_plans is not None else a) * n + b * rows + c * ctx
+
+    return cost
+
+
+CYCLE_COST = fused_cost(1e-3, 3e-4, 5e-5, 1e-7)
+
+
+def cycle_workload(long_len=480, n_long=4):
+    rng = np.random.default_rng(5)
+    reqs = [
+        dict(
+            rid=f"d{i}",
+            prompt=rng.integers(0, VOCAB, 8).tolist(),
+            arrival=0,
+            sp=SamplingParams(max_tokens=120, ignore_eos=True, seed=i, exit_mode="fixed"),
+        )
+        for i in range(4)
+    ]
+    reqs += [
+        dict(
+            rid=f"L{i}",
+            prompt=rng.integers(0, VOCAB, long_len).tolist(),
+            arrival=12 + i,
+            sp=SamplingParams(max_tokens=1, ignore_eos=True),
+        )
+        for i in range(n_long)
+    ]
+    for r in reqs:
+        r.update(abort_at=None, priority=0)
+    return reqs
+
+
+def cycle_config(target_ms, **kw):
+    return dataclasses.replace(
+        config("wavefront", target_ms, fused_decode_max_rows=8), num_blocks=1200, max_model_len=640, **kw
+    )
+
+
+def cycle_gaps(h, target) -> list[float]:
+    """Stream d0's token intervals while every long prompt still prefills (after 5 targets of settling)."""
+    end = min(max(h.token_times[f"L{i}"]) for i in range(4))
+    times = h.token_times["d0"]
+    return [b - a for a, b in zip(times, times[1:]) if a >= h.cycle_start + 5 * target and b <= end]
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_token_cycles_hold_the_target_and_keep_tokens(ahead):
+    """Fixed-depth streams with fused steps: while prompts prefill, every token is one fused step
+    of all streams and prompt-only invocations (the first launched behind the fused step when
+    scheduling ahead), whose rows the measured cycles steer to the target. The streams' mean token
+    interval settles within 10% of the target, both where one prompt invocation a cycle holds it
+    and where the prompts' ready work needs several; the prompts run every cycle; tokens are the
+    reference's."""
+    rows = {}
+    for target in (6e-3, 12e-3):  # a fused token of 4 streams ~2.9 ms; a prompt invocation 1 ms + 50 us a row
+        cfg = cycle_config(target * 1e3)
+        h, objs, aborted = drive(cfg, cycle_workload(), CYCLE_COST, ahead=ahead)
+        lt, st = h.s.latency, h.s.stats()
+        check_against_reference(cfg, objs, aborted)
+        assert lt.cycles > 20 and lt.cycles_measured > 10 and st["cycle_prompt_invocations"] >= lt.cycles - 1
+        if ahead:  # the first prompt invocation of (nearly) every cycle ran behind its fused step
+            assert 0.9 * lt.cycles <= h.prompt_ahead <= lt.cycles
+        else:
+            assert h.prompt_ahead == 0
+        gaps = cycle_gaps(h, target)
+        assert len(gaps) >= 10, len(gaps)
+        assert abs(np.mean(gaps) / target - 1) <= 0.10, (np.mean(gaps), target)
+        assert h.max_no_prompt_run <= 1, h.max_no_prompt_run
+        rows[target] = (h.prompt_rows_per_cycle(), st["cycle_prompt_invocations"] / lt.cycles)
+    # the looser target gives the prompts more rows a cycle, in more than one invocation
+    assert rows[12e-3][0] > 1.5 * rows[6e-3][0] and rows[12e-3][1] > 1.5, rows
+
+
+def test_token_cycles_keep_tokens_against_no_target():
+    cfg = cycle_config(6.0)
+    h, objs, _ = drive(cfg, cycle_workload(long_len=200), CYCLE_COST, ahead=True)
+    h_off, objs_off, _ = drive(cycle_config(None), cycle_workload(long_len=200), CYCLE_COST, ahead=True)
+    assert h.s.latency.cycles > 0
+    same = lambda o: {rid: (r.output_token_ids, r.exit_depths) for rid, (r, _) in o.items()}  # noqa: E731
+    assert same(objs) == same(objs_off)
+
+
+def test_early_exit_streams_use_the_shared_invocations():
+    """A stream whose exit reads gates runs every row of a fused step to the deepest exit: no cycles."""
+    reqs = cycle_workload(long_len=200)
+    reqs[0]["sp"] = SamplingParams(max_tokens=120, ignore_eos=True, seed=0, exit_threshold=0.6)
+    cfg = cycle_config(6.0)
+    h, objs, aborted = drive(cfg, reqs, CYCLE_COST)
+    # cycles start only once the gated stream (it runs fewer loops a token) has finished
+    assert h.s.latency.capped > 0 and h.cycle_start is not None
+    assert h.cycle_start >= max(h.token_times["d0"])
+    check_against_reference(cfg, objs, aborted)
+
+
 def test_split_starvation_counts_invocations_not_decisions():
     """Found by hypothesis: in split mode a lifted cap can arrive while a decode group is in flight
     and the policy cannot start prompt rows; the starvation count must run on until prompt rows
@@ -321,7 +442,10 @@ def test_target_off_builds_no_latency_state():
 
 # ------------------------------------------------------------------------------ LLM
 @pytest.mark.slow
-def test_llm_plumbs_target_and_measures_invocations():
+@pytest.mark.parametrize("fused_rows", [0, 4])
+def test_llm_plumbs_target_and_measures_invocations(fused_rows):
+    """With fused decode steps the streams run token cycles while a prompt prefills (the pipeline
+    launching each cycle's prompt invocation behind its fused step); tokens do not change."""
     from ouro_jax.llm import LLM
     from weights.config import get_preset
     from weights.random_init import random_params
@@ -336,13 +460,13 @@ def test_llm_plumbs_target_and_measures_invocations():
         block_size=4,
         max_model_len=64,
         buckets=[32],
-        fused_decode_max_rows=0,
+        fused_decode_max_rows=fused_rows,
         prefill_mode="wavefront",
         progress=False,
     )
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 30, 12)]
-    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 56, 12)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_mode="fixed")
     outs, exes = {}, None
     for target in (None, 50.0):
         llm = LLM(cfg, target_tpot_ms=target, warmup=exes is None, **kw)
@@ -358,6 +482,8 @@ def test_llm_plumbs_target_and_measures_invocations():
         else:
             assert st_["target_tpot_ms"] == target and st_["latency_observations"] > 0
             assert llm.scheduler.latency.model.num_observations <= st_["invocations"]
+            assert (st_["latency_cycles"] > 0) == bool(fused_rows)
+            assert st_.get("cycle_prompt_invocations", 0) <= st_["latency_cycles"]
     assert outs[None] == outs[50.0]
     with pytest.raises(ValueError, match="target_tpot_ms"):
         LLM(cfg, target_tpot_ms=-1, **kw)

@@ -27,6 +27,7 @@ class _Result:
             def f():
                 if h.lazy:
                     h.reads.append((plan.step, which))
+                h.on_read(plan)
                 return arr
 
             return f
@@ -58,12 +59,13 @@ class Harness:
     """Drives a Scheduler with a FakeRunner through ``StepPipeline`` and checks every plan.
     ``ahead``: fused decode steps scheduled one ahead of the reads (asynchronous scheduling)."""
 
-    def __init__(self, cfg: SchedulerConfig, lazy: bool = False, ahead: bool = False, vocab: int = VOCAB):
+    def __init__(self, cfg: SchedulerConfig, lazy: bool = False, ahead: bool = False, vocab: int = VOCAB, clock=None):
         self.cfg = cfg
         self.s = Scheduler(cfg)
         self.fr = FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, vocab)
         self.rounds = 0  # rounds of self-speculative decoding run
-        self.pipeline = StepPipeline(self.s, _CheckedRunner(self), ahead=ahead)
+        kw = {} if clock is None else dict(clock=clock)  # the pipeline's clock (a latency target's timing)
+        self.pipeline = StepPipeline(self.s, _CheckedRunner(self), ahead=ahead, **kw)
         self.ring_tag: dict[int, tuple] = {}
         self.prompt_runs = Counter()  # (rid, pos, depth) -> times run
         self.lazy = lazy
@@ -89,6 +91,9 @@ class Harness:
                 assert all(a >= b for a, b in zip(f, self.frontiers[r.request_id]))
         return deltas
 
+    def on_read(self, plan) -> None:
+        """``update`` reads a result of ``plan`` (the timed harness waits for it there)."""
+
     def check_launch(self, plan, ahead: bool):
         T = self.cfg.num_loops
         if plan.speculative:
@@ -96,7 +101,9 @@ class Harness:
             self.check_round(plan)
             return
         if plan.sub_plans is None:
-            assert not ahead, "only fused decode steps are scheduled ahead"
+            if ahead:  # only a latency target's token cycle launches a one-loop plan ahead: its prompts
+                assert self.s.latency is not None and self.s.latency.cycle_plan is self.s._inflight
+                assert plan.ranges and not plan.ranges_of(Phase.DECODE)
             self.check_plan(plan)
             return
         # a fused decode step: sub-step i is loop i % T of the rows' token i // T, counted from
