@@ -13,20 +13,22 @@ window of measured runs. The engine reads device results only now and then (prom
 block), so one measurement is the time between two blocking reads and covers every plan launched
 in between: the model is fitted on their summed features, which a linear model allows.
 
-Token cycles (staged prefill modes with fused decode steps, streams of one fixed depth): while
-prompts prefill, each token of the streams is one fused step of all of them (their ``T`` loops in
-one launch: on the H200 64 streams at ~256 context took 11.3 ms a token fused against 14.2 ms loop
-by loop) followed by one prompt-only invocation, which the scheduler builds and launches while
-the fused step runs (``Scheduler.schedule_ahead``). A cycle is one token of every stream, so its
-measured time is the streams' TPOT. Its prompt rows follow a feedback loop rather than the cost
-model's absolute prediction (a fused step's fixed cost is not identifiable from windows that
-always hold one fused step and one prompt invocation): the prompt invocation gets a budget of
-predicted seconds (the model's ``a`` an invocation, ``b + c * pos / tile`` a prompt row), moved
-each cycle by ``CYCLE_GAIN`` times the measured cycle's error against the target, never below
-``min_prompt_share`` of the cycle, never more than one invocation beyond what the cycle could
-spend. At least one chunk runs every cycle; where the prompts' ready work (one chunk a depth a
-prompt, in the wavefront) is less than the budget buys, up to ``MAX_CYCLE_PROMPTS`` prompt
-invocations run.
+Token cycles (staged prefill modes with fused decode steps, streams of one fixed depth). Such
+streams first share the prompts' invocations, uncapped, as without a target; once their measured
+TPOT misses the target (``use_cycles``), each token of the streams is one fused step of all of
+them (their ``T`` loops in one launch: on the H200 64 streams at ~256 context took 11.3 ms a
+token fused against 14.2 ms loop by loop) followed by prompt-only invocations, the first of which
+the scheduler builds and launches while the fused step runs (``Scheduler.schedule_ahead``). A
+cycle is one token of every stream, so its measured time is the streams' TPOT. The prompt rows
+follow a feedback loop rather than the cost model's absolute prediction (a fused step's fixed
+cost is not identifiable from windows that always hold one fused step and prompt invocations):
+the cycle's prompt invocations get a budget of predicted seconds (the model's ``a`` an
+invocation, ``b + c * pos / tile`` a prompt row), moved each cycle by ``CYCLE_GAIN`` times the
+measured cycle's error against the target, never below ``min_prompt_share`` of the cycle, never
+more than one invocation beyond what the cycle could spend. At least one chunk runs every cycle;
+where the prompts' ready work (one chunk a depth a prompt, in the wavefront) is less than the
+budget buys, up to ``MAX_CYCLE_PROMPTS`` prompt invocations run. Cycles that leave much of the
+target unused give way to the shared invocations again.
 
 Never starving: decode rows are never capped; with no decode stream running prompts are not capped
 either; waiting prompts always get at least ``min_prompt_share`` of the predicted invocation time
@@ -52,6 +54,14 @@ __all__ = ["CostModel", "LatencyTarget", "plan_features", "make_latency_target",
 # budget each cycle: below 1, so that one slow cycle (a host hiccup) does not swing the next.
 CYCLE_GAIN = 0.5
 
+# Token cycles start when the shared invocations' measured TPOT misses the target by more than
+# this factor, and stop when cycles leave more than 1 - CYCLE_STOP_SLACK of it unused (where the
+# prompts' ready work is too little to use it, the shared invocations give them more), each after
+# MODE_DWELL tokens of the streams in the mode, so that the two do not alternate token by token.
+CYCLE_START_MISS = 1.05
+CYCLE_STOP_SLACK = 0.8
+MODE_DWELL = 8
+
 # Most prompt-only invocations of one token cycle (where the prompts' ready work, one chunk a
 # depth a prompt in the wavefront, leaves the target room for more than one).
 MAX_CYCLE_PROMPTS = 4
@@ -71,6 +81,15 @@ def kv_tokens(token_start: int, token_count: int) -> float:
         total += e  # positions 0 .. e-1
         s = e
     return total
+
+
+def _shared_with_streams(plan) -> bool:
+    """A one-loop invocation with decode rows (in staged modes: a loop of every stream)."""
+    return plan.sub_plans is None and any(r.phase is Phase.DECODE for r in plan.ranges)
+
+
+def _has_prompt(plan) -> bool:
+    return plan.sub_plans is None and any(r.phase is Phase.RECURRENT for r in plan.ranges)
 
 
 def plan_features(plan) -> tuple[float, float, float]:
@@ -201,6 +220,10 @@ class LatencyTarget:
         self._cycle_prompts = 0  # prompt invocations of the open cycle
         self._cycle_row_s = 0.0  # the latest predicted seconds of a prompt row
         self._row_budget = max(self.row_buckets)  # the most rows an invocation takes
+        self.cycling = False  # streams that could run token cycles run them (use_cycles)
+        self.mode_switches = 0
+        self._mode_tpot: Optional[float] = None  # smoothed measured TPOT in the current mode
+        self._mode_tokens = 0.0  # tokens of the streams measured in the current mode
         self._window_closed_cycle = False  # the previous timing window ended at a cycle's fused step
 
     # ------------------------------------------------------------------ measure
@@ -212,7 +235,12 @@ class LatencyTarget:
         closes_cycle = self.cycle_plan is not None and any(p is self.cycle_plan for p in plans)
         if closes_cycle and self._window_closed_cycle:  # the window is one whole cycle
             self._control_cycle(seconds)
+            self._mode_sample(seconds, 1.0)
         self._window_closed_cycle = closes_cycle
+        if not self.cycling and all(_shared_with_streams(p) for p in plans) and any(map(_has_prompt, plans)):
+            # every stream rode every invocation of the window, a loop each: a token is L of them
+            n = sum(f[0] for f in feats)
+            self._mode_sample(self.mean_loops * seconds / n, n / self.mean_loops)
 
     def observe_loops(self, loops: int) -> None:
         """A decode token left after ``loops`` loops."""
@@ -254,6 +282,29 @@ class LatencyTarget:
         return cap
 
     # ------------------------------------------------------------------ token cycles
+    def use_cycles(self) -> bool:
+        """Whether streams that could run token cycles run them now (``CYCLE_START_MISS``,
+        ``CYCLE_STOP_SLACK``): the shared invocations first, uncapped, while they keep the
+        measured TPOT near the target."""
+        if self._mode_tpot is not None and self._mode_tokens >= MODE_DWELL:
+            if not self.cycling and self._mode_tpot > CYCLE_START_MISS * self.target_s:
+                self._switch_mode(True)
+            elif self.cycling and self._mode_tpot < CYCLE_STOP_SLACK * self.target_s:
+                self._switch_mode(False)
+        return self.cycling
+
+    def _switch_mode(self, cycling: bool) -> None:
+        self.cycling = cycling
+        self.mode_switches += 1
+        self._mode_tpot, self._mode_tokens = None, 0.0
+        self._window_closed_cycle = False
+
+    def _mode_sample(self, tpot: float, tokens: float) -> None:
+        """A measured TPOT over ``tokens`` tokens of the streams, in the current mode."""
+        w = min(1.0, 0.25 * tokens)
+        self._mode_tpot = tpot if self._mode_tpot is None else self._mode_tpot + w * (tpot - self._mode_tpot)
+        self._mode_tokens += tokens
+
     def cycle_step(self, plan) -> None:
         """A cycle's fused step was scheduled (``plan``): the window that reads it closes a cycle."""
         self.cycle_plan = plan
@@ -365,6 +416,7 @@ class LatencyTarget:
             latency_forced=self.forced,
             latency_relaxed=self.relaxed,
             latency_cycles=self.cycles,
+            latency_mode_switches=self.mode_switches,
             latency_cycles_measured=self.cycles_measured,
             latency_cycle_ms=None if self.cycle_s is None else self.cycle_s * 1e3,
             latency_cycle_prompt_ms=None if self.cycle_prompt_s is None else self.cycle_prompt_s * 1e3,

@@ -638,6 +638,9 @@ class Scheduler:
             self._admit()
             self._stats["max_running"] = max(self._stats["max_running"], len(self.running))
             cycle = self._cycle_streams() if self.latency is not None else None
+            shared_free = cycle is not None and not self.latency.use_cycles()
+            if shared_free:  # the streams share the prompts' invocations, uncapped, while on time
+                cycle = None
             if cycle is not None and cycle[1]:  # a token cycle (LatencyTarget, "Token cycles")
                 for req in self.running:
                     if req.pending_finalize:
@@ -655,7 +658,7 @@ class Scheduler:
                     return plan
             self._cycle_prompt_due = False
             cap = None
-            if self.latency is not None:
+            if self.latency is not None and not shared_free:
                 cap = self.latency.prompt_cap(self.running, cfg.max_num_batched_tokens, cfg.prefill_mode == "split")
             self._verify_rows = self._reserve_verify_rows()
             budget = cfg.max_num_batched_tokens - sum(self._verify_rows.values())
@@ -913,7 +916,7 @@ class Scheduler:
         """A token cycle's prompt-only invocation, built while the cycle's fused step is in flight
         (``schedule_ahead``): it needs nothing of that step's tokens, so the runner launches it
         right behind, and the host reads the step's tokens while the device runs the prompts."""
-        if not self._cycle_prompt_due or self.latency.cycle_plan is not self._inflight:
+        if not self._cycle_prompt_due:
             return None
         t0 = time.perf_counter()
         plan = self._ahead = self._cycle_prompt_plan([])
@@ -948,11 +951,12 @@ class Scheduler:
         and gets its blocks without preemption. A row that the step in flight ends (a stop token)
         still rides along: ``update`` drops its tokens, as it does for an aborted request, and
         the K/V it writes lands in freed blocks before any later invocation can use them (one
-        device stream). ``update`` takes the two plans in launch order."""
+        device stream). ``update`` takes the two plans in launch order. Behind a latency target's
+        token-cycle step it is the cycle's prompt-only invocation instead (``_cycle_prompt_ahead``)."""
         plan = self._inflight
         if plan is None or plan.sub_plans is None or self._ahead is not None:
             return None
-        if self.latency is not None:
+        if self.latency is not None and self.latency.cycle_plan is plan:
             return self._cycle_prompt_ahead()
         t0 = time.perf_counter()
         rows = [self._requests.get(r.request_id) for r in plan.sub_plans[0].ranges]

@@ -367,6 +367,36 @@ def test_token_cycles_keep_tokens_against_no_target():
     assert same(objs) == same(objs_off)
 
 
+def test_a_target_the_shared_invocations_meet_runs_no_cycles():
+    """A loose target (the shared invocations' ~17 ms a token is within it): the streams never
+    leave them, and nothing is capped: every invocation is the one the engine runs without a target."""
+    h, objs, aborted = drive(cycle_config(30.0), cycle_workload(long_len=200), CYCLE_COST, ahead=True)
+    h_off, _, _ = drive(cycle_config(None), cycle_workload(long_len=200), CYCLE_COST, ahead=True)
+    lt = h.s.latency
+    assert lt.cycles == 0 and lt.mode_switches == 0 and lt.cycling is False
+    assert [(p.kind, p.num_rows) for p in h.plans] == [(p.kind, p.num_rows) for p in h_off.plans]
+    check_against_reference(h.cfg, objs, aborted)
+
+
+def test_cycle_mode_switches_after_a_dwell():
+    """Shared invocations missing the target by more than CYCLE_START_MISS start cycles, cycles
+    leaving more than 1 - CYCLE_STOP_SLACK of it unused stop them, each after MODE_DWELL tokens."""
+    from scheduler.latency_target import CYCLE_START_MISS, CYCLE_STOP_SLACK, MODE_DWELL
+
+    lt = LatencyTarget(0.010, 4, [8, 16], 16)
+    for _ in range(MODE_DWELL - 1):
+        lt._mode_sample(0.010 * (CYCLE_START_MISS + 0.05), 1.0)
+        assert not lt.use_cycles()
+    lt._mode_sample(0.010 * (CYCLE_START_MISS + 0.05), 1.0)
+    assert lt.use_cycles() and lt.mode_switches == 1
+    for _ in range(MODE_DWELL):  # on time: cycles stay
+        lt._mode_sample(0.0098, 1.0)
+        assert lt.use_cycles()
+    for _ in range(2 * MODE_DWELL):
+        lt._mode_sample(0.010 * (CYCLE_STOP_SLACK - 0.1), 1.0)
+    assert not lt.use_cycles() and lt.mode_switches == 2
+
+
 def test_early_exit_streams_use_the_shared_invocations():
     """A stream whose exit reads gates runs every row of a fused step to the deepest exit: no cycles."""
     reqs = cycle_workload(long_len=200)
@@ -443,9 +473,12 @@ def test_target_off_builds_no_latency_state():
 # ------------------------------------------------------------------------------ LLM
 @pytest.mark.slow
 @pytest.mark.parametrize("fused_rows", [0, 4])
-def test_llm_plumbs_target_and_measures_invocations(fused_rows):
+def test_llm_plumbs_target_and_measures_invocations(fused_rows, monkeypatch):
     """With fused decode steps the streams run token cycles while a prompt prefills (the pipeline
     launching each cycle's prompt invocation behind its fused step); tokens do not change."""
+    import scheduler.latency_target
+
+    monkeypatch.setattr(scheduler.latency_target, "MODE_DWELL", 0)  # a few tokens: cycles at the first miss
     from ouro_jax.llm import LLM
     from weights.config import get_preset
     from weights.random_init import random_params
@@ -468,7 +501,7 @@ def test_llm_plumbs_target_and_measures_invocations(fused_rows):
     prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 56, 12)]
     sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_mode="fixed")
     outs, exes = {}, None
-    for target in (None, 50.0):
+    for target in (None, 0.5):
         llm = LLM(cfg, target_tpot_ms=target, warmup=exes is None, **kw)
         if exes is None:
             exes = llm.runner.executables()
@@ -484,7 +517,7 @@ def test_llm_plumbs_target_and_measures_invocations(fused_rows):
             assert llm.scheduler.latency.model.num_observations <= st_["invocations"]
             assert (st_["latency_cycles"] > 0) == bool(fused_rows)
             assert st_.get("cycle_prompt_invocations", 0) <= st_["latency_cycles"]
-    assert outs[None] == outs[50.0]
+    assert outs[None] == outs[0.5]
     with pytest.raises(ValueError, match="target_tpot_ms"):
         LLM(cfg, target_tpot_ms=-1, **kw)
 
