@@ -29,6 +29,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.residual_norm import residual_norm
+from pallas_kernels.residual_norm import supported as residual_norm_supported
 from pallas_kernels.rope import apply_rope, rope_cos_sin
 from weights.config import OuroConfig
 
@@ -48,7 +50,10 @@ class Attention(Protocol):
     A backend may also take the fused projection's output before RoPE: if its ``fuses_rope`` is
     true, fused-weight layers call ``rope_write(layer, qkv, cos, sin, cache) -> (q, cache)`` (RoPE
     on q and k, k and v written to the cache) and then ``attend(layer, q, cache) -> (out, cache)``
-    (``PagedAttention`` with the ``rope_write_kv`` kernel: one launch where XLA runs three)."""
+    (``PagedAttention`` with the ``rope_write_kv`` kernel: one launch where XLA runs three).
+    If its ``fuses_norms`` is true, a layer adds each sublayer's normed output to the residual and
+    norms the sum in one kernel (``pallas_kernels.residual_norm``; interpret mode where its
+    ``kernel.interpret`` is set)."""
 
     def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any) -> tuple[jax.Array, Any]: ...
 
@@ -76,8 +81,11 @@ class RMSNorm(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x, out_dtype=None):
+    def __call__(self, x, out_dtype=None, scale_only: bool = False):
+        """The normed ``x``; ``scale_only``: the weight ``[D]`` alone (for a fused kernel)."""
         w = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        if scale_only:
+            return w
         return rms_norm(x, w, self.eps).astype(self.dtype if out_dtype is None else out_dtype)
 
 
@@ -217,17 +225,45 @@ class OuroDecoderLayer(nn.Module):
     def __call__(self, x, cos, sin, attention: Attention, cache, layer=None):
         """``x`` is the float32 residual stream: matmul inputs are rounded to the model dtype,
         the residual sums are not (cheap, fused, and it halves the bfloat16 drift over T*L layers)."""
+        x, _, cache = self.chain(x, self.input_layernorm(x), cos, sin, attention, cache, layer)
+        return x, cache
+
+    def chain(self, x, h, cos, sin, attention: Attention, cache, layer=None, next_scale=None):
+        """The layer with its input norm ``h = input_layernorm(x)`` already made (by the layer
+        before, in its last residual norm): ``(x, h_next, cache)``. ``next_scale``: the weight of
+        the norm that follows the layer (the next layer's ``input_layernorm``, or the model's
+        final norm), ``h_next`` being ``x`` normed by it in the model dtype; ``None``: no norm
+        (``h_next`` is ``None``). Each residual add and the norm after it are one kernel where the
+        attention backend ``fuses_norms`` (``_add_norm``)."""
         layer = self.layer_index if layer is None else layer
-        f32 = jnp.float32
-        a, cache = self.self_attn(self.input_layernorm(x), cos, sin, layer, attention, cache)
+        a, cache = self.self_attn(h, cos, sin, layer, attention, cache)
         if self.tp_axis is not None:
             a = jax.lax.psum(a, self.tp_axis)
-        x = x + self.input_layernorm_2(a, f32)
-        m = self.mlp(self.post_attention_layernorm(x))
+        x, h = self._add_norm(
+            x, a, self.input_layernorm_2, self.post_attention_layernorm(x, scale_only=True), attention
+        )
+        m = self.mlp(h)
         if self.tp_axis is not None:
             m = jax.lax.psum(m, self.tp_axis)
-        x = x + self.post_attention_layernorm_2(m, f32)
-        return x, cache
+        if next_scale is None:
+            return x + self.post_attention_layernorm_2(m, jnp.float32), None, cache
+        x, h = self._add_norm(x, m, self.post_attention_layernorm_2, next_scale, attention)
+        return x, h, cache
+
+    def _add_norm(self, x, out, out_norm: "RMSNorm", next_scale, attention):
+        """``x + out_norm(out)`` in float32 and that normed by ``next_scale`` in the model dtype."""
+        if getattr(attention, "fuses_norms", False) and x.ndim == 2 and residual_norm_supported(x.shape[-1]):
+            return residual_norm(
+                x,
+                out,
+                out_norm(out, scale_only=True),
+                next_scale,
+                eps=self.config.rms_norm_eps,
+                out_dtype=self.dtype,
+                interpret=attention.kernel.interpret,
+            )
+        x = x + out_norm(out, jnp.float32)
+        return x, rms_norm(x, next_scale, self.config.rms_norm_eps).astype(self.dtype)
 
 
 class LMHead(nn.Module):
@@ -287,15 +323,17 @@ class OuroModel(nn.Module):
         c = self.config
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         x = x.astype(jnp.float32)
-        for layer in self.layers:
-            x, cache = layer(x, cos, sin, attention, cache)
-        h, g = self.finish_loop(x)
-        return h, g, cache
+        h = self.layers[0].input_layernorm(x)
+        for i, layer in enumerate(self.layers):
+            x, h, cache = layer.chain(x, h, cos, sin, attention, cache, next_scale=self.next_scale(i, x))
+        # h: the final norm (after every loop), rounded to the model dtype: what the next loop and the ring see
+        return h, self.gate(h), cache
 
-    def finish_loop(self, x):
-        """Final norm (after every loop) and exit gate: ``(h in the model dtype, gate logit f32)``."""
-        h = self.norm(x)  # rounded to the model dtype: what the next loop and the ring see
-        return h, self.gate(h)
+    def next_scale(self, i: int, x):
+        """The weight of the norm after layer ``i``: the next layer's input norm, after the last
+        layer the final norm (``x``: a row of the residual, for the weight's shape)."""
+        norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+        return norm(x, scale_only=True)
 
     def gate(self, h):
         """Exit-gate logit ``h . w + b`` in float32 (one scalar per row)."""

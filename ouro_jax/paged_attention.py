@@ -18,13 +18,20 @@ from pallas_kernels import write_kv
 from pallas_kernels.dispatch import AttentionKernel
 from pallas_kernels.rope_write_kv import rope_write_kv
 
-__all__ = ["PagedAttention", "fuses_rope"]
+__all__ = ["PagedAttention", "fuses_norms", "fuses_rope"]
 
 
 def fuses_rope(kernel: AttentionKernel) -> bool:
     """Whether layers with fused Q/K/V weights use the ``rope_write_kv`` kernel (one launch a layer
     where XLA runs three) with ``kernel``: wherever attention is a Pallas kernel (interpret mode
     too: the CPU tests). The ``reference`` attention (the CPU engine) keeps XLA's RoPE and scatters."""
+    return kernel.name != "reference"
+
+
+def fuses_norms(kernel: AttentionKernel) -> bool:
+    """Whether layers add attention's normed output to the residual and norm the sum in one kernel
+    (``pallas_kernels.residual_norm``) with ``kernel``: as ``fuses_rope``, wherever attention is a
+    Pallas kernel; the ``reference`` attention keeps XLA's fusions."""
     return kernel.name != "reference"
 
 
@@ -41,6 +48,9 @@ class PagedAttention:
     # RoPE and the K/V write in one kernel (``rope_write``, see ``model.Attention``); False: XLA's
     # RoPE and scatters (``__call__``). ``fuses_rope(kernel)`` says which the engine uses.
     fuses_rope: bool = False
+    # the residual add and the next norm after attention in one kernel (``model.Attention``);
+    # ``fuses_norms(kernel)`` says where the engine does
+    fuses_norms: bool = False
 
     def __call__(self, layer, q, k, v, cache):
         kp, vp = cache

@@ -29,8 +29,8 @@ from scheduler.descriptor import HEADER, descriptor_layout, exit_words
 from scheduler.speculation import SpecKey, spec_layout
 from weights.config import OuroConfig
 
-from .model import OuroDecoderLayer, OuroModel, dtype_of
-from .paged_attention import PagedAttention, fuses_rope
+from .model import OuroDecoderLayer, OuroModel, dtype_of, rms_norm
+from .paged_attention import PagedAttention, fuses_norms, fuses_rope
 from .parallel import TP_AXIS, local_config, vocab_parallel_embed, vocab_parallel_logits
 from .sampling import adjust_logits, greedy, row_keys, sample, sample_stochastic, token_logprobs
 from .structured import apply_token_bitmask
@@ -159,27 +159,33 @@ def recurrent(
         interpret=interpret,
     )
     seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
-    attn = PagedAttention(a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg), fuses_rope(kernel))
+    attn = PagedAttention(
+        a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg), fuses_rope(kernel), fuses_norms(kernel)
+    )
     cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
     x = x.astype(jnp.float32)
     layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True)
 
-    def one_layer(p, x, pools, i):
-        return layer.apply({"params": p}, x, cos, sin, attn, pools, layer=i)
+    def one_layer(p, x, h, pools, i, next_scale):
+        return layer.apply({"params": p}, x, h, cos, sin, attn, pools, layer=i, next_scale=next_scale, method="chain")
 
     # L calls of one nested jit: traced and lowered once, not L times (start-up time), and inlined
     # by XLA into the same straight-line program as writing the layers out
     one_layer = jax.jit(one_layer)
     pools = (kp, vp)
-    for i in range(c.num_hidden_layers):
-        x, pools = one_layer(params["layers"][f"layers_{i}"], x, pools, jnp.int32(i))
+    L, layers = c.num_hidden_layers, params["layers"]
+    # each layer ends with the norm after it (the next layer's input norm, then the final norm)
+    h = rms_norm(x, layers["layers_0"]["input_layernorm"]["scale"], c.rms_norm_eps).astype(dt)
+    for i in range(L):
+        nxt = layers[f"layers_{i + 1}"]["input_layernorm"] if i + 1 < L else params["top"]["norm"]
+        x, h, pools = one_layer(layers[f"layers_{i}"], x, h, pools, jnp.int32(i), nxt["scale"])
     kp, vp = pools
-    return finish_loop(params, model, kp, vp, ring, a, x)
+    return finish_loop(params, model, kp, vp, ring, a, h)
 
 
-def finish_loop(params, model, kp, vp, ring, a, x):
-    """Final norm and gate of a loop; the rows' hidden states back to the ring."""
-    h, g = model.apply({"params": params["top"]}, x, method=OuroModel.finish_loop)
+def finish_loop(params, model, kp, vp, ring, a, h):
+    """Gate of a loop from its final-normed rows ``h``; the rows' hidden states back to the ring."""
+    g = model.apply({"params": params["top"]}, h, method=OuroModel.gate)
     ring = ring.at[a["row_ring"]].set(h.astype(ring.dtype))
     return kp, vp, ring, h, g.astype(jnp.float32)
 
