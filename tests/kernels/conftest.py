@@ -1,7 +1,8 @@
 """Shared by the kernel tests: ragged paged batches (``make_batch``), a float64 numpy dense-softmax
 oracle, a runner that pads and calls a kernel (``run``), the tolerance rule, and the Mosaic GPU
-interpreter with a stand-in for wgmma (``mosaic_interpret``), and the mark that skips a test off
-a Hopper GPU (``skip_no_hopper``)."""
+interpreter with a stand-in for wgmma (``mosaic_interpret``), the mark that skips a test off a
+Hopper GPU (``skip_no_hopper``), and the tiny engine run with and without a fused layer kernel
+(``engine_with_and_without``)."""
 
 import functools
 import math
@@ -199,3 +200,60 @@ def mosaic_interpret(monkeypatch):
     monkeypatch.setattr(plgpu, "kernel", functools.partial(plgpu.kernel, interpret=params))
 
     return lambda fn: fn.__wrapped__
+
+
+def engine_with_and_without(monkeypatch, flag: str, spied_module, spied_name: str):
+    """The ``tiny-gqa`` engine with its Pallas kernels interpreted (Triton attention, prefill chunks
+    across buckets 8 and 32, fused decode steps, the model's exit rule, float32), twice:
+    ``step_program.<flag>`` patched to refuse the kernel, then as built. Returns ``(without,
+    with, calls)``: each run's ``(token_ids, exit_depths)`` per prompt, and the shape of the first
+    argument of every (traced) call of ``spied_module.<spied_name>``."""
+    import jax
+
+    from ouro_jax import LLM, SamplingParams, get_preset, step_program
+    from ouro_jax import runner as runner_mod
+    from weights.random_init import random_params
+
+    real_init = runner_mod.ModelRunner.__init__
+
+    def interpreted(self, *a, **k):
+        real_init(self, *a, **{**k, "interpret": True})
+
+    monkeypatch.setattr(runner_mod.ModelRunner, "__init__", interpreted)
+    calls = []
+    real = getattr(spied_module, spied_name)
+
+    def spy(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(spied_module, spied_name, spy)
+    cfg = get_preset("tiny-gqa")
+    params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
+    rng = np.random.default_rng(3)
+    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (3, 21, 9)]
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
+
+    def run():
+        llm = LLM(
+            cfg,
+            params=params,
+            attention="triton",
+            kv_cache_bytes=1 << 22,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            prefill_chunk_size=8,
+            block_size=4,
+            max_model_len=64,
+            buckets=[8, 32],
+            fused_decode_max_rows=4,
+            progress=False,
+            executable_store=False,
+        )
+        return [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sampling, use_tqdm=False)]
+
+    with monkeypatch.context() as m:
+        m.setattr(step_program, flag, lambda kernel: False)
+        without = run()
+    assert not calls, "the patched-off run called the kernel"
+    return without, run(), calls

@@ -14,6 +14,7 @@ import pytest
 
 from ouro_jax.model import rms_norm
 from pallas_kernels.residual_norm import residual_norm, residual_norm_reference, supported
+from tests.kernels.conftest import engine_with_and_without
 
 EPS = 1e-6
 
@@ -91,53 +92,11 @@ def test_engine_same_tokens_and_depths_with_and_without_kernel(monkeypatch):
     """The engine with interpreted Pallas kernels (prefill chunks across buckets, fused decode
     steps, the model's exit rule, float32): the fused residual norm gives XLA's two norms' tokens
     and exit depths (that path forced by patching ``fuses_norms``), and is really called."""
-    from ouro_jax import LLM, SamplingParams, get_preset, step_program
     from ouro_jax import model as model_mod
-    from ouro_jax import runner as runner_mod
-    from weights.random_init import random_params
 
-    real_init = runner_mod.ModelRunner.__init__
-    monkeypatch.setattr(
-        runner_mod.ModelRunner, "__init__", lambda self, *a, **k: real_init(self, *a, **{**k, "interpret": True})
-    )
-    calls = []
-    real = model_mod.residual_norm
-
-    def spy(*a, **k):
-        calls.append(a[0].shape)
-        return real(*a, **k)
-
-    monkeypatch.setattr(model_mod, "residual_norm", spy)
-    cfg = get_preset("tiny-gqa")
-    params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
-    rng = np.random.default_rng(5)
-    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (3, 21, 9)]
-    sampling = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
-
-    def run():
-        llm = LLM(
-            cfg,
-            params=params,
-            attention="triton",
-            kv_cache_bytes=1 << 22,
-            max_num_seqs=4,
-            max_num_batched_tokens=32,
-            prefill_chunk_size=8,
-            block_size=4,
-            max_model_len=64,
-            buckets=[8, 32],
-            fused_decode_max_rows=4,
-            progress=False,
-            executable_store=False,
-        )
-        return [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sampling, use_tqdm=False)]
-
-    with monkeypatch.context() as m:
-        m.setattr(step_program, "fuses_norms", lambda kernel: False)
-        base = run()
-    assert not calls
+    base, got, calls = engine_with_and_without(monkeypatch, "fuses_norms", model_mod, "residual_norm")
     assert len({d for _, depths in base for d in depths}) > 1  # the exit rule picked several depths
-    assert run() == base
+    assert got == base
     # traced twice per bucket's layer (after attention, after the MLP): decode and prefill buckets
     assert len(calls) % 2 == 0 and {s[0] for s in calls} == {8, 32}
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels.rope import rope_cos_sin
 from pallas_kernels.rope_write_kv import rope_write_kv, rope_write_kv_reference
+from tests.kernels.conftest import engine_with_and_without
 
 
 def _case(rng, R, G, g, hd, L, NB, BS, dtype, pad_every=0, first_slot=False):
@@ -214,60 +215,12 @@ def test_kernel_wherever_attention_is_pallas():
 def test_engine_same_tokens_and_depths_with_and_without_kernel(monkeypatch):
     """The engine with the Triton attention kernel interpreted (prefill chunks across buckets,
     fused decode steps, the model's exit rule, float32): ``rope_write_kv`` gives XLA's RoPE +
-    scatter path's tokens and exit depths (that path forced here by patching ``fuses_rope``), and
-    is really called (once per layer of every step)."""
-    import jax
-
-    from ouro_jax import LLM, SamplingParams, get_preset, step_program
+    scatter path's tokens and exit depths (that path forced by patching ``fuses_rope``), and is
+    really called (once per layer of every step)."""
     from ouro_jax import paged_attention as pa
-    from ouro_jax import runner as runner_mod
-    from weights.random_init import random_params
 
-    real_init = runner_mod.ModelRunner.__init__
-
-    def interpreted(self, *a, **k):
-        real_init(self, *a, **{**k, "interpret": True})
-
-    monkeypatch.setattr(runner_mod.ModelRunner, "__init__", interpreted)
-    calls = []
-    real = pa.rope_write_kv
-
-    def spy(*a, **k):
-        calls.append(a[0].shape)
-        return real(*a, **k)
-
-    monkeypatch.setattr(pa, "rope_write_kv", spy)
-    cfg = get_preset("tiny-gqa")
-    params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
-    rng = np.random.default_rng(3)
-    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (3, 21, 9)]
-    sampling = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
-
-    def run():
-        llm = LLM(
-            cfg,
-            params=params,
-            attention="triton",
-            kv_cache_bytes=1 << 22,
-            max_num_seqs=4,
-            max_num_batched_tokens=32,
-            prefill_chunk_size=8,
-            block_size=4,
-            max_model_len=64,
-            buckets=[8, 32],
-            fused_decode_max_rows=4,
-            progress=False,
-            executable_store=False,
-        )
-        outs = llm.generate(prompts, sampling, use_tqdm=False)
-        return [(o.token_ids, o.exit_depths) for o in outs]
-
-    with monkeypatch.context() as m:
-        m.setattr(step_program, "fuses_rope", lambda kernel: False)  # XLA's RoPE and scatters
-        base = run()
-    assert not calls
+    base, got, calls = engine_with_and_without(monkeypatch, "fuses_rope", pa, "rope_write_kv")
     assert len({d for _, depths in base for d in depths}) > 1  # the exit rule picked several depths
-    got = run()
     assert got == base
     assert {s[0] for s in calls} == {8, 32}  # traced once per bucket's layer: decode and prefill
 
