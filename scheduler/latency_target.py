@@ -173,7 +173,8 @@ class CostModel:
 
 
 class LatencyTarget:
-    """The prompt-row cap of each invocation under a TPOT target (see the module docstring)."""
+    """A TPOT target's decisions: token cycles and their prompt rows, or the prompt-row cap of each
+    shared invocation (see the module docstring)."""
 
     def __init__(
         self,
@@ -208,7 +209,8 @@ class LatencyTarget:
         self._starved = 0  # invocations in a row in which ready prompt work got no row
         self.forced = 0  # invocations given a chunk by the starvation rule
         self.capped = 0  # invocations whose prompt rows the target limited
-        self.relaxed = 0  # invocations whose target decode alone would miss: prompts got the minimum share
+        # invocations (or cycles) whose target decode alone would miss: prompts got the minimum share
+        self.relaxed = 0
         # token cycles (module docstring)
         self.cycle_plan = None  # the latest cycle's fused step
         self.cycles = 0  # fused steps that opened a cycle

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from scheduler import Phase, SamplingParams, Scheduler, SchedulerConfig
@@ -259,11 +259,12 @@ def test_min_prompt_share_is_checked():
     workloads(),
     st.sampled_from([0.05, 0.5, 2.0, 20.0]),  # target, ms: infeasible to loose
     st.tuples(st.floats(0, 1e-3), st.floats(0, 1e-4), st.floats(0, 1e-6)),
+    st.booleans(),  # scheduling ahead: fused steps, and token cycles' prompt invocations
 )
-def test_target_never_starves_prompts_nor_decode_and_keeps_tokens(wl, target_ms, coef):
+def test_target_never_starves_prompts_nor_decode_and_keeps_tokens(wl, target_ms, coef, ahead):
     cfg, reqs = wl
     cfg = dataclasses.replace(cfg, target_tpot_ms=target_ms)
-    h, objs, aborted = drive(cfg, reqs, linear_cost(*coef))
+    h, objs, aborted = drive(cfg, reqs, linear_cost(*coef), ahead=ahead)
     T = cfg.num_loops
     lt = h.s.latency
     # prompts: a chunk at least every starve_after invocations (a split group in flight, or a
@@ -407,6 +408,38 @@ def test_early_exit_streams_use_the_shared_invocations():
     assert h.s.latency.capped > 0 and h.cycle_start is not None
     assert h.cycle_start >= max(h.token_times["d0"])
     check_against_reference(cfg, objs, aborted)
+
+
+CYCLES_SEEN = []  # cycles of each example of the test below (some examples must have run them)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(workloads(), st.sampled_from([0.05, 2.0]), st.booleans())
+def test_token_cycles_keep_tokens_on_random_workloads(wl, target_ms, ahead):
+    """Random workloads (preemption, prefix hits, aborts, stop tokens, priorities) with every
+    request at fixed depth, fused steps and no dwell: token cycles start at the first miss, and
+    tokens, exit depths and the pool's bookkeeping stay the reference's."""
+    import scheduler.latency_target as lt_mod
+
+    cfg, reqs = wl
+    assume(cfg.prefill_mode != "split")
+    cfg = dataclasses.replace(cfg, target_tpot_ms=target_ms, fused_decode_max_rows=cfg.max_num_seqs)
+    fixed = dict(exit_mode="fixed", exit_threshold=1.0, min_loops=1, synthetic_mean_loops=None, synthetic_depths=None)
+    reqs = [dict(r, sp=dataclasses.replace(r["sp"], **fixed)) for r in reqs]
+    dwell, lt_mod.MODE_DWELL = lt_mod.MODE_DWELL, 0
+    try:
+        h, objs, aborted = drive(cfg, reqs, CYCLE_COST, ahead=ahead)
+    finally:
+        lt_mod.MODE_DWELL = dwell
+    check_against_reference(cfg, objs, aborted)
+    CYCLES_SEEN.append(h.s.latency.cycles)
+
+
+def test_random_workloads_ran_token_cycles():
+    """The test above is not vacuous: some of its examples ran token cycles."""
+    if not CYCLES_SEEN:
+        test_token_cycles_keep_tokens_on_random_workloads()
+    assert sum(c > 0 for c in CYCLES_SEEN) >= 5, CYCLES_SEEN
 
 
 def test_split_starvation_counts_invocations_not_decisions():
