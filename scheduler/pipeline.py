@@ -102,15 +102,15 @@ class StepPipeline:
         A plan whose coda is deferred (a guided or penalised fused step) has it sampled at once, or with
         ``defer`` (launched ahead, before the tokens its mask depends on were read) by the
         ``advance`` or ``drain`` that applies it."""
+        if self._timed:
+            if not self._uncharged:  # the device is idle: a window opens now
+                self._window_t = self._clock()
+            self._uncharged.append(plan)
         if plan.deferred_coda:
             result = self.runner.step(plan.descriptor, defer_coda=True)
             if not defer:
                 self._complete(plan, result)
             return result
-        if self._timed:
-            if not self._uncharged:  # the device is idle: a window opens now
-                self._window_t = self._clock()
-            self._uncharged.append(plan)
         extra = None if self.sampler_inputs is None else self.sampler_inputs(plan)
         result = self.runner.step(plan.descriptor, **extra) if extra else self.runner.step(plan.descriptor)
         if self.after_launch is not None and plan.sub_plans is None:

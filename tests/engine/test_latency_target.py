@@ -534,6 +534,8 @@ def test_llm_plumbs_target_and_measures_invocations(fused_rows, monkeypatch):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (5, 56, 12)]
     sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_mode="fixed")
+    # the third request's penalty defers its fused steps' coda (sampled after launch): timed too
+    sps = [sp, sp, dataclasses.replace(sp, presence_penalty=0.5)]
     outs, exes = {}, None
     for target in (None, 0.5):
         llm = LLM(cfg, target_tpot_ms=target, warmup=exes is None, **kw)
@@ -542,7 +544,7 @@ def test_llm_plumbs_target_and_measures_invocations(fused_rows, monkeypatch):
         else:
             llm.runner.adopt(exes)  # same shapes: compile once
         assert llm.scheduler_config.target_tpot_ms == target
-        outs[target] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
+        outs[target] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sps, use_tqdm=False)]
         st_ = llm.stats()
         if target is None:
             assert "latency_observations" not in st_
