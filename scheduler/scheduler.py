@@ -853,13 +853,10 @@ class Scheduler:
         loop by loop (tests/engine/test_fused_decode.py, tests/engine/test_fused_exit.py): the sub-steps are the
         descriptors the loop-by-loop path would build, and the device applies the same rule.
         """
-        cfg = self.config
         if not self._fusion_candidates(sel):
             return 0
         rows = sel.decode
-        pairs = len(finalize) // 2  # finalize is a flat (src, dst) list
-        need = descriptor_rows(len(rows), len(rows), len(rows), pairs, self.num_loops)  # as build_descriptor
-        if self.bucket_spec.key_for(need).R > self.bucket_spec.key_for(cfg.fused_decode_max_rows).R:
+        if not self._fits_fused_bucket(len(rows), finalize):
             return 0
         if any(req.decode_started for req in rows):
             return 0
@@ -905,10 +902,15 @@ class Scheduler:
             return None
         return decoding, not any(r.decode_started for r in decoding)
 
+    def _fits_fused_bucket(self, n: int, finalize: list) -> bool:
+        """``n`` decode rows and the ``finalize`` copies (a flat (src, dst) list) fit a bucket up to
+        the one holding ``fused_decode_max_rows`` (the rows ``build_descriptor`` needs)."""
+        need = descriptor_rows(n, n, n, len(finalize) // 2, self.num_loops)
+        return self.bucket_spec.key_for(need).R <= self.bucket_spec.key_for(self.config.fused_decode_max_rows).R
+
     def _cycle_fused_fits(self, rows: list[Request], finalize: list) -> bool:
         """One fused token of ``rows`` fits the fused buckets (with ``finalize``) and gets its blocks."""
-        need = descriptor_rows(len(rows), len(rows), len(rows), len(finalize) // 2, self.num_loops)
-        if self.bucket_spec.key_for(need).R > self.bucket_spec.key_for(self.config.fused_decode_max_rows).R:
+        if not self._fits_fused_bucket(len(rows), finalize):
             return False
         return all(_tokens_left(r) >= 1 and self._grow_to(r, r.position_in_flight + 1) for r in rows)
 
