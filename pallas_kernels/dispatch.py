@@ -18,8 +18,8 @@ tests/kernels/test_attention_dispatch.py checks it against benchmarks/results/at
   segment lengths) of ``HYBRID_MIN_ROWS`` rows or more, which a full load of long segments would
   fill -> ``hybrid``: split per segment at run time, segments of ``HYBRID_MIN_SEGMENT_ROWS`` rows
   or more on the Mosaic kernel, the rest on Triton (each launch sees the other half's segments
-  with ``q_len = 0``, i.e. as padding), merged by the Triton combine kernel, which copies the long
-  rows from the Mosaic half's tile-packed output (no pass of its own).
+  with ``q_len = 0``, i.e. as padding). Both write their own rows into one array in place (the
+  Mosaic half first, into zeros; the Triton half's two kernels into that): no merge.
 
 The hybrid split's Mosaic launch is packed for ``hybrid_tiles(R, S)`` windows: at most ``R // m``
 segments hold ``m = HYBRID_MIN_SEGMENT_ROWS`` rows or more, and one of ``n`` rows spans
@@ -134,13 +134,11 @@ class HybridPlan(NamedTuple):
     """Per-invocation work of the ``"hybrid"`` split, built once and shared by every layer.
 
     ``triton_q_len``/``mgpu_q_len``: ``seg_q_len`` with the other half's segments set to 0
-    (padding to that kernel). ``long_row`` ``[R]``: rows the Mosaic launch owns (covered by one
-    of its tiles); the Triton launch owns the rest, and leaves these rows zero.
+    (padding to that kernel).
     """
 
     triton_q_len: jax.Array
     mgpu_q_len: jax.Array
-    long_row: jax.Array
     triton: Plan
     mgpu: mgpu.Packing
 
@@ -157,8 +155,8 @@ class AttentionKernel:
     """One bucket's attention: which kernel (``name``) and the static shapes its plan needs.
 
     ``plan(...)`` builds an invocation's work list once (``None`` for ``reference``; for
-    ``hybrid`` both kernels' work lists and the row mask that merges their outputs); calling the
-    object runs the kernel on one layer with that plan.
+    ``hybrid`` both kernels' work lists); calling the object runs the kernel on one layer with
+    that plan.
     """
 
     name: str  # "triton" | "mgpu" | "hybrid" | "reference"
@@ -200,10 +198,8 @@ class AttentionKernel:
                 num_rows=self.num_rows,
                 max_tiles=hybrid_tiles(self.num_rows, seg_q_len.shape[0]),
             )
-            # dst points one past the last packed row for rows of no Mosaic tile.
-            long_row = packing.dst < packing.src.shape[0]
             triton = self._triton_plan(seg_q_start, triton_q_len, seg_ctx_len)
-            return HybridPlan(triton_q_len, mgpu_q_len, long_row, triton, packing)
+            return HybridPlan(triton_q_len, mgpu_q_len, triton, packing)
         return self._triton_plan(seg_q_start, seg_q_len, seg_ctx_len)
 
     def __call__(
@@ -267,17 +263,15 @@ def hybrid_attention(
     plan: HybridPlan,
     triton_interpret: bool = False,
 ):
-    """Both halves of the split on one invocation; the Triton combine writes the long rows
-    (``plan.long_row``) from the Mosaic half's tile-packed output.
+    """Both halves of the split on one invocation, each writing its own rows of one array: the
+    Mosaic half into zeros, the Triton half in place into that.
 
     ``seg_q_len`` is only shape-checked: each half reads its own ``q_len`` from the plan.
     ``triton_interpret`` runs the Triton half in Pallas interpret mode (CPU tests, with the
     Mosaic half replaced: it has no interpret mode).
     """
     del seg_q_len
-    # The Mosaic half's output stays tile-packed: the Triton half's combine kernel, which writes
-    # every row anyway, copies each long row from it (no unpacking gather, no select pass).
-    tiles = mgpu.ragged_paged_attention_mgpu(
+    long_rows = mgpu.ragged_paged_attention_mgpu(
         q,
         k_pages,
         v_pages,
@@ -288,7 +282,6 @@ def hybrid_attention(
         layer=layer,
         sm_scale=sm_scale,
         packing=plan.mgpu,
-        unpack=False,
     )
     return ragged_paged_attention(
         q,
@@ -302,5 +295,5 @@ def hybrid_attention(
         sm_scale=sm_scale,
         interpret=triton_interpret,
         plan=plan.triton,
-        merge=(plan.mgpu.dst, tiles),
+        out=long_rows,
     )

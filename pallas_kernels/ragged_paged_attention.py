@@ -37,7 +37,8 @@ Design (everything shape-static in ``(R, S, MB)``, no host sync):
   a one-row path (vector multiply + reduce, optional register prefetch of the next block).
 * **Kernel 2** (grid ``(R,)``): per output row, combine its tile's items by log-sum-exp
   (``fori_loop`` over a dynamic count) and write all H heads of the row; rows of no segment get
-  zeros.
+  zeros, or, given ``out``, keep its values (both kernels then write into ``out`` in place: the
+  hybrid split's Mosaic half has written its rows there).
 
 ``ragged_paged_attention_reference`` is the pure-jnp twin (also the engine's CPU path).
 """
@@ -515,15 +516,10 @@ def combine_chunk(h_pad: int, head_dim: int) -> int:
     return max(1, min(16, _next_pow2(16384 // (h_pad * head_dim) + 1) // 2))
 
 
-def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, *refs, g: int, num_heads: int, merge: bool):
-    """Rows of split tiles: combine; rows of no segment: zeros, or with ``merge`` the row of the
-    other kernel's output that ``merge_row`` names (the hybrid split's Mosaic half, tile-packed);
-    others were written by kernel 1."""
+def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, out_ref, *, g: int, num_heads: int, keep: bool):
+    """Rows of split tiles: combine; rows of no segment: zeros, or with ``keep`` left as they are
+    (the caller's ``out``); others were written by kernel 1."""
     del out_in_ref  # aliased to out_ref
-    if merge:
-        merge_row_ref, merge_out_ref, out_ref = refs
-    else:
-        (out_ref,) = refs
     r = pl.program_id(0)
     first = rows_ref[r, 0]
     count = rows_ref[r, 1]
@@ -542,9 +538,8 @@ def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, *refs, g: in
     chunk = combine_chunk(h_pad, head_dim)
     jj = jnp.arange(chunk, dtype=jnp.int32)
 
-    # With ``merge`` a row of no segment here (count 0) is the other kernel's row or zeros, below;
-    # without, the loop's zero iterations give its zeros.
-    @pl.when((count > 1) if merge else (count != 1))
+    # Without ``keep`` a row of no segment (count 0) gets the loop's zero iterations: zeros.
+    @pl.when((count > 1) if keep else (count != 1))
     def _():
         def body(c, carry):
             acc, m_i, l_i = carry
@@ -572,18 +567,6 @@ def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, *refs, g: in
         acc, _, l_i = lax.fori_loop(0, _cdiv(count, chunk), body, carry)
         out = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
         plgpu.store(out_ref.at[r, hh[:, None], dr], out.astype(out_ref.dtype), mask=h_ok[:, None])
-
-    if merge:
-
-        @pl.when(count == 0)
-        def _():
-            n = merge_out_ref.shape[0]
-            src = merge_row_ref[r]
-            owned = (src >= 0) & (src < n)
-            theirs = plgpu.load(
-                merge_out_ref.at[jnp.clip(src, 0, n - 1), hh[:, None], dr], mask=h_ok[:, None] & owned, other=0.0
-            )
-            plgpu.store(out_ref.at[r, hh[:, None], dr], theirs.astype(out_ref.dtype), mask=h_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -646,15 +629,15 @@ def ragged_paged_attention(
     prefetch=None,
     max_programs=None,
     plan: Plan | None = None,
-    merge=None,
+    out=None,
 ):
     """Ragged paged attention (see module docstring). Tuning knobs default by bucket.
 
     ``plan`` (optional) is ``make_plan(...)`` for the same segment arrays (built once per step and
     shared by every layer); the launch takes its ``block_q``/``block_k`` from it.
-    ``merge`` (optional) ``(rows [R] int32, other [N, H, hd])``: a row of no segment here takes
-    ``other[rows[r]]`` (zeros where ``rows[r]`` is outside ``[0, N)``), written by the combine
-    kernel, which writes such rows anyway: the hybrid split's merge costs no pass of its own.
+    ``out`` (optional, ``q``'s shape): written in place, the segments' rows only; every other row
+    keeps its value (default: a fresh array whose rows of no segment are zeros). The hybrid split
+    passes the Mosaic half's output, so neither half copies the other's rows.
     """
     _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, layer)
     if plan is not None:  # the plan fixes the tiling it was built for
@@ -682,10 +665,8 @@ def ragged_paged_attention(
     )
     if plan is None:
         plan = make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=g, tuning=tuning)
-    if merge is not None:
-        rows, other = merge
-        if rows.shape != (num_rows,) or other.ndim != 3 or other.shape[1:] != q.shape[1:]:
-            raise ValueError(f"merge wants rows [{num_rows}] and other [N, {num_heads}, {head_dim}]")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out {out.shape} {out.dtype} must match q {q.shape} {q.dtype}")
     return _launch(
         q,
         k_pages,
@@ -696,7 +677,7 @@ def ragged_paged_attention(
         tuning=tuning,
         sm_scale=sm_scale,
         interpret=interpret,
-        merge=merge,
+        out=out,
     )
 
 
@@ -711,7 +692,7 @@ def _launch(
     tuning: Tuning,
     sm_scale: float,
     interpret: bool,
-    merge=None,
+    out=None,
 ):
     num_rows, num_heads, head_dim = q.shape
     kvh, _, block_size, _ = k_pages.shape[-4:]
@@ -749,6 +730,11 @@ def _launch(
     else:
         kernel = functools.partial(_no_layer, kernel)
     operands += [q, k_pages, v_pages]
+    aliases = {}
+    if out is not None:  # kernel 1 writes its one-item rows straight into it
+        aliases = {len(operands): 0}
+        operands.append(out)
+        kernel = functools.partial(_drop_input, kernel, len(operands) - 1)
     out, o_part, lse_part = pl.pallas_call(
         kernel,
         grid=(n_prog, kvh),
@@ -763,21 +749,26 @@ def _launch(
             jax.ShapeDtypeStruct((w_max, kvh, m_pad, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((w_max, kvh, m_pad), jnp.float32),
         ],
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_bq{tuning.block_q}_bk{tuning.block_k}",
     )(*operands)
 
-    extra = () if merge is None else (merge[0].astype(jnp.int32), merge[1])
     return pl.pallas_call(
-        functools.partial(_combine_kernel, g=g, num_heads=num_heads, merge=merge is not None),
+        functools.partial(_combine_kernel, g=g, num_heads=num_heads, keep=bool(aliases)),
         grid=(num_rows,),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         input_output_aliases={3: 0},
         compiler_params=plgpu.CompilerParams(num_warps=tuning.combine_warps, num_stages=1),
         interpret=interpret,
         name="ragged_paged_attention_combine",
-    )(plan.rows, o_part, lse_part, out, *extra)
+    )(plan.rows, o_part, lse_part, out)
+
+
+def _drop_input(kernel, index, *refs):
+    """``kernel`` without its input ref ``index`` (an input aliased to its output, read through that)."""
+    return kernel(*refs[:index], *refs[index + 1 :])
 
 
 def _no_layer(kernel, items_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref):

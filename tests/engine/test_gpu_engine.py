@@ -74,32 +74,56 @@ def test_pallas_engine_equals_reference_engine_and_generate(model, mode, thresho
     assert got["pallas"] == got["reference"], "pallas vs reference attention: " + _diff(got["pallas"], got["reference"])
 
 
+# bf16: two attention kernels round differently, so a greedy choice between two tokens whose
+# log-probabilities lie closer than this may go either way (and the rest of that output with it).
+BF16_TIE_NATS = 0.05
+
+
+def _bf16_agree(a, b, what: str) -> None:
+    """``a``/``b``: per prompt ``(tokens, depths, logprobs)``. Equal, or equal up to a first token
+    where each engine ranks the other's choice second, within ``BF16_TIE_NATS`` of its own first
+    (the rest of that output is not compared); depths that differ first fail."""
+    for i, ((ta, da, la), (tb, db, lb)) in enumerate(zip(a, b)):
+        for j, (x, y) in enumerate(zip(zip(ta, da), zip(tb, db))):
+            if x == y:
+                continue
+            assert x[0] != y[0], f"{what}: prompt {i} token {j}: exit depth {x[1]} vs {y[1]} at the same token"
+            for lp, other in ((la[j], y[0]), (lb[j], x[0])):
+                top = dict(lp.top)
+                gap = lp.logprob - top.get(other, -float("inf"))
+                assert gap <= BF16_TIE_NATS, (
+                    f"{what}: prompt {i} token {j}: {x[0]} vs {y[0]}, not a near tie ({gap:.4f} nats apart; "
+                    f"top {lp.top})"
+                )
+            break
+
+
 def test_mosaic_kernel_engine_equals_triton_kernel_engine(model):
     """bf16, where the Mosaic GPU kernel applies: the engine forced onto it (every bucket, decode
-    rows included) or onto the per-segment split ("hybrid": segments of >= 128 rows on Mosaic,
+    rows included) or onto the per-segment split ("hybrid": segments of >= 32 rows on Mosaic,
     the rest on Triton) gives the tokens and exit depths of the engine on the Triton kernel, and
-    the automatic choice ("pallas") gives them too. Chunks of up to 192 rows put long segments in
-    play next to short ones in one invocation: a fresh 129-row prompt (two tiles, the second of
-    one row) with 64-, 56- and 7-row prompts, then a 136-row chunk after 56 rows of history."""
+    the automatic choice ("pallas") gives them too, up to a near tie (``_bf16_agree``). Chunks of
+    up to 192 rows put long segments in play next to short ones in one invocation: a fresh
+    129-row prompt (two tiles, the second of one row) with 64-, 56- and 7-row prompts, then a
+    136-row chunk after 56 rows of history."""
     from pallas_kernels.dispatch import hopper_available
 
     if not hopper_available():
         pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
     got = kernel_engines(model, seed=1, attentions=("triton", "mgpu", "hybrid", "pallas"))
-    assert got["mgpu"] == got["triton"], "mgpu vs triton kernel: " + _diff(got["mgpu"], got["triton"])
-    assert got["hybrid"] == got["triton"], "hybrid vs triton kernel: " + _diff(got["hybrid"], got["triton"])
-    assert got["pallas"] == got["triton"], "auto vs triton kernel: " + _diff(got["pallas"], got["triton"])
+    for name in ("mgpu", "hybrid", "pallas"):
+        _bf16_agree(got[name], got["triton"], f"{name} vs triton kernel")
 
 
 def kernel_engines(model, seed: int, attentions) -> dict:
-    """Tokens and exit depths per attention choice of the bf16 engine of
+    """Tokens, exit depths and top-2 logprobs per attention choice of the bf16 engine of
     ``test_mosaic_kernel_engine_equals_triton_kernel_engine`` (prompts drawn with ``seed``; also
     run over other seeds by a probe, ``c47db58:benchmarks/results/run25/seed_probe.py``)."""
     cfg, params = model
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     rng = np.random.default_rng(seed)
     prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (300, 129, 64, 7)]
-    sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.6)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.6, logprobs=2)
     got = {}
     for attention in attentions:
         llm = LLM(
@@ -115,5 +139,6 @@ def kernel_engines(model, seed: int, attentions) -> dict:
             kv_cache_bytes=1 << 30,
             progress=False,
         )
-        got[attention] = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, sp, use_tqdm=False)]
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        got[attention] = [(o.token_ids, o.exit_depths, o.logprobs) for o in outs]
     return got

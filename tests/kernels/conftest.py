@@ -1,12 +1,14 @@
 """Shared by the kernel tests: ragged paged batches (``make_batch``), a float64 numpy dense-softmax
 oracle, a runner that pads and calls a kernel (``run``), the tolerance rule, and the Mosaic GPU
-interpreter with a stand-in for wgmma (``mosaic_interpret``), the mark that skips a test off a
+interpreter with a stand-in for wgmma (``mosaic_interpret``; ``mosaic_attention_interpret`` for
+the attention kernel, whose accumulators live in registers), the mark that skips a test off a
 Hopper GPU (``skip_no_hopper``), and the tiny engine run with and without a fused layer kernel
 (``engine_with_and_without``)."""
 
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -200,6 +202,63 @@ def mosaic_interpret(monkeypatch):
     monkeypatch.setattr(plgpu, "kernel", functools.partial(plgpu.kernel, interpret=params))
 
     return lambda fn: fn.__wrapped__
+
+
+class _RegisterAcc:
+    """Stand-in for a wgmma register accumulator (``plgpu.ACC``) in the interpreter: an f32 value
+    held in Python, for scopes without control flow around its updates (``pl.run_scoped`` of a
+    Q.K^T, ``pl.run_state`` of a P.V)."""
+
+    def __init__(self, shape=None, dtype=jnp.float32, value=None):
+        self.value = jnp.zeros(shape, dtype) if value is None else value
+
+    def __getitem__(self, idx):
+        return self.value
+
+    @staticmethod
+    def init(value):
+        return _RegisterAcc(value=value)
+
+
+@pytest.fixture
+def mosaic_attention_interpret(monkeypatch):
+    """The Mosaic GPU attention kernel (``ragged_paged_attention_mgpu``) on the CPU in Pallas' GPU
+    interpreter: TMA loads and stores, barriers, the K/V ring, warp specialisation and the output's
+    in-place stores run as written; wgmma (A from shared memory or registers) is an f32 product
+    into a register-accumulator stand-in. Not checked: wgmma, layouts and timing on the hardware
+    (the GPU tests). Returns the kernel function, unjitted."""
+    import types
+
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+
+    def wgmma(acc, a, b):
+        a = a if isinstance(a, jax.Array) else a[...]
+        acc.value = acc.value + jnp.dot(a.astype(jnp.float32), b[...].astype(jnp.float32), precision="highest")
+
+    def run_scoped(f, *args, **kw):
+        if args and all(isinstance(x, _RegisterAcc) for x in args):
+            return f(*args)
+        return pl.run_scoped(f, *args, **kw)
+
+    def run_state(f):
+        def run(acc):
+            f(acc)
+            return acc.value
+
+        return run
+
+    fake_pl = types.SimpleNamespace(**{k: getattr(pl, k) for k in dir(pl) if not k.startswith("__")})
+    fake_pl.run_scoped, fake_pl.run_state = run_scoped, run_state
+    fake_gpu = types.SimpleNamespace(**{k: getattr(plgpu, k) for k in dir(plgpu) if not k.startswith("__")})
+    fake_gpu.wgmma, fake_gpu.ACC = wgmma, _RegisterAcc
+    params = plgpu.InterpretGPUParams(uninitialized_memory="zero")
+    fake_gpu.kernel = functools.partial(plgpu.kernel, interpret=params)
+    monkeypatch.setattr(mgpu, "pl", fake_pl)
+    monkeypatch.setattr(mgpu, "plgpu", fake_gpu)
+    return mgpu.ragged_paged_attention_mgpu.__wrapped__
 
 
 def engine_with_and_without(monkeypatch, flag: str, spied_module, spied_name: str):

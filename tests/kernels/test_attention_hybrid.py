@@ -1,10 +1,11 @@
 """The "hybrid" attention split (pallas_kernels/dispatch.py): in one invocation, segments of at least
 ``HYBRID_MIN_SEGMENT_ROWS`` rows go to the Mosaic GPU kernel and every other segment to the Triton
-kernel; the two outputs are merged per row.
+kernel; each writes its own rows of one array.
 
 On CPU: (a) the Triton half (Pallas interpret mode) gives reference values on rows of short
-segments and zeros on rows of long segments and of no segment, and the merge gives the reference on
-every row (the Mosaic half replaced by the reference restricted to the rows its packing covers);
+segments and zeros on rows of long segments and of no segment, and both halves together give the
+reference on every row (the Mosaic half interpreted too, or stood in for by the reference on its
+segments' rows);
 (b) the Mosaic half's packing covers exactly the rows of long segments within the small static
 tile bound, on adversarial layouts too; (c) the whole hybrid path, one plan for two layers,
 cross-lowers for CUDA at an engine bucket (R = S = 512, 256 block-table columns); (d) the dispatch
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention_mgpu import ALIGN, mgpu_tiles
+from pallas_kernels.ragged_paged_attention_mgpu import ALIGN, TILE_FIELDS, mgpu_tiles, packed_tiles
 from tests.kernels.conftest import assert_close, make_batch, skip_no_hopper
 
 gpu = pytest.mark.gpu
@@ -147,18 +148,19 @@ def plan_for(b):
     )
 
 
-def reference_mgpu_half(q, k, v, qs, ql, cl, bt, *, layer=None, sm_scale, packing, unpack=True):
-    """Stand-in for the Mosaic launch on CPU: the reference, kept on the rows its packing covers
-    (tile-packed, padding rows NaN, as the kernel leaves them unspecified, with ``unpack=False``)."""
-    out = ragged_paged_attention_reference(q, k, v, qs, ql, cl, bt, layer=layer, sm_scale=sm_scale)
-    tiles = jnp.take(out, packing.src, axis=0, mode="fill", fill_value=jnp.nan)
-    if not unpack:
-        return tiles
-    return jnp.take(jnp.nan_to_num(tiles, nan=0.0), packing.dst, axis=0, mode="fill", fill_value=0)
+def reference_mgpu_half(q, k, v, qs, ql, cl, bt, *, layer=None, sm_scale, packing, out=None):
+    """Stand-in for the Mosaic launch on CPU: the reference on the rows of its segments, ``out``
+    (zeros by default) on every other row."""
+    del packing
+    ref = ragged_paged_attention_reference(q, k, v, qs, ql, cl, bt, layer=layer, sm_scale=sm_scale)
+    rows = jnp.arange(q.shape[0])[:, None]
+    mine = ((rows >= qs[None, :]) & (rows < qs[None, :] + ql[None, :])).any(axis=1)
+    base = jnp.zeros_like(q) if out is None else out
+    return jnp.where(mine[:, None, None], ref, base)
 
 
 # ----------------------------------------------------------------------------------------------
-# (a) the segment split: Triton half and merge (CPU, interpret mode)
+# (a) the segment split: Triton half and both halves (CPU, interpret mode)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -171,11 +173,10 @@ CPU_FIXED = (768, 40, 160)
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mixed_batches(heads=[(4, 2, 64)], block_sizes=[8], layers=[2], max_long=180, max_extra=24))
-def test_triton_half_serves_short_segments_and_merge_gives_reference(case):
+def test_triton_half_serves_short_segments_and_both_give_reference(case):
     b = build(case, np.float32, fixed=CPU_FIXED)
     scale = 1.0 / math.sqrt(case["heads"][2])
     plan = plan_for(b)
-    np.testing.assert_array_equal(np.asarray(plan.long_row), b["long_row"])
     want = reference(b, case, scale)
     # Triton half alone: its plan and its q_len (long segments are padding to it)
     got_t = call(
@@ -190,18 +191,41 @@ def test_triton_half_serves_short_segments_and_merge_gives_reference(case):
     np.testing.assert_array_equal(got_t[~short], 0.0, err_msg="the Triton half wrote a row it does not own")
     err = np.abs(got_t[short] - want[short]).max(initial=0.0)
     assert err <= 2e-5 * max(1.0, np.abs(want).max()), f"Triton half: max abs err {err}"
-    # the merge, with the Mosaic half stood in for by the reference on its packed rows
+    # both halves, with the Mosaic half stood in for by the reference on its rows
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(dispatch.mgpu, "ragged_paged_attention_mgpu", reference_mgpu_half)
         got = call(dispatch.hybrid_attention, b, scale, plan=plan, triton_interpret=True)
     assert_close(got, want, b, np.float32, f"hybrid {case}")
 
 
+def test_both_halves_interpreted_write_only_their_rows(mosaic_attention_interpret):
+    """Both kernels in Pallas' interpreters (the Mosaic half with wgmma stood in for), bf16: decode
+    rows, a short chunk and long segments packed back to back off the 8-row grid, padding rows; the
+    reference on every segment row and zeros on the others, with no merge between the halves."""
+    case = dict(
+        heads=(2, 1, 64),
+        block_size=8,
+        specs=[(LONG + 5, LONG + 40), (1, 30), (3, 3), (LONG, LONG), (0, 0), (1, 7)],
+        extra_rows=6,
+        layers=2,
+        engine=False,
+        seed=3,
+    )
+    b = build(case, jnp.bfloat16, tail_poison=1e3)
+    scale = 1.0 / math.sqrt(case["heads"][2])
+    want = reference(b, case, scale)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dispatch.mgpu, "ragged_paged_attention_mgpu", mosaic_attention_interpret)
+        got = call(dispatch.hybrid_attention, b, scale, plan=plan_for(b), triton_interpret=True)
+    assert b["long_row"].any() and (b["covered"] & ~b["long_row"]).any()
+    assert_close(got, want, b, jnp.bfloat16, "hybrid, both halves interpreted")
+
+
 @pytest.mark.slow
-def test_merge_in_the_combine_kernel_on_one_mix():
-    """Default-suite case of the test above: decode rows, a short chunk, two long segments (one
-    with history, one crossing a 128-row tile), padding rows; the Mosaic half's tile-packed output
-    (NaN on its padding rows) is merged by the Triton combine kernel and nothing else is touched."""
+def test_triton_half_writes_into_the_mosaic_half_on_one_mix():
+    """Slow-suite case of the test above: decode rows, a short chunk, two long segments (one with
+    history, one crossing a 128-row tile), padding rows; the Triton half's two kernels write their
+    rows into the Mosaic half's output and nothing else is touched."""
     case = dict(
         heads=(4, 2, 64),
         block_size=8,
@@ -220,7 +244,7 @@ def test_merge_in_the_combine_kernel_on_one_mix():
         got = call(dispatch.hybrid_attention, b, scale, plan=plan, triton_interpret=True)
     assert not np.isnan(got[b["covered"]]).any()
     np.testing.assert_array_equal(got[~b["covered"]], 0.0, err_msg="a row of no segment is not zero")
-    assert_close(got, want, b, np.float32, "hybrid merge")
+    assert_close(got, want, b, np.float32, "hybrid")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,30 +275,26 @@ def check_packing(lens, num_rows, num_segments=None, gaps=None):
     # at most R // LONG segments reach the Mosaic launch, each needing ceil(n / 128) tiles
     assert bound <= max(1, (num_rows + (num_rows // LONG) * (127 + ALIGN - 1)) // 128), (num_rows, bound)
     assert bound < max(2, num_rows // 16), (num_rows, bound)  # far below one tile per row
-    tiles = np.asarray(plan.mgpu.meta[: 4 * bound]).reshape(bound, 4)
-    assert plan.mgpu.src.shape == (bound * 128,) and plan.mgpu.dst.shape == (num_rows,)
-    # every row of a long segment in exactly one tile, nothing else
+    assert packed_tiles(plan.mgpu, table) == bound
+    tiles = np.asarray(plan.mgpu.meta[: TILE_FIELDS * bound]).reshape(bound, TILE_FIELDS)
+    # every row of a long segment in exactly one window, nothing else
+    owned = np.zeros(num_rows, np.int32)
+    for seg, row0, nrows, _, lead in tiles:
+        owned[row0 + lead : row0 + nrows] += 1
     long_row = np.zeros(num_rows, bool)
     for s0, n in zip(starts, lens):
         if n >= LONG:
             long_row[s0 : s0 + n] = True
-    src = np.asarray(plan.mgpu.src)
-    packed = src[src < num_rows]
-    assert len(packed) == len(set(packed.tolist())) == long_row.sum(), "a long row dropped or twice"
-    assert long_row[packed].all()
-    np.testing.assert_array_equal(np.asarray(plan.long_row), long_row)
+    np.testing.assert_array_equal(owned, long_row.astype(np.int32), err_msg="a long row dropped or twice")
     # windows start at a multiple of ALIGN: a segment's first one begins up to ALIGN - 1 rows early
     needed = sum(-(-(n + s0 % ALIGN) // 128) for s0, n in zip(starts, lens) if n >= LONG)
     assert (tiles[:, 2] > 0).sum() == needed <= bound
-    for seg, row0, nrows, pos0 in tiles:
+    for seg, row0, nrows, pos0, lead in tiles:
         if nrows:
             assert ql[seg] >= LONG and 0 < nrows <= 128 and row0 % ALIGN == 0
             assert qs[seg] - qs[seg] % ALIGN <= row0 and row0 + nrows <= qs[seg] + ql[seg]
             assert pos0 == cl[seg] - ql[seg] + (row0 - qs[seg])
-    # round trip: q[src] packs, out[dst] unpacks; rows the Mosaic half does not own come back 0
-    x = np.arange(1, num_rows + 1, dtype=np.float32)
-    back = np.concatenate([np.concatenate([x, [0.0]])[np.minimum(src, num_rows)], [0.0]])
-    np.testing.assert_array_equal(back[np.asarray(plan.mgpu.dst)], np.where(long_row, x, 0.0))
+            assert lead == max(qs[seg] - row0, 0)
     # the Triton half gets everything else
     tq = np.asarray(plan.triton_q_len)
     np.testing.assert_array_equal(tq, np.where(ql >= LONG, 0, ql))
@@ -347,8 +367,8 @@ def _h200_triton_info():
 @pytest.mark.parametrize("r", [256, 512])
 def test_hybrid_lowering_on_cpu(r):
     """One plan, two layers (as the runner does): both kernels lower (Pallas -> Mosaic GPU and
-    Pallas -> Triton, for CUDA, from a CPU host), and the Mosaic launch packs the small bound of
-    windows (``(R + (R // 32) * 134) // 128``: 20 x 128 rows for R = 512, not the generic R tiles)."""
+    Pallas -> Triton, for CUDA, from a CPU host), and the Mosaic launch takes the small bound of
+    windows (``(R + (R // 32) * 134) // 128``: 20 for R = 512, not the generic R)."""
     h, kvh, hd, bs, mb, nb, layers = 16, 16, 128, 16, 4096 // 16, 512, 2
     sd = jax.ShapeDtypeStruct
     pool = sd((layers, kvh, nb, bs, hd), jnp.bfloat16)
@@ -376,7 +396,9 @@ def test_hybrid_lowering_on_cpu(r):
     t = dispatch.hybrid_tiles(r, r)
     m = dispatch.HYBRID_MIN_SEGMENT_ROWS
     assert t == (r + (r // m) * (127 + ALIGN - 1)) // 128 and t < r // 8
-    assert f"tensor<{t * 128}x{h}x{hd}xbf16>" in text  # the packed queries of the Mosaic launch
+    assert f"tensor<{t * TILE_FIELDS + r * mb}xi32>" in text  # the Mosaic launch's windows and table
+    # each half writes into the array it is given (the Mosaic half's output is the Triton half's)
+    assert text.count("output_operand_aliases") >= 2
 
 
 # ----------------------------------------------------------------------------------------------

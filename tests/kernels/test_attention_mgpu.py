@@ -1,11 +1,11 @@
 """The Mosaic GPU ragged paged attention kernel and the per-bucket kernel choice.
 
-On CPU: the tile packing round trip, the dispatch rule, and cross-lowering of the kernel for CUDA
-(Pallas -> Mosaic GPU, no device needed: catches unsupported ops and layouts before device time is
-spent). On the GPU (``-m gpu``): kernel == jnp reference on hypothesis-drawn ragged prompt batches
+On CPU: the query windows, the dispatch rule, the kernel in Pallas' GPU interpreter (wgmma stood in
+for: the in-place stores of its segments' rows and nothing else) and cross-lowering of the kernel for
+CUDA (Pallas -> Mosaic GPU, no device needed: catches unsupported ops and layouts before device time
+is spent). On the GPU (``-m gpu``): kernel == jnp reference on hypothesis-drawn ragged prompt batches
 (segments on and off page boundaries, fresh prompts and chunks with history, padding segments and
-rows, GQA, head_dim 64/128, stacked pool), and at Ouro-1.4B shapes. There is no CPU interpret mode
-for this kernel (Pallas' GPU interpreter does not model wgmma).
+rows, GQA, head_dim 64/128, stacked pool), and at Ouro-1.4B shapes.
 """
 
 import functools
@@ -22,12 +22,14 @@ from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention_mgpu import (
     ALIGN,
+    TILE_FIELDS,
     make_packing,
+    packed_tiles,
     ragged_paged_attention_mgpu,
     supported,
     tile_rows,
 )
-from tests.kernels.conftest import assert_close, make_batch, run, skip_no_hopper
+from tests.kernels.conftest import assert_close, make_batch, oracle, run, skip_no_hopper
 
 gpu = pytest.mark.gpu
 
@@ -37,12 +39,30 @@ gpu = pytest.mark.gpu
 # ----------------------------------------------------------------------------------------------
 
 
+def check_windows(tiles, starts, lens, ctx, num_rows):
+    """Each window: one segment, at most 128 rows from a multiple of ALIGN, its first ``lead`` rows
+    (fewer than ALIGN, only in a segment's first window) before the segment; positions follow the
+    segment's context; the windows' segment rows are every segment's rows exactly once."""
+    owned = np.zeros(num_rows, np.int32)
+    for seg, row0, nrows, pos0, lead in np.asarray(tiles):
+        if not nrows:
+            assert lead == 0
+            continue
+        assert 0 < nrows <= 128 and row0 % ALIGN == 0 and 0 <= lead < ALIGN and lead < nrows
+        assert row0 + lead >= starts[seg] and row0 + nrows <= starts[seg] + lens[seg]
+        assert lead == 0 or row0 + lead == starts[seg]
+        assert pos0 == ctx[seg] - lens[seg] + (row0 - starts[seg])
+        owned[row0 + lead : row0 + nrows] += 1
+    want = np.zeros(num_rows, np.int32)
+    for s0, ql in zip(starts, lens):
+        want[s0 : s0 + ql] += 1
+    np.testing.assert_array_equal(owned, want)
+
+
 @pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 3)), min_size=1, max_size=5), st.integers(0, 5))
-def test_tile_packing_round_trip(segs, extra):
-    """q[src] packs every covered row exactly once into its tile; out[dst] unpacks; rows of no
-    segment map to the zero row."""
+def test_windows_cover_every_segment_row_once(segs, extra):
     starts, lens, row = [], [], 0
     for q_len, gap in segs:
         row += gap
@@ -51,43 +71,73 @@ def test_tile_packing_round_trip(segs, extra):
         row += q_len
     num_rows = max(1, row + extra)
     ctx = [ql + 7 for ql in lens]
-    tiles, src, dst = jax.jit(tile_rows, static_argnames=("num_rows", "block_q"))(
+    tiles = jax.jit(tile_rows, static_argnames=("num_rows", "block_q"))(
         jnp.array(starts, jnp.int32),
         jnp.array(lens, jnp.int32),
         jnp.array(ctx, jnp.int32),
         num_rows=num_rows,
         block_q=64,
     )
-    tiles, src, dst = map(np.asarray, (tiles, src, dst))
-    q = np.arange(1, num_rows + 1, dtype=np.float32)
-    packed = np.concatenate([q, [0.0]])[np.minimum(src, num_rows)]
-    back = np.concatenate([packed, [0.0]])[dst]
-    covered = np.zeros(num_rows, bool)
-    for s0, ql in zip(starts, lens):
-        covered[s0 : s0 + ql] = True
-    np.testing.assert_array_equal(back, np.where(covered, q, 0.0))
-    # each tile: one segment, <= 128 rows, positions follow the segment's context
-    # each window: one segment, <= 128 rows from a multiple of ALIGN (at most ALIGN - 1 rows before
-    # the segment's first), positions follow the segment's context
-    for seg, row0, nrows, pos0 in tiles:
-        if nrows:
-            assert 0 < nrows <= 128 and row0 % ALIGN == 0 and row0 + nrows <= starts[seg] + lens[seg]
-            assert starts[seg] - starts[seg] % ALIGN <= row0
-            assert pos0 == ctx[seg] - lens[seg] + (row0 - starts[seg])
+    check_windows(tiles, starts, lens, ctx, num_rows)
 
 
 def test_packing_meta_is_tiles_then_table():
-    """The kernel reads tile t's fields at meta[4t:4t+4] and the table at meta[4T + seg*MB + j]."""
+    """The kernel reads window t's fields at meta[5t:5t+5] and the table at meta[5T + seg*MB + j]."""
     qs, ql, cl = (jnp.array(x, jnp.int32) for x in ([0, 300], [300, 5], [300, 900]))
     table = jnp.arange(2 * 7, dtype=jnp.int32).reshape(2, 7) + 100
     pk = make_packing(qs, ql, cl, table, num_rows=310)
-    tiles, src, dst = tile_rows(qs, ql, cl, num_rows=310, block_q=64)
+    tiles = tile_rows(qs, ql, cl, num_rows=310, block_q=64)
     n_t = tiles.shape[0]
-    assert src.shape[0] == n_t * 128
-    np.testing.assert_array_equal(pk.meta[: 4 * n_t], np.asarray(tiles).reshape(-1))
-    np.testing.assert_array_equal(pk.meta[4 * n_t :], np.asarray(table).reshape(-1))
-    np.testing.assert_array_equal(pk.src, src)
-    np.testing.assert_array_equal(pk.dst, dst)
+    assert packed_tiles(pk, table) == n_t and tiles.shape[1] == TILE_FIELDS
+    np.testing.assert_array_equal(pk.meta[: TILE_FIELDS * n_t], np.asarray(tiles).reshape(-1))
+    np.testing.assert_array_equal(pk.meta[TILE_FIELDS * n_t :], np.asarray(table).reshape(-1))
+    check_windows(tiles, [0, 300], [300, 5], [300, 900], 310)
+
+
+# Layouts the in-place stores must get right: segments starting off the 8-row grid right after
+# another segment's last row (shared 8-row groups both ways), one-row segments and windows, a
+# 129-row segment (a second window of one row), padding segments and rows.
+INTERPRET_LAYOUTS = [
+    [(40, 100), (3, 50), (70, 70), (1, 9), (129, 200)],
+    [(5, 5), (64, 64), (0, 0), (2, 30), (13, 13)],
+    [(1, 20), (1, 33), (9, 9), (127, 140)],
+]
+
+
+@pytest.mark.parametrize(
+    "specs,heads",
+    [
+        (INTERPRET_LAYOUTS[0], (2, 1, 64)),
+        pytest.param(INTERPRET_LAYOUTS[1], (4, 2, 64), marks=pytest.mark.slow),
+        pytest.param(INTERPRET_LAYOUTS[2], (2, 2, 128), marks=pytest.mark.slow),
+    ],
+)
+def test_mgpu_interpreted_writes_its_rows_in_place(mosaic_attention_interpret, specs, heads):
+    """The kernel in Pallas' GPU interpreter (CPU): the oracle on every segment row, and every
+    other row of ``out`` as it came in (a sentinel), with segments packed back to back."""
+    h, kvh, hd = heads
+    b = make_batch(
+        np.random.default_rng(len(specs)),
+        num_heads=h,
+        kv_heads=kvh,
+        head_dim=hd,
+        block_size=16,
+        seg_specs=specs,
+        extra_rows=5,
+        num_layers=2,
+        dtype=jnp.bfloat16,
+        gap_prob=0.0,
+        tail_poison=1e3,
+    )
+    scale = hd**-0.5
+    want = oracle(b, scale)
+    sentinel = jnp.full(b["q"].shape, 7.0, jnp.bfloat16)
+    got = run(mosaic_attention_interpret, b, scale, out=sentinel)
+    np.testing.assert_array_equal(got[~b["covered"]], 7.0, err_msg="a row of no segment was written")
+    err = np.abs(got[b["covered"]] - want[b["covered"]]).max()
+    assert err <= 3e-2 * max(1.0, np.abs(want).max()), f"max abs err {err}"
+    # default ``out``: zeros on rows of no segment (the kernels' contract)
+    assert_close(run(mosaic_attention_interpret, b, scale), want, b, jnp.bfloat16, "mgpu interpreted")
 
 
 def test_select_kernel_rule():
