@@ -16,7 +16,9 @@ Per bucket: compile (or load from the persistent cache) and a few warm-up invoca
 invocations timed without the profiler (wall per invocation, and the host time spent in the
 dispatch calls alone: an upper bound on the host's cost, since a call also waits there when the
 device's queue is full; on the H200 prefill:2048 read 0.55 ms in one call and 6.1-6.2 ms, about
-half its wall, in others); then ``--steps`` invocations under ``jax.profiler.trace``, parsed with
+half its wall, in others); ``--reps`` more with the descriptor uploaded before each launch, as the
+engine's steps run (``uploaded_wall_ms_per_inv``: on the H200 prefill:1024 took 0.09-0.16 ms
+more a step that way, run 36); then ``--steps`` invocations under ``jax.profiler.trace``, parsed with
 ``jax.profiler.ProfileData``. Kernel events come from the device plane (``/device:GPU:<i>``, lines
 ``Stream #...``; derived lines such as ``XLA Ops`` are left out). On a CPU there is no device plane:
 the XLA thread-pool events of the host plane stand in (``device_plane: null``), so the figures
@@ -553,9 +555,16 @@ def profile_bucket(
         disp += time.perf_counter() - t1
     jax.block_until_ready((r.ring, g, tok))
     wall = (time.perf_counter() - t) / reps
+    # the same with the descriptor uploaded before each launch, as the engine's steps do
+    t = time.perf_counter()
+    for _ in range(reps):
+        g, tok, _ = r.launch(key, r.upload(desc))
+    jax.block_until_ready((r.ring, g, tok))
+    wall_up = (time.perf_counter() - t) / reps
     rec.update(
         wall_ms_per_inv=wall * 1e3,
         dispatch_ms_per_inv=disp / reps * 1e3,
+        uploaded_wall_ms_per_inv=wall_up * 1e3,
         fraction_of_floor=fl["floor_s"] / wall if wall > 0 else None,
     )
     # the profiled loop
@@ -618,7 +627,8 @@ def _trunc(s: str, n: int, tail: bool = False) -> str:
 def print_bucket(rec: dict, top: int = 25) -> None:
     head = (
         f"== {rec['bucket']} (R={rec['R']}, rows {rec.get('rows')}, context {rec.get('context')}): "
-        f"wall {_ms(rec.get('wall_ms_per_inv'))} ms/inv (dispatch {_ms(rec.get('dispatch_ms_per_inv'))} ms) "
+        f"wall {_ms(rec.get('wall_ms_per_inv'))} ms/inv (dispatch {_ms(rec.get('dispatch_ms_per_inv'))} ms; "
+        f"{_ms(rec.get('uploaded_wall_ms_per_inv'))} uploading each step's descriptor) "
         f"against a floor of {_ms(rec.get('floor_ms'))} ms ({rec.get('floor_bound')}): "
         f"{100 * (rec.get('fraction_of_floor') or 0):.1f}% of floor"
     )

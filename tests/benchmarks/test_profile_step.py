@@ -267,6 +267,7 @@ def test_main_on_tiny(harness, tmp_path):
     for b in d["buckets"][:2]:
         assert "error" not in b, b.get("error")
         assert b["wall_ms_per_inv"] > 0 and b["busy_ms_per_inv"] > 0 and b["kernels_per_inv"] > 0
+        assert b["uploaded_wall_ms_per_inv"] > 0
         assert b["floor_ms"] > 0 and b["floor_bound"] in ("bandwidth", "flops")
         assert b["gap_ms_per_inv"] == pytest.approx(b["wall_ms_per_inv"] - b["busy_ms_per_inv"])
         assert b["rows"] == b["R"] and b["steps"] == 2
