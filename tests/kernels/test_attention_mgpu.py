@@ -140,6 +140,59 @@ def test_mgpu_interpreted_writes_its_rows_in_place(mosaic_attention_interpret, s
     assert_close(run(mosaic_attention_interpret, b, scale), want, b, jnp.bfloat16, "mgpu interpreted")
 
 
+def pad_batch(b, rows: int, table_cols: int, pages: int):
+    """``b`` with rows, block-table columns and pool pages padded to fixed sizes (NaN rows and
+    pages no segment reads), so that examples share one compilation."""
+    r0, mb0, nb0 = b["q"].shape[0], b["tables"].shape[1], b["k"].shape[-3]
+    assert r0 <= rows and mb0 <= table_cols and nb0 <= pages, (r0, mb0, nb0)
+    b = dict(b)
+    b["q"] = np.concatenate([b["q"], np.full((rows - r0,) + b["q"].shape[1:], np.nan, b["q"].dtype)])
+    b["covered"] = np.concatenate([b["covered"], np.zeros(rows - r0, bool)])
+    b["tables"] = np.pad(b["tables"], ((0, 0), (0, table_cols - mb0)))
+    widths = [(0, 0)] * b["k"].ndim
+    widths[-3] = (0, pages - nb0)
+    b["k"] = np.pad(b["k"], widths, constant_values=np.nan)
+    b["v"] = np.pad(b["v"], widths, constant_values=np.nan)
+    return b
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=12,
+    deadline=None,
+    # the fixture only patches the kernel's module: the same for every example
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.lists(st.tuples(st.integers(0, 140), st.sampled_from([0, 1, 9, 60])), min_size=1, max_size=6),
+    st.sampled_from([0.0, 0.4]),
+    st.integers(0, 2**31 - 1),
+)
+def test_mgpu_interpreted_on_drawn_layouts(mosaic_attention_interpret, segs, gap_prob, seed):
+    """Drawn layouts (segments of 0-140 rows, with or without history, back to back or with gaps),
+    one compilation: the oracle on segment rows, a sentinel everywhere else."""
+    specs = [(n, n + h if n else 0) for n, h in segs]
+    b = make_batch(
+        np.random.default_rng(seed),
+        num_heads=2,
+        kv_heads=1,
+        head_dim=64,
+        block_size=8,
+        seg_specs=specs + [(0, 0)] * (6 - len(specs)),
+        extra_rows=3,
+        num_layers=2,
+        dtype=jnp.bfloat16,
+        gap_prob=gap_prob,
+        tail_poison=1e3,
+    )
+    b = pad_batch(b, rows=896, table_cols=26, pages=120)
+    want = oracle(b, 0.125)
+    got = run(mosaic_attention_interpret, b, 0.125, out=jnp.full(b["q"].shape, 7.0, jnp.bfloat16))
+    np.testing.assert_array_equal(got[~b["covered"]], 7.0, err_msg="a row of no segment was written")
+    err = np.abs(got[b["covered"]] - want[b["covered"]]).max(initial=0.0)
+    assert err <= 3e-2 * max(1.0, np.abs(want).max()), f"{specs}: max abs err {err}"
+
+
 def test_select_kernel_rule():
     sel = dispatch.select_kernel
     assert sel(1024, 1, jnp.bfloat16, 128, 16, hopper=True) == "mgpu"
