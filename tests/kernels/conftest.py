@@ -1,4 +1,5 @@
-"""Shared by the kernel tests: ragged paged batches (``make_batch``), a float64 numpy dense-softmax
+"""Shared by the kernel tests: ragged paged batches (``make_batch``, padded to fixed shapes by
+``pad_batch``), a float64 numpy dense-softmax
 oracle, a runner that pads and calls a kernel (``run``), the tolerance rule, and the Mosaic GPU
 interpreter with a stand-in for wgmma (``mosaic_interpret``; ``mosaic_attention_interpret`` for
 the attention kernel, whose accumulators live in registers), the mark that skips a test off a
@@ -107,6 +108,22 @@ def make_batch(
         layer=layer,
         covered=covered,
     )
+
+
+def pad_batch(b, rows: int, table_cols: int, pages: int):
+    """``b`` with rows, block-table columns and pool pages padded to fixed sizes (NaN rows and
+    pages no segment reads), so that examples share one compilation."""
+    r0, mb0, nb0 = b["q"].shape[0], b["tables"].shape[1], b["k"].shape[-3]
+    assert r0 <= rows and mb0 <= table_cols and nb0 <= pages, (r0, mb0, nb0)
+    b = dict(b)
+    b["q"] = np.concatenate([b["q"], np.full((rows - r0,) + b["q"].shape[1:], np.nan, b["q"].dtype)])
+    b["covered"] = np.concatenate([b["covered"], np.zeros(rows - r0, bool)])
+    b["tables"] = np.pad(b["tables"], ((0, 0), (0, table_cols - mb0)))
+    widths = [(0, 0)] * b["k"].ndim
+    widths[-3] = (0, pages - nb0)
+    b["k"] = np.pad(b["k"], widths, constant_values=np.nan)
+    b["v"] = np.pad(b["v"], widths, constant_values=np.nan)
+    return b
 
 
 def oracle(b, sm_scale):

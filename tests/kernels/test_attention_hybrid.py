@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention_mgpu import ALIGN, TILE_FIELDS, mgpu_tiles, packed_tiles
-from tests.kernels.conftest import assert_close, make_batch, skip_no_hopper
+from tests.kernels.conftest import assert_close, make_batch, pad_batch, skip_no_hopper
 
 gpu = pytest.mark.gpu
 LONG = dispatch.HYBRID_MIN_SEGMENT_ROWS
@@ -78,17 +78,7 @@ def build(case, dtype, tail_poison=np.nan, fixed=None):
         tail_poison=tail_poison,
     )
     if fixed is not None:
-        r, mb, nb = fixed
-        r0, mb0 = b["q"].shape[0], b["tables"].shape[1]
-        nb0 = b["k"].shape[-3]
-        assert r0 <= r and mb0 <= mb and nb0 <= nb, (r0, mb0, nb0)
-        b["q"] = np.concatenate([b["q"], np.full((r - r0,) + b["q"].shape[1:], np.nan, b["q"].dtype)])
-        b["covered"] = np.concatenate([b["covered"], np.zeros(r - r0, bool)])
-        b["tables"] = np.pad(b["tables"], ((0, 0), (0, mb - mb0)))
-        pages = [(0, 0)] * b["k"].ndim
-        pages[-3] = (0, nb - nb0)
-        b["k"] = np.pad(b["k"], pages, constant_values=np.nan)
-        b["v"] = np.pad(b["v"], pages, constant_values=np.nan)
+        b = pad_batch(b, *fixed)
     r, s = b["q"].shape[0], len(case["specs"])
     # the engine's buckets: as many segment slots as rows; otherwise a fixed 8 (padding segments)
     pad = max((r if case["engine"] else 8) - s, 0)

@@ -29,7 +29,7 @@ from pallas_kernels.ragged_paged_attention_mgpu import (
     supported,
     tile_rows,
 )
-from tests.kernels.conftest import assert_close, make_batch, oracle, run, skip_no_hopper
+from tests.kernels.conftest import assert_close, make_batch, oracle, pad_batch, run, skip_no_hopper
 
 gpu = pytest.mark.gpu
 
@@ -138,22 +138,6 @@ def test_mgpu_interpreted_writes_its_rows_in_place(mosaic_attention_interpret, s
     assert err <= 3e-2 * max(1.0, np.abs(want).max()), f"max abs err {err}"
     # default ``out``: zeros on rows of no segment (the kernels' contract)
     assert_close(run(mosaic_attention_interpret, b, scale), want, b, jnp.bfloat16, "mgpu interpreted")
-
-
-def pad_batch(b, rows: int, table_cols: int, pages: int):
-    """``b`` with rows, block-table columns and pool pages padded to fixed sizes (NaN rows and
-    pages no segment reads), so that examples share one compilation."""
-    r0, mb0, nb0 = b["q"].shape[0], b["tables"].shape[1], b["k"].shape[-3]
-    assert r0 <= rows and mb0 <= table_cols and nb0 <= pages, (r0, mb0, nb0)
-    b = dict(b)
-    b["q"] = np.concatenate([b["q"], np.full((rows - r0,) + b["q"].shape[1:], np.nan, b["q"].dtype)])
-    b["covered"] = np.concatenate([b["covered"], np.zeros(rows - r0, bool)])
-    b["tables"] = np.pad(b["tables"], ((0, 0), (0, table_cols - mb0)))
-    widths = [(0, 0)] * b["k"].ndim
-    widths[-3] = (0, pages - nb0)
-    b["k"] = np.pad(b["k"], widths, constant_values=np.nan)
-    b["v"] = np.pad(b["v"], widths, constant_values=np.nan)
-    return b
 
 
 @pytest.mark.slow
