@@ -267,8 +267,8 @@ def hybrid_attention(
     Mosaic half into zeros, the Triton half in place into that.
 
     ``seg_q_len`` is only shape-checked: each half reads its own ``q_len`` from the plan.
-    ``triton_interpret`` runs the Triton half in Pallas interpret mode (CPU tests, with the
-    Mosaic half replaced: it has no interpret mode).
+    ``triton_interpret`` runs the Triton half in Pallas interpret mode (CPU tests; they interpret
+    the Mosaic half with a stand-in for wgmma, or replace it).
     """
     del seg_q_len
     long_rows = mgpu.ragged_paged_attention_mgpu(

@@ -140,7 +140,7 @@ def make_packing(
     hybrid dispatch passes ``dispatch.hybrid_tiles(R, S)``, a few times ``R / 128``."""
     tiles = tile_rows(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, block_q=block_q, max_tiles=max_tiles)
     # Computed once, not fused into the copy below: there XLA recomputed the windows' segment
-    # search per element of the table (78 us a step against 2 on the H200, run 36).
+    # search per element of the table (docs/decisions.md, "Hybrid split without a merge").
     tiles = lax.optimization_barrier(tiles)
     meta = jnp.concatenate([tiles.reshape(-1), seg_block_table.astype(jnp.int32).reshape(-1)])
     return Packing(meta)
