@@ -18,8 +18,8 @@ tests/kernels/test_attention_dispatch.py checks it against benchmarks/results/at
   segment lengths) of ``HYBRID_MIN_ROWS`` rows or more, which a full load of long segments would
   fill -> ``hybrid``: split per segment at run time, segments of ``HYBRID_MIN_SEGMENT_ROWS`` rows
   or more on the Mosaic kernel, the rest on Triton (each launch sees the other half's segments
-  with ``q_len = 0``, i.e. as padding). The Triton half runs first (its rows, zeros on every
-  other row), then the Mosaic half writes its rows into that array in place: no merge.
+  with ``q_len = 0``, i.e. as padding). Both write their own rows into one array in place (the
+  Mosaic half first, into zeros; the Triton half's two kernels into that): no merge.
 
 The hybrid split's Mosaic launch is packed for ``hybrid_tiles(R, S)`` windows: at most ``R // m``
 segments hold ``m = HYBRID_MIN_SEGMENT_ROWS`` rows or more, and one of ``n`` rows spans
@@ -264,14 +264,26 @@ def hybrid_attention(
     triton_interpret: bool = False,
 ):
     """Both halves of the split on one invocation, each writing its own rows of one array: the
-    Triton half first (zeros on the rows it does not own), the Mosaic half in place into it.
+    Mosaic half into zeros, the Triton half in place into that.
 
     ``seg_q_len`` is only shape-checked: each half reads its own ``q_len`` from the plan.
     ``triton_interpret`` runs the Triton half in Pallas interpret mode (CPU tests; they interpret
     the Mosaic half with a stand-in for wgmma, or replace it).
     """
     del seg_q_len
-    short_rows = ragged_paged_attention(
+    long_rows = mgpu.ragged_paged_attention_mgpu(
+        q,
+        k_pages,
+        v_pages,
+        seg_q_start,
+        plan.mgpu_q_len,
+        seg_ctx_len,
+        seg_block_table,
+        layer=layer,
+        sm_scale=sm_scale,
+        packing=plan.mgpu,
+    )
+    return ragged_paged_attention(
         q,
         k_pages,
         v_pages,
@@ -283,17 +295,5 @@ def hybrid_attention(
         sm_scale=sm_scale,
         interpret=triton_interpret,
         plan=plan.triton,
-    )
-    return mgpu.ragged_paged_attention_mgpu(
-        q,
-        k_pages,
-        v_pages,
-        seg_q_start,
-        plan.mgpu_q_len,
-        seg_ctx_len,
-        seg_block_table,
-        layer=layer,
-        sm_scale=sm_scale,
-        packing=plan.mgpu,
-        out=short_rows,
+        out=long_rows,
     )

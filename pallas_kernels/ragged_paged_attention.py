@@ -37,7 +37,8 @@ Design (everything shape-static in ``(R, S, MB)``, no host sync):
   a one-row path (vector multiply + reduce, optional register prefetch of the next block).
 * **Kernel 2** (grid ``(R,)``): per output row, combine its tile's items by log-sum-exp
   (``fori_loop`` over a dynamic count) and write all H heads of the row; rows of no segment get
-  zeros.
+  zeros, or, given ``out``, keep its values (both kernels then write into ``out`` in place: the
+  hybrid split's Mosaic half has written its rows there).
 
 ``ragged_paged_attention_reference`` is the pure-jnp twin (also the engine's CPU path).
 """
@@ -515,8 +516,9 @@ def combine_chunk(h_pad: int, head_dim: int) -> int:
     return max(1, min(16, _next_pow2(16384 // (h_pad * head_dim) + 1) // 2))
 
 
-def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, out_ref, *, g: int, num_heads: int):
-    """Rows of split tiles: combine; rows of no segment: zeros; others were written by kernel 1."""
+def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, out_ref, *, g: int, num_heads: int, keep: bool):
+    """Rows of split tiles: combine; rows of no segment: zeros, or with ``keep`` left as they are
+    (the caller's ``out``); others were written by kernel 1."""
     del out_in_ref  # aliased to out_ref
     r = pl.program_id(0)
     first = rows_ref[r, 0]
@@ -536,8 +538,8 @@ def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, out_ref, *, 
     chunk = combine_chunk(h_pad, head_dim)
     jj = jnp.arange(chunk, dtype=jnp.int32)
 
-    # A row of no segment (count 0) gets the loop's zero iterations: zeros.
-    @pl.when(count != 1)
+    # Without ``keep`` a row of no segment (count 0) gets the loop's zero iterations: zeros.
+    @pl.when((count > 1) if keep else (count != 1))
     def _():
         def body(c, carry):
             acc, m_i, l_i = carry
@@ -627,11 +629,15 @@ def ragged_paged_attention(
     prefetch=None,
     max_programs=None,
     plan: Plan | None = None,
+    out=None,
 ):
     """Ragged paged attention (see module docstring). Tuning knobs default by bucket.
 
     ``plan`` (optional) is ``make_plan(...)`` for the same segment arrays (built once per step and
     shared by every layer); the launch takes its ``block_q``/``block_k`` from it.
+    ``out`` (optional, ``q``'s shape): written in place, the segments' rows only; every other row
+    keeps its value (default: a fresh array whose rows of no segment are zeros). The hybrid split
+    passes the Mosaic half's output, so neither half copies the other's rows.
     """
     _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, layer)
     if plan is not None:  # the plan fixes the tiling it was built for
@@ -659,6 +665,8 @@ def ragged_paged_attention(
     )
     if plan is None:
         plan = make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=g, tuning=tuning)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out {out.shape} {out.dtype} must match q {q.shape} {q.dtype}")
     return _launch(
         q,
         k_pages,
@@ -669,6 +677,7 @@ def ragged_paged_attention(
         tuning=tuning,
         sm_scale=sm_scale,
         interpret=interpret,
+        out=out,
     )
 
 
@@ -683,6 +692,7 @@ def _launch(
     tuning: Tuning,
     sm_scale: float,
     interpret: bool,
+    out=None,
 ):
     num_rows, num_heads, head_dim = q.shape
     kvh, _, block_size, _ = k_pages.shape[-4:]
@@ -720,6 +730,11 @@ def _launch(
     else:
         kernel = functools.partial(_no_layer, kernel)
     operands += [q, k_pages, v_pages]
+    aliases = {}
+    if out is not None:  # kernel 1 writes its one-item rows straight into it
+        aliases = {len(operands): 0}
+        operands.append(out)
+        kernel = functools.partial(_drop_input, kernel, len(operands) - 1)
     out, o_part, lse_part = pl.pallas_call(
         kernel,
         grid=(n_prog, kvh),
@@ -734,13 +749,14 @@ def _launch(
             jax.ShapeDtypeStruct((w_max, kvh, m_pad, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((w_max, kvh, m_pad), jnp.float32),
         ],
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_bq{tuning.block_q}_bk{tuning.block_k}",
     )(*operands)
 
     return pl.pallas_call(
-        functools.partial(_combine_kernel, g=g, num_heads=num_heads),
+        functools.partial(_combine_kernel, g=g, num_heads=num_heads, keep=bool(aliases)),
         grid=(num_rows,),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         input_output_aliases={3: 0},
@@ -748,6 +764,11 @@ def _launch(
         interpret=interpret,
         name="ragged_paged_attention_combine",
     )(plan.rows, o_part, lse_part, out)
+
+
+def _drop_input(kernel, index, *refs):
+    """``kernel`` without its input ref ``index`` (an input aliased to its output, read through that)."""
+    return kernel(*refs[:index], *refs[index + 1 :])
 
 
 def _no_layer(kernel, items_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref):

@@ -22,8 +22,9 @@ few window rows before its segment's first row compute garbage). Its output is w
 place, its segment's rows only (``store_rows``: the result staged in untiled shared memory, then
 one TMA store per power of two in the row count), because a window's first and last 8-row groups
 may hold rows of other segments. Every other row of the output keeps the value it came in with
-(``out``, zeros by default): in the hybrid split that is the Triton half's output, so nothing
-copies or combines the two halves (docs/decisions.md, "Hybrid split without a merge").
+(``out``, zeros by default): in the hybrid split the Triton half then writes its own rows into
+the same array, and nothing copies or combines the two (docs/decisions.md, "Hybrid split
+without a merge").
 
 Limits (checked): bfloat16/float16, head_dim a multiple of 64, ``block_size`` a multiple of 8 that
 divides ``block_kv``. One condition is not checked: the slots of a segment's last page past its

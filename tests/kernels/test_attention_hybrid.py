@@ -1,6 +1,6 @@
 """The "hybrid" attention split (pallas_kernels/dispatch.py): in one invocation, segments of at least
 ``HYBRID_MIN_SEGMENT_ROWS`` rows go to the Mosaic GPU kernel and every other segment to the Triton
-kernel; the Mosaic half writes its rows into the Triton half's output.
+kernel; each writes its own rows of one array.
 
 On CPU: (a) the Triton half (Pallas interpret mode) gives reference values on rows of short
 segments and zeros on rows of long segments and of no segment, and both halves together give the
@@ -212,10 +212,10 @@ def test_both_halves_interpreted_write_only_their_rows(mosaic_attention_interpre
 
 
 @pytest.mark.slow
-def test_mosaic_half_writes_into_the_triton_half_on_one_mix():
+def test_triton_half_writes_into_the_mosaic_half_on_one_mix():
     """Slow-suite case of the test above: decode rows, a short chunk, two long segments (one with
-    history, one crossing a 128-row tile), padding rows; the Mosaic half (stood in for) writes its
-    rows into the Triton half's output and nothing else is touched."""
+    history, one crossing a 128-row tile), padding rows; the Triton half's two kernels write their
+    rows into the Mosaic half's output and nothing else is touched."""
     case = dict(
         heads=(4, 2, 64),
         block_size=8,
@@ -387,7 +387,7 @@ def test_hybrid_lowering_on_cpu(r):
     m = dispatch.HYBRID_MIN_SEGMENT_ROWS
     assert t == (r + (r // m) * (127 + ALIGN - 1)) // 128 and t < r // 8
     assert f"tensor<{t * TILE_FIELDS + r * mb}xi32>" in text  # the Mosaic launch's windows and table
-    # the Mosaic half writes into the Triton half's output (the combine into kernel 1's) in place
+    # each half writes into the array it is given (the Mosaic half's output is the Triton half's)
     assert text.count("output_operand_aliases") >= 2
 
 
