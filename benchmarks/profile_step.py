@@ -16,9 +16,10 @@ Per bucket: compile (or load from the persistent cache) and a few warm-up invoca
 invocations timed without the profiler (wall per invocation, and the host time spent in the
 dispatch calls alone: an upper bound on the host's cost, since a call also waits there when the
 device's queue is full; on the H200 prefill:2048 read 0.55 ms in one call and 6.1-6.2 ms, about
-half its wall, in others); ``--reps`` more with the descriptor uploaded before each launch, as the
-engine's steps run (``uploaded_wall_ms_per_inv``: on the H200 prefill:1024 took 0.09-0.16 ms
-more a step that way, run 36); then ``--steps`` invocations under ``jax.profiler.trace``, parsed with
+half its wall, in others); ``--reps`` more each with the descriptor uploaded before each launch
+three ways (``time_uploads``: as the engine's steps do, copied into one device buffer, one step
+ahead; on the H200 the engine's way took 0.09-0.42 ms more a step than one descriptor uploaded
+once, runs 36-37); then ``--steps`` invocations under ``jax.profiler.trace``, parsed with
 ``jax.profiler.ProfileData``. Kernel events come from the device plane (``/device:GPU:<i>``, lines
 ``Stream #...``; derived lines such as ``XLA Ops`` are left out). On a CPU there is no device plane:
 the XLA thread-pool events of the host plane stand in (``device_plane: null``), so the figures
@@ -496,6 +497,57 @@ def _invoke(r, key, packed, n: int):
     jax.block_until_ready((r.ring, g, tok))
 
 
+def _into_slot(slot, new):
+    """``new`` written over ``slot`` (donated): the result keeps ``slot``'s device buffer."""
+    import jax
+
+    return jax.lax.dynamic_update_slice(slot, new, (0,) * slot.ndim)
+
+
+UPLOAD_VARIANTS = ("uploaded", "slot", "ahead")
+
+
+def time_uploads(r, key, desc, reps: int) -> dict:
+    """Wall per invocation with the descriptor uploaded before every launch, three ways, each with
+    the host's time in its upload and launch calls (``*_dispatch_ms_per_inv``: near the wall means
+    the host, not the device, sets the pace):
+
+    * ``uploaded``: a fresh upload, then the launch (the engine's ``step``);
+    * ``slot``: a fresh upload copied on the device into one buffer donated from launch to launch,
+      so the executable sees the same address every time (a CUDA graph whose arguments moved is
+      re-recorded at its launch; one whose did not is not);
+    * ``ahead``: the next launch's descriptor uploaded before this launch.
+
+    Against ``wall_ms_per_inv`` (one descriptor uploaded once) these say whether the wait after a
+    fresh descriptor is its copy, the executable's update for a new address, or the host."""
+    import jax
+
+    into_slot = jax.jit(_into_slot, donate_argnums=0)
+    pack = desc.pack()
+    out = {}
+    for variant in UPLOAD_VARIANTS:
+        slot = r.upload(desc)
+        nxt = r.upload(desc)
+        jax.block_until_ready(into_slot(r.upload(desc), nxt))  # compiled before the clock
+        jax.block_until_ready((slot, nxt))
+        host = 0.0
+        t = time.perf_counter()
+        for _ in range(reps):
+            t1 = time.perf_counter()
+            if variant == "uploaded":
+                packed = r.put(pack)
+            elif variant == "slot":
+                packed = slot = into_slot(slot, r.put(pack))
+            else:
+                packed, nxt = nxt, r.put(pack)
+            g, tok, _ = r.launch(key, packed)
+            host += time.perf_counter() - t1
+        jax.block_until_ready((r.ring, g, tok))
+        out[f"{variant}_wall_ms_per_inv"] = (time.perf_counter() - t) / reps * 1e3
+        out[f"{variant}_dispatch_ms_per_inv"] = host / reps * 1e3
+    return out
+
+
 def profile_bucket(
     llm,
     b: dict,
@@ -555,17 +607,11 @@ def profile_bucket(
         disp += time.perf_counter() - t1
     jax.block_until_ready((r.ring, g, tok))
     wall = (time.perf_counter() - t) / reps
-    # the same with the descriptor uploaded before each launch, as the engine's steps do
-    t = time.perf_counter()
-    for _ in range(reps):
-        g, tok, _ = r.launch(key, r.upload(desc))
-    jax.block_until_ready((r.ring, g, tok))
-    wall_up = (time.perf_counter() - t) / reps
     rec.update(
         wall_ms_per_inv=wall * 1e3,
         dispatch_ms_per_inv=disp / reps * 1e3,
-        uploaded_wall_ms_per_inv=wall_up * 1e3,
         fraction_of_floor=fl["floor_s"] / wall if wall > 0 else None,
+        **time_uploads(r, key, desc, reps),
     )
     # the profiled loop
     try:
@@ -628,7 +674,8 @@ def print_bucket(rec: dict, top: int = 25) -> None:
     head = (
         f"== {rec['bucket']} (R={rec['R']}, rows {rec.get('rows')}, context {rec.get('context')}): "
         f"wall {_ms(rec.get('wall_ms_per_inv'))} ms/inv (dispatch {_ms(rec.get('dispatch_ms_per_inv'))} ms; "
-        f"{_ms(rec.get('uploaded_wall_ms_per_inv'))} uploading each step's descriptor) "
+        f"uploading each step's descriptor: {_ms(rec.get('uploaded_wall_ms_per_inv'))}, into one buffer "
+        f"{_ms(rec.get('slot_wall_ms_per_inv'))}, one step ahead {_ms(rec.get('ahead_wall_ms_per_inv'))}) "
         f"against a floor of {_ms(rec.get('floor_ms'))} ms ({rec.get('floor_bound')}): "
         f"{100 * (rec.get('fraction_of_floor') or 0):.1f}% of floor"
     )

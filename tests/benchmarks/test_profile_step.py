@@ -254,6 +254,35 @@ ARGS = [
 ]
 
 
+def test_time_uploads_slot_keeps_one_buffer_and_the_descriptor():
+    """Each variant launches the descriptor's words; ``slot`` always from the same device buffer
+    (so an executable's recorded addresses stay valid), ``uploaded`` and ``ahead`` from fresh ones."""
+    import numpy as np
+
+    words = np.arange(40, dtype=np.int32).reshape(5, 8)
+    seen = {v: [] for v in ps.UPLOAD_VARIANTS}
+    variant = iter(v for v in ps.UPLOAD_VARIANTS for _ in range(4))  # the launches in order, 4 each
+
+    class Runner:
+        ring = jax.numpy.zeros(3)
+
+        def put(self, a):
+            return jax.device_put(a)
+
+        def upload(self, desc):
+            return self.put(desc.pack())
+
+        def launch(self, key, packed):
+            np.testing.assert_array_equal(np.asarray(packed), words)
+            seen[next(variant)].append(packed.unsafe_buffer_pointer())
+            return packed[0], packed[1], None
+
+    rec = ps.time_uploads(Runner(), "key", NS(pack=lambda: words), reps=4)
+    assert set(rec) == {f"{v}_{m}_ms_per_inv" for v in ps.UPLOAD_VARIANTS for m in ("wall", "dispatch")}
+    assert len(set(seen["slot"])) == 1
+    assert all(len(v) == 4 for v in seen.values())
+
+
 @pytest.mark.slow  # with the next test, the only users of the `harness` fixture (compiles an engine)
 def test_main_on_tiny(harness, tmp_path):
     out = str(tmp_path / "sub" / "profile_step.json")
@@ -267,7 +296,8 @@ def test_main_on_tiny(harness, tmp_path):
     for b in d["buckets"][:2]:
         assert "error" not in b, b.get("error")
         assert b["wall_ms_per_inv"] > 0 and b["busy_ms_per_inv"] > 0 and b["kernels_per_inv"] > 0
-        assert b["uploaded_wall_ms_per_inv"] > 0
+        for variant in ps.UPLOAD_VARIANTS:
+            assert b[f"{variant}_wall_ms_per_inv"] > 0 and b[f"{variant}_dispatch_ms_per_inv"] > 0
         assert b["floor_ms"] > 0 and b["floor_bound"] in ("bandwidth", "flops")
         assert b["gap_ms_per_inv"] == pytest.approx(b["wall_ms_per_inv"] - b["busy_ms_per_inv"])
         assert b["rows"] == b["R"] and b["steps"] == 2
