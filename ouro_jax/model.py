@@ -29,8 +29,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode_gemm_mgpu import decode_gemm_mgpu, sum_splits
-from pallas_kernels.decode_mlp_mgpu import decode_mlp_mgpu
 from pallas_kernels.residual_norm import residual_norm
 from pallas_kernels.residual_norm import supported as residual_norm_supported
 from pallas_kernels.rope import apply_rope, rope_cos_sin
@@ -55,10 +53,7 @@ class Attention(Protocol):
     (``PagedAttention`` with the ``rope_write_kv`` kernel: one launch where XLA runs three).
     If its ``fuses_norms`` is true, a layer adds each sublayer's normed output to the residual and
     norms the sum in one kernel (``pallas_kernels.residual_norm``; interpret mode where its
-    ``kernel.interpret`` is set). If its ``decode_gemms`` is true (with both of the above and fused
-    weights), the projections and the MLP run on the Mosaic decode GEMMs, whose float32 split-K
-    partials ``rope_write(..., out_dtype=)`` and the residual norm sum (``paged_attention.decode_gemms``
-    says where)."""
+    ``kernel.interpret`` is set)."""
 
     def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any) -> tuple[jax.Array, Any]: ...
 
@@ -120,11 +115,6 @@ class FusedDense(nn.Module):
         return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
 
 
-def _kernel_of(dense: nn.Module) -> jax.Array:
-    """The weight of a bound ``nn.Dense`` or ``FusedDense`` (for a kernel that takes it whole)."""
-    return dense.variables["params"]["kernel"]
-
-
 def qkv_groups(config: OuroConfig) -> tuple[int, int]:
     """``(G, g)``: the fused QKV kernel ``[D, G, g + 2, hd]`` holds, per KV head ``j < G``, its ``g``
     query heads ``j*g .. j*g+g-1`` then its key and value head (tensor parallelism splits ``G``)."""
@@ -170,12 +160,6 @@ class OuroAttentionProjections(nn.Module):
     def __call__(self, x, cos, sin, layer: int, attention: Attention, cache):
         c = self.config
         lead = x.shape[:-1]
-        if self.fused and getattr(attention, "decode_gemms", False):  # float32 split-K partials out
-            qkv = decode_gemm_mgpu(x, _kernel_of(self.qkv_proj), reduce=False)
-            q, cache = attention.rope_write(layer, qkv, cos, sin, cache, out_dtype=self.dtype)
-            out, cache = attention.attend(layer, q, cache)
-            o = out.reshape(*lead, c.q_size).astype(self.dtype)
-            return decode_gemm_mgpu(o, _kernel_of(self.o_proj), reduce=False), cache
         if self.fused and getattr(attention, "fuses_rope", False):
             q, cache = attention.rope_write(layer, self.qkv_proj(x), cos, sin, cache)
             out, cache = attention.attend(layer, q, cache)
@@ -210,11 +194,7 @@ class OuroMLP(nn.Module):
             self.up_proj = _dense(c.intermediate_size, self.dtype)
         self.down_proj = _dense(c.hidden_size, self.dtype)
 
-    def __call__(self, x, decode_gemms: bool = False):
-        """The MLP's output; ``decode_gemms`` (fused weights, ``x [M, D]``): the float32 split-K
-        partials ``[S, M, D]`` of the Mosaic decode kernels (``pallas_kernels.decode_mlp_mgpu``)."""
-        if decode_gemms:
-            return decode_mlp_mgpu(x, _kernel_of(self.gate_up_proj), _kernel_of(self.down_proj), reduce=False)
+    def __call__(self, x):
         if self.fused:
             y = self.gate_up_proj(x)
             return self.down_proj(nn.silu(y[..., 0, :]) * y[..., 1, :])
@@ -262,18 +242,16 @@ class OuroDecoderLayer(nn.Module):
         x, h = self._add_norm(
             x, a, self.input_layernorm_2, self.post_attention_layernorm(x, scale_only=True), attention
         )
-        m = self.mlp(h, decode_gemms=getattr(attention, "decode_gemms", False))
+        m = self.mlp(h)
         if self.tp_axis is not None:
             m = jax.lax.psum(m, self.tp_axis)
         if next_scale is None:
-            m = sum_splits(m, self.dtype) if m.ndim > x.ndim else m
             return x + self.post_attention_layernorm_2(m, jnp.float32), None, cache
         x, h = self._add_norm(x, m, self.post_attention_layernorm_2, next_scale, attention)
         return x, h, cache
 
     def _add_norm(self, x, out, out_norm: "RMSNorm", next_scale, attention):
-        """``x + out_norm(out)`` in float32 and that normed by ``next_scale`` in the model dtype
-        (``out``: a sublayer's output, or its float32 split-K partials ``[S, *x.shape]``)."""
+        """``x + out_norm(out)`` in float32 and that normed by ``next_scale`` in the model dtype."""
         if getattr(attention, "fuses_norms", False) and x.ndim == 2 and residual_norm_supported(x.shape[-1]):
             return residual_norm(
                 x,
@@ -284,8 +262,6 @@ class OuroDecoderLayer(nn.Module):
                 out_dtype=self.dtype,
                 interpret=attention.kernel.interpret,
             )
-        if out.ndim > x.ndim:
-            out = sum_splits(out, self.dtype)
         x = x + out_norm(out, jnp.float32)
         return x, rms_norm(x, next_scale, self.config.rms_norm_eps).astype(self.dtype)
 

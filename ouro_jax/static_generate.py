@@ -51,7 +51,7 @@ from .attention import DenseCausalAttention
 from .compiler_options import step_options
 from .device_memory import device_memory
 from .model import OuroModel, dtype_of, fuse_layer_params
-from .paged_attention import PagedAttention, decode_gemms, fuses_norms, fuses_rope
+from .paged_attention import PagedAttention, fuses_norms, fuses_rope
 from .sampling import sample
 
 __all__ = ["generate", "GenerateResult", "BLOCK_SIZE", "MIN_DECODE_ROWS"]
@@ -209,7 +209,6 @@ def _generate(
     # ---- decode: R rows (the first b real), one segment each; one token per outer iteration
     real = jnp.arange(R) < b
     row_ids = jnp.arange(R, dtype=jnp.int32)
-    fused_kernels = (fuses_rope(kernel), fuses_norms(kernel), decode_gemms(kernel, R, dt, c))
     pad = lambda a: jnp.pad(a, (0, R - b))  # noqa: E731
     table0 = jnp.zeros((R, m), jnp.int32).at[:b].set(plane_block_table(0, b, m))
 
@@ -233,7 +232,9 @@ def _generate(
                 jnp.where(real[:, None], table0 + d * (b * m), 0),
             )
             slot = jnp.where(live, plane_slot(d, row_ids, pos_r, b, m), -1)
-            attn = PagedAttention(slot, *seg, c.attn_scale, kernel, kernel.plan(*seg), *fused_kernels)
+            attn = PagedAttention(
+                slot, *seg, c.attn_scale, kernel, kernel.plan(*seg), fuses_rope(kernel), fuses_norms(kernel)
+            )
             h, g, pools = apply(x, pos_r, attn, pools, method=OuroModel.recurrent)
             remaining = exit_rule.fold_gate(remaining, g)
             now = live & exit_rule.decide_exit(d + 1, remaining, exit_threshold, min_loops, max_loops, "ouro")

@@ -30,7 +30,7 @@ from scheduler.speculation import SpecKey, spec_layout
 from weights.config import OuroConfig
 
 from .model import OuroDecoderLayer, OuroModel, dtype_of, rms_norm
-from .paged_attention import PagedAttention, decode_gemms, fuses_norms, fuses_rope
+from .paged_attention import PagedAttention, fuses_norms, fuses_rope
 from .parallel import TP_AXIS, local_config, vocab_parallel_embed, vocab_parallel_logits
 from .sampling import adjust_logits, greedy, row_keys, sample, sample_stochastic, token_logprobs
 from .structured import apply_token_bitmask
@@ -160,14 +160,7 @@ def recurrent(
     )
     seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
     attn = PagedAttention(
-        a["row_slot"],
-        *seg,
-        c.attn_scale,
-        kernel,
-        kernel.plan(*seg),
-        fuses_rope(kernel),
-        fuses_norms(kernel),
-        not tp and decode_gemms(kernel, key.R, dt, c),
+        a["row_slot"], *seg, c.attn_scale, kernel, kernel.plan(*seg), fuses_rope(kernel), fuses_norms(kernel)
     )
     cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
     x = x.astype(jnp.float32)

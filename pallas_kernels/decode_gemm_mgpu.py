@@ -41,7 +41,6 @@ __all__ = [
     "decode_gemm_mgpu",
     "decode_gemm_reference",
     "gemm_tuning",
-    "sum_splits",
     "supported",
 ]
 
@@ -270,15 +269,6 @@ def _check(x, w, *, kernel: bool) -> tuple[int, int, int]:
     if why is not None:
         raise ValueError(f"decode_gemm_mgpu cannot serve {why}")
     return m, k, n
-
-
-def sum_splits(parts, dtype):
-    """Split-K partials ``[S, ...]`` summed in split order, as the kernels that take them
-    (``residual_norm``, ``rope_write_kv``) sum them, rounded to ``dtype``: the projection's output."""
-    total = parts[0]
-    for s in range(1, parts.shape[0]):
-        total = total + parts[s]
-    return total.astype(dtype)
 
 
 def _finish(part, m: int, out_shape: tuple, reduce: bool):

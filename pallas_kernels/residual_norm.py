@@ -14,12 +14,8 @@ The arithmetic is ``model.rms_norm``'s, term for term: ``w * (v * rsqrt(mean(v *
 float32 for both norms, ``h`` rounded once. Each row is reduced by one program, so a row's result
 does not depend on the other rows or on the bucket it runs in.
 
-``a`` may also be the float32 partials ``[S, R, D]`` of a projection split along K (the Mosaic
-decode GEMMs' ``reduce=False``): the kernel sums them in split order and rounds the sum to
-``out_dtype``, as the projection's own output would be, so no kernel of its own sums them.
-
-Limits (checked): ``x`` ``[R, D]`` float32, ``a`` ``[R, D]`` or ``[S, R, D]`` float32, the weights
-``[D]``, ``D`` a power of two (a Triton block). ``residual_norm_reference`` is the pure-jnp twin, which is also what the
+Limits (checked): ``x`` ``[R, D]`` float32, ``a`` ``[R, D]``, the weights ``[D]``, ``D`` a power of
+two (a Triton block). ``residual_norm_reference`` is the pure-jnp twin, which is also what the
 engine runs wherever the kernel is not used (``fuses_norms``).
 """
 
@@ -31,8 +27,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from pallas_kernels.decode_gemm_mgpu import sum_splits
 
 __all__ = ["residual_norm", "residual_norm_reference", "supported", "ROWS_PER_PROGRAM"]
 
@@ -48,8 +42,8 @@ def supported(hidden_size: int) -> bool:
 def _check(x, a, w_a, w_x):
     if x.ndim != 2 or x.dtype != jnp.float32:
         raise ValueError(f"x must be the float32 residual [R, D], got {x.dtype} {x.shape}")
-    if a.shape != x.shape and not (a.ndim == 3 and a.shape[1:] == x.shape and a.dtype == jnp.float32):
-        raise ValueError(f"a must be [R, D] = {x.shape} or float32 partials [S, R, D], got {a.dtype} {a.shape}")
+    if a.shape != x.shape:
+        raise ValueError(f"a must be [R, D] = {x.shape}, got {a.shape}")
     D = x.shape[1]
     if w_a.shape != (D,) or w_x.shape != (D,):
         raise ValueError(f"weights must be [D] = ({D},), got {w_a.shape} / {w_x.shape}")
@@ -63,8 +57,6 @@ def residual_norm_reference(x, a, w_a, w_x, *, eps: float, out_dtype):
     """Twin of :func:`residual_norm`: ``x + rms_norm(a, w_a)`` and ``rms_norm`` of that by ``w_x``."""
     _check(x, a, w_a, w_x)
     f32 = jnp.float32
-    if a.ndim == 3:
-        a = sum_splits(a, out_dtype)
     x = x + _rms(a.astype(f32), w_a.astype(f32), eps)
     return x, _rms(x, w_x.astype(f32), eps).astype(out_dtype)
 
@@ -77,13 +69,7 @@ def _kernel(a_ref, x_ref, wa_ref, wx_ref, x_out, h_out, *, eps, rows_per_program
     r = jnp.where(rows < R, rows, 0)[:, None]
     d = jnp.arange(D, dtype=jnp.int32)[None, :]
     f32 = jnp.float32
-    if len(a_ref.shape) == 3:  # split-K partials: their sum in split order, rounded as h is
-        a = plgpu.load(a_ref.at[0, r, d], mask=ok, other=0)
-        for s in range(1, a_ref.shape[0]):
-            a = a + plgpu.load(a_ref.at[s, r, d], mask=ok, other=0)
-        a = a.astype(h_out.dtype).astype(f32)
-    else:
-        a = plgpu.load(a_ref.at[r, d], mask=ok, other=0).astype(f32)
+    a = plgpu.load(a_ref.at[r, d], mask=ok, other=0).astype(f32)
     x = plgpu.load(x_ref.at[r, d], mask=ok, other=0).astype(f32)
     w_a = wa_ref[...].astype(f32)[None, :]
     w_x = wx_ref[...].astype(f32)[None, :]
@@ -111,8 +97,7 @@ def residual_norm(
     """``(x + rms_norm(a, w_a), rms_norm(that, w_x) in out_dtype)`` (see the module docstring).
 
     ``x``: ``[R, D]`` float32 residual (aliased to the first output); ``a``: ``[R, D]`` any float
-    dtype, or float32 split-K partials ``[S, R, D]`` (summed, rounded to ``out_dtype``);
-    ``w_a``/``w_x``: ``[D]``.
+    dtype; ``w_a``/``w_x``: ``[D]``.
     """
     _check(x, a, w_a, w_x)
     R, D = x.shape

@@ -15,10 +15,6 @@ float32, then the input's dtype), written per half: ``x1 * c1 + (-x2) * s1`` and
 s2``. Rows past ``R``'s real count need no special case: a row with ``slot < 0`` writes nothing into
 the pools (its rotated query is still stored; nothing reads it).
 
-``qkv`` may also be the float32 partials ``[S, R, G, g + 2, hd]`` of the projection split along K
-(the Mosaic decode GEMM's ``reduce=False``): the kernel sums them in split order and rounds the sum
-to ``out_dtype``, as the projection's own output would be, so no kernel of its own sums them.
-
 Limits (checked): ``hd`` a power of two and ``rows_per_program`` too (Triton block shapes), the
 pools ``[L, KVH, NB, BS, hd]`` with ``KVH == G`` (K and V are stored in the pools' dtype). Slots must be distinct
 (as ``write_kv``'s): two rows writing one slot leave either value.
@@ -36,7 +32,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.decode_gemm_mgpu import sum_splits
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.rope import apply_rope
 
@@ -48,15 +43,9 @@ ROWS_PER_PROGRAM = 16
 NUM_WARPS = 4
 
 
-def _check(qkv, cos, sin, k_pages, v_pages, slots, out_dtype=None):
-    if qkv.ndim == 5:
-        if qkv.dtype != jnp.float32 or out_dtype is None:
-            raise ValueError(f"qkv partials [S, R, G, g + 2, hd] must be float32 with an out_dtype, got {qkv.dtype}")
-        qkv = qkv[0]
-    elif out_dtype is not None and jnp.dtype(out_dtype) != qkv.dtype:
-        raise ValueError(f"out_dtype {jnp.dtype(out_dtype).name} is for partials; qkv {qkv.dtype} keeps its dtype")
+def _check(qkv, cos, sin, k_pages, v_pages, slots):
     if qkv.ndim != 4:
-        raise ValueError(f"qkv must be [R, G, g + 2, hd] or float32 partials [S, ...], got shape {qkv.shape}")
+        raise ValueError(f"qkv must be [R, G, g + 2, hd], got shape {qkv.shape}")
     R, G, g2, hd = qkv.shape
     if g2 < 3:
         raise ValueError(f"qkv's third axis holds g query heads then K and V (>= 3), got {g2}")
@@ -72,11 +61,9 @@ def _check(qkv, cos, sin, k_pages, v_pages, slots, out_dtype=None):
         raise ValueError(f"slots must be [R] = ({R},), got {slots.shape}")
 
 
-def rope_write_kv_reference(qkv, cos, sin, k_pages, v_pages, slots, *, layer, out_dtype=None):
+def rope_write_kv_reference(qkv, cos, sin, k_pages, v_pages, slots, *, layer):
     """Twin of :func:`rope_write_kv`: ``apply_rope`` on q and k, ``write_kv`` of k and v."""
-    _check(qkv, cos, sin, k_pages, v_pages, slots, out_dtype)
-    if qkv.ndim == 5:
-        qkv = sum_splits(qkv, out_dtype)
+    _check(qkv, cos, sin, k_pages, v_pages, slots)
     R, G, g2, hd = qkv.shape
     g = g2 - 2
     q = apply_rope(qkv[:, :, :g, :].reshape(R, G * g, hd), cos, sin)
@@ -89,8 +76,7 @@ def _kernel(layer_ref, slots_ref, qkv_ref, cos_ref, sin_ref, k_in, v_in, q_out, 
     del k_in, v_in  # aliased to k_out / v_out
     i = pl.program_id(0)
     j = pl.program_id(1)  # KV head = the group of its g query heads
-    splits = qkv_ref.shape[0] if len(qkv_ref.shape) == 5 else 0  # 0: qkv itself, not partials
-    R, _, g2, hd = qkv_ref.shape[-4:]
+    R, _, g2, hd = qkv_ref.shape
     g = g2 - 2
     _, _, nb, bs, _ = k_out.shape
     half = hd // 2
@@ -105,20 +91,11 @@ def _kernel(layer_ref, slots_ref, qkv_ref, cos_ref, sin_ref, k_in, v_in, q_out, 
     def load(ref, idx):
         return plgpu.load(ref.at[idx], mask=ok, other=0).astype(jnp.float32)
 
-    def load_qkv(idx):
-        if not splits:
-            return plgpu.load(qkv_ref.at[idx], mask=ok, other=0)
-        total = plgpu.load(qkv_ref.at[(0, *idx)], mask=ok, other=0)
-        for s in range(1, splits):  # split order, then rounded as the projection's output
-            total = total + plgpu.load(qkv_ref.at[(s, *idx)], mask=ok, other=0)
-        return total.astype(q_out.dtype)
-
     c1, c2 = load(cos_ref, (r, lo)), load(cos_ref, (r, hi))
     s1, s2 = load(sin_ref, (r, lo)), load(sin_ref, (r, hi))
 
     def rotated(t):
-        x1 = load_qkv((r, j, t, lo)).astype(jnp.float32)
-        x2 = load_qkv((r, j, t, hi)).astype(jnp.float32)
+        x1, x2 = load(qkv_ref, (r, j, t, lo)), load(qkv_ref, (r, j, t, hi))
         return x1 * c1 + (-x2) * s1, x2 * c2 + x1 * s2
 
     for t in range(g):
@@ -139,11 +116,11 @@ def _kernel(layer_ref, slots_ref, qkv_ref, cos_ref, sin_ref, k_in, v_in, q_out, 
     plgpu.store(k_out.at[layer, j, page, off, lo], k1.astype(k_out.dtype), mask=write)
     plgpu.store(k_out.at[layer, j, page, off, hi], k2.astype(k_out.dtype), mask=write)
     d = jnp.arange(hd, dtype=jnp.int32)[None, :]
-    v = load_qkv((r, j, g + 1, d))
+    v = plgpu.load(qkv_ref.at[r, j, g + 1, d], mask=ok, other=0)
     plgpu.store(v_out.at[layer, j, page, off, d], v.astype(v_out.dtype), mask=write)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "rows_per_program", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "rows_per_program", "num_warps"))
 def rope_write_kv(
     qkv,
     cos,
@@ -153,24 +130,21 @@ def rope_write_kv(
     slots,
     *,
     layer,
-    out_dtype=None,
     interpret: bool = False,
     rows_per_program: int = ROWS_PER_PROGRAM,
     num_warps: int = NUM_WARPS,
 ):
-    """Rotated queries ``[R, G * g, hd]`` (qkv's dtype, or ``out_dtype``) and the pools with each
-    row's rotated key and value written at ``[layer, :, slot]`` (see the module docstring).
+    """Rotated queries ``[R, G * g, hd]`` (qkv's dtype) and the pools with each row's rotated key
+    and value written at ``[layer, :, slot]`` (see the module docstring).
 
-    ``qkv``: ``[R, G, g + 2, hd]``, or float32 split-K partials ``[S, R, G, g + 2, hd]`` with the
-    ``out_dtype`` their sum is rounded to; ``cos``/``sin``: ``[R, hd]`` (``pallas_kernels.rope.rope_cos_sin``);
+    ``qkv``: ``[R, G, g + 2, hd]``; ``cos``/``sin``: ``[R, hd]`` (``pallas_kernels.rope.rope_cos_sin``);
     ``k_pages``/``v_pages``: ``[L, KVH, NB, BS, hd]``; ``slots``: ``[R]`` flat slot (``page * BS +
     offset``) of each row at its plane, ``-1`` for rows that write nothing; ``layer``: traced int.
     """
-    _check(qkv, cos, sin, k_pages, v_pages, slots, out_dtype)
+    _check(qkv, cos, sin, k_pages, v_pages, slots)
     if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
-    R, G, g2, hd = qkv.shape[-4:]
-    q_dtype = qkv.dtype if qkv.ndim == 4 else jnp.dtype(out_dtype)
+    R, G, g2, hd = qkv.shape
     g = g2 - 2
     operands = (
         jnp.asarray(layer, jnp.int32).reshape(1),
@@ -185,7 +159,7 @@ def rope_write_kv(
         functools.partial(_kernel, rows_per_program=rows_per_program),
         grid=(pl.cdiv(R, rows_per_program), G),
         out_shape=[
-            jax.ShapeDtypeStruct((R, G * g, hd), q_dtype),
+            jax.ShapeDtypeStruct((R, G * g, hd), qkv.dtype),
             jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
             jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
         ],

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from ouro_jax import LLM, SamplingParams, forward, generate, get_preset
-from tests.engine.bf16 import bf16_agree
 from weights.random_init import random_params
 
 pytestmark = [
@@ -75,11 +74,35 @@ def test_pallas_engine_equals_reference_engine_and_generate(model, mode, thresho
     assert got["pallas"] == got["reference"], "pallas vs reference attention: " + _diff(got["pallas"], got["reference"])
 
 
+# bf16: two attention kernels round differently, so a greedy choice between two tokens whose
+# log-probabilities lie closer than this may go either way (and the rest of that output with it).
+BF16_TIE_NATS = 0.05
+
+
+def _bf16_agree(a, b, what: str) -> None:
+    """``a``/``b``: per prompt ``(tokens, depths, logprobs)``. Equal, or equal up to a first token
+    where each engine ranks the other's choice second, within ``BF16_TIE_NATS`` of its own first
+    (the rest of that output is not compared); depths that differ first fail."""
+    for i, ((ta, da, la), (tb, db, lb)) in enumerate(zip(a, b)):
+        for j, (x, y) in enumerate(zip(zip(ta, da), zip(tb, db))):
+            if x == y:
+                continue
+            assert x[0] != y[0], f"{what}: prompt {i} token {j}: exit depth {x[1]} vs {y[1]} at the same token"
+            for lp, other in ((la[j], y[0]), (lb[j], x[0])):
+                top = dict(lp.top)
+                gap = lp.logprob - top.get(other, -float("inf"))
+                assert gap <= BF16_TIE_NATS, (
+                    f"{what}: prompt {i} token {j}: {x[0]} vs {y[0]}, not a near tie ({gap:.4f} nats apart; "
+                    f"top {lp.top})"
+                )
+            break
+
+
 def test_mosaic_kernel_engine_equals_triton_kernel_engine(model):
     """bf16, where the Mosaic GPU kernel applies: the engine forced onto it (every bucket, decode
     rows included) or onto the per-segment split ("hybrid": segments of >= 32 rows on Mosaic,
     the rest on Triton) gives the tokens and exit depths of the engine on the Triton kernel, and
-    the automatic choice ("pallas") gives them too, up to a near tie (``bf16_agree``). Chunks of
+    the automatic choice ("pallas") gives them too, up to a near tie (``_bf16_agree``). Chunks of
     up to 192 rows put long segments in play next to short ones in one invocation: a fresh
     129-row prompt (two tiles, the second of one row) with 64-, 56- and 7-row prompts, then a
     136-row chunk after 56 rows of history."""
@@ -89,29 +112,7 @@ def test_mosaic_kernel_engine_equals_triton_kernel_engine(model):
         pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
     got = kernel_engines(model, seed=1, attentions=("triton", "mgpu", "hybrid", "pallas"))
     for name in ("mgpu", "hybrid", "pallas"):
-        bf16_agree(got[name], got["triton"], f"{name} vs triton kernel")
-
-
-def test_decode_gemm_engine_equals_xla_gemm_engine(model, monkeypatch):
-    """bf16 on Hopper: the engine whose 8-row bucket runs its projections and MLP on the Mosaic
-    decode GEMMs (``paged_attention.decode_gemms``, the default there) gives the tokens and exit
-    depths of the engine on XLA's GEMMs, up to a near tie (``bf16_agree``), and really uses them."""
-    from ouro_jax import model as model_mod
-    from ouro_jax import step_program
-    from pallas_kernels.dispatch import hopper_available
-
-    if not hopper_available():
-        pytest.skip("the Mosaic decode GEMMs need a Hopper GPU")
-    calls = []
-    real = model_mod.decode_mlp_mgpu
-    monkeypatch.setattr(model_mod, "decode_mlp_mgpu", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    with_gemms = kernel_engines(model, seed=2, attentions=("pallas",))["pallas"]
-    assert calls and {s[0] for s in calls} == {8}
-    monkeypatch.setattr(step_program, "decode_gemms", lambda *a: False)
-    calls.clear()
-    without = kernel_engines(model, seed=2, attentions=("pallas",))["pallas"]
-    assert not calls
-    bf16_agree(with_gemms, without, "decode GEMMs vs XLA's")
+        _bf16_agree(got[name], got["triton"], f"{name} vs triton kernel")
 
 
 def kernel_engines(model, seed: int, attentions) -> dict:
