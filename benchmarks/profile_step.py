@@ -17,12 +17,11 @@ invocations timed without the profiler (wall per invocation, and the host time s
 dispatch calls alone: an upper bound on the host's cost, since a call also waits there when the
 device's queue is full; on the H200 prefill:2048 read 0.55 ms in one call and 6.1-6.2 ms, about
 half its wall, in others); ``--reps`` more each with the descriptor uploaded before each launch
-three ways (``time_uploads``: a fresh buffer each, copied into one device buffer as the engine's
-steps do, one step ahead; on the H200 a fresh buffer took 0.36-0.49 ms more a ``decode:8`` step
-than one descriptor uploaded once, the one buffer 0.13, run 38); then ``--steps`` invocations under
-``jax.profiler.trace``, parsed with ``jax.profiler.ProfileData``. Kernel events come from the device
-plane (``/device:GPU:<i>``, lines ``Stream #...``; derived lines such as ``XLA Ops`` are left out).
-On a CPU there is no device plane:
+three ways (``time_uploads``: as the engine's steps do, copied into one device buffer, one step
+ahead; on the H200 the engine's way took 0.09-0.42 ms more a step than one descriptor uploaded
+once, runs 36-37); then ``--steps`` invocations under ``jax.profiler.trace``, parsed with
+``jax.profiler.ProfileData``. Kernel events come from the device plane (``/device:GPU:<i>``, lines
+``Stream #...``; derived lines such as ``XLA Ops`` are left out). On a CPU there is no device plane:
 the XLA thread-pool events of the host plane stand in (``device_plane: null``), so the figures
 there are thunk times on host threads, good for checking the script and little else.
 
@@ -498,6 +497,13 @@ def _invoke(r, key, packed, n: int):
     jax.block_until_ready((r.ring, g, tok))
 
 
+def _into_slot(slot, new):
+    """``new`` written over ``slot`` (donated): the result keeps ``slot``'s device buffer."""
+    import jax
+
+    return jax.lax.dynamic_update_slice(slot, new, (0,) * slot.ndim)
+
+
 UPLOAD_VARIANTS = ("uploaded", "slot", "ahead")
 
 
@@ -506,21 +512,24 @@ def time_uploads(r, key, desc, reps: int) -> dict:
     the host's time in its upload and launch calls (``*_dispatch_ms_per_inv``: near the wall means
     the host, not the device, sets the pace):
 
-    * ``uploaded``: a fresh buffer each launch (``r.put``; the engine's steps before run 38);
-    * ``slot``: the engine's ``r.upload``, which copies the upload on the device into one buffer
-      donated from launch to launch, so the executable sees the same address every time (a CUDA
-      graph whose arguments moved is updated at its launch; one whose did not is not);
-    * ``ahead``: a fresh buffer, uploaded before the launch before.
+    * ``uploaded``: a fresh upload, then the launch (the engine's ``step``);
+    * ``slot``: a fresh upload copied on the device into one buffer donated from launch to launch,
+      so the executable sees the same address every time (a CUDA graph whose arguments moved is
+      re-recorded at its launch; one whose did not is not);
+    * ``ahead``: the next launch's descriptor uploaded before this launch.
 
     Against ``wall_ms_per_inv`` (one descriptor uploaded once) these say whether the wait after a
     fresh descriptor is its copy, the executable's update for a new address, or the host."""
     import jax
 
+    into_slot = jax.jit(_into_slot, donate_argnums=0)
     pack = desc.pack()
     out = {}
     for variant in UPLOAD_VARIANTS:
-        nxt = r.put(pack)
-        jax.block_until_ready((r.upload(desc), nxt))  # the slot's copy compiled before the clock
+        slot = r.upload(desc)
+        nxt = r.upload(desc)
+        jax.block_until_ready(into_slot(r.upload(desc), nxt))  # compiled before the clock
+        jax.block_until_ready((slot, nxt))
         host = 0.0
         t = time.perf_counter()
         for _ in range(reps):
@@ -528,7 +537,7 @@ def time_uploads(r, key, desc, reps: int) -> dict:
             if variant == "uploaded":
                 packed = r.put(pack)
             elif variant == "slot":
-                packed = r.upload(desc)
+                packed = slot = into_slot(slot, r.put(pack))
             else:
                 packed, nxt = nxt, r.put(pack)
             g, tok, _ = r.launch(key, packed)
@@ -665,7 +674,7 @@ def print_bucket(rec: dict, top: int = 25) -> None:
     head = (
         f"== {rec['bucket']} (R={rec['R']}, rows {rec.get('rows')}, context {rec.get('context')}): "
         f"wall {_ms(rec.get('wall_ms_per_inv'))} ms/inv (dispatch {_ms(rec.get('dispatch_ms_per_inv'))} ms; "
-        f"uploading each step's descriptor: fresh {_ms(rec.get('uploaded_wall_ms_per_inv'))}, into one buffer "
+        f"uploading each step's descriptor: {_ms(rec.get('uploaded_wall_ms_per_inv'))}, into one buffer "
         f"{_ms(rec.get('slot_wall_ms_per_inv'))}, one step ahead {_ms(rec.get('ahead_wall_ms_per_inv'))}) "
         f"against a floor of {_ms(rec.get('floor_ms'))} ms ({rec.get('floor_bound')}): "
         f"{100 * (rec.get('fraction_of_floor') or 0):.1f}% of floor"

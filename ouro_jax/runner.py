@@ -92,11 +92,6 @@ def _flat_params(fn, treedef):
     return g
 
 
-def _overwrite(slot: jax.Array, new: jax.Array) -> jax.Array:
-    """``new`` in ``slot``'s device buffer (``slot`` donated: the result keeps its address)."""
-    return jax.lax.dynamic_update_slice(slot, new, (0,) * slot.ndim)
-
-
 # Persistent-cache hits seen in this process (JAX's own monitoring event): ``warmup`` compiles in
 # threads once it knows the cache is warm.
 _CACHE_HITS = [0]
@@ -316,9 +311,6 @@ class ModelRunner:
         # per coda size: the last tokens the latest fused step sampled (its ``previous`` output),
         # which a step scheduled ahead of reading them embeds (``Scheduler.schedule_ahead``)
         self._fused_last: dict[int, jax.Array] = {}
-        # per packed shape: the one device buffer each step's descriptor is copied into (upload)
-        self._desc_slots: dict[tuple, jax.Array] = {}
-        self._overwrite = jax.jit(_overwrite, donate_argnums=0)
         self._coda_h = None  # the latest fused step's last coda states (ModelRunner.complete)
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
         self._exe: dict[Any, Any] = {}
@@ -749,21 +741,13 @@ class ModelRunner:
         return last
 
     def upload(self, desc) -> jax.Array:
-        """``desc``'s packed buffer on the runner's device, at the device address of every earlier
-        descriptor of its shape: uploaded (``put``), then copied on the device into a buffer
-        donated from step to step. A step's CUDA graph is updated at its launch when an argument
-        moved: 0.23-0.35 ms more a ``decode:8`` launch on the H200 (docs/decisions.md, "Descriptor
-        uploads"). Valid until the next upload of the same shape, which overwrites it."""
-        fresh = self.put(desc.pack())
-        key = (fresh.shape, fresh.dtype)
-        slot = self._desc_slots.get(key)
-        slot = self._desc_slots[key] = fresh if slot is None else self._overwrite(slot, fresh)
-        return slot
+        """``desc``'s packed buffer on the runner's device (``device_put``: ``jnp.asarray`` would
+        stage it through a small jitted copy per shape)."""
+        return self.put(desc.pack())
 
     def put(self, array) -> jax.Array:
-        """A host array on the runner's device, placed as the executables take their inputs (the
-        sampler's: ``launch_sampler``; ``jnp.asarray`` would stage it through a small jitted copy
-        per shape), in a fresh buffer."""
+        """A host array on the runner's device, placed as the executables take their inputs (a
+        packed descriptor, the sampler's inputs: ``launch_sampler``)."""
         return jax.device_put(array, self._upload_to)
 
     def sampler_keys(self, keys: Iterable) -> list:

@@ -255,8 +255,8 @@ ARGS = [
 
 
 def test_time_uploads_slot_keeps_one_buffer_and_the_descriptor():
-    """Each variant launches the descriptor's words; ``slot`` from the runner's ``upload`` (the
-    engine's one buffer), ``uploaded`` and ``ahead`` from fresh ones."""
+    """Each variant launches the descriptor's words; ``slot`` always from the same device buffer
+    (so an executable's recorded addresses stay valid), ``uploaded`` and ``ahead`` from fresh ones."""
     import numpy as np
 
     words = np.arange(40, dtype=np.int32).reshape(5, 8)
@@ -269,10 +269,8 @@ def test_time_uploads_slot_keeps_one_buffer_and_the_descriptor():
         def put(self, a):
             return jax.device_put(a)
 
-        def upload(self, desc):  # the engine's: always one buffer (ModelRunner.upload)
-            slot = getattr(self, "slot", None)
-            self.slot = jax.device_put(desc.pack()) if slot is None else slot
-            return self.slot
+        def upload(self, desc):
+            return self.put(desc.pack())
 
         def launch(self, key, packed):
             np.testing.assert_array_equal(np.asarray(packed), words)

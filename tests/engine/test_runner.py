@@ -72,24 +72,6 @@ def test_runner_reproduces_dense_forward(preset):
     assert runner.compilations == 1  # warmed up: nothing compiled during the run
 
 
-def test_descriptors_share_one_device_buffer_per_shape():
-    """Each step's descriptor is copied into one device buffer per packed shape, so an executable's
-    recorded argument addresses stay valid (``ModelRunner.upload``); it holds the latest words."""
-    cfg = get_preset("tiny")
-    runner = ModelRunner(cfg, random_params(cfg, 0), num_blocks=NB, block_size=BS, num_ring_rows=8)
-    key = BucketKey(R=8, S=8, C=8, F=24, MB=2)
-    a, b = (_desc(key, [(r, r - 1, 4 + r)], [(0, 1, r, [1])]) for r in (1, 2))
-    first = runner.upload(a)
-    np.testing.assert_array_equal(np.asarray(first), a.pack())
-    address = first.unsafe_buffer_pointer()
-    second = runner.upload(b)
-    assert second.unsafe_buffer_pointer() == address
-    np.testing.assert_array_equal(np.asarray(second), b.pack())
-    assert first.is_deleted()  # donated: valid until the next upload of its shape
-    other = runner.upload(_desc(BucketKey(R=16, S=16, C=8, F=24, MB=2), [(1, 0, 5)], [(0, 1, 1, [1])]))
-    assert other.shape != second.shape and not second.is_deleted()
-
-
 def test_runner_coda_and_finalize():
     cfg = get_preset("tiny")
     T = cfg.num_loops
