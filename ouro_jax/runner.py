@@ -311,10 +311,6 @@ class ModelRunner:
         # per coda size: the last tokens the latest fused step sampled (its ``previous`` output),
         # which a step scheduled ahead of reading them embeds (``Scheduler.schedule_ahead``)
         self._fused_last: dict[int, jax.Array] = {}
-        # the latest step's descriptor, held until the next one is uploaded: freed while its step
-        # runs, its memory is what the allocator hands the next upload, whose copy then waits for
-        # that step to end (the ~150 us idle after each prompt step's copy, roadmap.md)
-        self._last_upload: Optional[jax.Array] = None
         self._coda_h = None  # the latest fused step's last coda states (ModelRunner.complete)
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
         self._exe: dict[Any, Any] = {}
@@ -592,7 +588,6 @@ class ModelRunner:
             adjust = (self.put(adjust[0]), self.put(adjust[1]))
         sample = single and (special or samples(desc))
         gates, tokens, records = self.launch(key, packed, sample=sample, mask=bitmask, adjust=adjust)
-        self._last_upload = packed
         self.call_time += time.perf_counter() - t_call
         if defer_coda:  # its exit depths now, its tokens once complete() samples the coda states
             tokens.copy_to_host_async()
@@ -629,7 +624,6 @@ class ModelRunner:
         leaves = self._param_leaves
         kp, vp, ring, *state = self._exe[draft_key](leaves, self.k_pool, self.v_pool, self.ring, packed)
         self.k_pool, self.v_pool, self.ring, out = self._exe[verify_key](leaves, kp, vp, ring, packed, *state)
-        self._last_upload = packed
         launched = time.perf_counter()
         self.call_time += launched - t_call
         for arr in (state[0], out):
