@@ -14,7 +14,9 @@ import argparse
 import json
 
 
-def _key(r: dict) -> tuple:
+def record_key(r: dict) -> tuple:
+    """A record's configuration: ``(label, mode, chunk)`` (a newer record of it replaces the older;
+    ``benchmarks.ab`` compares two trees by it)."""
     return (r.get("label"), r.get("mode"), r.get("chunk"))
 
 
@@ -22,10 +24,10 @@ def merge_records(old: list, new: list, old_tag: str | None = None, new_tag: str
     """The rule of the module docstring on two record lists: ``(records, skipped)``, where
     ``skipped`` lists the newer records that lost to a complete older one. Tags are added only
     when given (``benchmarks.run --append`` merges runs of one engine version)."""
-    new_by = {_key(r): r for r in new}
+    new_by = {record_key(r): r for r in new}
     out, skipped = [], []
     for r in old:
-        n = new_by.get(_key(r))
+        n = new_by.get(record_key(r))
         if n is None or (n.get("truncated") and not r.get("truncated")):
             r = dict(r)
             if old_tag:
@@ -40,9 +42,9 @@ def merge_records(old: list, new: list, old_tag: str | None = None, new_tag: str
                         reason=f"{new_tag or 'newer run'}: truncated (kept {old_tag or 'the earlier record'})",
                     )
                 )
-                del new_by[_key(r)]
+                del new_by[record_key(r)]
     for r in new:
-        if _key(r) in new_by:
+        if record_key(r) in new_by:
             r = dict(r)
             if new_tag:
                 r.setdefault("run", new_tag)
@@ -62,9 +64,10 @@ def merge_lists(
     stays only while its configuration has no record, or when it says a newer run was cut short
     and lost to the older record; ``benchmarks.run --append`` and ``merge`` both use this."""
     out, lost = merge_records(old_records, records, old_tag, new_tag)
-    done = {_key(r) for r in out}
+    done = {record_key(r) for r in out}
     notes = list(old_skipped) + list(skipped) + lost
-    return dict(records=out, skipped=[s for s in notes if _key(s) not in done or "truncated" in s.get("reason", "")])
+    kept = [s for s in notes if record_key(s) not in done or "truncated" in s.get("reason", "")]
+    return dict(records=out, skipped=kept)
 
 
 def merge(old: dict, new: dict, old_tag: str, new_tag: str) -> dict:

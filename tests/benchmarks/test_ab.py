@@ -1,0 +1,113 @@
+"""benchmarks.ab: processes of two trees interleaved, records compared by configuration."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from benchmarks import ab
+
+# A benchmark that writes one TPOT record (its tree's VALUE, plus the process's round from ORDER's
+# length) and logs which tree ran, so the test sees the order and the values.
+FAKE = """
+import argparse, json, os, sys
+from value import VALUE
+ap = argparse.ArgumentParser(); ap.add_argument("--c", type=int); ap.add_argument("--out")
+a = ap.parse_args()
+order = os.environ["AB_TEST_ORDER"]
+with open(order, "a") as f:
+    f.write(os.path.basename(os.getcwd()) + "\\n")
+if VALUE < 0:
+    sys.exit(3)
+n = sum(1 for _ in open(order))
+rec = lambda label, v, unit, lower: dict(label=label, mode="split", chunk=None,
+    headline=dict(metric="TPOT p50", value=v, unit=unit, **({"lower_is_better": lower} if lower is not None else {})))
+records = [rec(f"c={a.c}", VALUE + 0.01 * n, "ms", None), rec("tok/s", 1000 * VALUE, "tok/s", None)]
+json.dump(dict(records=records), open(os.path.join(a.out, "fake.json"), "w"))
+"""
+
+
+def _tree(path, value):
+    os.makedirs(path)
+    with open(os.path.join(path, "fakebench.py"), "w") as f:
+        f.write(FAKE)
+    with open(os.path.join(path, "value.py"), "w") as f:
+        f.write(f"VALUE = {value}\n")
+    return str(path)
+
+
+def test_sides_interleave_and_each_configuration_is_compared(tmp_path, monkeypatch, capsys):
+    new, base = _tree(tmp_path / "new", 5.0), _tree(tmp_path / "base", 6.0)
+    monkeypatch.setenv("AB_TEST_ORDER", str(tmp_path / "order"))
+    out = str(tmp_path / "ab.json")
+    res = ab.main(
+        [
+            "--base",
+            base,
+            "--new",
+            new,
+            "--rounds",
+            "3",
+            "-o",
+            out,
+            "--work",
+            str(tmp_path / "w"),
+            "--",
+            "fakebench",
+            "--c",
+            "8",
+        ]
+    )
+    with open(tmp_path / "order") as f:
+        assert f.read().split() == ["new", "base", "base", "new", "new", "base"]
+    with open(out) as f:
+        assert json.load(f) == json.loads(json.dumps(res))
+    rows = {r["label"]: r for r in res["configurations"]}
+    tpot = rows["c=8"]
+    assert tpot["new"] == pytest.approx([5.01, 5.04, 5.05]) and tpot["base"] == pytest.approx([6.02, 6.03, 6.06])
+    assert tpot["new_median"] == pytest.approx(5.04) and tpot["base_spread"] == pytest.approx([6.02, 6.06])
+    assert tpot["ratio"] == pytest.approx(5.04 / 6.03) and tpot["lower_is_better"] and tpot["new_better"]
+    thr = rows["tok/s"]  # higher is better: fewer tok/s on the new side loses
+    assert not thr["lower_is_better"] and thr["ratio"] == pytest.approx(5 / 6) and thr["new_better"] is False
+    assert [p["side"] for p in res["processes"]] == ab.side_order(3) and all(p["rc"] == 0 for p in res["processes"])
+    assert "c=8" in capsys.readouterr().out
+
+
+def test_a_failed_process_is_reported_not_compared(tmp_path, monkeypatch, capsys):
+    new, base = _tree(tmp_path / "new", 5.0), _tree(tmp_path / "base", -1)
+    monkeypatch.setenv("AB_TEST_ORDER", str(tmp_path / "order"))
+    res = ab.main(["--base", base, "--new", new, "--rounds", "1", "-o", str(tmp_path / "ab.json"), "--", "fakebench"])
+    assert [p["rc"] for p in res["processes"]] == [0, 3]
+    row = res["configurations"][0]
+    assert row["base"] == [] and row["base_median"] is None and row["ratio"] is None and row["new_better"] is None
+    assert "1 of 2 processes failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--base", "."], "usage"),
+        (["--base", ".", "--"], "name the benchmark"),
+        (["--base", ".", "--rounds", "0", "--", "m"], "rounds"),
+        (["--base", ".", "--", "m", "--out", "x"], "--out is set by ab"),
+    ],
+)
+def test_bad_arguments_are_refused(args, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        ab.main(args)
+    assert match in str(exc.value.code) + capsys.readouterr().err
+
+
+def test_base_from_a_commit(tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if (
+        shutil.which("git") is None
+        or subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True).returncode
+    ):
+        pytest.skip("needs the repository's git history")
+    tree = ab.extract_base("HEAD", str(tmp_path), repo)
+    assert os.path.isfile(os.path.join(tree, "benchmarks", "merge_results.py"))
+    with pytest.raises(ValueError, match="neither a folder nor a commit"):
+        ab.extract_base("no-such-commit-xyz", str(tmp_path / "x"), repo)
