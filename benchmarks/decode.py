@@ -72,7 +72,7 @@ from benchmarks.floors import decode_step_floor
 from benchmarks.merge_results import merge_lists
 from benchmarks.metrics import ScheduleRecorder, exit_histogram, percentiles
 from benchmarks.plain_jax import PLAIN_MODE, PlainDecoder, time_decode
-from benchmarks.profile_step import aggregate, trace_kernels
+from benchmarks.profile_step import profile_engine_window
 from benchmarks.workloads import (
     DECODE_CONCURRENCY,
     DECODE_CONTEXTS,
@@ -127,7 +127,6 @@ def profile_decode(llm, specs: Sequence, steps: int, tag: str) -> dict:
             if len(o.token_ids):
                 started.add(o.request_id)
     llm.runner.synchronize()
-    s0 = llm.stats()
     done = [0]
 
     def window() -> float:
@@ -141,64 +140,13 @@ def profile_decode(llm, specs: Sequence, steps: int, tag: str) -> dict:
         return time.perf_counter() - t
 
     try:
-        wall, plane, events, info, _ = trace_kernels(
-            window, None, getattr(llm.runner.device, "local_hardware_id", None) or 0
-        )
-        s1 = llm.stats()
+        prof = profile_engine_window(llm, window)
     finally:
         for rid in ids:
             llm.abort(rid)
         while llm.has_unfinished():
             llm.step()
-    loops = s1["invocations"] - s0["invocations"]
-    tokens = s1["tokens"] - s0["tokens"]
-    agg = aggregate(events, max(1, loops), top=8)
-    busy_s = agg["busy_ms_per_inv"] * max(1, loops) / 1e3
-    out = dict(
-        steps=done[0],
-        loops=loops,
-        tokens=tokens,
-        wall_s=wall,
-        wall_ms_per_loop=wall / max(1, loops) * 1e3,
-        kernels=agg["kernels"],
-        kernels_per_loop=agg["kernels_per_inv"],
-        busy_ms_per_loop=agg["busy_ms_per_inv"],
-        kernel_ms_per_loop=agg["kernel_ms_per_inv"],
-        device_busy_share=busy_s / wall if wall > 0 else None,
-        inter_kernel_gap_us=agg["inter_kernel_gap_us"],
-        # where the device waits between kernels (kernel before / after the largest gaps)
-        gap_sites=agg["gap_sites"][:8],
-        categories={
-            c: dict(ms_per_loop=v["ms_per_inv"], per_loop=v["count_per_inv"]) for c, v in agg["categories"].items()
-        },
-        top_kernels=[
-            dict(name=k["name"], category=k["category"], ms_per_loop=k["ms_per_inv"], per_loop=k["count_per_inv"])
-            for k in agg["top_kernels"]
-        ],
-        device_plane=plane,
-        source="device plane" if plane else "host plane (no device plane: CPU)",
-    )
-    if plane is None:
-        out["note"] = "no device plane in the trace: kernel figures are XLA thunk events on host threads"
-    return hide_partial_trace(out, s1.get("fused_launches", 0) - s0.get("fused_launches", 0))
-
-
-def hide_partial_trace(prof: dict, fused_launches: int) -> dict:
-    """A device trace of a window with fused steps is partial: a fused step runs its depth loop as
-    CUDA graphs, and the profiler records few of the kernels inside them (run 23: 104 of ~336
-    kernels a loop, "24% busy" at a device-bound c=1). Then the traced figures move to
-    ``traced_kernels_per_loop`` / ``traced_device_busy_share`` and the config reports none."""
-    prof["fused_launches"] = fused_launches
-    if prof.get("device_plane") is None or not fused_launches:
-        return prof
-    prof["traced_kernels_per_loop"] = prof.pop("kernels_per_loop")
-    prof["traced_device_busy_share"] = prof.pop("device_busy_share")
-    prof["kernels_per_loop"] = prof["device_busy_share"] = None
-    prof["note"] = (
-        f"{fused_launches} fused steps in the window: their CUDA graphs hide most kernels from the profiler, "
-        "so kernels per loop and device-busy share are not reported (traced_* keep the partial view)"
-    )
-    return prof
+    return dict(steps=done[0], **prof)
 
 
 # ---------------------------------------------------------------------------- engine configs

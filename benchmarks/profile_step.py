@@ -67,6 +67,8 @@ __all__ = [
     "kernel_events",
     "hlo_op_names",
     "trace_kernels",
+    "profile_engine_window",
+    "hide_partial_trace",
     "profile_bucket",
     "main",
 ]
@@ -462,6 +464,63 @@ def _newest_xplane(trace_dir: str) -> str:
     if not files:
         raise RuntimeError(f"the profiler wrote no *.xplane.pb under {trace_dir}")
     return max(files, key=os.path.getmtime)
+
+
+def profile_engine_window(llm, window) -> dict:
+    """An engine's kernels over ``window()`` (engine steps that end by waiting for the device and
+    return their wall seconds) under the profiler: kernels, device-busy time and where the device
+    waits (``gap_sites``), per loop (one-loop invocation) and as a share of the wall
+    (``benchmarks.decode`` over decode steps, ``benchmarks.run --profile`` over a workload)."""
+    s0 = llm.stats()
+    wall, plane, events, _, _ = trace_kernels(window, None, getattr(llm.runner.device, "local_hardware_id", None) or 0)
+    s1 = llm.stats()
+    loops = s1["invocations"] - s0["invocations"]
+    agg = aggregate(events, max(1, loops), top=8)
+    busy_s = agg["busy_ms_per_inv"] * max(1, loops) / 1e3
+    out = dict(
+        loops=loops,
+        tokens=s1["tokens"] - s0["tokens"],
+        wall_s=wall,
+        wall_ms_per_loop=wall / max(1, loops) * 1e3,
+        kernels=agg["kernels"],
+        kernels_per_loop=agg["kernels_per_inv"],
+        busy_ms_per_loop=agg["busy_ms_per_inv"],
+        kernel_ms_per_loop=agg["kernel_ms_per_inv"],
+        device_busy_share=busy_s / wall if wall > 0 else None,
+        inter_kernel_gap_us=agg["inter_kernel_gap_us"],
+        # where the device waits between kernels (kernel before / after the largest gaps)
+        gap_sites=agg["gap_sites"][:8],
+        categories={
+            c: dict(ms_per_loop=v["ms_per_inv"], per_loop=v["count_per_inv"]) for c, v in agg["categories"].items()
+        },
+        top_kernels=[
+            dict(name=k["name"], category=k["category"], ms_per_loop=k["ms_per_inv"], per_loop=k["count_per_inv"])
+            for k in agg["top_kernels"]
+        ],
+        device_plane=plane,
+        source="device plane" if plane else "host plane (no device plane: CPU)",
+    )
+    if plane is None:
+        out["note"] = "no device plane in the trace: kernel figures are XLA thunk events on host threads"
+    return hide_partial_trace(out, s1.get("fused_launches", 0) - s0.get("fused_launches", 0))
+
+
+def hide_partial_trace(prof: dict, fused_launches: int) -> dict:
+    """A device trace of a window with fused steps is partial: a fused step runs its depth loop as
+    CUDA graphs, and the profiler records few of the kernels inside them (run 23: 104 of ~336
+    kernels a loop, "24% busy" at a device-bound c=1). Then the traced figures move to
+    ``traced_kernels_per_loop`` / ``traced_device_busy_share`` and the config reports none."""
+    prof["fused_launches"] = fused_launches
+    if prof.get("device_plane") is None or not fused_launches:
+        return prof
+    prof["traced_kernels_per_loop"] = prof.pop("kernels_per_loop")
+    prof["traced_device_busy_share"] = prof.pop("device_busy_share")
+    prof["kernels_per_loop"] = prof["device_busy_share"] = None
+    prof["note"] = (
+        f"{fused_launches} fused steps in the window: their CUDA graphs hide most kernels from the profiler, "
+        "so kernels per loop and device-busy share are not reported (traced_* keep the partial view)"
+    )
+    return prof
 
 
 def trace_kernels(fn, trace_dir: Optional[str] = None, device_index: int = 0) -> tuple:

@@ -60,6 +60,7 @@ from benchmarks.floors import decode_step_floor, generate_floor, prefill_floor
 from benchmarks.merge_results import merge_lists
 from benchmarks.metrics import ScheduleRecorder, exit_histogram, floor_of, latency, mean_decoding_streams
 from benchmarks.plain_jax import PLAIN_MODE, time_prefill
+from benchmarks.profile_step import profile_engine_window
 from benchmarks.workloads import (
     CHUNKS,
     EARLY_EXIT_MEAN_LOOPS,
@@ -275,6 +276,20 @@ def drive(engine, wl: Workload, *, deadline: Optional[float] = None, bar=None, s
     return DriveResult(
         outputs, specs, t0, time.monotonic(), steps, first, submitted, truncated, aborted, step_s, progress_at_abort
     )
+
+
+def profile_workload(llm, wl: Workload) -> dict:
+    """``wl`` driven to its end once more under the profiler (prefix caching off by default: the
+    same work as the timed run): the engine's kernels and device-busy time a loop, and where the
+    device waits between them (``gap_sites``; run 36's ~150 us after each prompt step's descriptor
+    copy was read off such a trace)."""
+
+    def window() -> float:
+        t = time.perf_counter()
+        drive(llm, wl, sync=llm.runner.synchronize)
+        return time.perf_counter() - t
+
+    return profile_engine_window(llm, window)
 
 
 def _kv_fields(wl: Workload, res: DriveResult, s1: dict, stats: dict) -> dict:
@@ -522,10 +537,13 @@ class Harness:
         chunks: Sequence[int] = (),
         timeout: Optional[float] = None,
         target: Optional[tuple] = None,
+        profile: bool = False,
     ) -> dict:
         """``timeout``: seconds the measured run may take; it starts after the engine's start-up
         (compilation) and warm-up request, which a configuration must not be charged for.
-        ``target``: a decode TPOT target, ``("ms", x)`` or ``("floor", multiple)`` (``target_fields``)."""
+        ``target``: a decode TPOT target, ``("ms", x)`` or ``("floor", multiple)`` (``target_fields``).
+        ``profile``: the workload driven once more under the profiler, after the timed run and
+        outside its figures (``profile_step.profile_engine_window``: the record's ``profile``)."""
         tf = target_fields(self, wl, target)
         kw = dict(wl.engine_kw, **({"target_tpot_ms": tf["target_tpot_ms"]} if target else {}))
         llm, st = self.engine(mode, chunk, chunks, **kw)
@@ -570,6 +588,8 @@ class Harness:
             sc, bm = llm.scheduler_config, llm.scheduler.block_manager
             per_req = max(bm.blocks_needed(s.num_prompt_tokens + s.params.max_tokens - 1) for s in wl.requests)
             rec_out["kv_fit_requests"] = (sc.num_blocks - 1) // per_req
+            if profile:
+                rec_out["profile"] = profile_workload(llm, wl)
             want = wl.concurrency or len(wl.requests)
             if rec_out["kv_fit_requests"] < min(want, sc.max_num_seqs):
                 print(
@@ -1146,7 +1166,7 @@ def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
         t = time.monotonic()
         try:
             if kind == "engine":
-                rec = h.run(wl, mode, chunk, all_chunks, timeout, tgt)
+                rec = h.run(wl, mode, chunk, all_chunks, timeout, tgt, profile=args.profile)
             elif kind == PLAIN_MODE:
                 rec = h.run_plain_prefill(wl)
             else:
@@ -1234,6 +1254,12 @@ def parser() -> argparse.ArgumentParser:
         dest="plain_baseline",
         action="store_false",
         help="no plain-JAX one-shot prefill (benchmarks/plain_jax.py) beside the engine (long4)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="drive each engine configuration's workload once more under the profiler (not timed): "
+        "kernels and device-busy time a loop, where the device waits (the record's profile)",
     )
     ap.add_argument("--generate-reps", type=int, default=1)
     ap.add_argument(

@@ -165,6 +165,20 @@ def test_long4_stands_beside_the_plain_prefill(results, tmp_path):
     assert "Against the plain-JAX" not in open(report.write_report(str(tmp_path))).read()
 
 
+@pytest.mark.slow
+def test_profile_drives_the_workload_again_under_the_profiler(results, tmp_path):
+    """``--profile``: the record carries the kernels of a second, traced run of the same work; the
+    timed figures are the first run's."""
+    out, res, _, h = results
+    assert all("profile" not in r for r in res["long4"]["records"])
+    args = ["--workload", "long4", "--mode", "wavefront", "--chunk", "16", "--generate-baseline", "--no-plain-baseline"]
+    (rec,) = run.main(args + ["--profile"] + SMALL + ["--out", str(tmp_path)], harness=h)["long4"]["records"]
+    prof = rec["profile"]
+    assert prof["loops"] == rec["invocations"] and prof["tokens"] == rec["output_tokens"]
+    assert prof["kernels"] > 0 and prof["wall_s"] > 0 and isinstance(prof["gap_sites"], list)
+    assert prof["device_plane"] is None and "host plane" in prof["source"]  # a CPU: thunk events
+
+
 def test_attach_prefill_baseline_marks_the_engine_records_with_a_whole_span():
     span = dict(prompt_tok_s=300.0)
     recs = [

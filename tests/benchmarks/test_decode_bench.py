@@ -12,6 +12,7 @@ from benchmarks import decode as dec
 from benchmarks import report
 from benchmarks.floors import decode_step_floor, shape
 from benchmarks.plain_jax import PlainDecoder
+from benchmarks.profile_step import hide_partial_trace
 from benchmarks.workloads import DECODE_EXITS, decode_workload, exit_params
 from ouro_jax import get_preset
 
@@ -229,14 +230,14 @@ def test_decode_generate_records_and_report(tmp_path):
 
 def test_partial_traces_of_fused_steps_report_no_kernel_figures():
     prof = dict(device_plane="/device:GPU:0", kernels_per_loop=104.3, device_busy_share=0.24)
-    got = dec.hide_partial_trace(dict(prof), 127)
+    got = hide_partial_trace(dict(prof), 127)
     assert got["kernels_per_loop"] is None and got["device_busy_share"] is None
     assert (got["traced_kernels_per_loop"], got["traced_device_busy_share"]) == (104.3, 0.24)
     assert "127 fused steps" in got["note"] and got["fused_launches"] == 127
     # loop by loop, or no device plane (CPU: host thunks, complete): unchanged
-    assert dec.hide_partial_trace(dict(prof), 0)["kernels_per_loop"] == 104.3
+    assert hide_partial_trace(dict(prof), 0)["kernels_per_loop"] == 104.3
     cpu = dict(prof, device_plane=None)
-    assert dec.hide_partial_trace(dict(cpu), 5)["kernels_per_loop"] == 104.3
+    assert hide_partial_trace(dict(cpu), 5)["kernels_per_loop"] == 104.3
 
 
 @pytest.mark.slow  # two engine compiles on the tiny preset
