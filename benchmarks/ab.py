@@ -82,10 +82,6 @@ def run_side(tree: str, module: str, args: Sequence[str], out_dir: str, log_path
     return dict(rc=rc, seconds=time.perf_counter() - t, records=records, log=log_path)
 
 
-def lower_is_better(headline: dict) -> bool:
-    return bool(headline.get("lower_is_better", headline.get("unit") in ("ms", "s")))
-
-
 def compare(runs: Sequence[tuple[str, list]]) -> list[dict]:
     """Per configuration, in first-seen order: the headline values of each side (process order),
     their medians, min and max, and ``ratio`` = new / base of the medians with ``new_better``."""
@@ -103,7 +99,7 @@ def compare(runs: Sequence[tuple[str, list]]) -> list[dict]:
                     chunk=r.get("chunk"),
                     metric=h.get("metric"),
                     unit=h.get("unit"),
-                    lower_is_better=lower_is_better(h),
+                    lower_is_better=bool(h.get("lower_is_better")),  # the headlines' rule: else higher
                     **{s: [] for s in SIDES},
                 ),
             )
