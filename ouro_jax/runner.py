@@ -92,16 +92,6 @@ def _flat_params(fn, treedef):
     return g
 
 
-def _descriptor_to_device(fn, sharding):
-    """``fn`` (a step) with its packed descriptor argument moved from pinned host memory to the
-    device inside the executable, on its own stream order (no copy stream waiting on compute)."""
-
-    def g(params, kp, vp, ring, packed, *more, **kw):
-        return fn(params, kp, vp, ring, jax.device_put(packed, sharding), *more, **kw)
-
-    return g
-
-
 # Persistent-cache hits seen in this process (JAX's own monitoring event): ``warmup`` compiles in
 # threads once it knows the cache is warm.
 _CACHE_HITS = [0]
@@ -273,18 +263,12 @@ class ModelRunner:
             self.v_pool = jnp.zeros(pool_shape, self.dtype, device=dev)
             self.ring = jnp.zeros(ring_shape, self.dtype, device=dev)
             self._upload_to = SingleDeviceSharding(self._device) if self._pinned else self._device
-            # descriptors in pinned host memory, moved to the device inside the step (experiment)
-            self._desc_to = SingleDeviceSharding(self._device, memory_kind="pinned_host")
-            on_dev = SingleDeviceSharding(self._device, memory_kind="device")
-            step = _descriptor_to_device(step, on_dev)
-            fused = _descriptor_to_device(fused, on_dev)
         else:
             kv, rep = NamedSharding(self.mesh, kv_spec()), NamedSharding(self.mesh, P())
             # allocated in place on every shard: each device holds KVH/N heads of the pools
             zeros = lambda shape, s: jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=s)()  # noqa: E731
             self.k_pool, self.v_pool, self.ring = zeros(pool_shape, kv), zeros(pool_shape, kv), zeros(ring_shape, rep)
             self._upload_to = rep
-            self._desc_to = rep
             step, fused = self._sharded(step, tp), self._sharded(fused, tp, extra_in=1, extra_out=2)
             # input shardings come from the arguments (_compile; jit takes no in_shardings with a static kwarg)
             jit_kw = dict(out_shardings=(kv, kv, rep, rep, rep))
@@ -429,7 +413,7 @@ class ModelRunner:
             sds(self.k_pool),
             sds(self.v_pool),
             sds(self.ring),
-            jax.ShapeDtypeStruct(packed_shape(key), jnp.int32, sharding=self._desc_to),
+            jax.ShapeDtypeStruct(packed_shape(key), jnp.int32, sharding=on),
             *extra,
             key=bucket,
         )
@@ -634,7 +618,7 @@ class ModelRunner:
             if k not in self._exe:
                 self._compile(k)  # not warmed up: counted in `compilations`
         t = time.perf_counter()
-        packed = self.put(desc.pack())  # the spec executables take it on the device
+        packed = self.upload(desc)
         t_call = time.perf_counter()
         self.upload_time += t_call - t
         leaves = self._param_leaves
@@ -759,7 +743,7 @@ class ModelRunner:
     def upload(self, desc) -> jax.Array:
         """``desc``'s packed buffer on the runner's device (``device_put``: ``jnp.asarray`` would
         stage it through a small jitted copy per shape)."""
-        return jax.device_put(desc.pack(), self._desc_to)
+        return self.put(desc.pack())
 
     def put(self, array) -> jax.Array:
         """A host array on the runner's device, placed as the executables take their inputs (a
