@@ -40,6 +40,7 @@ __all__ = [
     "plot_decode",
     "decode_section",
     "decode_gemm_section",
+    "gate_up_silu_section",
     "plot_self_spec",
     "self_spec_section",
     "soak_section",
@@ -548,6 +549,28 @@ def decode_gemm_section(res: dict) -> str:
     if res.get("truncated"):
         out += f"\n\nCut short: {res['truncated']}."
     return out
+
+
+def gate_up_silu_section(res: dict) -> str:
+    """gate_up_silu.json: per rows, XLA's gate/up GEMM + SiLU fusion against the Mosaic kernel with
+    SiLU x up in its epilogue (default knobs and the sweep), kernel device time against the FLOP floor."""
+    rows = []
+    for r in res.get("records", []):
+        us = r.get("kernel_us")
+        xla = next((x.get("kernel_us") for x in res["records"] if x["rows"] == r["rows"] and x["path"] == "xla"), None)
+        rows.append(
+            [
+                r["rows"],
+                r["path"],
+                _knobs(r.get("knobs") or {}),
+                _f(us, 2),
+                _f(r.get("floor_us"), 2),
+                _pct(None if not us else r["floor_us"] / us),
+                _f(None if not (us and xla) else us / xla, 3),
+                r.get("error", "–")[:80],
+            ]
+        )
+    return _table(["rows", "path", "knobs", "kernel us", "floor us", "of floor", "/ xla", "error"], rows)
 
 
 def self_spec_section(res: dict) -> str:
@@ -1330,6 +1353,20 @@ def write_report(folder: str) -> str:
             + ".",
             "",
             decode_gemm_section(gemm),
+            "",
+        ]
+    gus = results.get("gate_up_silu")
+    if gus and gus.get("benchmark") == "gate_up_silu" and gus.get("records"):
+        lines += [
+            "## Gate/up GEMM with SiLU x up in its epilogue (benchmarks/gate_up_silu.py)",
+            "",
+            f"One layer's `silu(x @ gate) * (x @ up)` at prompt-sized rows, preset {gus.get('preset')} on "
+            f"{gus.get('device')}: XLA's GEMM and SiLU fusion against `pallas_kernels/gate_up_silu_mgpu.py`, "
+            "kernel device time (CUPTI, median of 20 calls); the floor is the GEMM's FLOPs at the matmul "
+            "ceiling measured in the run. The engine uses the kernel from "
+            "`dispatch.SILU_EPILOGUE_MIN_ROWS` rows.",
+            "",
+            gate_up_silu_section(gus),
             "",
         ]
     spec = results.get("self_spec")

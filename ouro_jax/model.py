@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gate_up_silu_mgpu import gate_up_silu
 from pallas_kernels.residual_norm import residual_norm
 from pallas_kernels.residual_norm import supported as residual_norm_supported
 from pallas_kernels.rope import apply_rope, rope_cos_sin
@@ -178,17 +179,39 @@ class OuroAttentionProjections(nn.Module):
         return self.o_proj(out.reshape(*lead, c.q_size).astype(self.dtype)), cache
 
 
+class GateUpSiLU(nn.Module):
+    """``silu(x @ gate) * (x @ up)`` from one kernel ``[D, 2, I]`` (``fuse_layer_params``).
+    ``epilogue``: one Mosaic GPU GEMM with SiLU x up in its epilogue (``gate_up_silu_mgpu``; 2-D
+    ``x`` whose shapes it ``supported``); otherwise XLA's GEMM and a SiLU x up fusion."""
+
+    intermediate: int
+    dtype: Any
+    epilogue: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
+        kernel = self.param("kernel", init, (x.shape[-1], 2, self.intermediate), self.dtype)
+        x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
+        if self.epilogue:
+            return gate_up_silu(x, kernel)
+        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        return nn.silu(y[..., 0, :]) * y[..., 1, :]
+
+
 class OuroMLP(nn.Module):
-    """SwiGLU MLP. ``fused``: gate and up from one kernel ``[D, 2, I]`` (as the attention's QKV)."""
+    """SwiGLU MLP. ``fused``: gate and up from one kernel ``[D, 2, I]`` (as the attention's QKV);
+    ``silu_epilogue``: that GEMM with SiLU x up in its epilogue (``GateUpSiLU``)."""
 
     config: OuroConfig
     dtype: Any
     fused: bool = False
+    silu_epilogue: bool = False
 
     def setup(self):
         c = self.config
         if self.fused:
-            self.gate_up_proj = FusedDense((2, c.intermediate_size), self.dtype)
+            self.gate_up_proj = GateUpSiLU(c.intermediate_size, self.dtype, epilogue=self.silu_epilogue)
         else:
             self.gate_proj = _dense(c.intermediate_size, self.dtype)
             self.up_proj = _dense(c.intermediate_size, self.dtype)
@@ -196,8 +219,7 @@ class OuroMLP(nn.Module):
 
     def __call__(self, x):
         if self.fused:
-            y = self.gate_up_proj(x)
-            return self.down_proj(nn.silu(y[..., 0, :]) * y[..., 1, :])
+            return self.down_proj(self.gate_up_proj(x))
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -212,11 +234,13 @@ class OuroDecoderLayer(nn.Module):
     tp_axis: Optional[str] = None
     # params laid out by ``fuse_layer_params`` (the engine's runner); the checkpoint layout otherwise
     fused_projections: bool = False
+    # the fused gate/up GEMM with SiLU x up in its epilogue (``GateUpSiLU``; step_program chooses)
+    silu_epilogue: bool = False
 
     def setup(self):
         c = self.config
         self.self_attn = OuroAttentionProjections(c, self.dtype, fused=self.fused_projections)
-        self.mlp = OuroMLP(c, self.dtype, fused=self.fused_projections)
+        self.mlp = OuroMLP(c, self.dtype, fused=self.fused_projections, silu_epilogue=self.silu_epilogue)
         self.input_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.input_layernorm_2 = RMSNorm(c.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)

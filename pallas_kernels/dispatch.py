@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.choices import ATTENTION, KERNELS, check_attention
+from pallas_kernels.gate_up_silu_mgpu import supported as gate_up_silu_supported
 from pallas_kernels.ragged_paged_attention import (
     Plan,
     default_tuning,
@@ -57,12 +58,14 @@ __all__ = [
     "KERNELS",
     "AttentionKernel",
     "HybridPlan",
+    "SILU_EPILOGUE_MIN_ROWS",
     "check_attention",
     "choose_attention",
     "hybrid_attention",
     "hybrid_tiles",
     "resolve_attention",
     "select_kernel",
+    "silu_epilogue",
     "split_segments",
 ]
 
@@ -128,6 +131,21 @@ def select_kernel(
     if num_segments >= num_rows and num_rows >= HYBRID_MIN_ROWS and full_ctas >= MGPU_MIN_CTAS:
         return "hybrid"
     return "triton"
+
+
+# Rows from which a bucket's gate/up GEMM runs with SiLU x up in its epilogue: one H100, kernel
+# device time against XLA's GEMM + SiLU fusion, 256 / 512 / 1024 / 2048 rows 24.8 / 44.8 / 66.5 /
+# 134.2 us against 26.9 / 39.9 / 72.9 / 145.0 (docs/decisions.md, "Gate/up GEMM with SiLU x up").
+SILU_EPILOGUE_MIN_ROWS = 1024
+
+
+def silu_epilogue(num_rows: int, hidden: int, intermediate: int, dtype, attention: str = "auto") -> bool:
+    """Whether a bucket of ``num_rows`` rows runs its gate/up GEMM as ``gate_up_silu_mgpu`` (a Hopper
+    GPU, shapes it serves, ``SILU_EPILOGUE_MIN_ROWS`` rows or more, Pallas kernels not refused by
+    ``attention="reference"``)."""
+    if resolve_attention(attention) == "reference" or num_rows < SILU_EPILOGUE_MIN_ROWS or not hopper_available():
+        return False
+    return gate_up_silu_supported(num_rows, hidden, intermediate, dtype) is None
 
 
 class HybridPlan(NamedTuple):

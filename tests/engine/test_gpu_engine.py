@@ -142,3 +142,45 @@ def kernel_engines(model, seed: int, attentions) -> dict:
         outs = llm.generate(prompts, sp, use_tqdm=False)
         got[attention] = [(o.token_ids, o.exit_depths, o.logprobs) for o in outs]
     return got
+
+
+def test_silu_epilogue_engine_equals_xla_gate_up_engine(monkeypatch):
+    """bf16, prompt buckets with the gate/up GEMM's SiLU x up in its epilogue (``gate_up_silu_mgpu``,
+    here from 128 rows: ``SILU_EPILOGUE_MIN_ROWS`` lowered) give the tokens and exit depths of the
+    engine on XLA's GEMM and SiLU fusion, up to a near tie; the kernel is traced into the 128-row
+    bucket only (an MLP width it serves: 768 = 6 x 128)."""
+    import dataclasses
+
+    import ouro_jax.model as model_mod
+    from pallas_kernels import dispatch
+
+    if not dispatch.hopper_available():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+    cfg = dataclasses.replace(get_preset("ouro-small"), intermediate_size=768)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), random_params(cfg, 0))
+    rng = np.random.default_rng(2)
+    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (300, 129, 64, 7)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.6, logprobs=2)
+    traced_rows = []
+    real = model_mod.gate_up_silu
+    monkeypatch.setattr(model_mod, "gate_up_silu", lambda x, w: traced_rows.append(x.shape[0]) or real(x, w))
+    got = {}
+    for name, min_rows in (("epilogue", 128), ("xla", 1 << 30)):
+        monkeypatch.setattr(dispatch, "SILU_EPILOGUE_MIN_ROWS", min_rows)
+        llm = LLM(
+            cfg,
+            params=params,
+            dtype="bfloat16",
+            max_num_seqs=4,
+            max_num_batched_tokens=128,
+            prefill_chunk_size=128,
+            max_model_len=512,
+            buckets=[8, 128],
+            kv_cache_bytes=1 << 30,
+            progress=False,
+        )
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        got[name] = [(o.token_ids, o.exit_depths, o.logprobs) for o in outs]
+        llm.close()
+    assert traced_rows and set(traced_rows) == {128}
+    _bf16_agree(got["epilogue"], got["xla"], "SiLU epilogue vs XLA gate/up")
