@@ -112,3 +112,13 @@ def test_engine_rule(monkeypatch):
     assert not dispatch.silu_epilogue(rows, 256, 704, jnp.bfloat16, "pallas")  # ouro-small's MLP width
     if jax.default_backend() != "gpu":
         assert not dispatch.silu_epilogue(rows, 2048, 5632, jnp.bfloat16, "auto")
+
+
+@pytest.mark.parametrize("M,D,I,tuning", [(1024, 2048, 5632, None), (192, 320, 384, Tuning(block_m=64, stages=3))])
+def test_kernel_cross_lowers_for_cuda(M, D, I, tuning):
+    """Pallas -> Mosaic GPU without a device: the TMA slices, swizzles and wgmma operands of the
+    warp-specialised pipeline and the epilogue's layouts are checked here, on any machine."""
+    sd = jax.ShapeDtypeStruct
+    args = sd((M, D), jnp.bfloat16), sd((D, 2, I), jnp.bfloat16)
+    text = jax.jit(lambda x, w: gate_up_silu(x, w, tuning)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
