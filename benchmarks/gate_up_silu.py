@@ -38,6 +38,9 @@ SWEEP = [
     dict(snake_width=4),
     dict(minor_n=False, snake_width=8),
     dict(block_m=64),
+    dict(block_k=32, stages=6),
+    dict(block_k=32, stages=8),
+    dict(block_k=128, stages=2),
 ]
 
 
