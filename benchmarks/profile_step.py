@@ -625,11 +625,12 @@ def profile_bucket(
 
     r = llm.runner
     spec = llm.scheduler.bucket_spec
-    key = spec.key_for_bucket(b["R"])
-    if key not in r.executables():
+    bucket = spec.key_for_bucket(b["R"])
+    if bucket not in r.executables():
         raise ValueError(f"bucket R={b['R']} is not one of the engine's row buckets {spec.row_buckets}")
     desc = synthetic_descriptor(spec, b["R"], b["kind"], b["context"], prefill_segment, r.num_blocks)
-    assert desc.key == key, (desc.key, key)
+    assert desc.key == bucket, (desc.key, bucket)
+    key = r.executable_key(desc)  # the bucket's long-segment variant where the segments allow
     exe = r.executable(key)
     packed = jnp.asarray(desc.pack())
     packed.block_until_ready()
@@ -641,7 +642,7 @@ def profile_bucket(
     fl = floor_of(cost, bw, peak)
     rec = dict(
         b,
-        key=dict(R=key.R, S=key.S, C=key.C, F=key.F, MB=key.MB),
+        key=dict(R=key.R, S=key.S, C=key.C, F=key.F, MB=key.MB, M=key.M),
         rows=desc.num_rows,
         segments=nseg,
         coda=desc.num_coda,

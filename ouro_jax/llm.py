@@ -504,11 +504,14 @@ class LLM:
 
     def executable_keys(self) -> list:
         """Every executable a run can launch: one per row bucket, one per fused decode step shape
-        (``(key, n)``) when ``fused_decode_max_rows`` is set, and the separate samplers of the
-        buckets' coda sizes (``SamplerKey``: small, launched only when a coda row samples)."""
+        (``(key, n)``) when ``fused_decode_max_rows`` is set, the long-segment variants of the
+        buckets that split attention per segment (``ModelRunner.long_segment_key``), and the
+        separate samplers of the buckets' coda sizes (``SamplerKey``: small, launched only when a
+        coda row samples)."""
         buckets = list(self.scheduler.bucket_spec.keys())
         sc = self.scheduler_config
-        return buckets + sc.fused_steps() + self.runner.sampler_keys(buckets) + sc.spec_rounds()
+        long = self.runner.long_segment_keys(buckets)
+        return buckets + long + sc.fused_steps() + self.runner.sampler_keys(buckets) + sc.spec_rounds()
 
     # ------------------------------------------------------------------------------ setup
     @staticmethod

@@ -53,7 +53,7 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.dispatch import resolve_attention
+from pallas_kernels.dispatch import long_segment_rows, resolve_attention
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import StepResult
 from scheduler.speculation import SpecDescriptor, SpecKey
@@ -68,6 +68,7 @@ from .parallel import (
     check_devices,
     check_tensor_parallel,
     kv_spec,
+    local_config,
     make_mesh,
     param_specs,
     place_params,
@@ -314,6 +315,7 @@ class ModelRunner:
         self._coda_h = None  # the latest fused step's last coda states (ModelRunner.complete)
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
         self._exe: dict[Any, Any] = {}
+        self._long_keys: dict[BucketKey, Optional[BucketKey]] = {}  # long_segment_key's answers
         self._compile_lock = threading.Lock()
         self.compilations = 0  # executables obtained: compiled, from XLA's cache, or from the store
         self.store_loads = 0  # of which loaded from `executable_store` (no tracing, no compile)
@@ -757,10 +759,41 @@ class ModelRunner:
             return []
         return list(dict.fromkeys(SamplerKey(k.C) for k in keys if isinstance(k, BucketKey) and k.C > 0))
 
-    @staticmethod
-    def executable_key(desc):
-        """The executable a descriptor runs on: its ``BucketKey``, or ``(key, n)`` for a fused step."""
-        return (desc.key, desc.n) if hasattr(desc, "steps") else desc.key
+    def long_segment_key(self, key) -> Optional[BucketKey]:
+        """The long-segment variant of a one-loop bucket (``dispatch.long_segment_rows``: where the
+        bucket splits attention per segment), or None where it has none."""
+        if not isinstance(key, BucketKey) or key.M != 1:
+            return None
+        if key not in self._long_keys:
+            c = local_config(self.config, self.tensor_parallel_size)
+            m = long_segment_rows(
+                self.attention,
+                num_rows=key.R,
+                num_segments=key.S,
+                dtype=self.dtype,
+                head_dim=c.head_dim,
+                block_size=self.block_size,
+                num_heads=c.num_attention_heads,
+            )
+            self._long_keys[key] = key._replace(M=m) if m else None
+        return self._long_keys[key]
+
+    def long_segment_keys(self, keys: Iterable) -> list:
+        """The long-segment variants of ``keys`` (the runner compiles them beside their buckets)."""
+        return [v for v in map(self.long_segment_key, keys) if v is not None]
+
+    def executable_key(self, desc):
+        """The executable a descriptor runs on: ``(key, n)`` for a fused step; for a one-loop step
+        its bucket's long-segment variant when every segment holds enough rows (picked here, on the
+        host: the same descriptor, one attention kernel instead of two), else its ``BucketKey``."""
+        if hasattr(desc, "steps"):
+            return (desc.key, desc.n)
+        long = self.long_segment_key(desc.key)
+        if long is not None:
+            q_len = desc.seg_q_len[desc.seg_q_len > 0]  # every slot: a header cannot hide a short one
+            if q_len.size and int(q_len.min()) >= long.M:
+                return long
+        return desc.key
 
     def executable(self, key):
         """The compiled executable of ``key`` (``KeyError`` if it was never compiled): for its memory

@@ -157,6 +157,7 @@ def recurrent(
         block_size=kp.shape[-2],
         dtype=dt,
         interpret=interpret,
+        min_segment_rows=key.M,
     )
     seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
     attn = PagedAttention(

@@ -21,6 +21,11 @@ tests/kernels/test_attention_dispatch.py checks it against benchmarks/results/at
   with ``q_len = 0``, i.e. as padding). Both write their own rows into one array in place (the
   Mosaic half first, into zeros; the Triton half's two kernels into that): no merge.
 
+An engine bucket that would split also has a *long-segment variant* (``long_segment_rows``): the
+same shapes, compiled for invocations whose every segment holds ``HYBRID_MIN_SEGMENT_ROWS`` rows or
+more (a wavefront of prompt chunks with no decode row), which the runner picks per descriptor on
+the host. It runs the hybrid's Mosaic launch alone: no Triton launch, no combine (issue 37).
+
 The hybrid split's Mosaic launch is packed for ``hybrid_tiles(R, S)`` windows: at most ``R // m``
 segments hold ``m = HYBRID_MIN_SEGMENT_ROWS`` rows or more, and one of ``n`` rows spans
 ``ceil((n + lead) / 128)`` windows of 128 rows aligned to 8 (``lead < 8``), so ``(R + (R // m) *
@@ -57,12 +62,14 @@ __all__ = [
     "ATTENTION",
     "KERNELS",
     "AttentionKernel",
+    "bucket_kernel",
     "HybridPlan",
     "SILU_EPILOGUE_MIN_ROWS",
     "check_attention",
     "choose_attention",
     "hybrid_attention",
     "hybrid_tiles",
+    "long_segment_rows",
     "resolve_attention",
     "select_kernel",
     "silu_epilogue",
@@ -133,6 +140,24 @@ def select_kernel(
     return "triton"
 
 
+def bucket_kernel(
+    attention: str, *, num_rows: int, num_segments: int, dtype, head_dim: int, block_size: int, num_heads: int
+) -> str:
+    """The kernel name of a bucket: the ``attention`` option, ``pallas`` (``auto`` on a GPU)
+    resolved by :func:`select_kernel`."""
+    name = resolve_attention(attention)
+    if name == "pallas":
+        name = select_kernel(num_rows, num_segments, dtype, head_dim, block_size, num_heads=num_heads)
+    return name
+
+
+def long_segment_rows(attention: str, **bucket) -> int:
+    """Rows per segment of a bucket's long-segment variant (module docstring; ``bucket``: the
+    keywords of :func:`bucket_kernel`): ``HYBRID_MIN_SEGMENT_ROWS`` where the bucket splits per
+    segment, else 0 (no variant)."""
+    return HYBRID_MIN_SEGMENT_ROWS if bucket_kernel(attention, **bucket) == "hybrid" else 0
+
+
 # Rows from which a bucket's gate/up GEMM runs with SiLU x up in its epilogue: one H100, kernel
 # device time against XLA's GEMM + SiLU fusion, 256 / 512 / 1024 / 2048 rows 24.8 / 44.8 / 66.5 /
 # 134.2 us against 26.9 / 39.9 / 72.9 / 145.0 (docs/decisions.md, "Gate/up GEMM with SiLU x up").
@@ -183,6 +208,8 @@ class AttentionKernel:
     num_kv_heads: int
     head_dim: int
     interpret: bool = False
+    # every segment holds at least this many rows: the Mosaic launch packs fewer windows
+    min_segment_rows: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "name", check_attention(self.name, (*KERNELS, "reference")))
@@ -205,7 +232,12 @@ class AttentionKernel:
         if self.name == "reference":
             return None
         if self.name == "mgpu":
-            return mgpu.make_packing(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, num_rows=self.num_rows)
+            tiles = None  # the bound for any segments
+            if self.min_segment_rows > 1:
+                tiles = mgpu.mgpu_tiles(self.num_rows, seg_q_len.shape[0], min_segment_rows=self.min_segment_rows)
+            return mgpu.make_packing(
+                seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, num_rows=self.num_rows, max_tiles=tiles
+            )
         if self.name == "hybrid":
             triton_q_len, mgpu_q_len = split_segments(seg_q_len)
             packing = mgpu.make_packing(
@@ -258,13 +290,23 @@ def choose_attention(
     block_size: int,
     dtype,
     interpret: bool = False,
+    min_segment_rows: int = 1,
 ) -> AttentionKernel:
     """The kernel of one bucket: ``pallas`` (or ``auto`` on a GPU) asks :func:`select_kernel`,
-    any other ``attention`` value forces its kernel."""
-    name = resolve_attention(attention)
-    if name == "pallas":
-        name = select_kernel(num_rows, num_segments, dtype, head_dim, block_size, num_heads=num_heads)
-    return AttentionKernel(name, num_rows, num_heads, num_kv_heads, head_dim, interpret)
+    any other ``attention`` value forces its kernel. ``min_segment_rows``: every segment holds at
+    least this many rows (a long-segment variant, :func:`long_segment_rows`)."""
+    name = bucket_kernel(
+        attention,
+        num_rows=num_rows,
+        num_segments=num_segments,
+        dtype=dtype,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_heads=num_heads,
+    )
+    if name == "hybrid" and min_segment_rows >= HYBRID_MIN_SEGMENT_ROWS:
+        name = "mgpu"  # the split's Mosaic half alone: no segment is left for Triton
+    return AttentionKernel(name, num_rows, num_heads, num_kv_heads, head_dim, interpret, min_segment_rows)
 
 
 def hybrid_attention(

@@ -38,6 +38,9 @@ class BucketKey(NamedTuple):
     C: int  # coda rows
     F: int  # finalize pairs
     MB: int  # block-table columns
+    # every segment holds at least M rows: the runner's long-segment variant of a bucket (the same
+    # shapes, another attention kernel: pallas_kernels/dispatch.py); 1 for any descriptor
+    M: int = 1
 
     @property
     def P(self) -> int:

@@ -184,3 +184,51 @@ def test_silu_epilogue_engine_equals_xla_gate_up_engine(monkeypatch):
         llm.close()
     assert traced_rows and set(traced_rows) == {128}
     _bf16_agree(got["epilogue"], got["xla"], "SiLU epilogue vs XLA gate/up")
+
+
+def test_long_segment_variant_engine_equals_hybrid_engine(model, monkeypatch):
+    """bf16, attention split per segment ("hybrid"), wavefront chunks of 64 rows: invocations
+    whose every segment holds >= 32 rows run on their bucket's long-segment variant (the Mosaic
+    kernel alone, ``ModelRunner.executable_key``) and give the tokens and exit depths of the engine
+    that runs every invocation on the split, up to a near tie. Both kinds of invocation occur (the
+    first 7 take 64-row chunks only; the prompts' 8-row tails and decode rows keep the rest on the
+    split)."""
+    from ouro_jax.runner import ModelRunner
+    from pallas_kernels import dispatch
+
+    if not dispatch.hopper_available():
+        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
+    cfg, params = model
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    rng = np.random.default_rng(3)
+    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (300, 256, 200)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.6, logprobs=2)
+    ran = []
+    pick = ModelRunner.executable_key
+    monkeypatch.setattr(ModelRunner, "executable_key", lambda self, d: ran.append(pick(self, d)) or ran[-1])
+    got = {}
+    for name in ("variant", "split"):
+        if name == "split":
+            monkeypatch.setattr(ModelRunner, "long_segment_key", lambda self, key: None)
+        llm = LLM(
+            cfg,
+            params=params,
+            dtype="bfloat16",
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            prefill_mode="wavefront",
+            prefill_chunk_size=64,
+            max_model_len=512,
+            buckets=[8, 32, 256],
+            attention="hybrid",
+            kv_cache_bytes=1 << 30,
+            progress=False,
+        )
+        ran.clear()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        got[name] = [(o.token_ids, o.exit_depths, o.logprobs) for o in outs]
+        long = [k for k in ran if getattr(k, "M", 1) > 1]
+        assert bool(long) == (name == "variant"), (name, ran)
+        assert len(long) < len(ran)
+        llm.close()
+    _bf16_agree(got["variant"], got["split"], "long-segment variant vs hybrid split")

@@ -170,3 +170,36 @@ def test_fused_xla_option_overrides(monkeypatch):
     assert plain["xla_gpu_enable_triton_gemm"] is False and "xla_gpu_enable_triton_gemm" not in fused
     # generate() has no engine config: it reads the fused steps' variable
     assert co.step_options(fused=True)["xla_gpu_command_buffer_update_mode"] == "SKIP_TEMP"
+
+
+def test_runner_picks_the_long_segment_variant():
+    """Where a bucket splits attention per segment ("hybrid"), a descriptor whose every segment
+    holds ``HYBRID_MIN_SEGMENT_ROWS`` rows runs on the bucket's long-segment variant (the Mosaic
+    kernel alone); any shorter segment, no segment, or a runner whose buckets do not split keeps
+    the bucket's own executable. Only picked here: nothing is traced."""
+    from ouro_jax.engine_config import EngineConfig
+    from pallas_kernels.dispatch import HYBRID_MIN_SEGMENT_ROWS as LONG
+
+    cfg = get_preset("tiny")
+    params = jax.tree.map(jnp.asarray, random_params(cfg, 0))
+    kw = dict(num_blocks=NB, block_size=BS, num_ring_rows=16)
+    runner = ModelRunner(cfg, params, engine=EngineConfig(attention="hybrid"), **kw)
+    key = BucketKey(R=128, S=128, C=8, F=24, MB=3)
+    long = key._replace(M=LONG)
+    assert runner.long_segment_key(key) == long and runner.long_segment_key(long) is None
+    assert runner.long_segment_keys([key, (key, 4), long]) == [long]
+
+    def segments(*lens):
+        d = _desc(key, [], [(0, n, n, [1]) for n in lens])
+        d.set_header(num_segments=len(lens))
+        return d
+
+    assert runner.executable_key(segments(LONG, 64, 0, 31 + LONG)) == long  # a padding slot between
+    for lens in ((LONG, LONG - 1), (1, 100), ()):  # a short chunk, a decode row, nothing
+        assert runner.executable_key(segments(*lens)) == key
+    hidden = segments(LONG, 64)
+    hidden.seg_q_len[5] = 1  # a short segment past the header's count still counts
+    assert runner.executable_key(hidden) == key
+    for attention in ("triton", "reference"):
+        other = ModelRunner(cfg, params, engine=EngineConfig(attention=attention), **kw)
+        assert other.long_segment_key(key) is None and other.executable_key(segments(LONG, LONG)) == key

@@ -391,6 +391,33 @@ def test_hybrid_lowering_on_cpu(r):
     assert text.count("output_operand_aliases") >= 2
 
 
+@pytest.mark.parametrize("r", [512, 1024])
+def test_long_segment_variant_lowering_on_cpu(r):
+    """The long-segment variant of an engine bucket: the hybrid's Mosaic launch alone (no Triton
+    launch, no combine), packed for the hybrid's small window bound."""
+    h, kvh, hd, bs, mb, nb, layers = 16, 16, 128, 16, 4096 // 16, 512, 2
+    sd = jax.ShapeDtypeStruct
+    pool = sd((layers, kvh, nb, bs, hd), jnp.bfloat16)
+    seg = sd((r,), jnp.int32)
+    kernel = dispatch.AttentionKernel("mgpu", r, h, kvh, hd, min_segment_rows=LONG)
+
+    def step(q, k, v, qs, ql, cl, bt):
+        plan = kernel.plan(qs, ql, cl, bt)
+        for layer in range(layers):
+            q = kernel(q, k, v, qs, ql, cl, bt, layer=jnp.int32(layer), sm_scale=hd**-0.5, plan=plan)
+        return q
+
+    exp = jax.export.export(jax.jit(step), platforms=["cuda"])(
+        sd((r, h, hd), jnp.bfloat16), pool, pool, seg, seg, seg, sd((r, mb), jnp.int32)
+    )
+    text = exp.mlir_module()
+    assert "__gpu$xla.gpu.triton" not in text
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert text.count("call @ragged_paged_attention_mgpu(") == layers
+    t = dispatch.hybrid_tiles(r, r)
+    assert f"tensor<{t * TILE_FIELDS + r * mb}xi32>" in text
+
+
 # ----------------------------------------------------------------------------------------------
 # (d) the dispatch rule, the forced choice, interpret mode
 # ----------------------------------------------------------------------------------------------
@@ -421,6 +448,43 @@ def test_select_kernel_hybrid_rule():
     assert dispatch.choose_attention("hybrid", dtype=jnp.bfloat16, **kw).name == "hybrid"
     with pytest.raises(ValueError, match="hybrid"):
         dispatch.choose_attention("bogus", dtype=jnp.bfloat16, **kw)
+
+
+def test_long_segment_variant_rule(monkeypatch):
+    """A bucket that splits per segment has a long-segment variant (segments of ``LONG`` rows or
+    more: the Mosaic kernel alone); no other bucket has one, and the variant's packing is the
+    hybrid's Mosaic packing of the same segments, whose Triton half would get no row."""
+    monkeypatch.setattr(dispatch, "hopper_available", lambda: True)
+    kw = dict(num_heads=16, num_kv_heads=16, head_dim=128, block_size=16, dtype=jnp.bfloat16)
+    bucket = {k: kw[k] for k in ("num_heads", "head_dim", "block_size", "dtype")}
+
+    def choose(attention, r, m=1):
+        k = dispatch.choose_attention(attention, num_rows=r, num_segments=r, min_segment_rows=m, **kw)
+        return k.name, k.min_segment_rows
+
+    for attention in ("pallas", "hybrid"):
+        assert dispatch.long_segment_rows(attention, num_rows=1024, num_segments=1024, **bucket) == LONG
+        assert choose(attention, 1024) == ("hybrid", 1)
+        assert choose(attention, 1024, LONG) == ("mgpu", LONG)
+        assert choose(attention, 1024, LONG - 1) == ("hybrid", LONG - 1)  # a shorter segment may come
+    # buckets that do not split: no variant, and a variant's bound changes nothing
+    for attention, r in (("pallas", 128), ("pallas", 256), ("triton", 1024), ("mgpu", 1024), ("reference", 1024)):
+        assert dispatch.long_segment_rows(attention, num_rows=r, num_segments=r, **bucket) == 0
+    assert choose("pallas", 128, LONG)[0] == "triton" and choose("triton", 1024, LONG)[0] == "triton"
+    # same windows as the hybrid's Mosaic half when every segment is long
+    r, mb = 512, 8
+    lens = [LONG, 129, 64, 200, 40]
+    qs = np.zeros(r, np.int32)
+    ql = np.zeros(r, np.int32)
+    ql[: len(lens)] = lens
+    qs[: len(lens)] = np.cumsum([0, *lens[:-1]]) + np.arange(len(lens)) * 3  # rows of no segment between
+    cl = ql + 300
+    bt = np.arange(r * mb, dtype=np.int32).reshape(r, mb) % 97
+    args = [jnp.asarray(a) for a in (qs, ql, cl, bt)]
+    variant = dispatch.AttentionKernel("mgpu", r, 16, 16, 128, min_segment_rows=LONG).plan(*args)
+    hybrid = dispatch.AttentionKernel("hybrid", r, 16, 16, 128).plan(*args)
+    np.testing.assert_array_equal(np.asarray(variant.meta), np.asarray(hybrid.mgpu.meta))
+    assert not np.asarray(hybrid.triton_q_len).any()
 
 
 def test_interpret_mode_refuses_hybrid():

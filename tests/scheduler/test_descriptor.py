@@ -80,7 +80,7 @@ def test_build_lays_out_segments_and_pads():
         fin_src=[46],
         fin_dst=[49],
     )
-    assert tuple(d.key) == (8, 8, 2, 2, 3)
+    assert tuple(d.key) == (8, 8, 2, 2, 3, 1)  # M = 1: any segment lengths
     assert (d.num_rows, d.num_segments, d.num_prelude, d.num_coda, d.num_finalize) == (8, 3, 4, 1, 1)
     assert d.row_pos.tolist() == [6, 3, 4, 5, 6, 0, 1, 2]
     assert d.row_ring.tolist() == [40, 13, 14, 15, 16, 10, 11, 12]
