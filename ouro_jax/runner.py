@@ -7,7 +7,10 @@ The runner decides *how* a plan runs; the scheduler decided *what*. It owns the 
 * one compiled executable per bucket (rows, segments, block-table width, prelude, coda, finalize
   sizes), compiled ahead of time by :meth:`warmup` and reused for every invocation of that shape,
   the way PyTorch engines replay CUDA graphs. A shape that was not warmed up is compiled on first
-  use and counted in ``compilations`` (a test asserts a warmed run compiles nothing).
+  use and counted in ``compilations`` (a test asserts a warmed run compiles nothing). A bucket
+  that splits attention per segment has a second executable, its long-segment variant (the
+  Mosaic kernel alone), which :meth:`executable_key` picks for descriptors whose every segment
+  is long (``pallas_kernels/dispatch.py``).
 
 One step does, in order (``docs/contracts.md``): LAST_EXITED finalize copies, prelude (embed into
 ring rows), one loop of the stack for the rows (K/V written at each row's slot, ragged paged
