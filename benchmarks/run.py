@@ -323,9 +323,10 @@ def _is_fused(k) -> bool:
 
 
 def _key_label(k) -> str:
-    """An executable key as the start-up record names it: ``"128"``, ``"fused 8x4"``, ``"sampler 8"``."""
+    """An executable key as the start-up record names it: ``"128"``, ``"1024 long"`` (a long-segment
+    variant), ``"fused 8x4"``, ``"sampler 8"``."""
     if isinstance(k, BucketKey):
-        return str(k.R)
+        return f"{k.R} long" if k.M > 1 else str(k.R)
     if isinstance(k, SamplerKey):
         return f"sampler {k.C}"
     return f"fused {k[0].R}x{k[1]}" if _is_fused(k) else str(k)
@@ -502,7 +503,8 @@ class Harness:
             kv_blocks=r.num_blocks,
             kv_cache_bytes=r.kv_bytes,
             ring_rows=r.num_ring_rows,
-            buckets=[k.R for k in keys if isinstance(k, BucketKey)],
+            buckets=[k.R for k in keys if isinstance(k, BucketKey) and k.M == 1],
+            long_segment_variants=[k.R for k in keys if isinstance(k, BucketKey) and k.M > 1],
             fused_steps=[[k[0].R, k[1]] for k in keys if _is_fused(k)],
             samplers=[k.C for k in keys if isinstance(k, SamplerKey)],
             elapsed_s=self.elapsed(),

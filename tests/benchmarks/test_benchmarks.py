@@ -510,3 +510,14 @@ def test_sequential_bound_never_beats_the_floor_and_meets_it_when_every_kernel_i
 
     floors_main(["--chunk", "64", "--rows", "1024", "--peak", "671e12", "--bw", "4.12e12"])
     assert "72% of the floor" in capsys.readouterr().out
+
+
+def test_startup_record_names_long_segment_variants():
+    """A long-segment variant (``BucketKey.M > 1``) is named apart from its bucket, so its compile
+    time does not overwrite the bucket's in ``per_bucket_s``."""
+    from ouro_jax.step_program import SamplerKey
+    from scheduler.buckets import BucketKey
+
+    key = BucketKey(R=1024, S=1024, C=128, F=384, MB=512)
+    labels = [run._key_label(k) for k in (key, key._replace(M=32), (key, 4), SamplerKey(8))]
+    assert labels == ["1024", "1024 long", "fused 1024x4", "sampler 8"]
