@@ -232,9 +232,8 @@ class AttentionKernel:
         if self.name == "reference":
             return None
         if self.name == "mgpu":
-            tiles = None  # the bound for any segments
-            if self.min_segment_rows > 1:
-                tiles = mgpu.mgpu_tiles(self.num_rows, seg_q_len.shape[0], min_segment_rows=self.min_segment_rows)
+            # with min_segment_rows = 1 the bound for any segments (make_packing's default)
+            tiles = mgpu.mgpu_tiles(self.num_rows, seg_q_len.shape[0], min_segment_rows=self.min_segment_rows)
             return mgpu.make_packing(
                 seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, num_rows=self.num_rows, max_tiles=tiles
             )

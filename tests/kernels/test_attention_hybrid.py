@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import dispatch
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-from pallas_kernels.ragged_paged_attention_mgpu import ALIGN, TILE_FIELDS, mgpu_tiles, packed_tiles
+from pallas_kernels.ragged_paged_attention_mgpu import ALIGN, TILE_FIELDS, make_packing, mgpu_tiles, packed_tiles
 from tests.kernels.conftest import assert_close, make_batch, pad_batch, skip_no_hopper
 
 gpu = pytest.mark.gpu
@@ -485,6 +485,9 @@ def test_long_segment_variant_rule(monkeypatch):
     hybrid = dispatch.AttentionKernel("hybrid", r, 16, 16, 128).plan(*args)
     np.testing.assert_array_equal(np.asarray(variant.meta), np.asarray(hybrid.mgpu.meta))
     assert not np.asarray(hybrid.triton_q_len).any()
+    # a plain "mgpu" bucket (min_segment_rows = 1) keeps the bound for any segments
+    plain = dispatch.AttentionKernel("mgpu", r, 16, 16, 128).plan(*args)
+    np.testing.assert_array_equal(np.asarray(plain.meta), np.asarray(make_packing(*args, num_rows=r).meta))
 
 
 def test_interpret_mode_refuses_hybrid():
