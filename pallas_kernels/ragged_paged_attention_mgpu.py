@@ -450,8 +450,10 @@ def ragged_paged_attention_mgpu(
     plgpu.kernel(
         entry,
         out_type=(),
-        grid=(num_heads, n_t),
-        grid_names=("heads", "tiles"),
+        # Heads vary fastest (Mosaic launches the last grid axis as CUDA's x): the padding windows'
+        # CTAs come after every real one instead of between them, and cost nothing.
+        grid=(n_t, num_heads),
+        grid_names=("tiles", "heads"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
