@@ -35,8 +35,9 @@ Design (everything shape-static in ``(R, S, MB)``, no host sync):
   run a loop without masking. Decode rows are tiles of one row padded to a 16-row MMA (Triton
   pipelines MMA loops, CUDA-core dot products it does not); ``block_q=1`` with MHA selects
   a one-row path (vector multiply + reduce, optional register prefetch of the next block).
-* **Kernel 2** (grid ``(R,)``): per output row, combine its tile's items by log-sum-exp
-  (``fori_loop`` over a dynamic count) and write all H heads of the row; rows of no segment get
+* **Kernel 2** (grid ``(R, H / heads per program)``): per output row and group of heads, combine
+  its tile's items by log-sum-exp (``fori_loop`` over a dynamic count) and write those heads of
+  the row (``combine_heads``: small buckets split a row's heads over programs); rows of no segment get
   zeros, or, given ``out``, keep its values (both kernels then write into ``out`` in place: the
   hybrid split's Mosaic half has written its rows there).
 
@@ -516,17 +517,34 @@ def combine_chunk(h_pad: int, head_dim: int) -> int:
     return max(1, min(16, _next_pow2(16384 // (h_pad * head_dim) + 1) // 2))
 
 
-def _combine_kernel(rows_ref, o_part_ref, lse_part_ref, out_in_ref, out_ref, *, g: int, num_heads: int, keep: bool):
+# Kernel 2's programs below which a row's heads are split over several programs: one program per
+# row left a batch-1 decode row's whole merge (32 items x 16 heads x 128 floats at 4K) to one SM.
+COMBINE_TARGET_PROGRAMS = 256
+
+
+def combine_heads(num_rows: int, num_heads: int) -> int:
+    """Heads one combine program merges (a power of two): all of them once the grid has
+    ``COMBINE_TARGET_PROGRAMS`` rows, fewer (down to one) in smaller buckets."""
+    hp = _next_pow2(num_heads)
+    while hp > 1 and num_rows * _cdiv(num_heads, hp) < COMBINE_TARGET_PROGRAMS:
+        hp //= 2
+    return hp
+
+
+def _combine_kernel(
+    rows_ref, o_part_ref, lse_part_ref, out_in_ref, out_ref, *, g: int, num_heads: int, heads: int, keep: bool
+):
     """Rows of split tiles: combine; rows of no segment: zeros, or with ``keep`` left as they are
-    (the caller's ``out``); others were written by kernel 1."""
+    (the caller's ``out``); others were written by kernel 1. A program owns ``heads`` heads of
+    its row."""
     del out_in_ref  # aliased to out_ref
     r = pl.program_id(0)
     first = rows_ref[r, 0]
     count = rows_ref[r, 1]
     m0 = rows_ref[r, 2]
-    h_pad = _next_pow2(num_heads)
+    h_pad = heads  # this program's heads (a power of two; those past num_heads are masked)
     head_dim = out_ref.shape[-1]
-    hh = jnp.arange(h_pad, dtype=jnp.int32)
+    hh = pl.program_id(1) * heads + jnp.arange(h_pad, dtype=jnp.int32)
     dr = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     h_ok = hh < num_heads
     kvh = jnp.where(h_ok, lax.div(hh, g), 0)
@@ -755,9 +773,10 @@ def _launch(
         name=f"ragged_paged_attention_bq{tuning.block_q}_bk{tuning.block_k}",
     )(*operands)
 
+    heads = combine_heads(num_rows, num_heads)
     return pl.pallas_call(
-        functools.partial(_combine_kernel, g=g, num_heads=num_heads, keep=bool(aliases)),
-        grid=(num_rows,),
+        functools.partial(_combine_kernel, g=g, num_heads=num_heads, heads=heads, keep=bool(aliases)),
+        grid=(num_rows, _cdiv(num_heads, heads)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         input_output_aliases={3: 0},
         compiler_params=plgpu.CompilerParams(num_warps=tuning.combine_warps, num_stages=1),

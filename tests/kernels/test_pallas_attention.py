@@ -20,7 +20,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.ragged_paged_attention import (
+    COMBINE_TARGET_PROGRAMS,
     MAX_PROGRAMS,
+    combine_heads,
     default_tuning,
     make_plan,
     num_tiles,
@@ -229,7 +231,9 @@ def test_default_grid_one_item_per_program_in_decode_buckets(h, kvh, hd):
         t = default_tuning(r, r, h, kvh, hd)
         w = num_tiles(r, r, t.block_q) + t.extra_items
         grids = _grids(ragged_paged_attention, *_bucket_args(r, h, kvh, hd), layer=1, sm_scale=0.1, interpret=True)
-        assert grids[1] == (r,), grids
+        assert grids[1] == (r, h // combine_heads(r, h)), grids
+        if r >= COMBINE_TARGET_PROGRAMS:
+            assert grids[1] == (r, 1), grids  # a program per row, all heads
         p, heads = grids[0]
         assert heads == kvh
         if r <= 128:
@@ -408,3 +412,28 @@ def test_kernel_interpret_combine_many_items():
         assert counts[-2:] == [9, 37], counts
         got = run(ragged_paged_attention, b, 0.125, interpret=True, **kw)
         assert_close(got, want, b, np.float32, f"block_q={bq}")
+
+
+def test_combine_heads_split_small_buckets():
+    """Kernel 2 splits a row's heads over programs until the grid holds ~COMBINE_TARGET_PROGRAMS:
+    a one-row decode merge no longer runs on one SM."""
+    assert combine_heads(8, 16) == 1  # Ouro-1.4B decode:8: 128 programs of one head
+    assert combine_heads(128, 16) == 8
+    assert combine_heads(256, 16) == 16 and combine_heads(1024, 16) == 16
+    assert combine_heads(128, 6) == 4  # 2 programs a row; the second's heads 6 and 7 are masked
+    for r, h in [(1, 1), (8, 6), (64, 40), (2048, 16)]:
+        hp = combine_heads(r, h)
+        assert hp & (hp - 1) == 0 and 1 <= hp <= max(1, 1 << (h - 1).bit_length())
+
+
+def test_kernel_interpret_combine_head_groups_past_num_heads():
+    """128 rows of 6 heads: each row's merge runs in two programs of 4 heads, the second masking
+    heads 6 and 7; split rows, unsplit rows and rows of no segment all come out right."""
+    rng = np.random.default_rng(3)
+    specs = [(1, 300), (1, 45), (3, 90), (1, 7)]
+    b = make_batch(rng, num_heads=6, kv_heads=2, head_dim=32, block_size=8, seg_specs=specs, extra_rows=122, gap_prob=0.0)
+    r = b["q"].shape[0]
+    assert r == 128 and combine_heads(r, 6) == 4
+    kw = dict(block_q=1, block_k=16, min_split_tokens=16, extra_items=24)
+    got = run(ragged_paged_attention, b, 0.2, interpret=True, **kw)
+    assert_close(got, oracle(b, 0.2), b, np.float32, "head groups")
