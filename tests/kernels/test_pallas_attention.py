@@ -431,7 +431,9 @@ def test_kernel_interpret_combine_head_groups_past_num_heads():
     heads 6 and 7; split rows, unsplit rows and rows of no segment all come out right."""
     rng = np.random.default_rng(3)
     specs = [(1, 300), (1, 45), (3, 90), (1, 7)]
-    b = make_batch(rng, num_heads=6, kv_heads=2, head_dim=32, block_size=8, seg_specs=specs, extra_rows=122, gap_prob=0.0)
+    b = make_batch(
+        rng, num_heads=6, kv_heads=2, head_dim=32, block_size=8, seg_specs=specs, extra_rows=122, gap_prob=0.0
+    )
     r = b["q"].shape[0]
     assert r == 128 and combine_heads(r, 6) == 4
     kw = dict(block_q=1, block_k=16, min_split_tokens=16, extra_items=24)
