@@ -28,7 +28,9 @@ before run 19 divided ``t(n)`` by ``n``: their small decode figures carry ~10-20
 Bucket mode (``--decode-bucket R[,R2]``): ``a`` active decode rows (``--decode-rows``) inside an
 engine bucket of ``R`` rows and ``R`` segment slots (the rest padding, as the scheduler emits them),
 at each ``--decode-ctx``: Triton with the engine's plan (built once per jit), every call the whole
-attention (partials and merge): what the padding rows of a bucket cost. Writes
+attention (partials and merge): what the padding rows of a bucket cost. On a GPU each record also
+holds ``kernel_us`` (CUPTI device time of each kernel of one call: the chain's per-call figure at 1K
+moved by 2x between runs, run 38) and ``device_us`` / ``device_gbps``. Writes
 DIR/attention_decode_buckets_<R>[_<R2>].json (and .png), also copied to benchmarks/results/,
 instead of the sweep's files.
 
@@ -63,7 +65,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks import ceilings as ceilings_mod  # noqa: E402
-from benchmarks.timing import per_call_s  # noqa: E402
+from benchmarks.timing import kernels_us, per_call_s  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (
@@ -632,9 +634,29 @@ def run_bucket(bucket, active, ctx, *, key, reps):
             log(f"  {name} failed: {rec['errors'][name]}")
     timed = {k: v for k, v in rec["ms"].items() if v}
     rec["gbps"] = {k: kv_bytes / (v * 1e-3) / 1e9 for k, v in timed.items()}
+    if not INTERPRET:  # CUPTI: each kernel's device time, the engine's plan built once outside
+        try:
+            rec["kernel_us"] = bucket_kernels_us(args, reps=max(reps, 20))
+            rec["device_us"] = sum(rec["kernel_us"].values())
+            rec["device_gbps"] = kv_bytes / (rec["device_us"] * 1e-6) / 1e9
+        except Exception as e:  # noqa: BLE001  (the record says so)
+            rec["errors"]["kernel_us"] = f"{type(e).__name__}: {str(e)[:300]}"
     del c, args, ref
     gc.collect()
     return rec
+
+
+def bucket_kernels_us(args, *, reps):
+    """Device time (us) of each kernel of one planned Triton call (attention, combine), by name."""
+    q, k, v, qs, ql, cl, bt = args
+    t = default_tuning(q.shape[0], ql.shape[0], H, KVH, HD)
+    plan = jax.jit(lambda *a: make_plan(*a, num_rows=q.shape[0], num_q_per_kv=H // KVH, tuning=t))(qs, ql, cl)
+
+    @jax.jit
+    def one(q, k, v, plan, qs, ql, cl, bt):
+        return ragged_paged_attention(q, k, v, qs, ql, cl, bt, layer=jnp.int32(0), sm_scale=SCALE, plan=plan)
+
+    return kernels_us(one, q, k, v, plan, qs, ql, cl, bt, iters=reps)
 
 
 def plot_buckets(records, path):
@@ -700,7 +722,8 @@ def bucket_main(args, key, reps, dev, t_start):
             rec = dict(kind="decode_bucket", shape=dict(bucket=b, active=a, ctx=c), error=str(e)[:500], ms={})
         records.append(rec)
         times = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rec["ms"].items() if v)
-        log(f"bucket {b} active {a} @{c}: us {times} ({time.time() - t0:.1f} s)")
+        kern = ", ".join(f"{k} {v:.2f}" for k, v in rec.get("kernel_us", {}).items())
+        log(f"bucket {b} active {a} @{c}: us {times}; device us {kern} ({time.time() - t0:.1f} s)")
         dump(False)
     dump(True)
     plot_buckets([r for r in records if r.get("ms")], os.path.join(args.out, stem + ".png"))

@@ -19,13 +19,13 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import ceilings
+from benchmarks.timing import kernel_us
 from pallas_kernels import dispatch
 from pallas_kernels.gate_up_silu_mgpu import Tuning, gate_up_silu, gate_up_silu_reference
 from weights.config import get_preset
@@ -49,14 +49,6 @@ def xla_gate_up(x, w):
     """The model's fused path without the kernel (``OuroMLP``): one GEMM, then SiLU x up."""
     y = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))
     return jax.nn.silu(y[:, 0]) * y[:, 1]
-
-
-def kernel_us(fn, *args, iters: int) -> float:
-    """Median kernel device time of one call of ``fn`` (us)."""
-    from jax.experimental.mosaic.gpu import profiler
-
-    _, times = profiler.measure(fn, iterations=iters)(*args)
-    return statistics.median(times) * 1e3
 
 
 def main(argv=None) -> dict:

@@ -33,3 +33,31 @@ def test_tp_collectives_counts_the_step_collectives():
     assert p.returncode == 0, p.stderr[-2000:]
     assert "tp 1: 0 collectives" in p.stdout
     assert "x all-reduce" in p.stdout.split("tp 2:")[1]
+
+
+def test_kernels_us_sums_a_name_launched_twice_and_takes_medians(monkeypatch):
+    """CUPTI's per-launch list becomes per-kernel device time (us) of one call: a name launched
+    twice in a call sums, the median is over calls, launch order is kept."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    from benchmarks.timing import kernel_us, kernels_us
+
+    calls = [
+        [("attn", 0.007), ("combine", 0.002), ("attn", 0.001)],
+        [("attn", 0.009), ("combine", 0.003), ("attn", 0.001)],
+        [("attn", 0.008), ("combine", 0.010), ("attn", 0.001)],
+    ]
+
+    def fake_measure(fn, *, aggregate=True, iterations=1):
+        def run(*args):
+            if aggregate:
+                return None, [sum(ms for _, ms in c) for c in calls]
+            return None, calls
+
+        return run
+
+    monkeypatch.setattr(profiler, "measure", fake_measure)
+    got = kernels_us(lambda: None, iters=3)
+    assert list(got) == ["attn", "combine"]
+    assert got["attn"] == pytest.approx(9.0) and got["combine"] == pytest.approx(3.0)
+    assert kernel_us(lambda: None, iters=3) == pytest.approx(13.0)  # totals 10, 13, 19 us
