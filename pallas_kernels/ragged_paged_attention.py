@@ -523,8 +523,9 @@ COMBINE_TARGET_PROGRAMS = 256
 
 
 def combine_heads(num_rows: int, num_heads: int) -> int:
-    """Heads one combine program merges (a power of two): all of them once the grid has
-    ``COMBINE_TARGET_PROGRAMS`` rows, fewer (down to one) in smaller buckets."""
+    """Heads one combine program merges (a power of two): halved from all of them (padded to a
+    power of two) while the grid ``(num_rows, heads groups)`` stays under
+    ``COMBINE_TARGET_PROGRAMS``, down to one."""
     hp = _next_pow2(num_heads)
     while hp > 1 and num_rows * _cdiv(num_heads, hp) < COMBINE_TARGET_PROGRAMS:
         hp //= 2
@@ -542,9 +543,8 @@ def _combine_kernel(
     first = rows_ref[r, 0]
     count = rows_ref[r, 1]
     m0 = rows_ref[r, 2]
-    h_pad = heads  # this program's heads (a power of two; those past num_heads are masked)
     head_dim = out_ref.shape[-1]
-    hh = pl.program_id(1) * heads + jnp.arange(h_pad, dtype=jnp.int32)
+    hh = pl.program_id(1) * heads + jnp.arange(heads, dtype=jnp.int32)  # past num_heads: masked
     dr = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     h_ok = hh < num_heads
     kvh = jnp.where(h_ok, lax.div(hh, g), 0)
@@ -553,7 +553,7 @@ def _combine_kernel(
     # Items are read ``chunk`` at a time in one masked gather each ([chunk, Hp, hd]), not one by one:
     # the loads of a row's items are independent, and a loop of one item per iteration paid a
     # dependent global-memory round trip per item (8 items at batch-1 decode over 1K tokens).
-    chunk = combine_chunk(h_pad, head_dim)
+    chunk = combine_chunk(heads, head_dim)
     jj = jnp.arange(chunk, dtype=jnp.int32)
 
     # Without ``keep`` a row of no segment (count 0) gets the loop's zero iterations: zeros.
@@ -578,9 +578,9 @@ def _combine_kernel(
             return acc, m_new, l_i * a + jnp.sum(b, axis=0)
 
         carry = (
-            jnp.zeros((h_pad, head_dim), jnp.float32),
-            jnp.full((h_pad,), NEG, jnp.float32),
-            jnp.zeros((h_pad,), jnp.float32),
+            jnp.zeros((heads, head_dim), jnp.float32),
+            jnp.full((heads,), NEG, jnp.float32),
+            jnp.zeros((heads,), jnp.float32),
         )
         acc, _, l_i = lax.fori_loop(0, _cdiv(count, chunk), body, carry)
         out = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
