@@ -451,8 +451,8 @@ def ragged_paged_attention_mgpu(
         entry,
         out_type=(),
         # Heads vary fastest (Mosaic launches the last grid axis as CUDA's x): the padding windows'
-        # CTAs come after every real one instead of between them (run 41: 103.7 us at 8 windows,
-        # 104.2 at 41 on one H100; docs/decisions.md).
+        # CTAs come after every real one instead of between them (docs/decisions.md, "Mosaic
+        # attention grid: heads vary fastest").
         grid=(n_t, num_heads),
         grid_names=("tiles", "heads"),
         num_threads=COMPUTE_WGS + 1,
