@@ -149,11 +149,10 @@ def _body(x_gmem, w_gmem, cos_gmem, sin_gmem, q_gmem, kv_gmem, *, t: Tuning, gro
         minor = 1 if t.minor_n else 0
         if t.heads == 1:
             own_rows = pl.ds(pl.multiple_of(wg * t.wg_rows, t.wg_rows), t.wg_rows)
-            lo_cols, hi_cols = pl.ds(0, HALF), pl.ds(HALF, HALF)
+            own_cols = slice(None)
         else:
             own_rows = slice(None)
-            lo_cols = pl.ds(pl.multiple_of(wg * HEAD_DIM, HEAD_DIM), HALF)
-            hi_cols = pl.ds(pl.multiple_of(wg * HEAD_DIM + HALF, HALF), HALF)
+            own_cols = pl.ds(pl.multiple_of(wg * HEAD_DIM, HEAD_DIM), HEAD_DIM)
 
         @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
         def _tile(info):
@@ -184,17 +183,13 @@ def _body(x_gmem, w_gmem, cos_gmem, sin_gmem, q_gmem, kv_gmem, *, t: Tuning, gro
                         plgpu.copy_smem_to_gmem(staged.at[wg, half], kv_gmem.at[rows, pl.ds(col, HALF)])
 
             def context(run):
-                @functools.partial(
-                    pl.run_scoped,
-                    acc_lo=plgpu.ACC((t.wg_rows, HALF), jnp.float32),
-                    acc_hi=plgpu.ACC((t.wg_rows, HALF), jnp.float32),
-                )
-                def _accumulate(acc_lo, acc_hi):
-                    run((acc_lo, acc_hi))
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((t.wg_rows, HEAD_DIM), jnp.float32))
+                def _accumulate(acc):
+                    run(acc)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read their slots
                     for r in range(t.wg_rows // EPILOGUE_ROWS):
-                        part = pl.ds(r * EPILOGUE_ROWS, EPILOGUE_ROWS)
-                        x1, x2 = acc_lo[part, :], acc_hi[part, :]
+                        part = acc[pl.ds(r * EPILOGUE_ROWS, EPILOGUE_ROWS), :]
+                        x1, x2 = part[:, :HALF], part[:, HALF:]
 
                         @pl.when(kind <= group)
                         def _():
@@ -208,12 +203,10 @@ def _body(x_gmem, w_gmem, cos_gmem, sin_gmem, q_gmem, kv_gmem, *, t: Tuning, gro
                         def _():
                             store(r, x1, x2)
 
-            def mma(_, x_smem, w_smem, accs):
-                acc_lo, acc_hi = accs
-                plgpu.wgmma(acc_lo, x_smem.at[own_rows], w_smem.at[:, lo_cols])
-                plgpu.wgmma(acc_hi, x_smem.at[own_rows], w_smem.at[:, hi_cols])
+            def mma(_, x_smem, w_smem, acc):
+                plgpu.wgmma(acc, x_smem.at[own_rows], w_smem.at[:, own_cols])
                 plgpu.wgmma_wait(0)
-                return accs
+                return acc
 
             pipeline(mma, context)(
                 x_gmem.at[pl.ds(row0, t.block_m), :],
