@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gate_up_silu_mgpu import gate_up_silu
-from pallas_kernels.qkv_rope_mgpu import qkv_rope
 from pallas_kernels.residual_norm import residual_norm
 from pallas_kernels.residual_norm import supported as residual_norm_supported
 from pallas_kernels.rope import apply_rope, rope_cos_sin
@@ -109,15 +108,11 @@ class FusedDense(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x, rope=None):
-        """``rope``: the tables ``(cos, sin)`` ``[M, hd]`` of 2-D ``x``, for the Q/K/V kernel ``[D, G,
-        g + 2, hd]``: ``qkv_rope_mgpu``'s ``(q, kv)``, RoPE in the GEMM's epilogue."""
+    def __call__(self, x):
         kernel = self.param(
             "kernel", nn.initializers.variance_scaling(1.0, "fan_in", "normal"), (x.shape[-1], *self.shape), self.dtype
         )
         x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
-        if rope is not None:
-            return qkv_rope(x, kernel, *rope)
         return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
 
 
@@ -151,9 +146,6 @@ class OuroAttentionProjections(nn.Module):
     config: OuroConfig
     dtype: Any
     fused: bool = False
-    # the Q/K/V GEMM with RoPE in its epilogue (``qkv_rope_mgpu``; step_program chooses), then the
-    # K/V write alone, where the attention backend ``fuses_rope``
-    rope_epilogue: bool = False
 
     def setup(self):
         c = self.config
@@ -169,11 +161,6 @@ class OuroAttentionProjections(nn.Module):
     def __call__(self, x, cos, sin, layer: int, attention: Attention, cache):
         c = self.config
         lead = x.shape[:-1]
-        if self.fused and getattr(attention, "fuses_rope", False) and self.rope_epilogue:
-            q, kv = self.qkv_proj(x, rope=(cos, sin))
-            cache = attention.write_rotated(layer, kv, cache)
-            out, cache = attention.attend(layer, q, cache)
-            return self.o_proj(out.reshape(*lead, c.q_size).astype(self.dtype)), cache
         if self.fused and getattr(attention, "fuses_rope", False):
             q, cache = attention.rope_write(layer, self.qkv_proj(x), cos, sin, cache)
             out, cache = attention.attend(layer, q, cache)
@@ -249,14 +236,10 @@ class OuroDecoderLayer(nn.Module):
     fused_projections: bool = False
     # the fused gate/up GEMM with SiLU x up in its epilogue (``GateUpSiLU``; step_program chooses)
     silu_epilogue: bool = False
-    # the fused Q/K/V GEMM with RoPE in its epilogue (``OuroAttentionProjections``; step_program chooses)
-    rope_epilogue: bool = False
 
     def setup(self):
         c = self.config
-        self.self_attn = OuroAttentionProjections(
-            c, self.dtype, fused=self.fused_projections, rope_epilogue=self.rope_epilogue
-        )
+        self.self_attn = OuroAttentionProjections(c, self.dtype, fused=self.fused_projections)
         self.mlp = OuroMLP(c, self.dtype, fused=self.fused_projections, silu_epilogue=self.silu_epilogue)
         self.input_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.input_layernorm_2 = RMSNorm(c.rms_norm_eps, self.dtype)

@@ -16,7 +16,7 @@ import jax
 
 from pallas_kernels import write_kv
 from pallas_kernels.dispatch import AttentionKernel
-from pallas_kernels.rope_write_kv import rope_write_kv, write_kv_rows
+from pallas_kernels.rope_write_kv import rope_write_kv
 
 __all__ = ["PagedAttention", "fuses_norms", "fuses_rope"]
 
@@ -63,12 +63,6 @@ class PagedAttention:
         kp, vp = cache
         q, kp, vp = rope_write_kv(qkv, cos, sin, kp, vp, self.row_slot, layer=layer, interpret=self.kernel.interpret)
         return q, (kp, vp)
-
-    def write_rotated(self, layer, kv, cache):
-        """The pools with the rows' keys and values written (``kv``: ``[R, G, 2, hd]``, keys rotated
-        already: the output of ``qkv_rope_mgpu``)."""
-        kp, vp = cache
-        return write_kv_rows(kv, kp, vp, self.row_slot, layer=layer, interpret=self.kernel.interpret)
 
     def attend(self, layer, q, cache):
         """Attention of rotated queries over the pools (their rows' K/V already written)."""

@@ -22,14 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import copy_kv_slots
-from pallas_kernels.dispatch import choose_attention, qkv_rope_epilogue, silu_epilogue
+from pallas_kernels.dispatch import choose_attention, silu_epilogue
 from pallas_kernels.rope import rope_cos_sin
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import HEADER, descriptor_layout, exit_words
 from scheduler.speculation import SpecKey, spec_layout
 from weights.config import OuroConfig
 
-from .model import OuroDecoderLayer, OuroModel, dtype_of, qkv_groups, rms_norm
+from .model import OuroDecoderLayer, OuroModel, dtype_of, rms_norm
 from .paged_attention import PagedAttention, fuses_norms, fuses_rope
 from .parallel import TP_AXIS, local_config, vocab_parallel_embed, vocab_parallel_logits
 from .sampling import adjust_logits, greedy, row_keys, sample, sample_stochastic, token_logprobs
@@ -166,11 +166,7 @@ def recurrent(
     cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
     x = x.astype(jnp.float32)
     silu = silu_epilogue(key.R, c.hidden_size, c.intermediate_size, dt, attention)
-    G, g = qkv_groups(c)
-    rope = qkv_rope_epilogue(key.R, c.hidden_size, G, g, c.head_dim, dt, attention)
-    layer = OuroDecoderLayer(
-        c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True, silu_epilogue=silu, rope_epilogue=rope
-    )
+    layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True, silu_epilogue=silu)
 
     def one_layer(p, x, h, pools, i, next_scale):
         return layer.apply({"params": p}, x, h, cos, sin, attn, pools, layer=i, next_scale=next_scale, method="chain")

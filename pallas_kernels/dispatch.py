@@ -50,7 +50,6 @@ import jax.numpy as jnp
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.choices import ATTENTION, KERNELS, check_attention
 from pallas_kernels.gate_up_silu_mgpu import supported as gate_up_silu_supported
-from pallas_kernels.qkv_rope_mgpu import supported as qkv_rope_supported
 from pallas_kernels.ragged_paged_attention import (
     Plan,
     default_tuning,
@@ -65,14 +64,12 @@ __all__ = [
     "AttentionKernel",
     "bucket_kernel",
     "HybridPlan",
-    "QKV_ROPE_MIN_ROWS",
     "SILU_EPILOGUE_MIN_ROWS",
     "check_attention",
     "choose_attention",
     "hybrid_attention",
     "hybrid_tiles",
     "long_segment_rows",
-    "qkv_rope_epilogue",
     "resolve_attention",
     "select_kernel",
     "silu_epilogue",
@@ -174,22 +171,6 @@ def silu_epilogue(num_rows: int, hidden: int, intermediate: int, dtype, attentio
     if resolve_attention(attention) == "reference" or num_rows < SILU_EPILOGUE_MIN_ROWS or not hopper_available():
         return False
     return gate_up_silu_supported(num_rows, hidden, intermediate, dtype) is None
-
-
-# Rows from which a bucket's Q/K/V GEMM runs with RoPE in its epilogue (``qkv_rope_mgpu``): the
-# gate/up kernel's threshold, on the same pipeline and tiles.
-QKV_ROPE_MIN_ROWS = SILU_EPILOGUE_MIN_ROWS
-
-
-def qkv_rope_epilogue(
-    num_rows: int, hidden: int, num_kv_heads: int, group: int, head_dim: int, dtype, attention: str = "auto"
-) -> bool:
-    """Whether a bucket of ``num_rows`` rows runs its Q/K/V GEMM as ``qkv_rope_mgpu`` and the K/V
-    write as ``write_kv_rows`` (a Hopper GPU, shapes it serves, ``QKV_ROPE_MIN_ROWS`` rows or more,
-    Pallas kernels not refused by ``attention="reference"``); ``group``: query heads a KV head."""
-    if resolve_attention(attention) == "reference" or num_rows < QKV_ROPE_MIN_ROWS or not hopper_available():
-        return False
-    return qkv_rope_supported(num_rows, hidden, num_kv_heads, group, head_dim, dtype) is None
 
 
 class HybridPlan(NamedTuple):

@@ -19,9 +19,6 @@ Limits (checked): ``hd`` a power of two and ``rows_per_program`` too (Triton blo
 pools ``[L, KVH, NB, BS, hd]`` with ``KVH == G`` (K and V are stored in the pools' dtype). Slots must be distinct
 (as ``write_kv``'s): two rows writing one slot leave either value.
 
-``write_kv_rows`` is the same store of rows that come rotated already (``[R, G, 2, hd]``, the
-output of ``qkv_rope_mgpu``, whose GEMM applies RoPE in its epilogue).
-
 ``rope_write_kv_reference`` is the pure-jnp twin (``apply_rope`` + ``write_kv``), which is also
 what the engine runs wherever the kernel is not used.
 """
@@ -38,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.kv_cache import write_kv
 from pallas_kernels.rope import apply_rope
 
-__all__ = ["rope_write_kv", "rope_write_kv_reference", "write_kv_rows", "write_kv_rows_reference", "ROWS_PER_PROGRAM"]
+__all__ = ["rope_write_kv", "rope_write_kv_reference", "ROWS_PER_PROGRAM"]
 
 # Rows per program: 16 rows x (g + 2) heads x hd per program; 1024 rows x 16 KV heads is 1024
 # programs.
@@ -81,6 +78,7 @@ def _kernel(layer_ref, slots_ref, qkv_ref, cos_ref, sin_ref, k_in, v_in, q_out, 
     j = pl.program_id(1)  # KV head = the group of its g query heads
     R, _, g2, hd = qkv_ref.shape
     g = g2 - 2
+    _, _, nb, bs, _ = k_out.shape
     half = hd // 2
     rows = i * rows_per_program + jnp.arange(rows_per_program, dtype=jnp.int32)
     row_ok = rows < R
@@ -106,16 +104,6 @@ def _kernel(layer_ref, slots_ref, qkv_ref, cos_ref, sin_ref, k_in, v_in, q_out, 
         plgpu.store(q_out.at[r_out, head, lo], o1.astype(q_out.dtype), mask=ok)
         plgpu.store(q_out.at[r_out, head, hi], o2.astype(q_out.dtype), mask=ok)
 
-    k1, k2 = rotated(g)
-    v = load(qkv_ref, (r, j, g + 1, jnp.arange(hd, dtype=jnp.int32)[None, :]))
-    _store_kv(k_out, v_out, layer_ref[0], slots_ref, rows, row_ok, j, ((lo, k1), (hi, k2)), v)
-
-
-def _store_kv(k_out, v_out, layer, slots_ref, rows, row_ok, j, k_parts, v):
-    """Rows ``rows`` of KV head ``j`` into the pools at their slots: ``k_parts`` pairs of (column
-    indices ``[1, n]``, values ``[rows, n]``), ``v`` ``[rows, hd]``; rows past ``R`` or with ``slot <
-    0`` write nothing."""
-    _, _, nb, bs, hd = k_out.shape
     slot = plgpu.load(slots_ref.at[jnp.where(row_ok, rows, 0)], mask=row_ok, other=-1)
     write = (row_ok & (slot >= 0) & (slot < nb * bs))[:, None]
     # Rows that write nothing point one page past the pool: masked on the GPU, and dropped by the
@@ -123,23 +111,13 @@ def _store_kv(k_out, v_out, layer, slots_ref, rows, row_ok, j, k_parts, v):
     # write to the same place.
     page = jnp.where(write[:, 0], slot // bs, nb)[:, None]
     off = jnp.where(write[:, 0], slot % bs, 0)[:, None]
-    for cols, k in k_parts:
-        plgpu.store(k_out.at[layer, j, page, off, cols], k.astype(k_out.dtype), mask=write)
+    layer = layer_ref[0]
+    k1, k2 = rotated(g)
+    plgpu.store(k_out.at[layer, j, page, off, lo], k1.astype(k_out.dtype), mask=write)
+    plgpu.store(k_out.at[layer, j, page, off, hi], k2.astype(k_out.dtype), mask=write)
     d = jnp.arange(hd, dtype=jnp.int32)[None, :]
+    v = plgpu.load(qkv_ref.at[r, j, g + 1, d], mask=ok, other=0)
     plgpu.store(v_out.at[layer, j, page, off, d], v.astype(v_out.dtype), mask=write)
-
-
-def _kv_kernel(layer_ref, slots_ref, kv_ref, k_in, v_in, k_out, v_out, *, rows_per_program):
-    del k_in, v_in  # aliased to k_out / v_out
-    i, j = pl.program_id(0), pl.program_id(1)
-    R, _, _, hd = kv_ref.shape
-    rows = i * rows_per_program + jnp.arange(rows_per_program, dtype=jnp.int32)
-    row_ok = rows < R
-    r = jnp.where(row_ok, rows, 0)[:, None]
-    d = jnp.arange(hd, dtype=jnp.int32)[None, :]
-    k = plgpu.load(kv_ref.at[r, j, 0, d], mask=row_ok[:, None], other=0)
-    v = plgpu.load(kv_ref.at[r, j, 1, d], mask=row_ok[:, None], other=0)
-    _store_kv(k_out, v_out, layer_ref[0], slots_ref, rows, row_ok, j, ((d, k),), v)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "rows_per_program", "num_warps"))
@@ -190,47 +168,3 @@ def rope_write_kv(
         interpret=interpret,
         name="rope_write_kv",
     )(*operands)
-
-
-def write_kv_rows_reference(kv, k_pages, v_pages, slots, *, layer):
-    """Twin of :func:`write_kv_rows`: ``write_kv`` of the keys and values."""
-    return write_kv(k_pages, v_pages, kv[:, :, 0], kv[:, :, 1], slots, layer=layer)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "rows_per_program", "num_warps"))
-def write_kv_rows(
-    kv,
-    k_pages,
-    v_pages,
-    slots,
-    *,
-    layer,
-    interpret: bool = False,
-    rows_per_program: int = ROWS_PER_PROGRAM,
-    num_warps: int = NUM_WARPS,
-):
-    """The pools with each row's key and value (``kv``: ``[R, G, 2, hd]``, already rotated: the
-    output of ``qkv_rope_mgpu``) written at ``[layer, :, slot]``: ``rope_write_kv``'s store without
-    its rotation, here because XLA's scatter of one layer's K and V took 17 us at 1024 rows, twice
-    the whole ``rope_write_kv`` (docs/decisions.md, "KV writes with unique indices")."""
-    if kv.ndim != 4 or kv.shape[2] != 2:
-        raise ValueError(f"kv must be [R, G, 2, hd], got shape {kv.shape}")
-    R, G, _, hd = kv.shape
-    if k_pages.shape != v_pages.shape or k_pages.ndim != 5 or k_pages.shape[1] != G or k_pages.shape[-1] != hd:
-        raise ValueError(f"pools must be equal [L, {G}, NB, BS, {hd}], got {k_pages.shape} / {v_pages.shape}")
-    if slots.shape != (R,):
-        raise ValueError(f"slots must be [R] = ({R},), got {slots.shape}")
-    if hd & (hd - 1) or rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
-        raise ValueError(f"head_dim ({hd}) and rows_per_program ({rows_per_program}) must be powers of two")
-    return pl.pallas_call(
-        functools.partial(_kv_kernel, rows_per_program=rows_per_program),
-        grid=(pl.cdiv(R, rows_per_program), G),
-        out_shape=[
-            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
-        ],
-        input_output_aliases={3: 0, 4: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="write_kv_rows",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), slots.astype(jnp.int32), kv, k_pages, v_pages)

@@ -186,48 +186,6 @@ def test_silu_epilogue_engine_equals_xla_gate_up_engine(monkeypatch):
     _bf16_agree(got["epilogue"], got["xla"], "SiLU epilogue vs XLA gate/up")
 
 
-def test_rope_epilogue_engine_equals_rope_write_kv_engine(monkeypatch):
-    """bf16, prompt buckets with the Q/K/V GEMM's RoPE in its epilogue and the K/V write alone
-    (``qkv_rope_mgpu`` + ``write_kv_rows``, here from 128 rows: ``QKV_ROPE_MIN_ROWS`` lowered) give
-    the tokens and exit depths of the engine on XLA's GEMM and ``rope_write_kv``, up to a near tie;
-    the kernel is traced into the 128-row bucket only (head_dim 128, GQA: 4 query heads, 2 KV heads)."""
-    import dataclasses
-
-    import ouro_jax.model as model_mod
-    from pallas_kernels import dispatch
-
-    if not dispatch.hopper_available():
-        pytest.skip("the Mosaic GPU kernel needs a Hopper GPU")
-    cfg = dataclasses.replace(get_preset("ouro-small"), head_dim=128, num_key_value_heads=2)
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), random_params(cfg, 0))
-    rng = np.random.default_rng(3)
-    prompts = [list(map(int, rng.integers(1, cfg.vocab_size, n))) for n in (300, 129, 64, 7)]
-    sp = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.6, logprobs=2)
-    traced_rows = []
-    real = model_mod.qkv_rope
-    monkeypatch.setattr(model_mod, "qkv_rope", lambda x, *a: traced_rows.append(x.shape[0]) or real(x, *a))
-    got = {}
-    for name, min_rows in (("epilogue", 128), ("xla", 1 << 30)):
-        monkeypatch.setattr(dispatch, "QKV_ROPE_MIN_ROWS", min_rows)
-        llm = LLM(
-            cfg,
-            params=params,
-            dtype="bfloat16",
-            max_num_seqs=4,
-            max_num_batched_tokens=128,
-            prefill_chunk_size=128,
-            max_model_len=512,
-            buckets=[8, 128],
-            kv_cache_bytes=1 << 30,
-            progress=False,
-        )
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        got[name] = [(o.token_ids, o.exit_depths, o.logprobs) for o in outs]
-        llm.close()
-    assert traced_rows and set(traced_rows) == {128}
-    _bf16_agree(got["epilogue"], got["xla"], "RoPE epilogue vs XLA GEMM + rope_write_kv")
-
-
 def test_long_segment_variant_engine_equals_hybrid_engine(model, monkeypatch):
     """bf16, attention split per segment ("hybrid"), wavefront chunks of 64 rows: invocations
     whose every segment holds >= 32 rows run on their bucket's long-segment variant (the Mosaic

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.rope import rope_cos_sin
-from pallas_kernels.rope_write_kv import rope_write_kv, rope_write_kv_reference, write_kv_rows, write_kv_rows_reference
+from pallas_kernels.rope_write_kv import rope_write_kv, rope_write_kv_reference
 from tests.kernels.conftest import engine_with_and_without
 
 
@@ -131,29 +131,6 @@ def test_kernel_matches_twin_and_numpy(shape, dtype):
         np.testing.assert_array_equal(np.isnan(_f32(got[1])), np.isnan(_f32(twin[1])))
 
 
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[3]])
-def test_kv_rows_kernel_matches_twin_and_numpy(shape):
-    """``write_kv_rows``: ``rope_write_kv``'s store of rows that come rotated already; the pools
-    change at exactly the rows' slots, bit for bit with the twin (NaN sentinels included)."""
-    R, G, g, hd, L, NB, BS, pad_every, first_slot = shape
-    rng = np.random.default_rng(R + 11)
-    qkv, cos, sin, kp, vp, slots = _case(rng, R, G, g, hd, L, NB, BS, jnp.bfloat16, pad_every, first_slot)
-    kv = qkv[:, :, g:]
-    got = write_kv_rows(kv, kp, vp, slots, layer=jnp.int32(L - 1), interpret=True)
-    twin = write_kv_rows_reference(kv, kp, vp, slots, layer=L - 1)
-    # the numpy loop with no rotation: cos 1, sin 0
-    _, wk, wv = _np_expected(qkv, jnp.ones_like(cos), jnp.zeros_like(sin), kp, vp, slots, L - 1)
-    for a, b, want in zip(got, twin, (wk, wv)):
-        np.testing.assert_array_equal(_f32(a), _f32(b))
-        np.testing.assert_array_equal(_f32(a), want)
-    with pytest.raises(ValueError, match=r"\[R, G, 2, hd\]"):
-        write_kv_rows(qkv, kp, vp, slots, layer=0, interpret=True)
-    with pytest.raises(ValueError, match="pools"):
-        write_kv_rows(kv, kp[:, :1], vp[:, :1], slots, layer=0, interpret=True)
-    with pytest.raises(ValueError, match="slots"):
-        write_kv_rows(kv, kp, vp, slots[:2], layer=0, interpret=True)
-
-
 @pytest.mark.slow  # ~20 s of interpreted kernels; the fixed shapes above stay in the default run
 @settings(max_examples=15, deadline=None)
 @given(
@@ -219,14 +196,6 @@ def test_triton_lowering_on_cpu():
                 return rope_write_kv(qkv, c, s, kp, vp, slots, layer=layer)
 
             text = jax.jit(f, donate_argnums=(3, 4)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert text.count("xla.gpu.triton") == 1
-            assert "output_operand_aliases" in text
-
-            def g(kv, kp, vp, slots, layer):
-                return write_kv_rows(kv, kp, vp, slots, layer=layer)
-
-            kv_args = (sds((R, 16, 2, 128), jnp.bfloat16), pool, pool, sds((R,), jnp.int32), sds((), jnp.int32))
-            text = jax.jit(g, donate_argnums=(1, 2)).trace(*kv_args).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("xla.gpu.triton") == 1
             assert "output_operand_aliases" in text
     finally:
