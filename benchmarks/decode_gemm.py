@@ -5,8 +5,7 @@ Two blocks of a decode layer, each chained over ``n`` layers in one jit with wha
 * ``mlp``: the pre-MLP RMSNorm, the MLP, the post-MLP RMSNorm and the residual add. ``xla`` is the
   model's ``OuroMLP`` (gate/up GEMM, SiLU x up, down GEMM, with XLA's split-K reduces); ``mgpu`` is
   ``pallas_kernels.decode_mlp_mgpu`` (two launches; the down projection's split sum goes into the
-  post-MLP norm's fusion); ``mgpu1`` is ``pallas_kernels.decode_mlp_fused_mgpu`` (one launch, a
-  grid barrier between gate/up and down).
+  post-MLP norm's fusion).
 * ``attn_proj``: the pre-attention RMSNorm, the fused Q/K/V projection, the O projection of its Q
   part (the attention itself left out: it is not a GEMM), the post-attention RMSNorm and the
   residual add. ``mgpu`` runs both projections with ``pallas_kernels.decode_gemm_mgpu``.
@@ -47,13 +46,11 @@ from ouro_jax import get_preset
 from ouro_jax.model import OuroMLP
 from pallas_kernels import dispatch
 from pallas_kernels.decode_gemm_mgpu import decode_gemm_mgpu, gemm_tuning
-from pallas_kernels.decode_mlp_fused_mgpu import decode_mlp_fused_mgpu
 from pallas_kernels.decode_mlp_mgpu import decode_mlp_mgpu, mlp_tuning
 
 __all__ = ["BLOCKS", "block_weights", "main", "sweep_knobs", "time_chain"]
 
 BLOCKS = ("mlp", "attn_proj")
-MGPU_PATHS = {"mlp": ("mgpu", "mgpu1"), "attn_proj": ("mgpu",)}  # each block's Mosaic GPU paths
 EPS = 1e-6
 
 
@@ -85,8 +82,6 @@ def _block_fn(block: str, path: str, config, knobs: dict):
     if block == "mlp":
         if path == "mgpu":
             return functools.partial(decode_mlp_mgpu, **knobs)
-        if path == "mgpu1":
-            return functools.partial(decode_mlp_fused_mgpu, **knobs)
         module = OuroMLP(config, jnp.bfloat16, fused=True)
 
         def mlp(h, w_gu, w_d):
@@ -125,12 +120,12 @@ def time_chain(block, path, config, weights, rows: int, knobs: dict, n: int, rep
     return per_call_s(lambda k: _chain(block, path, config, knobs, k), (x, weights), n, reps)
 
 
-def _check(block, path, config, weights, rows: int, knobs: dict) -> float:
-    """Relative max error of one pass over the layers on ``path`` against ``xla``."""
+def _check(block, config, weights, rows: int, knobs: dict) -> float:
+    """Relative max error of one pass over the layers on ``mgpu`` against ``xla``."""
     x = jax.random.normal(jax.random.PRNGKey(2), (rows, config.hidden_size), jnp.float32)
     n = len(weights)
     want = np.asarray(_chain(block, "xla", config, {}, n)(x, weights))
-    got = np.asarray(_chain(block, path, config, knobs, n)(x, weights))
+    got = np.asarray(_chain(block, "mgpu", config, knobs, n)(x, weights))
     return float(np.abs(got - want).max() / max(1e-6, np.abs(want).max()))
 
 
@@ -150,17 +145,9 @@ def profile_chain(block, path, config, weights, rows: int, knobs: dict, n: int) 
     ]
 
 
-def sweep_knobs(block: str, config, path: str = "mgpu") -> list[dict]:
+def sweep_knobs(block: str, config) -> list[dict]:
     """The defaults first, then the knobs around them."""
     d, inter = config.hidden_size, config.intermediate_size
-    if path == "mgpu1":  # the one-launch MLP: ring depths, step, narrower down items
-        out = [{}, dict(block_k=64), dict(gate_up_stages=3, down_stages=1), dict(gate_up_stages=1, down_stages=4)]
-        out += [
-            dict(block_k=64, gate_up_stages=6, down_stages=3),
-            dict(down_splits=2),
-            dict(down_block_n=32, down_splits=2),
-        ]
-        return out
     if block == "attn_proj":
         o = gemm_tuning(config.num_attention_heads * config.head_dim, d)
         out = [{}]
@@ -197,20 +184,20 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     config = get_preset(a.preset)
     ceil = ceilings.measure(quick=True)
+    paths = ["xla"] + (["mgpu"] if dispatch.hopper_available() else [])
     records = []
     for block in a.blocks:
-        paths = ["xla", *(MGPU_PATHS[block] if dispatch.hopper_available() else ())]
         weights = block_weights(block, config, a.layers or config.num_hidden_layers)
         w_bytes = sum(w.nbytes for w in weights[0])
         floor_s = w_bytes / ceil["bandwidth"]
         for rows in a.rows:
             for path in paths:
-                sweep = path != "xla" and a.sweep and rows in a.sweep_rows
-                for knobs in sweep_knobs(block, config, path) if sweep else [{}]:
+                sweep = path == "mgpu" and a.sweep and rows in a.sweep_rows
+                for knobs in sweep_knobs(block, config) if sweep else [{}]:
                     rec = dict(block=block, path=path, rows=rows, knobs=knobs, floor_us=floor_s * 1e6)
                     try:
-                        if path != "xla":
-                            rec["max_rel_err"] = _check(block, path, config, weights, rows, knobs)
+                        if path == "mgpu":
+                            rec["max_rel_err"] = _check(block, config, weights, rows, knobs)
                         s = time_chain(block, path, config, weights, rows, knobs, a.chain, a.reps)
                         rec.update(us_per_layer=s * 1e6, of_floor=floor_s / s)
                         if a.profile:

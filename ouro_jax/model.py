@@ -29,9 +29,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode_mlp_fused_mgpu import decode_mlp_fused_mgpu
 from pallas_kernels.gate_up_silu_mgpu import gate_up_silu
-from pallas_kernels.residual_norm import residual_norm, sum_partials
+from pallas_kernels.residual_norm import residual_norm
 from pallas_kernels.residual_norm import supported as residual_norm_supported
 from pallas_kernels.rope import apply_rope, rope_cos_sin
 from weights.config import OuroConfig
@@ -202,16 +201,12 @@ class GateUpSiLU(nn.Module):
 
 class OuroMLP(nn.Module):
     """SwiGLU MLP. ``fused``: gate and up from one kernel ``[D, 2, I]`` (as the attention's QKV);
-    ``silu_epilogue``: that GEMM with SiLU x up in its epilogue (``GateUpSiLU``); ``one_launch``:
-    the whole MLP of a few 2-D rows as one Mosaic GPU launch (``decode_mlp_fused_mgpu``), whose
-    output is its down projection's float32 partials ``[P, R, D]`` (summed by the residual norm
-    that follows, ``OuroDecoderLayer._add_norm``)."""
+    ``silu_epilogue``: that GEMM with SiLU x up in its epilogue (``GateUpSiLU``)."""
 
     config: OuroConfig
     dtype: Any
     fused: bool = False
     silu_epilogue: bool = False
-    one_launch: bool = False
 
     def setup(self):
         c = self.config
@@ -223,10 +218,6 @@ class OuroMLP(nn.Module):
         self.down_proj = _dense(c.hidden_size, self.dtype)
 
     def __call__(self, x):
-        if self.fused and self.one_launch and x.ndim == 2:
-            w_gate_up = self.gate_up_proj.variables["params"]["kernel"]
-            w_down = self.down_proj.variables["params"]["kernel"]
-            return decode_mlp_fused_mgpu(x.astype(self.dtype), w_gate_up, w_down, reduce=False)
         if self.fused:
             return self.down_proj(self.gate_up_proj(x))
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -245,19 +236,11 @@ class OuroDecoderLayer(nn.Module):
     fused_projections: bool = False
     # the fused gate/up GEMM with SiLU x up in its epilogue (``GateUpSiLU``; step_program chooses)
     silu_epilogue: bool = False
-    # the MLP as one Mosaic GPU launch (``OuroMLP.one_launch``; decode buckets, dispatch chooses)
-    mlp_one_launch: bool = False
 
     def setup(self):
         c = self.config
         self.self_attn = OuroAttentionProjections(c, self.dtype, fused=self.fused_projections)
-        self.mlp = OuroMLP(
-            c,
-            self.dtype,
-            fused=self.fused_projections,
-            silu_epilogue=self.silu_epilogue,
-            one_launch=self.mlp_one_launch,
-        )
+        self.mlp = OuroMLP(c, self.dtype, fused=self.fused_projections, silu_epilogue=self.silu_epilogue)
         self.input_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
         self.input_layernorm_2 = RMSNorm(c.rms_norm_eps, self.dtype)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, self.dtype)
@@ -283,18 +266,16 @@ class OuroDecoderLayer(nn.Module):
         x, h = self._add_norm(
             x, a, self.input_layernorm_2, self.post_attention_layernorm(x, scale_only=True), attention
         )
-        m = self.mlp(h)  # [R, D], or [P, R, D] partials (one_launch)
+        m = self.mlp(h)
         if self.tp_axis is not None:
-            m = jax.lax.psum(sum_partials(m) if m.ndim > x.ndim else m, self.tp_axis)
+            m = jax.lax.psum(m, self.tp_axis)
         if next_scale is None:
-            m = sum_partials(m) if m.ndim > x.ndim else m
             return x + self.post_attention_layernorm_2(m, jnp.float32), None, cache
         x, h = self._add_norm(x, m, self.post_attention_layernorm_2, next_scale, attention)
         return x, h, cache
 
     def _add_norm(self, x, out, out_norm: "RMSNorm", next_scale, attention):
-        """``x + out_norm(out)`` in float32 and that normed by ``next_scale`` in the model dtype;
-        ``out`` may be ``[P, R, D]`` partials of a 2-D ``x`` (summed first)."""
+        """``x + out_norm(out)`` in float32 and that normed by ``next_scale`` in the model dtype."""
         if getattr(attention, "fuses_norms", False) and x.ndim == 2 and residual_norm_supported(x.shape[-1]):
             return residual_norm(
                 x,
@@ -305,7 +286,6 @@ class OuroDecoderLayer(nn.Module):
                 out_dtype=self.dtype,
                 interpret=attention.kernel.interpret,
             )
-        out = sum_partials(out) if out.ndim > x.ndim else out
         x = x + out_norm(out, jnp.float32)
         return x, rms_norm(x, next_scale, self.config.rms_norm_eps).astype(self.dtype)
 
@@ -334,8 +314,6 @@ class OuroModel(nn.Module):
     tp_axis: Optional[str] = None  # see OuroDecoderLayer; the runner does embed/lm_head by vocabulary
     # every layer's params laid out by ``fuse_layer_params`` (the static ``generate``); see OuroDecoderLayer
     fused_projections: bool = False
-    # every layer's MLP as one launch on 2-D rows (the static ``generate``'s decode); see OuroDecoderLayer
-    mlp_one_launch: bool = False
 
     def setup(self):
         c = self.config
@@ -348,12 +326,7 @@ class OuroModel(nn.Module):
         )
         self.layers = [
             OuroDecoderLayer(
-                c,
-                self.dtype,
-                layer_index=i,
-                tp_axis=self.tp_axis,
-                fused_projections=self.fused_projections,
-                mlp_one_launch=self.mlp_one_launch,
+                c, self.dtype, layer_index=i, tp_axis=self.tp_axis, fused_projections=self.fused_projections
             )
             for i in range(c.num_hidden_layers)
         ]

@@ -43,7 +43,7 @@ import numpy as np
 
 from pallas_kernels import copy_kv_slots, write_kv
 from pallas_kernels.choices import check_attention
-from pallas_kernels.dispatch import AttentionKernel, choose_attention, mlp_one_launch
+from pallas_kernels.dispatch import AttentionKernel, choose_attention
 from weights.config import OuroConfig
 
 from . import exit_rule
@@ -179,12 +179,10 @@ def _generate(
 ):
     c = config
     dt = dtype_of(dtype_name)
-    R = kernel.num_rows
-    # the decode rows' MLP as the engine's decode buckets run it (prompt rows are 3-D: never)
-    one_launch = kernel.name != "reference" and mlp_one_launch(R, c.hidden_size, c.intermediate_size, dt)
-    model = OuroModel(c, dt, fused_projections=True, mlp_one_launch=one_launch)
+    model = OuroModel(c, dt, fused_projections=True)
     T, L = c.num_loops, c.num_hidden_layers
     b, p = prompt_ids.shape
+    R = kernel.num_rows
     m = pages_per_row(p + max_new_tokens)
     pool_shape = (L, c.num_key_value_heads, T * b * m, BLOCK_SIZE, c.head_dim)
     pools = (jnp.zeros(pool_shape, dt), jnp.zeros(pool_shape, dt))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import copy_kv_slots
-from pallas_kernels.dispatch import choose_attention, mlp_one_launch, silu_epilogue
+from pallas_kernels.dispatch import choose_attention, silu_epilogue
 from pallas_kernels.rope import rope_cos_sin
 from scheduler.buckets import BucketKey
 from scheduler.descriptor import HEADER, descriptor_layout, exit_words
@@ -166,15 +166,7 @@ def recurrent(
     cos, sin = rope_cos_sin(a["row_pos"], c.head_dim, c.rope_theta)
     x = x.astype(jnp.float32)
     silu = silu_epilogue(key.R, c.hidden_size, c.intermediate_size, dt, attention)
-    one_launch = not tp and mlp_one_launch(key.R, c.hidden_size, c.intermediate_size, dt, attention)
-    layer = OuroDecoderLayer(
-        c,
-        dt,
-        tp_axis=TP_AXIS if tp else None,
-        fused_projections=True,
-        silu_epilogue=silu,
-        mlp_one_launch=one_launch,
-    )
+    layer = OuroDecoderLayer(c, dt, tp_axis=TP_AXIS if tp else None, fused_projections=True, silu_epilogue=silu)
 
     def one_layer(p, x, h, pools, i, next_scale):
         return layer.apply({"params": p}, x, h, cos, sin, attn, pools, layer=i, next_scale=next_scale, method="chain")

@@ -49,7 +49,6 @@ import jax.numpy as jnp
 
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.choices import ATTENTION, KERNELS, check_attention
-from pallas_kernels.decode_mlp_fused_mgpu import supported as mlp_one_launch_supported
 from pallas_kernels.gate_up_silu_mgpu import supported as gate_up_silu_supported
 from pallas_kernels.ragged_paged_attention import (
     Plan,
@@ -71,7 +70,6 @@ __all__ = [
     "hybrid_attention",
     "hybrid_tiles",
     "long_segment_rows",
-    "mlp_one_launch",
     "resolve_attention",
     "select_kernel",
     "silu_epilogue",
@@ -158,15 +156,6 @@ def long_segment_rows(attention: str, **bucket) -> int:
     keywords of :func:`bucket_kernel`): ``HYBRID_MIN_SEGMENT_ROWS`` where the bucket splits per
     segment, else 0 (no variant)."""
     return HYBRID_MIN_SEGMENT_ROWS if bucket_kernel(attention, **bucket) == "hybrid" else 0
-
-
-def mlp_one_launch(num_rows: int, hidden: int, intermediate: int, dtype, attention: str = "auto") -> bool:
-    """Whether a bucket of ``num_rows`` rows runs its MLP as one launch (``decode_mlp_fused_mgpu``:
-    a Hopper GPU, 16 rows or fewer, shapes and a grid it serves, Pallas kernels not refused by
-    ``attention="reference"``)."""
-    if resolve_attention(attention) == "reference" or not hopper_available():
-        return False
-    return mlp_one_launch_supported(dtype, num_rows, hidden, intermediate) is None
 
 
 # Rows from which a bucket's gate/up GEMM runs with SiLU x up in its epilogue: one H100, kernel

@@ -14,11 +14,8 @@ The arithmetic is ``model.rms_norm``'s, term for term: ``w * (v * rsqrt(mean(v *
 float32 for both norms, ``h`` rounded once. Each row is reduced by one program, so a row's result
 does not depend on the other rows or on the bucket it runs in.
 
-``a`` may also come as ``[P, R, D]`` float32 partial sums (a split-K GEMM's, e.g. the one-launch
-decode MLP's down projection): the kernel adds them up as it reads the row, in order.
-
-Limits (checked): ``x`` ``[R, D]`` float32, ``a`` ``[R, D]`` or ``[P, R, D]``, the weights ``[D]``,
-``D`` a power of two (a Triton block). ``residual_norm_reference`` is the pure-jnp twin, which is also what the
+Limits (checked): ``x`` ``[R, D]`` float32, ``a`` ``[R, D]``, the weights ``[D]``, ``D`` a power of
+two (a Triton block). ``residual_norm_reference`` is the pure-jnp twin, which is also what the
 engine runs wherever the kernel is not used (``fuses_norms``).
 """
 
@@ -31,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["residual_norm", "residual_norm_reference", "sum_partials", "supported", "ROWS_PER_PROGRAM"]
+__all__ = ["residual_norm", "residual_norm_reference", "supported", "ROWS_PER_PROGRAM"]
 
 ROWS_PER_PROGRAM = 1  # a 2048-wide row is 8 KB of float32: one row a program fills 1024 rows' grid
 NUM_WARPS = 4
@@ -45,8 +42,8 @@ def supported(hidden_size: int) -> bool:
 def _check(x, a, w_a, w_x):
     if x.ndim != 2 or x.dtype != jnp.float32:
         raise ValueError(f"x must be the float32 residual [R, D], got {x.dtype} {x.shape}")
-    if a.shape != x.shape and a.shape[1:] != x.shape:
-        raise ValueError(f"a must be [R, D] = {x.shape} or partials [P, R, D], got {a.shape}")
+    if a.shape != x.shape:
+        raise ValueError(f"a must be [R, D] = {x.shape}, got {a.shape}")
     D = x.shape[1]
     if w_a.shape != (D,) or w_x.shape != (D,):
         raise ValueError(f"weights must be [D] = ({D},), got {w_a.shape} / {w_x.shape}")
@@ -56,22 +53,11 @@ def _rms(v, w, eps):
     return w * (v * jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps))
 
 
-def sum_partials(a):
-    """``a`` as one ``[R, D]`` float32 value: partials ``[P, R, D]`` summed in order."""
-    a = a.astype(jnp.float32)
-    if a.ndim == 2:
-        return a
-    out = a[0]
-    for p in range(1, a.shape[0]):
-        out = out + a[p]
-    return out
-
-
 def residual_norm_reference(x, a, w_a, w_x, *, eps: float, out_dtype):
     """Twin of :func:`residual_norm`: ``x + rms_norm(a, w_a)`` and ``rms_norm`` of that by ``w_x``."""
     _check(x, a, w_a, w_x)
     f32 = jnp.float32
-    x = x + _rms(sum_partials(a), w_a.astype(f32), eps)
+    x = x + _rms(a.astype(f32), w_a.astype(f32), eps)
     return x, _rms(x, w_x.astype(f32), eps).astype(out_dtype)
 
 
@@ -83,12 +69,7 @@ def _kernel(a_ref, x_ref, wa_ref, wx_ref, x_out, h_out, *, eps, rows_per_program
     r = jnp.where(rows < R, rows, 0)[:, None]
     d = jnp.arange(D, dtype=jnp.int32)[None, :]
     f32 = jnp.float32
-    if len(a_ref.shape) == 2:
-        a = plgpu.load(a_ref.at[r, d], mask=ok, other=0).astype(f32)
-    else:  # partial sums, added in order (as the twin's sum_partials)
-        a = plgpu.load(a_ref.at[0, r, d], mask=ok, other=0).astype(f32)
-        for p in range(1, a_ref.shape[0]):
-            a = a + plgpu.load(a_ref.at[p, r, d], mask=ok, other=0).astype(f32)
+    a = plgpu.load(a_ref.at[r, d], mask=ok, other=0).astype(f32)
     x = plgpu.load(x_ref.at[r, d], mask=ok, other=0).astype(f32)
     w_a = wa_ref[...].astype(f32)[None, :]
     w_x = wx_ref[...].astype(f32)[None, :]
@@ -116,7 +97,7 @@ def residual_norm(
     """``(x + rms_norm(a, w_a), rms_norm(that, w_x) in out_dtype)`` (see the module docstring).
 
     ``x``: ``[R, D]`` float32 residual (aliased to the first output); ``a``: ``[R, D]`` any float
-    dtype, or ``[P, R, D]`` partials whose sum it is; ``w_a``/``w_x``: ``[D]``.
+    dtype; ``w_a``/``w_x``: ``[D]``.
     """
     _check(x, a, w_a, w_x)
     R, D = x.shape
