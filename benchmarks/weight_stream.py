@@ -35,18 +35,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.decode_gemm_mgpu import A_ROWS, BLOCK_N, cdiv
+
 __all__ = ["MODES", "ORDERS", "cases", "main", "stream"]
 
 MODES = ("stream", "mma_wait0", "mma_wait1")
 ORDERS = ("rows", "bands")
-BLOCK_N = 64  # tile columns: 128-byte rows, the widest swizzle
-A_ROWS = 64  # wgmma's M
 SMEM_BUDGET = 200 * 1024  # the ring and the A tile of one CTA
 MLP_SHAPE = (2048, 16896)  # Ouro-1.4B: gate/up [2048, 11264] and down's 5632 x 2048, as one matrix
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def stream(w, *, ctas: int, stages: int, bk: int, mode: str = "stream", order: str = "rows"):
@@ -64,7 +60,7 @@ def stream(w, *, ctas: int, stages: int, bk: int, mode: str = "stream", order: s
     def body(w_ref, o_ref, ring, a_smem, o_smem, ready):
         c = lax.axis_index("c")
         if order == "rows":
-            per = _cdiv(total, ctas)
+            per = cdiv(total, ctas)
             count = jnp.clip(total - c * per, 0, per)
 
             def tile(i):
