@@ -5,10 +5,12 @@ Two blocks of a decode layer, each chained over ``n`` layers in one jit with wha
 * ``mlp``: the pre-MLP RMSNorm, the MLP, the post-MLP RMSNorm and the residual add. ``xla`` is the
   model's ``OuroMLP`` (gate/up GEMM, SiLU x up, down GEMM, with XLA's split-K reduces); ``mgpu`` is
   ``pallas_kernels.decode_mlp_mgpu`` (two launches; the down projection's split sum goes into the
-  post-MLP norm's fusion).
+  post-MLP norm's fusion); ``mgpu_t`` runs gate/up and down on ``pallas_kernels.decode_gemm_t_mgpu``
+  (``y^T = w^T x^T``, ``x`` resident, a weight-only ring), SiLU x up and the split sums in XLA.
 * ``attn_proj``: the pre-attention RMSNorm, the fused Q/K/V projection, the O projection of its Q
   part (the attention itself left out: it is not a GEMM), the post-attention RMSNorm and the
-  residual add. ``mgpu`` runs both projections with ``pallas_kernels.decode_gemm_mgpu``.
+  residual add. ``mgpu`` runs both projections with ``pallas_kernels.decode_gemm_mgpu``, ``mgpu_t``
+  with ``pallas_kernels.decode_gemm_t_mgpu``.
 
 Each layer has its own weights (the preset's layers, cycled: Ouro-1.4B's 24 MLPs are 1.66 GB, far
 past the L2). A layer is ``(t(2n) - t(n)) / n`` (``benchmarks/timing.py``: the jit's own launch
@@ -46,11 +48,13 @@ from ouro_jax import get_preset
 from ouro_jax.model import OuroMLP
 from pallas_kernels import dispatch
 from pallas_kernels.decode_gemm_mgpu import decode_gemm_mgpu, gemm_tuning
+from pallas_kernels.decode_gemm_t_mgpu import decode_gemm_t_mgpu
 from pallas_kernels.decode_mlp_mgpu import decode_mlp_mgpu, mlp_tuning
 
 __all__ = ["BLOCKS", "block_weights", "main", "sweep_knobs", "time_chain"]
 
 BLOCKS = ("mlp", "attn_proj")
+PATHS = ("xla", "mgpu", "mgpu_t")  # the Mosaic GPU paths run on a Hopper GPU only
 EPS = 1e-6
 
 
@@ -82,6 +86,15 @@ def _block_fn(block: str, path: str, config, knobs: dict):
     if block == "mlp":
         if path == "mgpu":
             return functools.partial(decode_mlp_mgpu, **knobs)
+        if path == "mgpu_t":
+
+            def mlp_t(h, w_gu, w_d):
+                d, _, inter = w_gu.shape
+                y = decode_gemm_t_mgpu(h, w_gu.reshape(d, 2 * inter), **knobs.get("gate_up", {}))
+                a = (jax.nn.silu(y[:, :inter]) * y[:, inter:]).astype(h.dtype)
+                return decode_gemm_t_mgpu(a, w_d, **knobs.get("down", {}))
+
+            return mlp_t
         module = OuroMLP(config, jnp.bfloat16, fused=True)
 
         def mlp(h, w_gu, w_d):
@@ -92,9 +105,10 @@ def _block_fn(block: str, path: str, config, knobs: dict):
     dq = config.num_attention_heads * config.head_dim
 
     def attn_proj(h, w_qkv, w_o):
-        if path == "mgpu":
-            qkv = decode_gemm_mgpu(h, w_qkv, **knobs.get("qkv", {}))
-            return decode_gemm_mgpu(qkv[:, :dq].astype(h.dtype), w_o, **knobs.get("o", {}))
+        if path != "xla":
+            gemm = decode_gemm_mgpu if path == "mgpu" else decode_gemm_t_mgpu
+            qkv = gemm(h, w_qkv, **knobs.get("qkv", {}))
+            return gemm(qkv[:, :dq].astype(h.dtype), w_o, **knobs.get("o", {}))
         return jnp.dot(jnp.dot(h, w_qkv)[:, :dq], w_o).astype(jnp.float32)
 
     return attn_proj
@@ -120,12 +134,12 @@ def time_chain(block, path, config, weights, rows: int, knobs: dict, n: int, rep
     return per_call_s(lambda k: _chain(block, path, config, knobs, k), (x, weights), n, reps)
 
 
-def _check(block, config, weights, rows: int, knobs: dict) -> float:
-    """Relative max error of one pass over the layers on ``mgpu`` against ``xla``."""
+def _check(block, path, config, weights, rows: int, knobs: dict) -> float:
+    """Relative max error of one pass over the layers on ``path`` against ``xla``."""
     x = jax.random.normal(jax.random.PRNGKey(2), (rows, config.hidden_size), jnp.float32)
     n = len(weights)
     want = np.asarray(_chain(block, "xla", config, {}, n)(x, weights))
-    got = np.asarray(_chain(block, "mgpu", config, knobs, n)(x, weights))
+    got = np.asarray(_chain(block, path, config, knobs, n)(x, weights))
     return float(np.abs(got - want).max() / max(1e-6, np.abs(want).max()))
 
 
@@ -145,9 +159,15 @@ def profile_chain(block, path, config, weights, rows: int, knobs: dict, n: int) 
     ]
 
 
-def sweep_knobs(block: str, config) -> list[dict]:
+def sweep_knobs(block: str, config, path: str = "mgpu") -> list[dict]:
     """The defaults first, then the knobs around them."""
     d, inter = config.hidden_size, config.intermediate_size
+    if path == "mgpu_t":  # ring depth, step, splits (gate/up: 176 CTAs, two an SM by default)
+        if block == "attn_proj":
+            out = [{}, dict(qkv=dict(splits=2)), dict(o=dict(splits=2)), dict(o=dict(splits=8))]
+            return out + [dict(qkv=dict(block_k=64), o=dict(block_k=64)), dict(qkv=dict(stages=4))]
+        out = [{}, dict(gate_up=dict(stages=2)), dict(gate_up=dict(stages=8)), dict(down=dict(splits=2))]
+        return out + [dict(down=dict(splits=8)), dict(gate_up=dict(block_k=64), down=dict(block_k=64))]
     if block == "attn_proj":
         o = gemm_tuning(config.num_attention_heads * config.head_dim, d)
         out = [{}]
@@ -184,7 +204,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     config = get_preset(a.preset)
     ceil = ceilings.measure(quick=True)
-    paths = ["xla"] + (["mgpu"] if dispatch.hopper_available() else [])
+    paths = list(PATHS) if dispatch.hopper_available() else ["xla"]
     records = []
     for block in a.blocks:
         weights = block_weights(block, config, a.layers or config.num_hidden_layers)
@@ -192,12 +212,12 @@ def main(argv=None) -> dict:
         floor_s = w_bytes / ceil["bandwidth"]
         for rows in a.rows:
             for path in paths:
-                sweep = path == "mgpu" and a.sweep and rows in a.sweep_rows
-                for knobs in sweep_knobs(block, config) if sweep else [{}]:
+                sweep = path != "xla" and a.sweep and rows in a.sweep_rows
+                for knobs in sweep_knobs(block, config, path) if sweep else [{}]:
                     rec = dict(block=block, path=path, rows=rows, knobs=knobs, floor_us=floor_s * 1e6)
                     try:
-                        if path == "mgpu":
-                            rec["max_rel_err"] = _check(block, config, weights, rows, knobs)
+                        if path != "xla":
+                            rec["max_rel_err"] = _check(block, path, config, weights, rows, knobs)
                         s = time_chain(block, path, config, weights, rows, knobs, a.chain, a.reps)
                         rec.update(us_per_layer=s * 1e6, of_floor=floor_s / s)
                         if a.profile:
