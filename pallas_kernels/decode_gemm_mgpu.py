@@ -38,6 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 __all__ = [
     "MAX_ROWS",
     "GemmTuning",
+    "check_operands",
     "decode_gemm_mgpu",
     "decode_gemm_reference",
     "gemm_tuning",
@@ -254,7 +255,11 @@ def pad_rows(x):
     return x if r == m else jnp.pad(x, ((0, r - m), (0, 0)))
 
 
-def _check(x, w, *, kernel: bool) -> tuple[int, int, int]:
+def check_operands(x, w, *, kernel: bool, why_not=None, name: str = "decode_gemm_mgpu") -> tuple[int, int, int]:
+    """``(M, K, N)`` of ``x [M, K] @ w [K, *out]``, or ``ValueError`` saying why ``name`` cannot
+    take them (``why_not(dtype, m, k, n)``: the kernel's ``supported``; the twin, ``kernel=False``,
+    is checked as bf16 and so also takes float32)."""
+    why_not = supported if why_not is None else why_not
     if x.ndim != 2 or w.ndim < 2:
         raise ValueError(f"x must be [M, K] and w [K, *out], got {x.shape} and {w.shape}")
     m, k = x.shape
@@ -265,9 +270,9 @@ def _check(x, w, *, kernel: bool) -> tuple[int, int, int]:
     n = 1
     for s in w.shape[1:]:
         n *= s
-    why = supported(x.dtype if kernel else jnp.bfloat16, m, k, n)
+    why = why_not(x.dtype if kernel else jnp.bfloat16, m, k, n)
     if why is not None:
-        raise ValueError(f"decode_gemm_mgpu cannot serve {why}")
+        raise ValueError(f"{name} cannot serve {why}")
     return m, k, n
 
 
@@ -284,7 +289,7 @@ _STATIC = ("block_k", "splits", "stages", "block_n", "reduce")
 def decode_gemm_mgpu(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True):
     """``x [M, K] @ w [K, *out]`` (module docstring). ``reduce=True``: ``[M, *out]`` in float32;
     ``reduce=False``: the f32 partials ``[splits, M, *out]`` of the K splits (their sum is the product)."""
-    m, k, n = _check(x, w, kernel=True)
+    m, k, n = check_operands(x, w, kernel=True)
     t = gemm_tuning(k, n, x.dtype.itemsize, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
     return _finish(gemm_call(pad_rows(x), w.reshape(k, n), t), m, w.shape[1:], reduce)
 
@@ -305,6 +310,6 @@ def split_products(x, w, t: GemmTuning):
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_gemm_reference(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True):
     """jnp twin of :func:`decode_gemm_mgpu` (same arguments and outputs). Also takes float32."""
-    m, k, n = _check(x, w, kernel=False)
+    m, k, n = check_operands(x, w, kernel=False)
     t = gemm_tuning(k, n, 2, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
     return _finish(split_products(x, w.reshape(k, n), t), m, w.shape[1:], reduce)

@@ -47,6 +47,7 @@ from pallas_kernels.decode_gemm_mgpu import (
     ROW_GROUP,
     SMEM_LIMIT,
     cdiv,
+    check_operands,
     split_products,
     swizzled,
 )
@@ -198,20 +199,7 @@ def _call(x, w, t: TTuning):
 
 
 def _check(x, w, *, kernel: bool) -> tuple[int, int, int]:
-    if x.ndim != 2 or w.ndim < 2:
-        raise ValueError(f"x must be [M, K] and w [K, *out], got {x.shape} and {w.shape}")
-    m, k = x.shape
-    if w.shape[0] != k:
-        raise ValueError(f"x {x.shape} and w {w.shape} disagree on K")
-    if x.dtype != w.dtype:
-        raise ValueError(f"x and w must share a dtype, got {x.dtype} and {w.dtype}")
-    n = 1
-    for s in w.shape[1:]:
-        n *= s
-    why = supported(x.dtype if kernel else jnp.bfloat16, m, k, n)
-    if why is not None:
-        raise ValueError(f"decode_gemm_t_mgpu cannot serve {why}")
-    return m, k, n
+    return check_operands(x, w, kernel=kernel, why_not=supported, name="decode_gemm_t_mgpu")
 
 
 _STATIC = ("block_k", "splits", "stages", "reduce")

@@ -59,8 +59,14 @@ def test_twin_matches_dot(m, k, out, knobs):
     assert got.shape == (m, *out) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), _dot(x, w), rtol=1e-5, atol=1e-5)
     part = decode_gemm_reference(x, w, reduce=False, **knobs)
-    t = gemm_tuning(k, int(np.prod(out)), **knobs)
-    assert part.shape == (t.splits, m, *out)
+    assert_split_partials(part, x, w, gemm_tuning(k, int(np.prod(out)), **knobs))
+
+
+def assert_split_partials(part, x, w, t):
+    """``part [splits, M, *out]``: split ``s`` is the product over its own K range
+    (``t.steps_per_split`` steps of ``t.block_k``, the last clipped at K), none empty."""
+    k = x.shape[1]
+    assert part.shape == (t.splits, x.shape[0], *w.shape[1:])
     chunk = t.steps_per_split * t.block_k
     for s in range(t.splits):
         lo, hi = s * chunk, min(k, (s + 1) * chunk)

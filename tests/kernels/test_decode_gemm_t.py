@@ -22,7 +22,7 @@ from pallas_kernels.decode_gemm_t_mgpu import (
     t_tuning,
 )
 from tests.kernels.conftest import first_by_default, skip_no_hopper
-from tests.kernels.test_decode_gemm import _args, _dot
+from tests.kernels.test_decode_gemm import _args, _dot, assert_split_partials
 
 gpu = pytest.mark.gpu
 
@@ -45,13 +45,7 @@ def test_twin_matches_dot(m, k, out, knobs):
     assert got.shape == (m, *out) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), _dot(x, w), rtol=1e-5, atol=1e-5)
     part = decode_gemm_t_reference(x, w, reduce=False, **knobs)
-    t = t_tuning(m, k, int(np.prod(out)), **knobs)
-    assert part.shape == (t.splits, m, *out)
-    chunk = t.steps_per_split * t.block_k
-    for s in range(t.splits):
-        lo, hi = s * chunk, min(k, (s + 1) * chunk)
-        assert hi > lo  # no split is empty
-        np.testing.assert_allclose(np.asarray(part[s]), _dot(x[:, lo:hi], w[lo:hi]), rtol=1e-5, atol=1e-5)
+    assert_split_partials(part, x, w, t_tuning(m, k, int(np.prod(out)), **knobs))
 
 
 @pytest.mark.parametrize("name", sorted(OURO))
