@@ -12,7 +12,8 @@ step's wgmma cost 1-4 us. This kernel removes both:
   16) its N operand, so no shared memory or tensor-core work goes to rows padded up to 64 (the
   skinny GEMM of c47db58 had the same product).
 * ``x``'s slices of the CTA's K range are copied once, at the start, each on its own barrier, and
-  stay: the ring holds weight tiles only, ``stages`` of them (8 by default at Ouro-1.4B).
+  stay: the ring holds weight tiles only, ``stages`` of them (Ouro-1.4B at 8 rows: 8 for
+  Q/K/V and down, 4 for O's 4-step splits and for gate/up, whose 176 CTAs share SMs two by two).
 * The refill runs one wgmma behind: step ``i`` issues its wgmma, waits for step ``i - 1``'s
   (``wgmma_wait(1)``) and refills that slot, so the tensor cores never hold a slot the TMA
   engine could be filling.
