@@ -42,6 +42,7 @@ __all__ = [
     "decode_gemm_mgpu",
     "decode_gemm_reference",
     "gemm_tuning",
+    "split_k",
     "supported",
 ]
 
@@ -125,6 +126,18 @@ class GemmTuning:
         return self.stages * stage_bytes(self.block_k, self.block_n, 1, itemsize) + A_ROWS * self.block_n * 4
 
 
+def split_k(steps: int, column_blocks: int, splits: int | None, target_ctas: int, name: str = "splits"):
+    """``(splits, steps_per_split)`` of a K loop of ``steps``: ``splits`` given, else enough that
+    ``column_blocks`` x splits reach ``target_ctas``; cut to the steps and normalised so that no
+    split is empty (the last may own fewer steps). ``ValueError`` for fewer than one."""
+    if splits is None:
+        splits = max(1, target_ctas // column_blocks)
+    if splits < 1:
+        raise ValueError(f"{name}={splits} must be >= 1")
+    per_split = cdiv(steps, min(splits, steps))
+    return cdiv(steps, per_split), per_split
+
+
 def gemm_tuning(
     k: int,
     n: int,
@@ -148,13 +161,7 @@ def gemm_tuning(
     if block_n is None:
         block_n = max([b for b in BLOCK_NS if n % b == 0], default=BLOCK_N)
     check_knobs(block_k, **{f"{knob_prefix}block_n": (block_n, n)})
-    steps = cdiv(k, block_k)
-    if splits is None:
-        splits = max(1, target_ctas // (n // block_n))
-    if splits < 1:
-        raise ValueError(f"{knob_prefix}splits={splits} must be >= 1")
-    per_split = cdiv(steps, min(splits, steps))
-    splits = cdiv(steps, per_split)
+    splits, per_split = split_k(cdiv(k, block_k), n // block_n, splits, target_ctas, f"{knob_prefix}splits")
     per_stage = stage_bytes(block_k, block_n, 1, itemsize)
     stages = fit_stages(per_stage, A_ROWS * block_n * 4, per_split, stages, f"{knob_prefix}stages")
     return GemmTuning(int(block_k), int(splits), int(per_split), int(stages), int(block_n))

@@ -2,10 +2,10 @@
 Mosaic GPU): issue 36's next decode GEMM, measured by ``benchmarks/decode_gemm.py`` (``mgpu_t``)
 before any engine wiring.
 
-``benchmarks/weight_stream.py`` (run 44, H100) read Ouro-1.4B's MLP weights in one launch in ~25
-us, where ``decode_gemm_mgpu`` / ``decode_mlp_mgpu`` take 29.4-30.1 us and XLA's GEMMs 27.6: the
-kernels, not the memory, lose the difference. In that probe shallow rings and a refill after each
-step's wgmma cost 1-4 us. This kernel removes both:
+One launch can read a decode layer's weights at the copy's bandwidth
+(``benchmarks/weight_stream.py``); ``decode_gemm_mgpu`` and ``decode_mlp_mgpu`` do not, and in
+that benchmark shallow rings and a refill after each step's wgmma are what cost time
+(docs/roadmap.md, "Run 44", has the figures). This kernel has neither:
 
 * ``y^T = w^T x^T``: a weight tile ``[block_k, block_n]``, read through a transposed view, is
   wgmma's 64-row A operand (16-bit types allow a transposed A) and the ``R`` rows of ``x`` (8 or
@@ -21,7 +21,8 @@ step's wgmma cost 1-4 us. This kernel removes both:
   about one CTA an SM. Each CTA stores its f32 partial ``y^T`` block into ``[splits, N, R]``; the
   wrapper hands back ``[splits, M, N]`` (a transposed view that XLA fuses, with the split sum,
   into the consumer) or the sum. That transpose-and-sum is what the skinny GEMM lost to in the
-  engine (run 26, decisions.md): measure the consumer's fusion too.
+  engine (docs/decisions.md, "Mosaic GPU paths for small decode buckets"): measure the consumer's
+  fusion too.
 
 K and N must be multiples of 64 (whole swizzle atoms of the TMA tiles). :func:`decode_gemm_t_reference`
 is the jnp twin: the same split decomposition, exact f32 sums of products (``decode_gemm_mgpu``'s
@@ -48,7 +49,9 @@ from pallas_kernels.decode_gemm_mgpu import (
     ROW_GROUP,
     SMEM_LIMIT,
     cdiv,
+    check_knobs,
     check_operands,
+    split_k,
     split_products,
     swizzled,
 )
@@ -91,16 +94,9 @@ def t_tuning(
     many weight tiles as fit with x's slices (in half an SM's shared memory where the CTAs
     outnumber the SMs), at most ``MAX_STAGES``, cut to a split's steps."""
     block_k = 128 if block_k is None else block_k
-    if block_k < 64 or block_k % 64:
-        raise ValueError(f"block_k={block_k} must be a positive multiple of 64 (128-byte swizzle atoms)")
+    check_knobs(block_k)
     rows = cdiv(m, ROW_GROUP) * ROW_GROUP
-    steps = cdiv(k, block_k)
-    if splits is None:
-        splits = max(1, NUM_SMS // (n // BLOCK_N))
-    if splits < 1:
-        raise ValueError(f"splits={splits} must be >= 1")
-    per_split = cdiv(steps, min(splits, steps))
-    splits = cdiv(steps, per_split)
+    splits, per_split = split_k(cdiv(k, block_k), n // BLOCK_N, splits, NUM_SMS)
     fixed = per_split * rows * block_k * itemsize + BLOCK_N * rows * 4
     tile = block_k * BLOCK_N * itemsize
     if stages is None:
