@@ -21,6 +21,7 @@ run. Every ``mgpu`` record first checks one pass over the layers against ``xla``
     python -m benchmarks.decode_gemm                      # rows 1 / 8 / 16, the kernels' defaults
     python -m benchmarks.decode_gemm --sweep --out DIR    # and the knobs around them, at 8 rows
     python -m benchmarks.decode_gemm --profile            # each chain's kernels traced too
+    python -m benchmarks.decode_gemm --paths xla mgpu_t   # some of the paths only
 
 ``--profile``: one more call of each timed chain under the profiler; its record carries
 ``kernels``, a layer's kernels by name (``us_per_layer``, ``count_per_layer``), and their sum
@@ -200,11 +201,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--sweep", action="store_true", help="also the kernel knobs around the defaults")
     ap.add_argument("--sweep-rows", nargs="*", type=int, default=[8], help="the rows the sweep runs at")
     ap.add_argument("--profile", action="store_true", help="trace each chain's kernels too")
+    ap.add_argument("--paths", nargs="*", choices=PATHS, default=list(PATHS), help="the paths timed")
     ap.add_argument("--out", default=".")
     a = ap.parse_args(argv)
     config = get_preset(a.preset)
     ceil = ceilings.measure(quick=True)
-    paths = list(PATHS) if dispatch.hopper_available() else ["xla"]
+    paths = a.paths if dispatch.hopper_available() else [p for p in a.paths if p == "xla"]
     records = []
     for block in a.blocks:
         weights = block_weights(block, config, a.layers or config.num_hidden_layers)
