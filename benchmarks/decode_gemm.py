@@ -5,12 +5,10 @@ Two blocks of a decode layer, each chained over ``n`` layers in one jit with wha
 * ``mlp``: the pre-MLP RMSNorm, the MLP, the post-MLP RMSNorm and the residual add. ``xla`` is the
   model's ``OuroMLP`` (gate/up GEMM, SiLU x up, down GEMM, with XLA's split-K reduces); ``mgpu`` is
   ``pallas_kernels.decode_mlp_mgpu`` (two launches; the down projection's split sum goes into the
-  post-MLP norm's fusion); ``mgpu_t`` runs gate/up and down on ``pallas_kernels.decode_gemm_t_mgpu``
-  (``y^T = w^T x^T``, ``x`` resident, a weight-only ring), SiLU x up and the split sums in XLA.
+  post-MLP norm's fusion).
 * ``attn_proj``: the pre-attention RMSNorm, the fused Q/K/V projection, the O projection of its Q
   part (the attention itself left out: it is not a GEMM), the post-attention RMSNorm and the
-  residual add. ``mgpu`` runs both projections with ``pallas_kernels.decode_gemm_mgpu``, ``mgpu_t``
-  with ``pallas_kernels.decode_gemm_t_mgpu``.
+  residual add. ``mgpu`` runs both projections with ``pallas_kernels.decode_gemm_mgpu``.
 
 Each layer has its own weights (the preset's layers, cycled: Ouro-1.4B's 24 MLPs are 1.66 GB, far
 past the L2). A layer is ``(t(2n) - t(n)) / n`` (``benchmarks/timing.py``: the jit's own launch
@@ -21,7 +19,7 @@ run. Every ``mgpu`` record first checks one pass over the layers against ``xla``
     python -m benchmarks.decode_gemm                      # rows 1 / 8 / 16, the kernels' defaults
     python -m benchmarks.decode_gemm --sweep --out DIR    # and the knobs around them, at 8 rows
     python -m benchmarks.decode_gemm --profile            # each chain's kernels traced too
-    python -m benchmarks.decode_gemm --paths xla mgpu_t   # some of the paths only
+    python -m benchmarks.decode_gemm --paths mgpu         # some of the paths only
 
 ``--profile``: one more call of each timed chain under the profiler; its record carries
 ``kernels``, a layer's kernels by name (``us_per_layer``, ``count_per_layer``), and their sum
@@ -49,13 +47,12 @@ from ouro_jax import get_preset
 from ouro_jax.model import OuroMLP
 from pallas_kernels import dispatch
 from pallas_kernels.decode_gemm_mgpu import decode_gemm_mgpu, gemm_tuning
-from pallas_kernels.decode_gemm_t_mgpu import decode_gemm_t_mgpu
 from pallas_kernels.decode_mlp_mgpu import decode_mlp_mgpu, mlp_tuning
 
 __all__ = ["BLOCKS", "block_weights", "main", "sweep_knobs", "time_chain"]
 
 BLOCKS = ("mlp", "attn_proj")
-PATHS = ("xla", "mgpu", "mgpu_t")  # the Mosaic GPU paths run on a Hopper GPU only
+PATHS = ("xla", "mgpu")  # the Mosaic GPU paths run on a Hopper GPU only
 EPS = 1e-6
 
 
@@ -87,15 +84,6 @@ def _block_fn(block: str, path: str, config, knobs: dict):
     if block == "mlp":
         if path == "mgpu":
             return functools.partial(decode_mlp_mgpu, **knobs)
-        if path == "mgpu_t":
-
-            def mlp_t(h, w_gu, w_d):
-                d, _, inter = w_gu.shape
-                y = decode_gemm_t_mgpu(h, w_gu.reshape(d, 2 * inter), **knobs.get("gate_up", {}))
-                a = (jax.nn.silu(y[:, :inter]) * y[:, inter:]).astype(h.dtype)
-                return decode_gemm_t_mgpu(a, w_d, **knobs.get("down", {}))
-
-            return mlp_t
         module = OuroMLP(config, jnp.bfloat16, fused=True)
 
         def mlp(h, w_gu, w_d):
@@ -107,9 +95,8 @@ def _block_fn(block: str, path: str, config, knobs: dict):
 
     def attn_proj(h, w_qkv, w_o):
         if path != "xla":
-            gemm = decode_gemm_mgpu if path == "mgpu" else decode_gemm_t_mgpu
-            qkv = gemm(h, w_qkv, **knobs.get("qkv", {}))
-            return gemm(qkv[:, :dq].astype(h.dtype), w_o, **knobs.get("o", {}))
+            qkv = decode_gemm_mgpu(h, w_qkv, **knobs.get("qkv", {}))
+            return decode_gemm_mgpu(qkv[:, :dq].astype(h.dtype), w_o, **knobs.get("o", {}))
         return jnp.dot(jnp.dot(h, w_qkv)[:, :dq], w_o).astype(jnp.float32)
 
     return attn_proj
@@ -160,15 +147,9 @@ def profile_chain(block, path, config, weights, rows: int, knobs: dict, n: int) 
     ]
 
 
-def sweep_knobs(block: str, config, path: str = "mgpu") -> list[dict]:
+def sweep_knobs(block: str, config) -> list[dict]:
     """The defaults first, then the knobs around them."""
     d, inter = config.hidden_size, config.intermediate_size
-    if path == "mgpu_t":  # ring depth, step, splits (gate/up: 176 CTAs, two an SM by default)
-        if block == "attn_proj":
-            out = [{}, dict(qkv=dict(splits=2)), dict(o=dict(splits=2)), dict(o=dict(splits=8))]
-            return out + [dict(qkv=dict(block_k=64), o=dict(block_k=64)), dict(qkv=dict(stages=4))]
-        out = [{}, dict(gate_up=dict(stages=2)), dict(gate_up=dict(stages=8)), dict(down=dict(splits=2))]
-        return out + [dict(down=dict(splits=8)), dict(gate_up=dict(block_k=64), down=dict(block_k=64))]
     if block == "attn_proj":
         o = gemm_tuning(config.num_attention_heads * config.head_dim, d)
         out = [{}]
@@ -215,7 +196,7 @@ def main(argv=None) -> dict:
         for rows in a.rows:
             for path in paths:
                 sweep = path != "xla" and a.sweep and rows in a.sweep_rows
-                for knobs in sweep_knobs(block, config, path) if sweep else [{}]:
+                for knobs in sweep_knobs(block, config) if sweep else [{}]:
                     rec = dict(block=block, path=path, rows=rows, knobs=knobs, floor_us=floor_s * 1e6)
                     try:
                         if path != "xla":

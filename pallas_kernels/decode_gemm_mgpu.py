@@ -262,11 +262,9 @@ def pad_rows(x):
     return x if r == m else jnp.pad(x, ((0, r - m), (0, 0)))
 
 
-def check_operands(x, w, *, kernel: bool, why_not=None, name: str = "decode_gemm_mgpu") -> tuple[int, int, int]:
-    """``(M, K, N)`` of ``x [M, K] @ w [K, *out]``, or ``ValueError`` saying why ``name`` cannot
-    take them (``why_not(dtype, m, k, n)``: the kernel's ``supported``; the twin, ``kernel=False``,
-    is checked as bf16 and so also takes float32)."""
-    why_not = supported if why_not is None else why_not
+def check_operands(x, w, *, kernel: bool) -> tuple[int, int, int]:
+    """``(M, K, N)`` of ``x [M, K] @ w [K, *out]``, or ``ValueError`` saying why the kernel cannot
+    take them (the twin, ``kernel=False``, is checked as bf16 and so also takes float32)."""
     if x.ndim != 2 or w.ndim < 2:
         raise ValueError(f"x must be [M, K] and w [K, *out], got {x.shape} and {w.shape}")
     m, k = x.shape
@@ -277,9 +275,9 @@ def check_operands(x, w, *, kernel: bool, why_not=None, name: str = "decode_gemm
     n = 1
     for s in w.shape[1:]:
         n *= s
-    why = why_not(x.dtype if kernel else jnp.bfloat16, m, k, n)
+    why = supported(x.dtype if kernel else jnp.bfloat16, m, k, n)
     if why is not None:
-        raise ValueError(f"{name} cannot serve {why}")
+        raise ValueError(f"decode_gemm_mgpu cannot serve {why}")
     return m, k, n
 
 

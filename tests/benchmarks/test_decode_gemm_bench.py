@@ -24,25 +24,10 @@ def test_cpu_run_times_the_xla_chains(tmp_path):
 
 
 @pytest.mark.parametrize("block", decode_gemm.BLOCKS)
-@pytest.mark.parametrize("path", ["mgpu", "mgpu_t"])
-def test_sweep_starts_at_the_defaults_and_repeats_none(block, path):
-    knobs = decode_gemm.sweep_knobs(block, get_preset("ouro-1.4b"), path)
+def test_sweep_starts_at_the_defaults_and_repeats_none(block):
+    knobs = decode_gemm.sweep_knobs(block, get_preset("ouro-1.4b"))
     assert knobs[0] == {} and len(knobs) > 5
     assert len({json.dumps(k, sort_keys=True) for k in knobs}) == len(knobs)
-
-
-def test_transposed_sweep_tunes():
-    """Every knob set of the ``mgpu_t`` sweeps tunes at Ouro-1.4B's shapes (8 and 16 rows)."""
-    from pallas_kernels.decode_gemm_t_mgpu import t_tuning
-
-    c = get_preset("ouro-1.4b")
-    d, inter, dq = c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim
-    shapes = {"gate_up": (d, 2 * inter), "down": (inter, d), "qkv": (d, 3 * dq), "o": (dq, d)}
-    for block in decode_gemm.BLOCKS:
-        for knobs in decode_gemm.sweep_knobs(block, c, "mgpu_t"):
-            for name, kn in knobs.items():
-                for rows in (8, 16):
-                    t_tuning(rows, *shapes[name], **kn)
 
 
 def test_report_section(tmp_path):
