@@ -34,6 +34,10 @@ moved by 2x between runs, run 38) and ``device_us`` / ``device_gbps``. Writes
 DIR/attention_decode_buckets_<R>[_<R2>].json (and .png), also copied to benchmarks/results/,
 instead of the sweep's files.
 
+``--decode-knobs`` (with ``--decode-bucket``, GPU): each record also holds ``knobs``, the
+kernels' device time at each of ``DECODE_KNOBS`` (split size, programs, pipeline, block and warps)
+and its largest difference from the defaults' output.
+
 Mosaic tuning mode (``--mgpu-tune``, Hopper only): the Mosaic kernel's pipeline (``block_kv`` x
 steps in flight) on the segment shapes wavefront and split invocations emit (``MGPU_TUNE_SHAPES``),
 each against one read of its K/V and its causal FLOPs. Writes DIR/attention_mgpu_tune.json
@@ -41,7 +45,7 @@ each against one read of its K/V and its causal FLOPs. Writes DIR/attention_mgpu
 
 Usage: PYTHONPATH=. python3 benchmarks/attention_sweep.py [--out DIR] [--quick] [--tune] [--mgpu-tune]
        [--decode-rows 1,8,32,128 --decode-ctx 512,1024,2048,4096,8192 --no-prefill]
-       [--decode-bucket 8,16 --decode-rows 1,2,4,8,16 --decode-ctx 1024,4096]
+       [--decode-bucket 8,16 --decode-rows 1,2,4,8,16 --decode-ctx 1024,4096 [--decode-knobs]]
 Writes DIR/attention_sweep.json (and .png), also copied to benchmarks/results/.
 """
 
@@ -609,7 +613,7 @@ def bucket_case(key, bucket, active, ctx):
     return c
 
 
-def run_bucket(bucket, active, ctx, *, key, reps):
+def run_bucket(bucket, active, ctx, *, key, reps, knobs=False):
     c = bucket_case(key, bucket, active, ctx)
     args = (c["q"], c["k"], c["v"], c["seg"]["q_start"], c["seg"]["q_len"], c["seg"]["ctx_len"], c["seg"]["tables"])
     n_calls = max(c["layers"], 16)
@@ -641,22 +645,68 @@ def run_bucket(bucket, active, ctx, *, key, reps):
             rec["device_gbps"] = kv_bytes / (rec["device_us"] * 1e-6) / 1e9
         except Exception as e:  # noqa: BLE001  (the record says so)
             rec["errors"]["kernel_us"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if knobs:
+            rec["knobs"] = bucket_knob_records(args, active, reps=max(reps, 20))
     del c, args, ref
     gc.collect()
     return rec
 
 
-def bucket_kernels_us(args, *, reps):
-    """Device time (us) of each kernel of one planned Triton call (attention, combine), by name."""
+# ``--decode-knobs``: the Triton kernel's knobs around a decode bucket's defaults. Run 45's context
+# sweep (docs/roadmap.md) put ~4-5 us of each one-row call in fixed cost (launch, the plan -> block
+# table -> K/V chain, the combine launch): which knobs move it.
+DECODE_KNOBS = (
+    dict(min_split_tokens=64),
+    dict(min_split_tokens=256),
+    dict(min_split_tokens=1024),
+    dict(min_split_tokens=8192),  # one item a row: no partials, the combine only copies
+    dict(target_programs=256),
+    dict(target_programs=2048),
+    dict(num_stages=2),
+    dict(num_stages=4),
+    dict(block_k=32),
+    dict(block_k=128),
+    dict(num_warps=8),
+)
+
+
+def _planned_call(args, knobs: dict):
+    """``(fn, fn's args)``: one Triton call with its plan built once outside, at ``knobs``."""
     q, k, v, qs, ql, cl, bt = args
-    t = default_tuning(q.shape[0], ql.shape[0], H, KVH, HD)
+    t = default_tuning(q.shape[0], ql.shape[0], H, KVH, HD, **knobs)
     plan = jax.jit(lambda *a: make_plan(*a, num_rows=q.shape[0], num_q_per_kv=H // KVH, tuning=t))(qs, ql, cl)
 
     @jax.jit
     def one(q, k, v, plan, qs, ql, cl, bt):
-        return ragged_paged_attention(q, k, v, qs, ql, cl, bt, layer=jnp.int32(0), sm_scale=SCALE, plan=plan)
+        return ragged_paged_attention(q, k, v, qs, ql, cl, bt, layer=jnp.int32(0), sm_scale=SCALE, plan=plan, **knobs)
 
-    return kernels_us(one, q, k, v, plan, qs, ql, cl, bt, iters=reps)
+    return one, (q, k, v, plan, qs, ql, cl, bt)
+
+
+def bucket_kernels_us(args, *, reps, knobs=None):
+    """Device time (us) of each kernel of one planned Triton call (attention, combine), by name."""
+    one, call_args = _planned_call(args, knobs or {})
+    return kernels_us(one, *call_args, iters=reps)
+
+
+def bucket_knob_records(args, active: int, *, reps) -> list[dict]:
+    """Each of ``DECODE_KNOBS``: its kernels' device time and its largest difference from the
+    defaults' output on the active rows (knobs change the order of accumulation only)."""
+    base_fn, base_args = _planned_call(args, {})
+    base = np.asarray(base_fn(*base_args)[:active].astype(jnp.float32))
+    out = []
+    for knobs in DECODE_KNOBS:
+        rec = dict(knobs=knobs)
+        try:
+            one, call_args = _planned_call(args, knobs)
+            got = np.asarray(one(*call_args)[:active].astype(jnp.float32))
+            rec["max_abs_diff"] = float(np.abs(got - base).max())
+            rec["kernel_us"] = kernels_us(one, *call_args, iters=reps)
+            rec["device_us"] = sum(rec["kernel_us"].values())
+        except Exception as e:  # noqa: BLE001  (the record says so)
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out.append(rec)
+    return out
 
 
 def plot_buckets(records, path):
@@ -715,7 +765,7 @@ def bucket_main(args, key, reps, dev, t_start):
     for b, a, c in todo:
         t0 = time.time()
         try:
-            rec = run_bucket(b, a, c, key=key, reps=reps)
+            rec = run_bucket(b, a, c, key=key, reps=reps, knobs=args.decode_knobs)
         except Exception as e:  # noqa: BLE001
             log(f"bucket {b} active {a} @{c} FAILED: {type(e).__name__}: {str(e)[:500]}")
             traceback.print_exc()
@@ -752,6 +802,9 @@ def main():
     ap.add_argument("--no-prefill", action="store_true", help="decode shapes only")
     ap.add_argument(
         "--decode-bucket", type=ints, default=None, help="bucket mode: active rows (--decode-rows) in buckets of R rows"
+    )
+    ap.add_argument(
+        "--decode-knobs", action="store_true", help="bucket mode, GPU: also each of DECODE_KNOBS' device time"
     )
     args = ap.parse_args()
     global INTERPRET, SMOKE

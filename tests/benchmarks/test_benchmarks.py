@@ -521,3 +521,15 @@ def test_startup_record_names_long_segment_variants():
     key = BucketKey(R=1024, S=1024, C=128, F=384, MB=512)
     labels = [run._key_label(k) for k in (key, key._replace(M=32), (key, 4), SamplerKey(8))]
     assert labels == ["1024", "1024 long", "fused 1024x4", "sampler 8"]
+
+
+def test_decode_knobs_each_change_a_decode_buckets_tuning():
+    """``attention_sweep --decode-knobs``: every knob set is accepted at an 8-row decode bucket,
+    moves the tuning off the defaults, and none repeats another."""
+    from benchmarks.attention_sweep import DECODE_KNOBS, HD, KVH, H
+    from pallas_kernels.ragged_paged_attention import default_tuning
+
+    base = default_tuning(8, 8, H, KVH, HD)
+    tunings = [default_tuning(8, 8, H, KVH, HD, **knobs) for knobs in DECODE_KNOBS]
+    assert all(t != base for t in tunings)
+    assert len(set(tunings)) == len(tunings)
