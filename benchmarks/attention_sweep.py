@@ -36,7 +36,8 @@ instead of the sweep's files.
 
 ``--decode-knobs`` (with ``--decode-bucket``, GPU): each record also holds ``knobs``, the
 kernels' device time at each of ``DECODE_KNOBS`` (split size, programs, pipeline, block and warps)
-and its largest difference from the defaults' output.
+and its largest difference from the defaults' output, and ``empty_launch_us``: launches of the
+same two grids that read nothing (what is launch, what is the chain of dependent reads).
 
 Mosaic tuning mode (``--mgpu-tune``, Hopper only): the Mosaic kernel's pipeline (``block_kv`` x
 steps in flight) on the segment shapes wavefront and split invocations emit (``MGPU_TUNE_SHAPES``),
@@ -66,6 +67,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import triton as pl_triton  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks import ceilings as ceilings_mod  # noqa: E402
@@ -73,8 +76,10 @@ from benchmarks.timing import kernels_us, per_call_s  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (
+    combine_heads,
     default_tuning,
     make_plan,  # noqa: E402
+    programs_per_kv_head,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
@@ -647,6 +652,10 @@ def run_bucket(bucket, active, ctx, *, key, reps, knobs=False):
             rec["errors"]["kernel_us"] = f"{type(e).__name__}: {str(e)[:300]}"
         if knobs:
             rec["knobs"] = bucket_knob_records(args, active, reps=max(reps, 20))
+            try:
+                rec["empty_launch_us"] = kernels_us(empty_launches(args), iters=max(reps, 20))
+            except Exception as e:  # noqa: BLE001  (the record says so)
+                rec["errors"]["empty_launch_us"] = f"{type(e).__name__}: {str(e)[:300]}"
     del c, args, ref
     gc.collect()
     return rec
@@ -687,6 +696,37 @@ def bucket_kernels_us(args, *, reps):
     """Device time (us) of each kernel of one planned Triton call (attention, combine), by name."""
     one, call_args = _planned_call(args, {})
     return kernels_us(one, *call_args, iters=reps)
+
+
+def empty_launches(args, *, interpret: bool = False):
+    """A jitted call of two Triton launches that only write a zero row a program, one on the
+    defaults' kernel-1 grid ``(programs, KV heads)`` and one on the combine's: what a call costs
+    before it reads anything (``--decode-knobs`` records their device time as ``empty_launch_us``)."""
+    q, _, _, _, ql, _, _ = args
+    rows = q.shape[0]
+    t = default_tuning(rows, ql.shape[0], H, KVH, HD)
+    plan = _planned_call(args, {})[1][3]
+    grids = {
+        "empty_attention_grid": ((programs_per_kv_head(plan.items.shape[0], KVH, t.max_programs), KVH), t.num_warps),
+        "empty_combine_grid": ((rows, -(-H // combine_heads(rows, H))), t.combine_warps),
+    }
+
+    def zero(o_ref):
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    def launch(name):
+        grid, warps = grids[name]
+        return pl.pallas_call(
+            zero,
+            grid=grid,
+            out_specs=pl.BlockSpec((None, None, 16), lambda i, j: (i, j, 0)),
+            out_shape=jax.ShapeDtypeStruct((*grid, 16), jnp.float32),
+            compiler_params=pl_triton.CompilerParams(num_warps=warps, num_stages=1),
+            interpret=interpret,
+            name=name,
+        )()
+
+    return jax.jit(lambda: tuple(launch(name) for name in grids))
 
 
 def bucket_knob_records(args, active: int, *, reps) -> list[dict]:

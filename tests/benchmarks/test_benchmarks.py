@@ -533,3 +533,18 @@ def test_decode_knobs_each_change_a_decode_buckets_tuning():
     tunings = [default_tuning(8, 8, H, KVH, HD, **knobs) for knobs in DECODE_KNOBS]
     assert all(t != base for t in tunings)
     assert len(set(tunings)) == len(tunings)
+
+
+def test_empty_launches_take_the_decode_calls_grids():
+    """``--decode-knobs``' launch baseline: one zero row a program on kernel 1's grid (the plan's
+    items x KV heads, 40 x 16 at an 8-row bucket) and on the combine's (rows x head groups)."""
+    import jax
+
+    from benchmarks import attention_sweep as sweep
+
+    c = sweep.bucket_case(jax.random.PRNGKey(0), 8, 1, 256)
+    seg = c["seg"]
+    args = (c["q"], c["k"], c["v"], seg["q_start"], seg["q_len"], seg["ctx_len"], seg["tables"])
+    attn, combine = sweep.empty_launches(args, interpret=True)()
+    assert attn.shape == (40, sweep.KVH, 16) and combine.shape == (8, sweep.H, 16)
+    assert not np.asarray(attn).any() and not np.asarray(combine).any()
