@@ -687,7 +687,9 @@ def _planned_call(args, knobs: dict):
 
     @jax.jit
     def one(q, k, v, plan, qs, ql, cl, bt):
-        return ragged_paged_attention(q, k, v, qs, ql, cl, bt, layer=jnp.int32(0), sm_scale=SCALE, plan=plan, **knobs)
+        return ragged_paged_attention(
+            q, k, v, qs, ql, cl, bt, layer=jnp.int32(0), sm_scale=SCALE, plan=plan, interpret=INTERPRET, **knobs
+        )
 
     return one, (q, k, v, plan, qs, ql, cl, bt)
 
@@ -729,9 +731,10 @@ def empty_launches(args, *, interpret: bool = False):
     return jax.jit(lambda: tuple(launch(name) for name in grids))
 
 
-def bucket_knob_records(args, active: int, *, reps) -> list[dict]:
-    """Each of ``DECODE_KNOBS``: its kernels' device time and its largest difference from the
-    defaults' output on the active rows (knobs change the order of accumulation only)."""
+def bucket_knob_records(args, active: int, *, reps, timed: bool = True) -> list[dict]:
+    """Each of ``DECODE_KNOBS``: its kernels' device time (``timed``: CUPTI, GPU only) and its
+    largest difference from the defaults' output on the active rows (knobs change the order of
+    accumulation only)."""
     base_fn, base_args = _planned_call(args, {})
     base = np.asarray(base_fn(*base_args)[:active].astype(jnp.float32))
     out = []
@@ -741,8 +744,9 @@ def bucket_knob_records(args, active: int, *, reps) -> list[dict]:
             one, call_args = _planned_call(args, knobs)
             got = np.asarray(one(*call_args)[:active].astype(jnp.float32))
             rec["max_abs_diff"] = float(np.abs(got - base).max())
-            rec["kernel_us"] = kernels_us(one, *call_args, iters=reps)
-            rec["device_us"] = sum(rec["kernel_us"].values())
+            if timed:
+                rec["kernel_us"] = kernels_us(one, *call_args, iters=reps)
+                rec["device_us"] = sum(rec["kernel_us"].values())
         except Exception as e:  # noqa: BLE001  (the record says so)
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         out.append(rec)
