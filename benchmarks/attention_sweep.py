@@ -618,9 +618,15 @@ def bucket_case(key, bucket, active, ctx):
     return c
 
 
+def call_args(c) -> tuple:
+    """A case's arguments of one attention call: ``(q, k, v, q_start, q_len, ctx_len, tables)``."""
+    seg = c["seg"]
+    return (c["q"], c["k"], c["v"], seg["q_start"], seg["q_len"], seg["ctx_len"], seg["tables"])
+
+
 def run_bucket(bucket, active, ctx, *, key, reps, knobs=False):
     c = bucket_case(key, bucket, active, ctx)
-    args = (c["q"], c["k"], c["v"], c["seg"]["q_start"], c["seg"]["q_len"], c["seg"]["ctx_len"], c["seg"]["tables"])
+    args = call_args(c)
     n_calls = max(c["layers"], 16)
     kv_bytes = active * ctx * KV_TOKEN_BYTES
     rec = dict(

@@ -542,9 +542,7 @@ def test_empty_launches_take_the_decode_calls_grids():
 
     from benchmarks import attention_sweep as sweep
 
-    c = sweep.bucket_case(jax.random.PRNGKey(0), 8, 1, 256)
-    seg = c["seg"]
-    args = (c["q"], c["k"], c["v"], seg["q_start"], seg["q_len"], seg["ctx_len"], seg["tables"])
+    args = sweep.call_args(sweep.bucket_case(jax.random.PRNGKey(0), 8, 1, 256))
     attn, combine = sweep.empty_launches(args, interpret=True)()
     assert attn.shape == (40, sweep.KVH, 16) and combine.shape == (8, sweep.H, 16)
     assert not np.asarray(attn).any() and not np.asarray(combine).any()
@@ -558,9 +556,7 @@ def test_decode_knob_records_agree_with_the_defaults(monkeypatch):
     from benchmarks import attention_sweep as sweep
 
     monkeypatch.setattr(sweep, "INTERPRET", True)
-    c = sweep.bucket_case(jax.random.PRNGKey(0), 8, 1, 200)
-    seg = c["seg"]
-    args = (c["q"], c["k"], c["v"], seg["q_start"], seg["q_len"], seg["ctx_len"], seg["tables"])
+    args = sweep.call_args(sweep.bucket_case(jax.random.PRNGKey(0), 8, 1, 200))
     recs = sweep.bucket_knob_records(args, 1, reps=1, timed=False)
     assert [r["knobs"] for r in recs] == list(sweep.DECODE_KNOBS)
     for rec in recs:
