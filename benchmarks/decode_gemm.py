@@ -219,9 +219,10 @@ def main(argv=None) -> dict:
         ceilings=ceil,
         records=records,
     )
+    from benchmarks.run import save_json
+
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "decode_gemm.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(out, os.path.join(a.out, "decode_gemm.json"))
     return out
 
 

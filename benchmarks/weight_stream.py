@@ -187,9 +187,10 @@ def main(argv=None) -> dict | None:
         print(json.dumps(rec), flush=True)
     out = dict(benchmark="weight_stream", device=jax.devices()[0].device_kind, shape=a.shape, bytes=nbytes)
     out["records"] = records
+    from benchmarks.run import save_json
+
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "weight_stream.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(out, os.path.join(a.out, "weight_stream.json"))
     return out
 
 

@@ -38,11 +38,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 __all__ = [
     "MAX_ROWS",
     "GemmTuning",
-    "check_operands",
     "decode_gemm_mgpu",
     "decode_gemm_reference",
     "gemm_tuning",
-    "split_k",
     "supported",
 ]
 
@@ -126,18 +124,6 @@ class GemmTuning:
         return self.stages * stage_bytes(self.block_k, self.block_n, 1, itemsize) + A_ROWS * self.block_n * 4
 
 
-def split_k(steps: int, column_blocks: int, splits: int | None, target_ctas: int, name: str = "splits"):
-    """``(splits, steps_per_split)`` of a K loop of ``steps``: ``splits`` given, else enough that
-    ``column_blocks`` x splits reach ``target_ctas``; cut to the steps and normalised so that no
-    split is empty (the last may own fewer steps). ``ValueError`` for fewer than one."""
-    if splits is None:
-        splits = max(1, target_ctas // column_blocks)
-    if splits < 1:
-        raise ValueError(f"{name}={splits} must be >= 1")
-    per_split = cdiv(steps, min(splits, steps))
-    return cdiv(steps, per_split), per_split
-
-
 def gemm_tuning(
     k: int,
     n: int,
@@ -161,7 +147,13 @@ def gemm_tuning(
     if block_n is None:
         block_n = max([b for b in BLOCK_NS if n % b == 0], default=BLOCK_N)
     check_knobs(block_k, **{f"{knob_prefix}block_n": (block_n, n)})
-    splits, per_split = split_k(cdiv(k, block_k), n // block_n, splits, target_ctas, f"{knob_prefix}splits")
+    steps = cdiv(k, block_k)
+    if splits is None:
+        splits = max(1, target_ctas // (n // block_n))
+    if splits < 1:
+        raise ValueError(f"{knob_prefix}splits={splits} must be >= 1")
+    per_split = cdiv(steps, min(splits, steps))
+    splits = cdiv(steps, per_split)
     per_stage = stage_bytes(block_k, block_n, 1, itemsize)
     stages = fit_stages(per_stage, A_ROWS * block_n * 4, per_split, stages, f"{knob_prefix}stages")
     return GemmTuning(int(block_k), int(splits), int(per_split), int(stages), int(block_n))
@@ -262,9 +254,7 @@ def pad_rows(x):
     return x if r == m else jnp.pad(x, ((0, r - m), (0, 0)))
 
 
-def check_operands(x, w, *, kernel: bool) -> tuple[int, int, int]:
-    """``(M, K, N)`` of ``x [M, K] @ w [K, *out]``, or ``ValueError`` saying why the kernel cannot
-    take them (the twin, ``kernel=False``, is checked as bf16 and so also takes float32)."""
+def _check(x, w, *, kernel: bool) -> tuple[int, int, int]:
     if x.ndim != 2 or w.ndim < 2:
         raise ValueError(f"x must be [M, K] and w [K, *out], got {x.shape} and {w.shape}")
     m, k = x.shape
@@ -294,7 +284,7 @@ _STATIC = ("block_k", "splits", "stages", "block_n", "reduce")
 def decode_gemm_mgpu(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True):
     """``x [M, K] @ w [K, *out]`` (module docstring). ``reduce=True``: ``[M, *out]`` in float32;
     ``reduce=False``: the f32 partials ``[splits, M, *out]`` of the K splits (their sum is the product)."""
-    m, k, n = check_operands(x, w, kernel=True)
+    m, k, n = _check(x, w, kernel=True)
     t = gemm_tuning(k, n, x.dtype.itemsize, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
     return _finish(gemm_call(pad_rows(x), w.reshape(k, n), t), m, w.shape[1:], reduce)
 
@@ -315,6 +305,6 @@ def split_products(x, w, t: GemmTuning):
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_gemm_reference(x, w, *, block_k=None, splits=None, stages=None, block_n=None, reduce=True):
     """jnp twin of :func:`decode_gemm_mgpu` (same arguments and outputs). Also takes float32."""
-    m, k, n = check_operands(x, w, kernel=False)
+    m, k, n = _check(x, w, kernel=False)
     t = gemm_tuning(k, n, 2, block_k=block_k, splits=splits, stages=stages, block_n=block_n)
     return _finish(split_products(x, w.reshape(k, n), t), m, w.shape[1:], reduce)
