@@ -682,6 +682,9 @@ DECODE_KNOBS = (
     dict(block_k=32),
     dict(block_k=128),
     dict(num_warps=8),
+    dict(fused_combine=True),  # kernel 1's last item of a tile merges it: no combine launch
+    dict(fused_combine=True, min_split_tokens=64),
+    dict(fused_combine=True, target_programs=2048),
 )
 
 

@@ -94,6 +94,9 @@ class Tuning:
     prefetch: bool = True  # one-row path: load block j+1 while reducing block j
     combine_warps: int = 4
     max_programs: int = MAX_PROGRAMS  # kernel 1's grid cap (items x KV heads); beyond it programs loop
+    # split tiles merged by kernel 1's last item to finish (an atomic count a tile and KV head), no
+    # second launch (``_merge_if_last``)
+    fused_combine: bool = False
 
 
 def programs_per_kv_head(num_items: int, num_kv_heads: int, max_programs: int) -> int:
@@ -118,6 +121,7 @@ def default_tuning(
     target_programs=None,
     prefetch=None,
     max_programs=None,
+    fused_combine=None,
 ) -> Tuning:
     """Heuristic defaults for a bucket ``(R, S)``; any knob given overrides it.
 
@@ -170,6 +174,7 @@ def default_tuning(
         num_stages=int(num_stages),
         prefetch=bool(prefetch),
         max_programs=int(max_programs),
+        fused_combine=bool(fused_combine),
     )
 
 
@@ -321,23 +326,37 @@ def make_plan(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, num_q_per_k
 
 
 def _attn_kernel(
-    items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, *, num_programs: int | None, **kw
+    items_ref,
+    bt_ref,
+    layer_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    out_ref,
+    o_ref,
+    lse_ref,
+    rows_ref,
+    cnt_ref,
+    *,
+    num_programs: int | None,
+    **kw,
 ):
     """An empty work item (``n_split == 0``: padding past the plan's last item, or a tile of no
     rows) returns at once. Its partial output is never read (the combine reads only a row's own
     items) and its rows, if any, are covered by no segment. A hybrid bucket's Triton launch can be
     almost all such items, so they must cost nothing (docs/decisions.md, "Triton kernel tuning").
 
-    ``num_programs`` None: one program per item, partials through per-program blocks. Otherwise
+    ``num_programs`` None: one program per item, partials through per-program blocks (at ``[w, h]``
+    of the whole arrays with ``cnt_ref``, the fused combine: ``_merge_if_last``). Otherwise
     program ``p`` runs items ``p, p + num_programs, ...`` below the plan's real count (all real, in
     the same order of accumulation as one program each) and writes partials at ``[w, h]``."""
     p, h = pl.program_id(0), pl.program_id(1)  # outside the branch: interpret mode needs it there
-    args = (items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref)
+    args = (items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, rows_ref, cnt_ref)
     if num_programs is None:
 
         @pl.when(items_ref[p, 6] > 0)
         def _():
-            _attn_item(p, h, *args, part=(), **kw)
+            _attn_item(p, h, *args, part=() if cnt_ref is None else (p, h), **kw)
 
         return
 
@@ -361,6 +380,8 @@ def _attn_item(
     out_ref,
     o_ref,
     lse_ref,
+    rows_ref,
+    cnt_ref,
     *,
     part: tuple,
     g: int,
@@ -371,6 +392,7 @@ def _attn_item(
     scale_log2: float,
     precision,
     prefetch: bool,
+    interpret: bool,
 ):
     seg = items_ref[w, 0]
     row0 = items_ref[w, 1]
@@ -453,6 +475,9 @@ def _attn_item(
         def _():
             o_ref[(*part, 0, slice(None))] = o
             lse_ref[(*part, slice(None))] = jnp.full((1,), jnp.where(ok, m_i + jnp.log2(l_safe), NEG), jnp.float32)
+            if cnt_ref is not None:
+                merge = dict(g=1, m_valid=1, interpret=interpret)
+                _merge_if_last(w, h, items_ref, rows_ref, cnt_ref, o_ref, lse_ref, out_ref, **merge)
 
         return
 
@@ -504,6 +529,65 @@ def _attn_item(
     def _():
         o_ref[(*part, slice(None), slice(None))] = o
         lse_ref[(*part, slice(None))] = jnp.where(ok, m_i + jnp.log2(l_safe), NEG)
+        if cnt_ref is not None:
+            merge = dict(g=g, m_valid=m_valid, interpret=interpret)
+            _merge_if_last(w, h, items_ref, rows_ref, cnt_ref, o_ref, lse_ref, out_ref, **merge)
+
+
+def _merge_if_last(w, h, items_ref, rows_ref, cnt_ref, o_ref, lse_ref, out_ref, *, g: int, m_valid: int, interpret):
+    """The fused combine: item ``w``'s program has written its partials for KV head ``h``; it
+    counts itself in at ``(tile's first item, h)``, and the tile's last item to arrive merges the
+    tile's partials (just written, in L2) and writes its rows, so no second launch waits on
+    kernel 1. The merge walks the tile's real rows one by one (a decode tile has one of its
+    ``m_pad``), each row's items ``combine_chunk`` at a time.
+
+    The count is an acquire-release atomic at GPU scope after a CTA barrier: every thread's
+    partial stores are released before it, and the last program's reads come after it; the reads
+    are volatile (past L1, which may hold a neighbour's line from before it was written: jax 0.11.2
+    cannot lower the ``.cg`` modifier)."""
+    row0 = items_ref[w, 1]
+    first = rows_ref[row0, 0]
+    count = items_ref[w, 6]
+    if not interpret:  # interpret mode runs programs one by one (and has no barrier)
+        plgpu.debug_barrier()
+    arrived = plgpu.atomic_add(cnt_ref, (first, h), jnp.int32(1))
+
+    @pl.when(arrived == count - 1)
+    def _():
+        cnt_ref[first, h] = 0  # every counter is zero again at the end of the launch
+        head_dim = o_ref.shape[-1]
+        chunk = combine_chunk(1, head_dim)
+        jj = jnp.arange(chunk, dtype=jnp.int32)
+        dr = jnp.arange(head_dim, dtype=jnp.int32)
+        hh = jnp.full((chunk,), h, jnp.int32)
+
+        def row(m, carry):
+            mm = jnp.full((chunk,), m, jnp.int32)
+
+            def body(c, carry):
+                acc, m_i, l_i = carry
+                j = c * chunk + jj
+                j_ok = j < count
+                item = first + jnp.where(j_ok, j, 0)
+                lse = plgpu.load(lse_ref.at[item, hh, mm], mask=j_ok, other=NEG, volatile=True)  # [chunk]
+                o = plgpu.load(
+                    o_ref.at[item[:, None], hh[:, None], mm[:, None], dr[None, :]],
+                    mask=j_ok[:, None],
+                    other=0.0,
+                    volatile=True,
+                )  # [chunk, hd]
+                m_new = jnp.maximum(m_i, jnp.max(lse))
+                a = jnp.exp2(m_i - m_new)
+                b = jnp.where(j_ok, jnp.exp2(lse - m_new), 0.0)
+                return acc * a + jnp.sum(o * b[:, None], axis=0), m_new, l_i * a + jnp.sum(b)
+
+            init = (jnp.zeros((head_dim,), jnp.float32), jnp.float32(NEG), jnp.float32(0.0))
+            acc, _, l_i = lax.fori_loop(0, _cdiv(count, chunk), body, init)
+            out = jnp.where(l_i > 0, acc / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+            out_ref[row0 + lax.div(m, g), h * g + lax.rem(m, g), :] = out.astype(out_ref.dtype)
+            return carry
+
+        lax.fori_loop(0, jnp.minimum(items_ref[w, 2] * g, m_valid), row, jnp.int32(0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -623,6 +707,7 @@ def _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_bl
         "target_programs",
         "prefetch",
         "max_programs",
+        "fused_combine",
     ),
 )
 def ragged_paged_attention(
@@ -646,6 +731,7 @@ def ragged_paged_attention(
     target_programs=None,
     prefetch=None,
     max_programs=None,
+    fused_combine=None,
     plan: Plan | None = None,
     out=None,
 ):
@@ -680,6 +766,7 @@ def ragged_paged_attention(
         target_programs=target_programs,
         prefetch=prefetch,
         max_programs=max_programs,
+        fused_combine=fused_combine,
     )
     if plan is None:
         plan = make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=g, tuning=tuning)
@@ -730,6 +817,8 @@ def _launch(
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
     has_layer = layer is not None
 
+    fused = tuning.fused_combine
+    whole = looped or fused  # programs write each item's partials at [w, h] themselves
     kernel = functools.partial(
         _attn_kernel,
         g=g,
@@ -740,42 +829,56 @@ def _launch(
         scale_log2=float(sm_scale) * LOG2E,
         precision=precision,
         prefetch=tuning.prefetch,
+        interpret=interpret,
         num_programs=n_prog if looped else None,
     )
-    operands = [plan.items, seg_block_table.astype(jnp.int32)]
+    if fused and out is None:  # no combine to write the rows of no segment: they start as zeros
+        out = jnp.zeros_like(q)
+    inputs = dict(items=plan.items, bt=seg_block_table.astype(jnp.int32))
     if has_layer:
-        operands.append(jnp.asarray(layer, jnp.int32).reshape(1))
-    else:
-        kernel = functools.partial(_no_layer, kernel)
-    operands += [q, k_pages, v_pages]
-    aliases = {}
+        inputs["layer"] = jnp.asarray(layer, jnp.int32).reshape(1)
+    inputs.update(q=q, k=k_pages, v=v_pages)
     if out is not None:  # kernel 1 writes its one-item rows straight into it
-        aliases = {len(operands): 0}
-        operands.append(out)
-        kernel = functools.partial(_drop_input, kernel, len(operands) - 1)
-    out, o_part, lse_part = pl.pallas_call(
-        kernel,
-        grid=(n_prog, kvh),
-        out_specs=[
-            pl.BlockSpec(),  # whole array: rows are scattered by the kernel
-            # looped programs write each item's partials at [w, h] themselves
-            pl.BlockSpec() if looped else pl.BlockSpec((None, None, m_pad, head_dim), lambda w, h: (w, h, 0, 0)),
-            pl.BlockSpec() if looped else pl.BlockSpec((None, None, m_pad), lambda w, h: (w, h, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
+        inputs["out_in"] = out
+    if fused:  # a zero count for each (tile's first item, KV head)
+        inputs.update(rows=plan.rows, cnt_in=jnp.zeros((w_max, kvh), jnp.int32))
+    outputs = dict(
+        out=(pl.BlockSpec(), jax.ShapeDtypeStruct(q.shape, q.dtype)),  # whole array: rows are scattered
+        o=(
+            pl.BlockSpec() if whole else pl.BlockSpec((None, None, m_pad, head_dim), lambda w, h: (w, h, 0, 0)),
             jax.ShapeDtypeStruct((w_max, kvh, m_pad, head_dim), jnp.float32),
+        ),
+        lse=(
+            pl.BlockSpec() if whole else pl.BlockSpec((None, None, m_pad), lambda w, h: (w, h, 0)),
             jax.ShapeDtypeStruct((w_max, kvh, m_pad), jnp.float32),
-        ],
+        ),
+    )
+    if fused:
+        outputs["cnt"] = (pl.BlockSpec(), jax.ShapeDtypeStruct((w_max, kvh), jnp.int32))
+    names = list(inputs) + list(outputs)
+    aliases = {names.index(f"{k}_in"): list(outputs).index(k) for k in ("out", "cnt") if f"{k}_in" in inputs}
+
+    def entry(*refs):
+        ref = dict(zip(names, refs))
+        args = [ref.get(k) for k in ("items", "bt", "layer", "q", "k", "v", "out", "o", "lse", "rows", "cnt")]
+        kernel(*args)
+
+    out, o_part, lse_part, *_ = pl.pallas_call(
+        entry,
+        grid=(n_prog, kvh),
+        out_specs=[spec for spec, _ in outputs.values()],
+        out_shape=[shape for _, shape in outputs.values()],
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_bq{tuning.block_q}_bk{tuning.block_k}",
-    )(*operands)
+        name=f"ragged_paged_attention_bq{tuning.block_q}_bk{tuning.block_k}" + ("_fused" if fused else ""),
+    )(*inputs.values())
+    if fused:
+        return out
 
     heads = combine_heads(num_rows, num_heads)
     return pl.pallas_call(
-        functools.partial(_combine_kernel, g=g, num_heads=num_heads, heads=heads, keep=bool(aliases)),
+        functools.partial(_combine_kernel, g=g, num_heads=num_heads, heads=heads, keep="out_in" in inputs),
         grid=(num_rows, _cdiv(num_heads, heads)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         input_output_aliases={3: 0},
@@ -783,15 +886,6 @@ def _launch(
         interpret=interpret,
         name="ragged_paged_attention_combine",
     )(plan.rows, o_part, lse_part, out)
-
-
-def _drop_input(kernel, index, *refs):
-    """``kernel`` without its input ref ``index`` (an input aliased to its output, read through that)."""
-    return kernel(*refs[:index], *refs[index + 1 :])
-
-
-def _no_layer(kernel, items_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref):
-    return kernel(items_ref, bt_ref, None, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref)
 
 
 # ----------------------------------------------------------------------------------------------

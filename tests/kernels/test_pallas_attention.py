@@ -118,6 +118,7 @@ TUNINGS = st.fixed_dictionaries(
         extra_items=st.sampled_from([1, 3, 8]),
         prefetch=st.booleans(),
         max_programs=st.sampled_from([1, 5, MAX_PROGRAMS]),  # small caps: programs loop over items
+        fused_combine=st.booleans(),
     )
 )
 
@@ -147,6 +148,35 @@ def test_kernel_interpret_fixed_mixed_batch():
             ragged_paged_attention, b, 0.125, interpret=True, block_q=bq, block_k=16, min_split_tokens=16, extra_items=6
         )
         assert_close(got, want, b, np.float32, f"block_q={bq}")
+
+
+@pytest.mark.parametrize(
+    "h,kvh,bq,cap",
+    [
+        (4, 4, 1, None),  # MHA one-row path
+        (4, 4, 16, None),  # the engine's decode tiles (one row of 16)
+        (8, 2, 4, None),  # GQA tiles of several rows
+        pytest.param(8, 2, 4, 3, marks=pytest.mark.slow),  # looped programs
+    ],
+)
+def test_kernel_interpret_fused_combine(h, kvh, bq, cap):
+    """``fused_combine``: the last item of a split tile merges it inside kernel 1. Rows split into
+    more items than one merge chunk (a 300-token row in 16-token items: 19 items), decode and
+    prompt tiles, rows of no segment (zeros, or the caller's ``out`` kept): the same output as
+    the two-launch path and the reference."""
+    rng = np.random.default_rng(40 + h + bq)
+    specs = [(1, 300), (1, 17), (0, 0), (12, 40), (1, 1), (3, 50)]
+    b = make_batch(rng, num_heads=h, kv_heads=kvh, head_dim=64, block_size=8, seg_specs=specs, extra_rows=2)
+    kw = dict(block_q=bq, block_k=16, min_split_tokens=16, extra_items=24, max_programs=None if cap is None else cap * kvh)
+    want = run(ragged_paged_attention_reference, b, 0.125)
+    base = run(ragged_paged_attention, b, 0.125, interpret=True, **kw)
+    got = run(ragged_paged_attention, b, 0.125, interpret=True, fused_combine=True, **kw)
+    assert_close(got, want, b, np.float32, f"fused {h}/{kvh} bq={bq}")
+    np.testing.assert_allclose(got, base, rtol=1e-6, atol=1e-6)
+    covered = np.zeros(b["q"].shape[0], bool)
+    for start, n in zip(b["q_start"], b["q_len"]):
+        covered[start : start + n] = True
+    np.testing.assert_array_equal(np.asarray(got)[~covered], 0.0)
 
 
 def test_all_padding_gives_zeros():
