@@ -35,7 +35,8 @@ DIR/attention_decode_buckets_<R>[_<R2>].json (and .png), also copied to benchmar
 instead of the sweep's files.
 
 ``--decode-knobs`` (with ``--decode-bucket``, GPU): each record also holds ``knobs``, the
-kernels' device time at each of ``DECODE_KNOBS`` (split size, programs, pipeline, block and warps)
+kernels' device time at each of ``DECODE_KNOBS`` (split size, programs, pipeline, block, warps, and the
+combine as a second launch)
 and its largest difference from the defaults' output, and ``empty_launch_us``: launches of the
 same two grids that read nothing (what is launch, what is the chain of dependent reads).
 
@@ -682,9 +683,7 @@ DECODE_KNOBS = (
     dict(block_k=32),
     dict(block_k=128),
     dict(num_warps=8),
-    dict(fused_combine=True),  # kernel 1's last item of a tile merges it: no combine launch
-    dict(fused_combine=True, min_split_tokens=64),
-    dict(fused_combine=True, target_programs=2048),
+    dict(fused_combine=False),  # split tiles merged by a second launch (the combine)
 )
 
 

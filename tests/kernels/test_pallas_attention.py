@@ -167,7 +167,9 @@ def test_kernel_interpret_fused_combine(h, kvh, bq, cap):
     rng = np.random.default_rng(40 + h + bq)
     specs = [(1, 300), (1, 17), (0, 0), (12, 40), (1, 1), (3, 50)]
     b = make_batch(rng, num_heads=h, kv_heads=kvh, head_dim=64, block_size=8, seg_specs=specs, extra_rows=2)
-    kw = dict(block_q=bq, block_k=16, min_split_tokens=16, extra_items=24, max_programs=None if cap is None else cap * kvh)
+    kw = dict(
+        block_q=bq, block_k=16, min_split_tokens=16, extra_items=24, max_programs=None if cap is None else cap * kvh
+    )
     want = run(ragged_paged_attention_reference, b, 0.125)
     base = run(ragged_paged_attention, b, 0.125, interpret=True, **kw)
     got = run(ragged_paged_attention, b, 0.125, interpret=True, fused_combine=True, **kw)
@@ -256,14 +258,20 @@ def _bucket_args(r, h, kvh, hd, s=None, dt=jnp.bfloat16):
 @pytest.mark.parametrize("h,kvh,hd", [(16, 16, 128), (16, 8, 64), (8, 1, 64)])
 def test_default_grid_one_item_per_program_in_decode_buckets(h, kvh, hd):
     """Engine decode buckets (S = R up to 128 rows) keep kernel 1's grid (W, KVH): one work item
-    per program, as without a cap; 1024/2048-row buckets launch at most MAX_PROGRAMS programs."""
+    per program, as without a cap; 1024/2048-row buckets launch at most MAX_PROGRAMS programs.
+    Decode buckets merge split tiles inside kernel 1 (one launch); with ``fused_combine=False``
+    the combine's grid splits a row's heads over programs in small buckets."""
     for r in (8, 16, 32, 64, 128, 1024, 2048):
         t = default_tuning(r, r, h, kvh, hd)
+        assert t.fused_combine == (r <= 128)
         w = num_tiles(r, r, t.block_q) + t.extra_items
-        grids = _grids(ragged_paged_attention, *_bucket_args(r, h, kvh, hd), layer=1, sm_scale=0.1, interpret=True)
-        assert grids[1] == (r, h // combine_heads(r, h)), grids
+        args = _bucket_args(r, h, kvh, hd)
+        grids = _grids(ragged_paged_attention, *args, layer=1, sm_scale=0.1, interpret=True)
+        two = _grids(ragged_paged_attention, *args, layer=1, sm_scale=0.1, interpret=True, fused_combine=False)
+        assert len(grids) == (1 if r <= 128 else 2) and two[0] == grids[0], (grids, two)
+        assert two[1] == (r, h // combine_heads(r, h)), two
         if r >= COMBINE_TARGET_PROGRAMS:
-            assert grids[1] == (r, 1), grids  # a program per row, all heads
+            assert two[1] == (r, 1), two  # a program per row, all heads
         p, heads = grids[0]
         assert heads == kvh
         if r <= 128:
