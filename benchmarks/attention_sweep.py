@@ -36,7 +36,7 @@ instead of the sweep's files.
 
 ``--decode-knobs`` (with ``--decode-bucket``, GPU): each record also holds ``knobs``, the
 kernels' device time at each of ``DECODE_KNOBS`` (split size, programs, pipeline, block, warps, and the
-combine as a second launch)
+combine fused into kernel 1)
 and its largest difference from the defaults' output, and ``empty_launch_us``: launches of the
 same two grids that read nothing (what is launch, what is the chain of dependent reads).
 
@@ -683,7 +683,7 @@ DECODE_KNOBS = (
     dict(block_k=32),
     dict(block_k=128),
     dict(num_warps=8),
-    dict(fused_combine=False),  # split tiles merged by a second launch (the combine)
+    dict(fused_combine=True),  # split tiles merged inside kernel 1: no combine launch
 )
 
 

@@ -35,7 +35,7 @@ Design (everything shape-static in ``(R, S, MB)``, no host sync):
   run a loop without masking. Decode rows are tiles of one row padded to a 16-row MMA (Triton
   pipelines MMA loops, CUDA-core dot products it does not); ``block_q=1`` with MHA selects
   a one-row path (vector multiply + reduce, optional register prefetch of the next block).
-* **Fused combine** (``fused_combine``, the default in decode buckets): kernel 1 merges split
+* **Fused combine** (``fused_combine``, off by default: not yet measured on a GPU): kernel 1 merges split
   tiles itself. Each item's program, its partials written, counts itself in with an atomic at
   (tile, KV head); the last to arrive merges the tile's partials and writes its rows. Kernel 2 is
   not launched, and rows of no segment keep the zeros (or ``out``) the output starts from.
@@ -83,8 +83,6 @@ def _next_pow2(x: int) -> int:
 # + 32 extra items x 16 KV heads = 2560 programs, one item each as without a cap), and 4x fewer
 # programs than a 1024-row S = R bucket's grid, whose launch is mostly empty items.
 MAX_PROGRAMS = 4096
-# Buckets up to this many rows merge split tiles inside kernel 1 by default (``fused_combine``).
-FUSED_COMBINE_MAX_ROWS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +129,7 @@ def default_tuning(
 ) -> Tuning:
     """Heuristic defaults for a bucket ``(R, S)``; any knob given overrides it.
 
-    Decode buckets: 16-row MMA tiles (one decode row padded to 16), 64-token blocks, ~512 programs,
-    split tiles merged inside kernel 1 (``fused_combine``, up to ``FUSED_COMBINE_MAX_ROWS`` rows).
+    Decode buckets: 16-row MMA tiles (one decode row padded to 16), 64-token blocks, ~512 programs.
     Prompt segments: the tile height follows the rows per segment (16 / 64 / 128 rows); 128-row
     tiles use 8 warps with 32-token blocks. The sweep behind them: docs/decisions.md, "Triton
     kernel tuning".
@@ -171,9 +168,9 @@ def default_tuning(
     if max_programs is None:
         max_programs = MAX_PROGRAMS
     if fused_combine is None:
-        # The merge walks a tile's rows one by one: one row in decode tiles; the engine's decode
-        # buckets (S = R) hold 128 rows at most, larger ones (hybrid halves) keep two launches.
-        fused_combine = decode_like and num_rows <= FUSED_COMBINE_MAX_ROWS
+        # Off until measured on a GPU (docs/roadmap.md, decode item 3). Where it would go on: decode
+        # buckets (S = R) up to 128 rows, since the merge walks a tile's rows one by one.
+        fused_combine = False
     if int(max_programs) < 1:
         raise ValueError(f"max_programs must be >= 1, got {max_programs}")
     return Tuning(

@@ -258,20 +258,19 @@ def _bucket_args(r, h, kvh, hd, s=None, dt=jnp.bfloat16):
 @pytest.mark.parametrize("h,kvh,hd", [(16, 16, 128), (16, 8, 64), (8, 1, 64)])
 def test_default_grid_one_item_per_program_in_decode_buckets(h, kvh, hd):
     """Engine decode buckets (S = R up to 128 rows) keep kernel 1's grid (W, KVH): one work item
-    per program, as without a cap; 1024/2048-row buckets launch at most MAX_PROGRAMS programs.
-    Decode buckets merge split tiles inside kernel 1 (one launch); with ``fused_combine=False``
-    the combine's grid splits a row's heads over programs in small buckets."""
+    per program, as without a cap; 1024/2048-row buckets launch at most MAX_PROGRAMS programs. The
+    combine's grid splits a row's heads over programs in small buckets; ``fused_combine`` drops
+    the combine and keeps kernel 1's grid."""
     for r in (8, 16, 32, 64, 128, 1024, 2048):
         t = default_tuning(r, r, h, kvh, hd)
-        assert t.fused_combine == (r <= 128)
         w = num_tiles(r, r, t.block_q) + t.extra_items
         args = _bucket_args(r, h, kvh, hd)
         grids = _grids(ragged_paged_attention, *args, layer=1, sm_scale=0.1, interpret=True)
-        two = _grids(ragged_paged_attention, *args, layer=1, sm_scale=0.1, interpret=True, fused_combine=False)
-        assert len(grids) == (1 if r <= 128 else 2) and two[0] == grids[0], (grids, two)
-        assert two[1] == (r, h // combine_heads(r, h)), two
+        fused = _grids(ragged_paged_attention, *args, layer=1, sm_scale=0.1, interpret=True, fused_combine=True)
+        assert fused == grids[:1], (grids, fused)
+        assert grids[1] == (r, h // combine_heads(r, h)), grids
         if r >= COMBINE_TARGET_PROGRAMS:
-            assert two[1] == (r, 1), two  # a program per row, all heads
+            assert grids[1] == (r, 1), grids  # a program per row, all heads
         p, heads = grids[0]
         assert heads == kvh
         if r <= 128:
@@ -369,13 +368,15 @@ def test_triton_lowering_on_cpu():
             ta = jax.ShapeDtypeStruct((s, mb), jnp.int32)
             la = jax.ShapeDtypeStruct((), jnp.int32) if layered else None
 
-            def f(q, k, v, a, b_, c, d, lyr, bq=bq, cap=cap):
-                return ragged_paged_attention(
-                    q, k, v, a, b_, c, d, layer=lyr, sm_scale=0.1, block_q=bq, max_programs=cap
-                )
+            for fused, launches in ((False, 2), (True, 1)):  # fused: the combine inside kernel 1
 
-            text = jax.jit(f).trace(qa, ka, ka, ia, ia, ia, ta, la).lower(lowering_platforms=("cuda",)).as_text()
-            assert text.count("xla.gpu.triton") == 2
+                def f(q, k, v, a, b_, c, d, lyr, bq=bq, cap=cap, fused=fused):
+                    return ragged_paged_attention(
+                        q, k, v, a, b_, c, d, layer=lyr, sm_scale=0.1, block_q=bq, max_programs=cap, fused_combine=fused
+                    )
+
+                lowered = jax.jit(f).trace(qa, ka, ka, ia, ia, ia, ta, la).lower(lowering_platforms=("cuda",))
+                assert lowered.as_text().count("xla.gpu.triton") == launches
     finally:
         pcr.gpu_info_lib.get_gpu_info = old
 
