@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -333,22 +333,24 @@ def make_plan(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, num_q_per_k
 # ----------------------------------------------------------------------------------------------
 
 
-def _attn_kernel(
-    items_ref,
-    bt_ref,
-    layer_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    out_ref,
-    o_ref,
-    lse_ref,
-    rows_ref,
-    cnt_ref,
-    *,
-    num_programs: int | None,
-    **kw,
-):
+class KernelRefs(NamedTuple):
+    """Kernel 1's refs by name; ``layer`` (no stacked pool), ``rows`` and ``cnt`` (no fused
+    combine) may be None."""
+
+    items: Any
+    bt: Any
+    layer: Any
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    o: Any
+    lse: Any
+    rows: Any
+    cnt: Any
+
+
+def _attn_kernel(refs: KernelRefs, *, num_programs: int | None, **kw):
     """An empty work item (``n_split == 0``: padding past the plan's last item, or a tile of no
     rows) returns at once. Its partial output is never read (the combine reads only a row's own
     items) and its rows, if any, are covered by no segment. A hybrid bucket's Triton launch can be
@@ -359,37 +361,26 @@ def _attn_kernel(
     program ``p`` runs items ``p, p + num_programs, ...`` below the plan's real count (all real, in
     the same order of accumulation as one program each) and writes partials at ``[w, h]``."""
     p, h = pl.program_id(0), pl.program_id(1)  # outside the branch: interpret mode needs it there
-    args = (items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, rows_ref, cnt_ref)
     if num_programs is None:
 
-        @pl.when(items_ref[p, 6] > 0)
+        @pl.when(refs.items[p, 6] > 0)
         def _():
-            _attn_item(p, h, *args, part=() if cnt_ref is None else (p, h), **kw)
+            _attn_item(p, h, refs, part=() if refs.cnt is None else (p, h), **kw)
 
         return
 
     def body(i, carry):
         w = p + i * num_programs
-        _attn_item(w, h, *args, part=(w, h), **kw)
+        _attn_item(w, h, refs, part=(w, h), **kw)
         return carry
 
-    lax.fori_loop(0, _cdiv(jnp.maximum(items_ref[0, 7] - p, 0), num_programs), body, jnp.int32(0))
+    lax.fori_loop(0, _cdiv(jnp.maximum(refs.items[0, 7] - p, 0), num_programs), body, jnp.int32(0))
 
 
 def _attn_item(
     w,
     h,
-    items_ref,
-    bt_ref,
-    layer_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    out_ref,
-    o_ref,
-    lse_ref,
-    rows_ref,
-    cnt_ref,
+    refs: KernelRefs,
     *,
     part: tuple,
     g: int,
@@ -402,6 +393,7 @@ def _attn_item(
     prefetch: bool,
     interpret: bool,
 ):
+    items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, rows_ref, cnt_ref = refs
     seg = items_ref[w, 0]
     row0 = items_ref[w, 1]
     nrows = items_ref[w, 2]
@@ -542,6 +534,22 @@ def _attn_item(
             _merge_if_last(w, h, items_ref, rows_ref, cnt_ref, o_ref, lse_ref, out_ref, **merge)
 
 
+def _merge_step(carry, lse, o, ok):
+    """One chunk of a log-sum-exp merge of partials: ``lse [chunk, *M]``, ``o [chunk, *M, hd]``,
+    ``ok`` which of them count; ``carry = (acc [*M, hd], max [*M], sum [*M])``. The combine
+    (``M`` = heads) and the fused combine (one row) both merge with it."""
+    acc, m_i, l_i = carry
+    m_new = jnp.maximum(m_i, jnp.max(lse, axis=0))
+    a = jnp.exp2(m_i - m_new)
+    b = jnp.where(ok, jnp.exp2(lse - m_new), 0.0)
+    return acc * a[..., None] + jnp.sum(o * b[..., None], axis=0), m_new, l_i * a + jnp.sum(b, axis=0)
+
+
+def _merged(acc, l_i):
+    """The merge's result: ``acc`` over its weight sum, zeros where nothing was merged."""
+    return jnp.where(l_i[..., None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[..., None], 0.0)
+
+
 def _merge_if_last(w, h, items_ref, rows_ref, cnt_ref, o_ref, lse_ref, out_ref, *, g: int, m_valid: int, interpret):
     """The fused combine: item ``w``'s program has written its partials for KV head ``h``; it
     counts itself in at ``(tile's first item, h)``, and the tile's last item to arrive merges the
@@ -573,7 +581,6 @@ def _merge_if_last(w, h, items_ref, rows_ref, cnt_ref, o_ref, lse_ref, out_ref, 
             mm = jnp.full((chunk,), m, jnp.int32)
 
             def body(c, carry):
-                acc, m_i, l_i = carry
                 j = c * chunk + jj
                 j_ok = j < count
                 item = first + jnp.where(j_ok, j, 0)
@@ -584,14 +591,11 @@ def _merge_if_last(w, h, items_ref, rows_ref, cnt_ref, o_ref, lse_ref, out_ref, 
                     other=0.0,
                     volatile=True,
                 )  # [chunk, hd]
-                m_new = jnp.maximum(m_i, jnp.max(lse))
-                a = jnp.exp2(m_i - m_new)
-                b = jnp.where(j_ok, jnp.exp2(lse - m_new), 0.0)
-                return acc * a + jnp.sum(o * b[:, None], axis=0), m_new, l_i * a + jnp.sum(b)
+                return _merge_step(carry, lse, o, j_ok)
 
             init = (jnp.zeros((head_dim,), jnp.float32), jnp.float32(NEG), jnp.float32(0.0))
             acc, _, l_i = lax.fori_loop(0, _cdiv(count, chunk), body, init)
-            out = jnp.where(l_i > 0, acc / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+            out = _merged(acc, l_i)
             out_ref[row0 + lax.div(m, g), h * g + lax.rem(m, g), :] = out.astype(out_ref.dtype)
             return carry
 
@@ -652,7 +656,6 @@ def _combine_kernel(
     @pl.when((count > 1) if keep else (count != 1))
     def _():
         def body(c, carry):
-            acc, m_i, l_i = carry
             j = c * chunk + jj
             j_ok = j < count
             item = first + jnp.where(j_ok, j, 0)
@@ -663,11 +666,7 @@ def _combine_kernel(
                 mask=ok2[:, :, None],
                 other=0.0,
             )  # [chunk, Hp, hd]
-            m_new = jnp.maximum(m_i, jnp.max(lse, axis=0))
-            a = jnp.exp2(m_i - m_new)
-            b = jnp.where(ok2, jnp.exp2(lse - m_new[None, :]), 0.0)  # [chunk, Hp]
-            acc = acc * a[:, None] + jnp.sum(o * b[:, :, None], axis=0)
-            return acc, m_new, l_i * a + jnp.sum(b, axis=0)
+            return _merge_step(carry, lse, o, ok2)
 
         carry = (
             jnp.zeros((heads, head_dim), jnp.float32),
@@ -675,7 +674,7 @@ def _combine_kernel(
             jnp.zeros((heads,), jnp.float32),
         )
         acc, _, l_i = lax.fori_loop(0, _cdiv(count, chunk), body, carry)
-        out = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        out = _merged(acc, l_i)
         plgpu.store(out_ref.at[r, hh[:, None], dr], out.astype(out_ref.dtype), mask=h_ok[:, None])
 
 
@@ -867,9 +866,8 @@ def _launch(
     aliases = {names.index(f"{k}_in"): list(outputs).index(k) for k in ("out", "cnt") if f"{k}_in" in inputs}
 
     def entry(*refs):
-        ref = dict(zip(names, refs))
-        args = [ref.get(k) for k in ("items", "bt", "layer", "q", "k", "v", "out", "o", "lse", "rows", "cnt")]
-        kernel(*args)
+        by_name = dict(zip(names, refs))  # the aliased inputs (``*_in``) are read through their outputs
+        kernel(KernelRefs(*(by_name.get(f) for f in KernelRefs._fields)))
 
     out, o_part, lse_part, *_ = pl.pallas_call(
         entry,

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from pallas_kernels.ragged_paged_attention import (
     COMBINE_TARGET_PROGRAMS,
     MAX_PROGRAMS,
+    combine_chunk,
     combine_heads,
     default_tuning,
     make_plan,
@@ -167,9 +168,19 @@ def test_kernel_interpret_fused_combine(h, kvh, bq, cap):
     rng = np.random.default_rng(40 + h + bq)
     specs = [(1, 300), (1, 17), (0, 0), (12, 40), (1, 1), (3, 50)]
     b = make_batch(rng, num_heads=h, kv_heads=kvh, head_dim=64, block_size=8, seg_specs=specs, extra_rows=2)
-    kw = dict(
-        block_q=bq, block_k=16, min_split_tokens=16, extra_items=24, max_programs=None if cap is None else cap * kvh
+    kw = dict(block_q=bq, block_k=16, min_split_tokens=16, extra_items=128)
+    t = default_tuning(b["q"].shape[0], len(specs), h, kvh, 64, **kw)
+    plan = make_plan(
+        jnp.asarray(b["q_start"]),
+        jnp.asarray(b["q_len"]),
+        jnp.asarray(b["ctx_len"]),
+        num_rows=b["q"].shape[0],
+        num_q_per_kv=h // kvh,
+        tuning=t,
     )
+    # the long row's merge takes two chunks (a full one and a partial one)
+    assert int(np.asarray(plan.rows)[b["q_start"][0], 1]) == 19 > combine_chunk(1, 64)
+    kw["max_programs"] = None if cap is None else cap * kvh
     want = run(ragged_paged_attention_reference, b, 0.125)
     base = run(ragged_paged_attention, b, 0.125, interpret=True, **kw)
     got = run(ragged_paged_attention, b, 0.125, interpret=True, fused_combine=True, **kw)
@@ -435,7 +446,6 @@ def test_kernel_interpret_combine_many_items():
     """A row whose context is split into more items than the combine reads per iteration
     (``combine_chunk``: 16 at 4 heads of 64), so its merge loops three times with a partial last
     chunk; beside it a decode row of 9 items and one that is not split."""
-    from pallas_kernels.ragged_paged_attention import combine_chunk
 
     assert combine_chunk(4, 64) == 16
     rng = np.random.default_rng(11)
