@@ -35,8 +35,7 @@ DIR/attention_decode_buckets_<R>[_<R2>].json (and .png), also copied to benchmar
 instead of the sweep's files.
 
 ``--decode-knobs`` (with ``--decode-bucket``, GPU): each record also holds ``knobs``, the
-kernels' device time at each of ``DECODE_KNOBS`` (split size, programs, pipeline, block, warps, and the
-combine fused into kernel 1)
+kernels' device time at each of ``DECODE_KNOBS`` (split size, programs, pipeline, block and warps)
 and its largest difference from the defaults' output, and ``empty_launch_us``: launches of the
 same two grids that read nothing (what is launch, what is the chain of dependent reads).
 
@@ -676,14 +675,15 @@ DECODE_KNOBS = (
     dict(min_split_tokens=256),
     dict(min_split_tokens=1024),
     dict(min_split_tokens=8192),  # one item a row: kernel 1 writes it, the combine finds nothing to merge
+    dict(target_programs=128),
     dict(target_programs=256),
+    dict(target_programs=384),
     dict(target_programs=2048),
     dict(num_stages=2),
     dict(num_stages=4),
     dict(block_k=32),
     dict(block_k=128),
     dict(num_warps=8),
-    dict(fused_combine=True),  # split tiles merged inside kernel 1: no combine launch
 )
 
 

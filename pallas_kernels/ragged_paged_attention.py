@@ -35,10 +35,6 @@ Design (everything shape-static in ``(R, S, MB)``, no host sync):
   run a loop without masking. Decode rows are tiles of one row padded to a 16-row MMA (Triton
   pipelines MMA loops, CUDA-core dot products it does not); ``block_q=1`` with MHA selects
   a one-row path (vector multiply + reduce, optional register prefetch of the next block).
-* **Fused combine** (``fused_combine``, off by default: not yet measured on a GPU): kernel 1 merges split
-  tiles itself. Each item's program, its partials written, counts itself in with an atomic at
-  (tile, KV head); the last to arrive merges the tile's partials and writes its rows. Kernel 2 is
-  not launched, and rows of no segment keep the zeros (or ``out``) the output starts from.
 * **Kernel 2** (grid ``(R, H / heads per program)``): per output row and group of heads, combine
   its tile's items by log-sum-exp (``fori_loop`` over a dynamic count) and write those heads of
   the row (``combine_heads``: small buckets split a row's heads over programs); rows of no segment get
@@ -53,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,9 +94,6 @@ class Tuning:
     prefetch: bool = True  # one-row path: load block j+1 while reducing block j
     combine_warps: int = 4
     max_programs: int = MAX_PROGRAMS  # kernel 1's grid cap (items x KV heads); beyond it programs loop
-    # split tiles merged by kernel 1's last item to finish (an atomic count a tile and KV head), no
-    # second launch (``_merge_if_last``)
-    fused_combine: bool = False
 
 
 def programs_per_kv_head(num_items: int, num_kv_heads: int, max_programs: int) -> int:
@@ -125,7 +118,6 @@ def default_tuning(
     target_programs=None,
     prefetch=None,
     max_programs=None,
-    fused_combine=None,
 ) -> Tuning:
     """Heuristic defaults for a bucket ``(R, S)``; any knob given overrides it.
 
@@ -167,10 +159,6 @@ def default_tuning(
         prefetch = True
     if max_programs is None:
         max_programs = MAX_PROGRAMS
-    if fused_combine is None:
-        # Off until measured on a GPU (docs/roadmap.md, decode item 3). Where it would go on: decode
-        # buckets (S = R) up to 128 rows, since the merge walks a tile's rows one by one.
-        fused_combine = False
     if int(max_programs) < 1:
         raise ValueError(f"max_programs must be >= 1, got {max_programs}")
     return Tuning(
@@ -182,7 +170,6 @@ def default_tuning(
         num_stages=int(num_stages),
         prefetch=bool(prefetch),
         max_programs=int(max_programs),
-        fused_combine=bool(fused_combine),
     )
 
 
@@ -333,54 +320,47 @@ def make_plan(seg_q_start, seg_q_len, seg_ctx_len, *, num_rows: int, num_q_per_k
 # ----------------------------------------------------------------------------------------------
 
 
-class KernelRefs(NamedTuple):
-    """Kernel 1's refs by name; ``layer`` (no stacked pool), ``rows`` and ``cnt`` (no fused
-    combine) may be None."""
-
-    items: Any
-    bt: Any
-    layer: Any
-    q: Any
-    k: Any
-    v: Any
-    out: Any
-    o: Any
-    lse: Any
-    rows: Any
-    cnt: Any
-
-
-def _attn_kernel(refs: KernelRefs, *, num_programs: int | None, **kw):
+def _attn_kernel(
+    items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, *, num_programs: int | None, **kw
+):
     """An empty work item (``n_split == 0``: padding past the plan's last item, or a tile of no
     rows) returns at once. Its partial output is never read (the combine reads only a row's own
     items) and its rows, if any, are covered by no segment. A hybrid bucket's Triton launch can be
     almost all such items, so they must cost nothing (docs/decisions.md, "Triton kernel tuning").
 
-    ``num_programs`` None: one program per item, partials through per-program blocks (at ``[w, h]``
-    of the whole arrays with ``cnt_ref``, the fused combine: ``_merge_if_last``). Otherwise
+    ``num_programs`` None: one program per item, partials through per-program blocks. Otherwise
     program ``p`` runs items ``p, p + num_programs, ...`` below the plan's real count (all real, in
     the same order of accumulation as one program each) and writes partials at ``[w, h]``."""
     p, h = pl.program_id(0), pl.program_id(1)  # outside the branch: interpret mode needs it there
+    args = (items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref)
     if num_programs is None:
 
-        @pl.when(refs.items[p, 6] > 0)
+        @pl.when(items_ref[p, 6] > 0)
         def _():
-            _attn_item(p, h, refs, part=() if refs.cnt is None else (p, h), **kw)
+            _attn_item(p, h, *args, part=(), **kw)
 
         return
 
     def body(i, carry):
         w = p + i * num_programs
-        _attn_item(w, h, refs, part=(w, h), **kw)
+        _attn_item(w, h, *args, part=(w, h), **kw)
         return carry
 
-    lax.fori_loop(0, _cdiv(jnp.maximum(refs.items[0, 7] - p, 0), num_programs), body, jnp.int32(0))
+    lax.fori_loop(0, _cdiv(jnp.maximum(items_ref[0, 7] - p, 0), num_programs), body, jnp.int32(0))
 
 
 def _attn_item(
     w,
     h,
-    refs: KernelRefs,
+    items_ref,
+    bt_ref,
+    layer_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    out_ref,
+    o_ref,
+    lse_ref,
     *,
     part: tuple,
     g: int,
@@ -391,9 +371,7 @@ def _attn_item(
     scale_log2: float,
     precision,
     prefetch: bool,
-    interpret: bool,
 ):
-    items_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref, rows_ref, cnt_ref = refs
     seg = items_ref[w, 0]
     row0 = items_ref[w, 1]
     nrows = items_ref[w, 2]
@@ -475,9 +453,6 @@ def _attn_item(
         def _():
             o_ref[(*part, 0, slice(None))] = o
             lse_ref[(*part, slice(None))] = jnp.full((1,), jnp.where(ok, m_i + jnp.log2(l_safe), NEG), jnp.float32)
-            if cnt_ref is not None:
-                merge = dict(g=1, m_valid=1, interpret=interpret)
-                _merge_if_last(w, h, items_ref, rows_ref, cnt_ref, o_ref, lse_ref, out_ref, **merge)
 
         return
 
@@ -529,77 +504,6 @@ def _attn_item(
     def _():
         o_ref[(*part, slice(None), slice(None))] = o
         lse_ref[(*part, slice(None))] = jnp.where(ok, m_i + jnp.log2(l_safe), NEG)
-        if cnt_ref is not None:
-            merge = dict(g=g, m_valid=m_valid, interpret=interpret)
-            _merge_if_last(w, h, items_ref, rows_ref, cnt_ref, o_ref, lse_ref, out_ref, **merge)
-
-
-def _merge_step(carry, lse, o, ok):
-    """One chunk of a log-sum-exp merge of partials: ``lse [chunk, *M]``, ``o [chunk, *M, hd]``,
-    ``ok`` which of them count; ``carry = (acc [*M, hd], max [*M], sum [*M])``. The combine
-    (``M`` = heads) and the fused combine (one row) both merge with it."""
-    acc, m_i, l_i = carry
-    m_new = jnp.maximum(m_i, jnp.max(lse, axis=0))
-    a = jnp.exp2(m_i - m_new)
-    b = jnp.where(ok, jnp.exp2(lse - m_new), 0.0)
-    return acc * a[..., None] + jnp.sum(o * b[..., None], axis=0), m_new, l_i * a + jnp.sum(b, axis=0)
-
-
-def _merged(acc, l_i):
-    """The merge's result: ``acc`` over its weight sum, zeros where nothing was merged."""
-    return jnp.where(l_i[..., None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[..., None], 0.0)
-
-
-def _merge_if_last(w, h, items_ref, rows_ref, cnt_ref, o_ref, lse_ref, out_ref, *, g: int, m_valid: int, interpret):
-    """The fused combine: item ``w``'s program has written its partials for KV head ``h``; it
-    counts itself in at ``(tile's first item, h)``, and the tile's last item to arrive merges the
-    tile's partials (just written, in L2) and writes its rows, so no second launch waits on
-    kernel 1. The merge walks the tile's real rows one by one (a decode tile has one of its
-    ``m_pad``), each row's items ``combine_chunk`` at a time.
-
-    The count is an acquire-release atomic at GPU scope after a CTA barrier: every thread's
-    partial stores are released before it, and the last program's reads come after it; the reads
-    are volatile (past L1, which may hold a neighbour's line from before it was written: jax 0.11.2
-    cannot lower the ``.cg`` modifier)."""
-    row0 = items_ref[w, 1]
-    first = rows_ref[row0, 0]
-    count = items_ref[w, 6]
-    if not interpret:  # interpret mode runs programs one by one (and has no barrier)
-        plgpu.debug_barrier()
-    arrived = plgpu.atomic_add(cnt_ref, (first, h), jnp.int32(1))
-
-    @pl.when(arrived == count - 1)
-    def _():
-        cnt_ref[first, h] = 0  # every counter is zero again at the end of the launch
-        head_dim = o_ref.shape[-1]
-        chunk = combine_chunk(1, head_dim)
-        jj = jnp.arange(chunk, dtype=jnp.int32)
-        dr = jnp.arange(head_dim, dtype=jnp.int32)
-        hh = jnp.full((chunk,), h, jnp.int32)
-
-        def row(m, carry):
-            mm = jnp.full((chunk,), m, jnp.int32)
-
-            def body(c, carry):
-                j = c * chunk + jj
-                j_ok = j < count
-                item = first + jnp.where(j_ok, j, 0)
-                lse = plgpu.load(lse_ref.at[item, hh, mm], mask=j_ok, other=NEG, volatile=True)  # [chunk]
-                o = plgpu.load(
-                    o_ref.at[item[:, None], hh[:, None], mm[:, None], dr[None, :]],
-                    mask=j_ok[:, None],
-                    other=0.0,
-                    volatile=True,
-                )  # [chunk, hd]
-                return _merge_step(carry, lse, o, j_ok)
-
-            init = (jnp.zeros((head_dim,), jnp.float32), jnp.float32(NEG), jnp.float32(0.0))
-            acc, _, l_i = lax.fori_loop(0, _cdiv(count, chunk), body, init)
-            out = _merged(acc, l_i)
-            out_ref[row0 + lax.div(m, g), h * g + lax.rem(m, g), :] = out.astype(out_ref.dtype)
-            return carry
-
-        lax.fori_loop(0, jnp.minimum(items_ref[w, 2] * g, m_valid), row, jnp.int32(0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -656,6 +560,7 @@ def _combine_kernel(
     @pl.when((count > 1) if keep else (count != 1))
     def _():
         def body(c, carry):
+            acc, m_i, l_i = carry
             j = c * chunk + jj
             j_ok = j < count
             item = first + jnp.where(j_ok, j, 0)
@@ -666,7 +571,11 @@ def _combine_kernel(
                 mask=ok2[:, :, None],
                 other=0.0,
             )  # [chunk, Hp, hd]
-            return _merge_step(carry, lse, o, ok2)
+            m_new = jnp.maximum(m_i, jnp.max(lse, axis=0))
+            a = jnp.exp2(m_i - m_new)
+            b = jnp.where(ok2, jnp.exp2(lse - m_new[None, :]), 0.0)  # [chunk, Hp]
+            acc = acc * a[:, None] + jnp.sum(o * b[:, :, None], axis=0)
+            return acc, m_new, l_i * a + jnp.sum(b, axis=0)
 
         carry = (
             jnp.zeros((heads, head_dim), jnp.float32),
@@ -674,7 +583,7 @@ def _combine_kernel(
             jnp.zeros((heads,), jnp.float32),
         )
         acc, _, l_i = lax.fori_loop(0, _cdiv(count, chunk), body, carry)
-        out = _merged(acc, l_i)
+        out = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
         plgpu.store(out_ref.at[r, hh[:, None], dr], out.astype(out_ref.dtype), mask=h_ok[:, None])
 
 
@@ -714,7 +623,6 @@ def _check_args(q, k_pages, v_pages, seg_q_start, seg_q_len, seg_ctx_len, seg_bl
         "target_programs",
         "prefetch",
         "max_programs",
-        "fused_combine",
     ),
 )
 def ragged_paged_attention(
@@ -738,7 +646,6 @@ def ragged_paged_attention(
     target_programs=None,
     prefetch=None,
     max_programs=None,
-    fused_combine=None,
     plan: Plan | None = None,
     out=None,
 ):
@@ -773,7 +680,6 @@ def ragged_paged_attention(
         target_programs=target_programs,
         prefetch=prefetch,
         max_programs=max_programs,
-        fused_combine=fused_combine,
     )
     if plan is None:
         plan = make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=g, tuning=tuning)
@@ -824,8 +730,6 @@ def _launch(
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
     has_layer = layer is not None
 
-    fused = tuning.fused_combine
-    whole = looped or fused  # programs write each item's partials at [w, h] themselves
     kernel = functools.partial(
         _attn_kernel,
         g=g,
@@ -836,55 +740,42 @@ def _launch(
         scale_log2=float(sm_scale) * LOG2E,
         precision=precision,
         prefetch=tuning.prefetch,
-        interpret=interpret,
         num_programs=n_prog if looped else None,
     )
-    if fused and out is None:  # no combine to write the rows of no segment: they start as zeros
-        out = jnp.zeros_like(q)
-    inputs = dict(items=plan.items, bt=seg_block_table.astype(jnp.int32))
+    operands = [plan.items, seg_block_table.astype(jnp.int32)]
     if has_layer:
-        inputs["layer"] = jnp.asarray(layer, jnp.int32).reshape(1)
-    inputs.update(q=q, k=k_pages, v=v_pages)
+        operands.append(jnp.asarray(layer, jnp.int32).reshape(1))
+    else:
+        kernel = functools.partial(_no_layer, kernel)
+    operands += [q, k_pages, v_pages]
+    aliases = {}
     if out is not None:  # kernel 1 writes its one-item rows straight into it
-        inputs["out_in"] = out
-    if fused:  # a zero count for each (tile's first item, KV head)
-        inputs.update(rows=plan.rows, cnt_in=jnp.zeros((w_max, kvh), jnp.int32))
-    outputs = dict(
-        out=(pl.BlockSpec(), jax.ShapeDtypeStruct(q.shape, q.dtype)),  # whole array: rows are scattered
-        o=(
-            pl.BlockSpec() if whole else pl.BlockSpec((None, None, m_pad, head_dim), lambda w, h: (w, h, 0, 0)),
-            jax.ShapeDtypeStruct((w_max, kvh, m_pad, head_dim), jnp.float32),
-        ),
-        lse=(
-            pl.BlockSpec() if whole else pl.BlockSpec((None, None, m_pad), lambda w, h: (w, h, 0)),
-            jax.ShapeDtypeStruct((w_max, kvh, m_pad), jnp.float32),
-        ),
-    )
-    if fused:
-        outputs["cnt"] = (pl.BlockSpec(), jax.ShapeDtypeStruct((w_max, kvh), jnp.int32))
-    names = list(inputs) + list(outputs)
-    aliases = {names.index(f"{k}_in"): list(outputs).index(k) for k in ("out", "cnt") if f"{k}_in" in inputs}
-
-    def entry(*refs):
-        by_name = dict(zip(names, refs))  # the aliased inputs (``*_in``) are read through their outputs
-        kernel(KernelRefs(*(by_name.get(f) for f in KernelRefs._fields)))
-
-    out, o_part, lse_part, *_ = pl.pallas_call(
-        entry,
+        aliases = {len(operands): 0}
+        operands.append(out)
+        kernel = functools.partial(_drop_input, kernel, len(operands) - 1)
+    out, o_part, lse_part = pl.pallas_call(
+        kernel,
         grid=(n_prog, kvh),
-        out_specs=[spec for spec, _ in outputs.values()],
-        out_shape=[shape for _, shape in outputs.values()],
+        out_specs=[
+            pl.BlockSpec(),  # whole array: rows are scattered by the kernel
+            # looped programs write each item's partials at [w, h] themselves
+            pl.BlockSpec() if looped else pl.BlockSpec((None, None, m_pad, head_dim), lambda w, h: (w, h, 0, 0)),
+            pl.BlockSpec() if looped else pl.BlockSpec((None, None, m_pad), lambda w, h: (w, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((w_max, kvh, m_pad, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((w_max, kvh, m_pad), jnp.float32),
+        ],
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_bq{tuning.block_q}_bk{tuning.block_k}" + ("_fused" if fused else ""),
-    )(*inputs.values())
-    if fused:
-        return out
+        name=f"ragged_paged_attention_bq{tuning.block_q}_bk{tuning.block_k}",
+    )(*operands)
 
     heads = combine_heads(num_rows, num_heads)
     return pl.pallas_call(
-        functools.partial(_combine_kernel, g=g, num_heads=num_heads, heads=heads, keep="out_in" in inputs),
+        functools.partial(_combine_kernel, g=g, num_heads=num_heads, heads=heads, keep=bool(aliases)),
         grid=(num_rows, _cdiv(num_heads, heads)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         input_output_aliases={3: 0},
@@ -892,6 +783,15 @@ def _launch(
         interpret=interpret,
         name="ragged_paged_attention_combine",
     )(plan.rows, o_part, lse_part, out)
+
+
+def _drop_input(kernel, index, *refs):
+    """``kernel`` without its input ref ``index`` (an input aliased to its output, read through that)."""
+    return kernel(*refs[:index], *refs[index + 1 :])
+
+
+def _no_layer(kernel, items_ref, bt_ref, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref):
+    return kernel(items_ref, bt_ref, None, q_ref, k_ref, v_ref, out_ref, o_ref, lse_ref)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 from pallas_kernels.ragged_paged_attention import (
     COMBINE_TARGET_PROGRAMS,
     MAX_PROGRAMS,
-    combine_chunk,
     combine_heads,
     default_tuning,
     make_plan,
@@ -119,7 +118,6 @@ TUNINGS = st.fixed_dictionaries(
         extra_items=st.sampled_from([1, 3, 8]),
         prefetch=st.booleans(),
         max_programs=st.sampled_from([1, 5, MAX_PROGRAMS]),  # small caps: programs loop over items
-        fused_combine=st.booleans(),
     )
 )
 
@@ -149,47 +147,6 @@ def test_kernel_interpret_fixed_mixed_batch():
             ragged_paged_attention, b, 0.125, interpret=True, block_q=bq, block_k=16, min_split_tokens=16, extra_items=6
         )
         assert_close(got, want, b, np.float32, f"block_q={bq}")
-
-
-@pytest.mark.parametrize(
-    "h,kvh,bq,cap",
-    [
-        (4, 4, 1, None),  # MHA one-row path
-        (4, 4, 16, None),  # the engine's decode tiles (one row of 16)
-        (8, 2, 4, None),  # GQA tiles of several rows
-        pytest.param(8, 2, 4, 3, marks=pytest.mark.slow),  # looped programs
-    ],
-)
-def test_kernel_interpret_fused_combine(h, kvh, bq, cap):
-    """``fused_combine``: the last item of a split tile merges it inside kernel 1. Rows split into
-    more items than one merge chunk (a 300-token row in 16-token items: 19 items), decode and
-    prompt tiles, rows of no segment (zeros, or the caller's ``out`` kept): the same output as
-    the two-launch path and the reference."""
-    rng = np.random.default_rng(40 + h + bq)
-    specs = [(1, 300), (1, 17), (0, 0), (12, 40), (1, 1), (3, 50)]
-    b = make_batch(rng, num_heads=h, kv_heads=kvh, head_dim=64, block_size=8, seg_specs=specs, extra_rows=2)
-    kw = dict(block_q=bq, block_k=16, min_split_tokens=16, extra_items=128)
-    t = default_tuning(b["q"].shape[0], len(specs), h, kvh, 64, **kw)
-    plan = make_plan(
-        jnp.asarray(b["q_start"]),
-        jnp.asarray(b["q_len"]),
-        jnp.asarray(b["ctx_len"]),
-        num_rows=b["q"].shape[0],
-        num_q_per_kv=h // kvh,
-        tuning=t,
-    )
-    # the long row's merge takes two chunks (a full one and a partial one)
-    assert int(np.asarray(plan.rows)[b["q_start"][0], 1]) == 19 > combine_chunk(1, 64)
-    kw["max_programs"] = None if cap is None else cap * kvh
-    want = run(ragged_paged_attention_reference, b, 0.125)
-    base = run(ragged_paged_attention, b, 0.125, interpret=True, **kw)
-    got = run(ragged_paged_attention, b, 0.125, interpret=True, fused_combine=True, **kw)
-    assert_close(got, want, b, np.float32, f"fused {h}/{kvh} bq={bq}")
-    np.testing.assert_allclose(got, base, rtol=1e-6, atol=1e-6)
-    covered = np.zeros(b["q"].shape[0], bool)
-    for start, n in zip(b["q_start"], b["q_len"]):
-        covered[start : start + n] = True
-    np.testing.assert_array_equal(np.asarray(got)[~covered], 0.0)
 
 
 def test_all_padding_gives_zeros():
@@ -269,16 +226,11 @@ def _bucket_args(r, h, kvh, hd, s=None, dt=jnp.bfloat16):
 @pytest.mark.parametrize("h,kvh,hd", [(16, 16, 128), (16, 8, 64), (8, 1, 64)])
 def test_default_grid_one_item_per_program_in_decode_buckets(h, kvh, hd):
     """Engine decode buckets (S = R up to 128 rows) keep kernel 1's grid (W, KVH): one work item
-    per program, as without a cap; 1024/2048-row buckets launch at most MAX_PROGRAMS programs. The
-    combine's grid splits a row's heads over programs in small buckets; ``fused_combine`` drops
-    the combine and keeps kernel 1's grid."""
+    per program, as without a cap; 1024/2048-row buckets launch at most MAX_PROGRAMS programs."""
     for r in (8, 16, 32, 64, 128, 1024, 2048):
         t = default_tuning(r, r, h, kvh, hd)
         w = num_tiles(r, r, t.block_q) + t.extra_items
-        args = _bucket_args(r, h, kvh, hd)
-        grids = _grids(ragged_paged_attention, *args, layer=1, sm_scale=0.1, interpret=True)
-        fused = _grids(ragged_paged_attention, *args, layer=1, sm_scale=0.1, interpret=True, fused_combine=True)
-        assert fused == grids[:1], (grids, fused)
+        grids = _grids(ragged_paged_attention, *_bucket_args(r, h, kvh, hd), layer=1, sm_scale=0.1, interpret=True)
         assert grids[1] == (r, h // combine_heads(r, h)), grids
         if r >= COMBINE_TARGET_PROGRAMS:
             assert grids[1] == (r, 1), grids  # a program per row, all heads
@@ -379,15 +331,13 @@ def test_triton_lowering_on_cpu():
             ta = jax.ShapeDtypeStruct((s, mb), jnp.int32)
             la = jax.ShapeDtypeStruct((), jnp.int32) if layered else None
 
-            for fused, launches in ((False, 2), (True, 1)):  # fused: the combine inside kernel 1
+            def f(q, k, v, a, b_, c, d, lyr, bq=bq, cap=cap):
+                return ragged_paged_attention(
+                    q, k, v, a, b_, c, d, layer=lyr, sm_scale=0.1, block_q=bq, max_programs=cap
+                )
 
-                def f(q, k, v, a, b_, c, d, lyr, bq=bq, cap=cap, fused=fused):
-                    return ragged_paged_attention(
-                        q, k, v, a, b_, c, d, layer=lyr, sm_scale=0.1, block_q=bq, max_programs=cap, fused_combine=fused
-                    )
-
-                lowered = jax.jit(f).trace(qa, ka, ka, ia, ia, ia, ta, la).lower(lowering_platforms=("cuda",))
-                assert lowered.as_text().count("xla.gpu.triton") == launches
+            text = jax.jit(f).trace(qa, ka, ka, ia, ia, ia, ta, la).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("xla.gpu.triton") == 2
     finally:
         pcr.gpu_info_lib.get_gpu_info = old
 
@@ -446,6 +396,7 @@ def test_kernel_interpret_combine_many_items():
     """A row whose context is split into more items than the combine reads per iteration
     (``combine_chunk``: 16 at 4 heads of 64), so its merge loops three times with a partial last
     chunk; beside it a decode row of 9 items and one that is not split."""
+    from pallas_kernels.ragged_paged_attention import combine_chunk
 
     assert combine_chunk(4, 64) == 16
     rng = np.random.default_rng(11)
