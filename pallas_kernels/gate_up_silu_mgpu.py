@@ -51,6 +51,9 @@ class Tuning:
     minor_n: bool = True  # the planar snake walks along N first
     snake_width: int = 1
     epilogue_rows: int = 64  # rows of one staged store
+    # CTAs of the persistent grid; 0: one a streaming multiprocessor. Fewer leave SMs to a kernel
+    # running beside it (benchmarks/sm_partition.py)
+    ctas: int = 0
 
 
 def supported(rows: int, hidden: int, intermediate: int, dtype, tuning: Tuning | None = None) -> str | None:
@@ -64,6 +67,8 @@ def supported(rows: int, hidden: int, intermediate: int, dtype, tuning: Tuning |
         return f"hidden size {hidden} (needs a multiple of {t.block_k})"
     if intermediate % TILE_N:
         return f"intermediate size {intermediate} (needs a multiple of {TILE_N})"
+    if t.ctas < 0:
+        return f"ctas {t.ctas} (needs 0 for every SM, or a positive grid)"
     return None
 
 
@@ -185,7 +190,7 @@ def gate_up_silu(x: jax.Array, w: jax.Array, tuning: Tuning | None = None) -> ja
     kernel = plgpu.kernel(
         functools.partial(_body, t=t, intermediate=inter),
         out_type=jax.ShapeDtypeStruct((m, inter), x.dtype),
-        grid=(_num_sms(),),
+        grid=(t.ctas or _num_sms(),),
         grid_names=("sm",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",

@@ -61,6 +61,8 @@ def test_bad_input_is_refused_before_any_work():
         gate_up_silu(x[:100], w)
     with pytest.raises(ValueError, match="dtype float32"):
         gate_up_silu(x.astype(jnp.float32), w.astype(jnp.float32))
+    with pytest.raises(ValueError, match="ctas -1"):
+        gate_up_silu(x, w, Tuning(ctas=-1))
 
 
 def _assert_kernel_matches_twin(got, want):
@@ -78,6 +80,7 @@ def _assert_kernel_matches_twin(got, want):
         (384, 320, 384, None),  # 3 x 3 tiles, 5 K steps
         (1024, 2048, 5632, None),  # Ouro-1.4B at a prompt bucket
         (192, 2048, 2816, Tuning(block_m=64, stages=3, minor_n=False)),  # tensor-parallel half, other knobs
+        (384, 320, 384, Tuning(ctas=4)),  # 9 tiles over a capped grid of 4 CTAs: uneven, several a CTA
     ],
 )
 def test_kernel_matches_twin(M, D, I, tuning):
@@ -114,7 +117,10 @@ def test_engine_rule(monkeypatch):
         assert not dispatch.silu_epilogue(rows, 2048, 5632, jnp.bfloat16, "auto")
 
 
-@pytest.mark.parametrize("M,D,I,tuning", [(1024, 2048, 5632, None), (192, 320, 384, Tuning(block_m=64, stages=3))])
+@pytest.mark.parametrize(
+    "M,D,I,tuning",
+    [(1024, 2048, 5632, None), (192, 320, 384, Tuning(block_m=64, stages=3)), (384, 320, 384, Tuning(ctas=4))],
+)
 def test_kernel_cross_lowers_for_cuda(M, D, I, tuning):
     """Pallas -> Mosaic GPU without a device: the TMA slices, swizzles and wgmma operands of the
     warp-specialised pipeline and the epilogue's layouts are checked here, on any machine."""
