@@ -7,17 +7,18 @@ item 6). Kernels of one CUDA graph launched side by side do not overlap when eac
 on an SM. This measures the other way: the persistent gate/up GEMM (``gate_up_silu_mgpu``, grid
 capped at ``G`` CTAs) beside weight_stream's TMA read (``k`` CTAs) on the SMs left over.
 
-``--pairs`` independent GEMMs (``[1024, 2048] @ [2048, 2, 5632]``, 47 GFLOP each) and as many reads
-of a ``[2048, --stream-cols]`` bf16 matrix (134 MB at 32768 columns, past the L2; about the K/V of
-four 128-row segments at 4K), in one jit, its command buffer scheduled ``CONCURRENT`` (data
-dependencies only). For each ``G:k`` split: the GEMMs alone, the reads alone, both together, and
-both under XLA's default ``LHS`` order (the control: one after the other). ``serial_us`` is the
-engine's way today, the GEMMs on every SM and then the reads on every SM (the ``132:132`` split's
-parts run alone); ``vs_serial`` < 1 is time that overlap saves. Wall time, the median of
-``--reps`` calls of the compiled program.
+One GEMM launch (``[1024 * scale, 2048] @ [2048, 2, 5632]``, 47 GFLOP per 1024 rows) and one read
+of a ``[2048, 32768 * scale]`` bf16 matrix (134 MB a unit of ``--scale``: about the K/V of four 128-row
+segments at 4K, past the L2), independent, in one jit whose command buffer is scheduled
+``CONCURRENT`` (data dependencies only): each launch keeps its grid, at most one CTA an SM (their
+shared memory), so the two hold disjoint SMs. For each ``G:k`` split: the GEMM alone, the read
+alone, both together, and both under XLA's default ``LHS`` order (the control: one after the
+other). ``serial_us`` is the engine's way today: one program, the GEMM on every SM and then the
+read on every SM (``every_sm_alone``: each in a program of its own); ``vs_serial`` < 1 is time
+that overlap saves. Wall time, the median of ``--reps`` calls of the compiled program.
 
     python -m benchmarks.sm_partition --out DIR                  # DIR/sm_partition.json
-    python -m benchmarks.sm_partition --splits 108:24 116:16 --pairs 4
+    python -m benchmarks.sm_partition --splits 108:24 116:16 --scale 4
 
 Needs a Hopper GPU (TMA, wgmma); elsewhere it says so and writes nothing.
 """
@@ -27,19 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.timing import median_s
 from benchmarks.weight_stream import stream
 from pallas_kernels.gate_up_silu_mgpu import Tuning, gate_up_silu
 
 __all__ = ["MODES", "main", "parse_split", "program"]
 
 ROWS, HIDDEN, INTER = 1024, 2048, 5632  # Ouro-1.4B's gate/up at a 1024-row invocation
+STREAM_COLS = 32768  # a [2048, 32768] bf16 matrix: 134 MB
 MODES = ("CONCURRENT", "LHS")
 STREAM_STAGES, STREAM_BK = 8, 128  # weight_stream's fastest ring (run 44)
 
@@ -53,19 +54,19 @@ def parse_split(text: str) -> tuple[int, int]:
 
 
 def program(parts: str, g: int, k: int):
-    """The jitted function of ``parts`` ("gemm", "stream" or "both"): ``f(xs, w, mats)`` -> the
-    outputs of one GEMM per ``x`` in ``xs`` on ``g`` CTAs and one read per matrix in ``mats`` on
-    ``k`` CTAs, none depending on another."""
+    """The jitted function of ``parts`` ("gemm", "stream" or "both"): ``f(x, w, mat)`` -> the
+    outputs of the GEMM ``x @ w`` on ``g`` CTAs and of the read of ``mat`` on ``k`` CTAs, neither
+    depending on the other."""
     if parts not in ("gemm", "stream", "both"):
         raise ValueError(f"parts must be gemm, stream or both, got {parts!r}")
     tuning = Tuning(ctas=g)
 
-    def f(xs, w, mats):
+    def f(x, w, mat):
         out = []
         if parts != "stream":
-            out += [gate_up_silu(x, w, tuning) for x in xs]
+            out.append(gate_up_silu(x, w, tuning))
         if parts != "gemm":
-            out += [stream(m, ctas=k, stages=STREAM_STAGES, bk=STREAM_BK) for m in mats]
+            out.append(stream(mat, ctas=k, stages=STREAM_STAGES, bk=STREAM_BK))
         return out
 
     return jax.jit(f)
@@ -76,48 +77,36 @@ def compiler_options(mode: str) -> dict:
     return {"xla_gpu_command_buffer_scheduling_mode": mode, "xla_gpu_graph_min_graph_size": 1}
 
 
-def wall_us(compiled, args, reps: int) -> float:
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
 def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     from pallas_kernels import dispatch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--splits", nargs="*", default=["132:132", "108:24", "116:16", "100:32"])
-    ap.add_argument("--pairs", type=int, default=8)
-    ap.add_argument("--stream-cols", type=int, default=32768)
+    ap.add_argument("--scale", type=int, default=8, help="GEMM rows / 1024 and read bytes / 134 MB")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=".")
     a = ap.parse_args(argv)
     splits = [parse_split(s) for s in a.splits]
-    if a.pairs < 1:
-        raise ValueError(f"--pairs must be positive, got {a.pairs}")
+    if a.scale < 1:
+        raise ValueError(f"--scale must be positive, got {a.scale}")
     if not dispatch.hopper_available():
         print("sm_partition needs a Hopper GPU (TMA, wgmma): nothing measured")
         return None
     sms = jax.devices()[0].core_count
     key = jax.random.PRNGKey(0)
-    xs = [jax.random.normal(jax.random.fold_in(key, i), (ROWS, HIDDEN), jnp.bfloat16) for i in range(a.pairs)]
-    w = jax.random.normal(key, (HIDDEN, 2, INTER), jnp.bfloat16) * HIDDEN**-0.5
-    mats = [
-        jax.random.normal(jax.random.fold_in(key, 1000 + i), (HIDDEN, a.stream_cols), jnp.bfloat16)
-        for i in range(a.pairs)
-    ]
-    args = (xs, w, mats)
+    x = jax.random.normal(key, (ROWS * a.scale, HIDDEN), jnp.bfloat16)
+    w = jax.random.normal(jax.random.fold_in(key, 1), (HIDDEN, 2, INTER), jnp.bfloat16) * HIDDEN**-0.5
+    mat = jax.random.normal(jax.random.fold_in(key, 2), (HIDDEN, STREAM_COLS * a.scale), jnp.bfloat16)
+    args = (x, w, mat)
 
     def timed(parts, g, k, mode="CONCURRENT"):
         compiled = program(parts, g, k).lower(*args).compile(compiler_options=compiler_options(mode))
-        return wall_us(compiled, args, a.reps)
+        return median_s(compiled, args, a.reps) * 1e6
 
-    serial = timed("gemm", sms, sms) + timed("stream", sms, sms)
-    print(json.dumps({"serial_us": serial, "sms": sms}), flush=True)
+    # the engine's way: one program, the GEMM on every SM and then the read on every SM
+    serial = timed("both", sms, sms, "LHS")
+    alone = dict(gemm_us=timed("gemm", sms, sms), stream_us=timed("stream", sms, sms))
+    print(json.dumps(dict(serial_us=serial, sms=sms, **alone)), flush=True)
     records = []
     for g, k in splits:
         rec = dict(G=g, k=k)
@@ -134,10 +123,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
         benchmark="sm_partition",
         device=jax.devices()[0].device_kind,
         sms=sms,
-        pairs=a.pairs,
-        rows=ROWS,
-        stream_bytes=HIDDEN * a.stream_cols * 2,
+        gemm_rows=ROWS * a.scale,
+        gemm_flops=2 * ROWS * a.scale * HIDDEN * 2 * INTER,
+        stream_bytes=HIDDEN * STREAM_COLS * a.scale * 2,
         serial_us=serial,
+        every_sm_alone=alone,
         records=records,
     )
     from benchmarks.run import save_json

@@ -18,15 +18,13 @@ def test_parse_split():
 
 def test_program_cross_lowers_with_both_kernels():
     sd = jax.ShapeDtypeStruct
-    xs = [sd((128, 128), jnp.bfloat16)] * 2
-    w = sd((128, 2, 128), jnp.bfloat16)
-    mats = [sd((256, 640), jnp.bfloat16)] * 2
+    args = sd((384, 128), jnp.bfloat16), sd((128, 2, 128), jnp.bfloat16), sd((256, 640), jnp.bfloat16)
     texts = {
-        p: sp.program(p, 3, 2).trace(xs, w, mats).lower(lowering_platforms=("cuda",)).as_text()
+        p: sp.program(p, 3, 2).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         for p in ("gemm", "stream", "both")
     }
     calls = {p: t.count("stablehlo.custom_call @mosaic_gpu") for p, t in texts.items()}
-    assert calls["gemm"] == 2 and calls["stream"] == 2 and calls["both"] == 4
+    assert calls == {"gemm": 1, "stream": 1, "both": 2}
     with pytest.raises(ValueError, match="parts must be"):
         sp.program("all", 3, 2)
 
@@ -36,3 +34,5 @@ def test_off_hopper_writes_nothing(tmp_path, capsys):
     assert "needs a Hopper GPU" in capsys.readouterr().out and not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match="'G:k'"):
         sp.main(["--out", str(tmp_path), "--splits", "108"])
+    with pytest.raises(ValueError, match="--scale"):
+        sp.main(["--out", str(tmp_path), "--scale", "0"])
