@@ -3,19 +3,20 @@
 A wavefront invocation runs its GEMMs (compute-bound) and its attention (bound by K/V reads) one
 after the other, so long4's chunk-64 target needs the two to overlap (docs/roadmap.md, prefill
 item 6). Kernels of one CUDA graph launched side by side do not overlap when each fills every SM
-(decisions.md, "Command buffers scheduled by data dependencies"): cuBLAS's GEMM CTAs leave no room
-on an SM. This measures the other way: the persistent gate/up GEMM (``gate_up_silu_mgpu``, grid
+(decisions.md, "Command buffers scheduled by data dependencies"; presumably cuBLAS's GEMM CTAs
+leave no room on an SM). This measures the other way: the persistent gate/up GEMM (``gate_up_silu_mgpu``, grid
 capped at ``G`` CTAs) beside weight_stream's TMA read (``k`` CTAs) on the SMs left over.
 
-One GEMM launch (``[1024 * scale, 2048] @ [2048, 2, 5632]``, 47 GFLOP per 1024 rows) and one read
-of a ``[2048, 32768 * scale]`` bf16 matrix (134 MB a unit of ``--scale``: about the K/V of four 128-row
+One GEMM launch (``[1024 * scale, 2048] @ [2048, 2, 5632]``, 47 GFLOP per 1024 rows) and one read of
+a ``[2048, 32768 * scale]`` bf16 matrix (134 MB a unit of ``--scale``: about the K/V of four 128-row
 segments at 4K, past the L2), independent, in one jit whose command buffer is scheduled
-``CONCURRENT`` (data dependencies only): each launch keeps its grid, at most one CTA an SM (their
-shared memory), so the two hold disjoint SMs. For each ``G:k`` split: the GEMM alone, the read
-alone, both together, and both under XLA's default ``LHS`` order (the control: one after the
-other). ``serial_us`` is the engine's way today: one program, the GEMM on every SM and then the
-read on every SM (``every_sm_alone``: each in a program of its own); ``vs_serial`` < 1 is time
-that overlap saves. Wall time, the median of ``--reps`` calls of the compiled program.
+``CONCURRENT`` (data dependencies only): each launch keeps its grid, and a GEMM CTA (~224 KB of
+shared memory) and a read CTA (~152 KB) cannot share an SM's 228 KB, so the two hold disjoint SMs.
+For each ``G:k`` split: the GEMM alone, the read alone, both together, and both under XLA's default
+``LHS`` order (the control: one after the other). ``serial_us`` is the engine's way today: one
+program, the GEMM on every SM and then the read on every SM (``every_sm_alone``: each in a program
+of its own); ``vs_serial`` < 1 is time that overlap saves. Wall time, the median of ``--reps`` calls
+of the compiled program.
 
     python -m benchmarks.sm_partition --out DIR                  # DIR/sm_partition.json
     python -m benchmarks.sm_partition --splits 108:24 116:16 --scale 4
@@ -42,7 +43,7 @@ __all__ = ["MODES", "main", "parse_split", "program"]
 ROWS, HIDDEN, INTER = 1024, 2048, 5632  # Ouro-1.4B's gate/up at a 1024-row invocation
 STREAM_COLS = 32768  # a [2048, 32768] bf16 matrix: 134 MB
 MODES = ("CONCURRENT", "LHS")
-STREAM_STAGES, STREAM_BK = 8, 128  # weight_stream's fastest ring (run 44)
+STREAM_STAGES, STREAM_BK = 8, 128  # 8 slots of [128, 64] tiles: run 44's fastest weight_stream ring
 
 
 def parse_split(text: str) -> tuple[int, int]:
