@@ -18,8 +18,14 @@ program, the GEMM on every SM and then the read on every SM (``every_sm_alone``:
 of its own); ``vs_serial`` < 1 is time that overlap saves. Wall time, the median of ``--reps`` calls
 of the compiled program.
 
+``--read attention`` puts the engine's own Mosaic attention in the read's place: ``8 * scale``
+segments of 128 rows at 4K context (the K/V of a ``prefill:1024`` step's layer a unit of
+``--scale``, 268 MB). Its grid is the kernel's own (tiles x heads, not capped; ``k`` is ignored),
+so whether its CTAs find the SMs the GEMM leaves is up to the hardware's CTA scheduler.
+
     python -m benchmarks.sm_partition --out DIR                  # DIR/sm_partition.json
     python -m benchmarks.sm_partition --splits 108:24 116:16 --scale 4
+    python -m benchmarks.sm_partition --read attention --splits 132:1 108:1 100:1
 
 Needs a Hopper GPU (TMA, wgmma); elsewhere it says so and writes nothing.
 """
@@ -43,6 +49,8 @@ __all__ = ["MODES", "main", "parse_split", "program"]
 ROWS, HIDDEN, INTER = 1024, 2048, 5632  # Ouro-1.4B's gate/up at a 1024-row invocation
 STREAM_COLS = 32768  # a [2048, 32768] bf16 matrix: 134 MB
 MODES = ("CONCURRENT", "LHS")
+READS = ("stream", "attention")
+SEG_ROWS, SEG_CTX = 128, 4096  # --read attention: a prefill:1024 step's 8 segments a scale unit
 STREAM_STAGES, STREAM_BK = 8, 128  # 8 slots of [128, 64] tiles: run 44's fastest weight_stream ring
 
 
@@ -54,23 +62,56 @@ def parse_split(text: str) -> tuple[int, int]:
     return int(g), int(k)
 
 
-def program(parts: str, g: int, k: int):
-    """The jitted function of ``parts`` ("gemm", "stream" or "both"): ``f(x, w, mat)`` -> the
-    outputs of the GEMM ``x @ w`` on ``g`` CTAs and of the read of ``mat`` on ``k`` CTAs, neither
-    depending on the other."""
+def program(parts: str, g: int, k: int, read: str = "stream"):
+    """The jitted function of ``parts`` ("gemm", "stream" or "both"): ``f(x, w, *read_args)`` ->
+    the outputs of the GEMM ``x @ w`` on ``g`` CTAs and of the read, neither depending on the
+    other. ``read`` "stream": ``read_args = (mat,)``, read on ``k`` CTAs; "attention":
+    ``read_args`` = the Mosaic attention's ``(q, k_pages, v_pages, q_start, q_len, ctx_len,
+    block_table)`` (layer 0), on its own grid."""
     if parts not in ("gemm", "stream", "both"):
         raise ValueError(f"parts must be gemm, stream or both, got {parts!r}")
+    if read not in READS:
+        raise ValueError(f"read must be one of {READS}, got {read!r}")
     tuning = Tuning(ctas=g)
 
-    def f(x, w, mat):
+    def read_fn(*read_args):
+        if read == "stream":
+            return stream(read_args[0], ctas=k, stages=STREAM_STAGES, bk=STREAM_BK)
+        from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+
+        q = read_args[0]
+        return mgpu.ragged_paged_attention_mgpu(*read_args, layer=jnp.int32(0), sm_scale=q.shape[-1] ** -0.5)
+
+    def f(x, w, *read_args):
         out = []
         if parts != "stream":
             out.append(gate_up_silu(x, w, tuning))
         if parts != "gemm":
-            out.append(stream(mat, ctas=k, stages=STREAM_STAGES, bk=STREAM_BK))
+            out.append(read_fn(*read_args))
         return out
 
     return jax.jit(f)
+
+
+def read_inputs(read: str, scale: int, key) -> tuple:
+    """The read's arguments at ``--scale``: a ``[2048, 32768 * scale]`` matrix, or ``8 * scale``
+    attention segments of 128 rows at 4K (attention_sweep's case: pages in a shuffled order)."""
+    if read == "stream":
+        return (jax.random.normal(key, (HIDDEN, STREAM_COLS * scale), jnp.bfloat16),)
+    from benchmarks.attention_sweep import build_case
+
+    c = build_case(key, 8 * scale, SEG_ROWS, SEG_CTX)
+    s = c["seg"]
+    return c["q"], c["k"][:1], c["v"][:1], s["q_start"], s["q_len"], s["ctx_len"], s["tables"]
+
+
+def read_bytes(read_args) -> int:
+    """Bytes the read must move: the matrix, or the K/V pages the segments' tables name."""
+    if len(read_args) == 1:
+        return read_args[0].size * read_args[0].dtype.itemsize
+    kp, tables = read_args[1], read_args[6]
+    page = kp.shape[1] * kp.shape[3] * kp.shape[4] * kp.dtype.itemsize  # one page of K, all heads
+    return 2 * tables.size * page
 
 
 def compiler_options(mode: str) -> dict:
@@ -85,6 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     ap.add_argument("--splits", nargs="*", default=["132:132", "108:24", "116:16", "100:32"])
     ap.add_argument("--scale", type=int, default=8, help="GEMM rows / 1024 and read bytes / 134 MB")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--read", choices=READS, default="stream")
     ap.add_argument("--out", default=".")
     a = ap.parse_args(argv)
     splits = [parse_split(s) for s in a.splits]
@@ -97,11 +139,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, (ROWS * a.scale, HIDDEN), jnp.bfloat16)
     w = jax.random.normal(jax.random.fold_in(key, 1), (HIDDEN, 2, INTER), jnp.bfloat16) * HIDDEN**-0.5
-    mat = jax.random.normal(jax.random.fold_in(key, 2), (HIDDEN, STREAM_COLS * a.scale), jnp.bfloat16)
-    args = (x, w, mat)
+    reads = read_inputs(a.read, a.scale, jax.random.fold_in(key, 2))
+    args = (x, w, *reads)
 
     def timed(parts, g, k, mode="CONCURRENT"):
-        compiled = program(parts, g, k).lower(*args).compile(compiler_options=compiler_options(mode))
+        compiled = program(parts, g, k, a.read).lower(*args).compile(compiler_options=compiler_options(mode))
         return median_s(compiled, args, a.reps) * 1e6
 
     # the engine's way: one program, the GEMM on every SM and then the read on every SM
@@ -126,7 +168,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
         sms=sms,
         gemm_rows=ROWS * a.scale,
         gemm_flops=2 * ROWS * a.scale * HIDDEN * 2 * INTER,
-        stream_bytes=HIDDEN * STREAM_COLS * a.scale * 2,
+        read=a.read,
+        stream_bytes=read_bytes(reads),
         serial_us=serial,
         every_sm_alone=alone,
         records=records,
@@ -134,7 +177,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     from benchmarks.run import save_json
 
     os.makedirs(a.out, exist_ok=True)
-    save_json(out, os.path.join(a.out, "sm_partition.json"))
+    name = "sm_partition.json" if a.read == "stream" else f"sm_partition_{a.read}.json"
+    save_json(out, os.path.join(a.out, name))
     return out
 
 

@@ -36,3 +36,38 @@ def test_off_hopper_writes_nothing(tmp_path, capsys):
         sp.main(["--out", str(tmp_path), "--splits", "108"])
     with pytest.raises(ValueError, match="--scale"):
         sp.main(["--out", str(tmp_path), "--scale", "0"])
+
+
+def test_attention_read_cross_lowers_beside_the_gemm():
+    sd = jax.ShapeDtypeStruct
+    i32 = jnp.int32
+    n_seg, ctx, page = 2, 256, 16
+    pages = sd((1, 16, n_seg * ctx // page + 1, page, 128), jnp.bfloat16)
+    args = (
+        sd((384, 128), jnp.bfloat16),
+        sd((128, 2, 128), jnp.bfloat16),
+        sd((n_seg * 64, 16, 128), jnp.bfloat16),
+        pages,
+        pages,
+        sd((n_seg,), i32),
+        sd((n_seg,), i32),
+        sd((n_seg,), i32),
+        sd((n_seg, ctx // page), i32),
+    )
+    texts = {
+        p: sp.program(p, 3, 1, "attention").trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        for p in ("gemm", "stream", "both")
+    }
+    calls = {p: t.count("stablehlo.custom_call @mosaic_gpu") for p, t in texts.items()}
+    assert calls == {"gemm": 1, "stream": 1, "both": 2}
+    with pytest.raises(ValueError, match="read must be"):
+        sp.program("both", 3, 1, "dense")
+
+
+def test_read_bytes_counts_the_pages_the_tables_name():
+    mat = jnp.zeros((4, 8), jnp.bfloat16)
+    assert sp.read_bytes((mat,)) == 64
+    kp = jnp.zeros((1, 2, 5, 16, 8), jnp.bfloat16)
+    tables = jnp.zeros((2, 2), jnp.int32)
+    # 4 pages named, K and V, each page 2 heads x 16 tokens x 8 dims x 2 bytes
+    assert sp.read_bytes((None, kp, kp, None, None, None, tables)) == 2 * 4 * 2 * 16 * 8 * 2
