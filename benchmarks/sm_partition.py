@@ -18,14 +18,15 @@ program, the GEMM on every SM and then the read on every SM (``every_sm_alone``:
 of its own); ``vs_serial`` < 1 is time that overlap saves. Wall time, the median of ``--reps`` calls
 of the compiled program.
 
-``--read attention`` puts the engine's own Mosaic attention in the read's place: ``8 * scale``
-segments of 128 rows at 4K context (the K/V of a ``prefill:1024`` step's layer a unit of
-``--scale``, 268 MB). Its grid is the kernel's own (tiles x heads, not capped; ``k`` is ignored),
-so whether its CTAs find the SMs the GEMM leaves is up to the hardware's CTA scheduler.
+``--read attention`` puts the engine's own Mosaic attention in the read's place: ``1024 * scale /
+seg_rows`` segments of ``--seg-rows`` rows at 4K context (at 128 rows, the K/V of a
+``prefill:1024`` step's layer a unit of ``--scale``, 268 MB; at 64, wavefront chunk 64's 536 MB).
+Its grid is the kernel's own (tiles x heads, not capped; ``k`` is ignored), so whether its CTAs
+find the SMs the GEMM leaves is up to the hardware's CTA scheduler.
 
     python -m benchmarks.sm_partition --out DIR                  # DIR/sm_partition.json
     python -m benchmarks.sm_partition --splits 108:24 116:16 --scale 4
-    python -m benchmarks.sm_partition --read attention --splits 132:1 108:1 100:1
+    python -m benchmarks.sm_partition --read attention --splits 132:1 108:1 100:1 --seg-rows 64
 
 Needs a Hopper GPU (TMA, wgmma); elsewhere it says so and writes nothing.
 """
@@ -50,7 +51,7 @@ ROWS, HIDDEN, INTER = 1024, 2048, 5632  # Ouro-1.4B's gate/up at a 1024-row invo
 STREAM_COLS = 32768  # a [2048, 32768] bf16 matrix: 134 MB
 MODES = ("CONCURRENT", "LHS")
 READS = ("stream", "attention")
-SEG_ROWS, SEG_CTX = 128, 4096  # --read attention: a prefill:1024 step's 8 segments a scale unit
+SEG_CTX = 4096  # --read attention: segments at 4K context, as profile_step's prefill:1024
 STREAM_STAGES, STREAM_BK = 8, 128  # 8 slots of [128, 64] tiles: run 44's fastest weight_stream ring
 
 
@@ -93,14 +94,15 @@ def program(parts: str, g: int, k: int, read: str = "stream"):
     return jax.jit(f)
 
 
-def read_inputs(read: str, scale: int, key) -> tuple:
-    """The read's arguments at ``--scale``: a ``[2048, 32768 * scale]`` matrix, or ``8 * scale``
-    attention segments of 128 rows at 4K (attention_sweep's case: pages in a shuffled order)."""
+def read_inputs(read: str, scale: int, key, seg_rows: int = 128) -> tuple:
+    """The read's arguments at ``--scale``: a ``[2048, 32768 * scale]`` matrix, or ``1024 * scale /
+    seg_rows`` attention segments of ``seg_rows`` rows at 4K (attention_sweep's case: pages in a
+    shuffled order)."""
     if read == "stream":
         return (jax.random.normal(key, (HIDDEN, STREAM_COLS * scale), jnp.bfloat16),)
     from benchmarks.attention_sweep import build_case
 
-    c = build_case(key, 8 * scale, SEG_ROWS, SEG_CTX)
+    c = build_case(key, ROWS * scale // seg_rows, seg_rows, SEG_CTX)
     s = c["seg"]
     return c["q"], c["k"][:1], c["v"][:1], s["q_start"], s["q_len"], s["ctx_len"], s["tables"]
 
@@ -127,11 +129,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     ap.add_argument("--scale", type=int, default=8, help="GEMM rows / 1024 and read bytes / 134 MB")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--read", choices=READS, default="stream")
+    ap.add_argument("--seg-rows", type=int, default=128, help="--read attention: rows a segment")
     ap.add_argument("--out", default=".")
     a = ap.parse_args(argv)
     splits = [parse_split(s) for s in a.splits]
     if a.scale < 1:
         raise ValueError(f"--scale must be positive, got {a.scale}")
+    if a.seg_rows < 1 or ROWS % a.seg_rows:
+        raise ValueError(f"--seg-rows must divide {ROWS}, got {a.seg_rows}")
     if not dispatch.hopper_available():
         print("sm_partition needs a Hopper GPU (TMA, wgmma): nothing measured")
         return None
@@ -139,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     key = jax.random.PRNGKey(0)
     x = jax.random.normal(key, (ROWS * a.scale, HIDDEN), jnp.bfloat16)
     w = jax.random.normal(jax.random.fold_in(key, 1), (HIDDEN, 2, INTER), jnp.bfloat16) * HIDDEN**-0.5
-    reads = read_inputs(a.read, a.scale, jax.random.fold_in(key, 2))
+    reads = read_inputs(a.read, a.scale, jax.random.fold_in(key, 2), a.seg_rows)
     args = (x, w, *reads)
 
     def timed(parts, g, k, mode="CONCURRENT"):
@@ -169,6 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
         gemm_rows=ROWS * a.scale,
         gemm_flops=2 * ROWS * a.scale * HIDDEN * 2 * INTER,
         read=a.read,
+        seg_rows=a.seg_rows if a.read == "attention" else None,
         stream_bytes=read_bytes(reads),
         serial_us=serial,
         every_sm_alone=alone,
@@ -177,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     from benchmarks.run import save_json
 
     os.makedirs(a.out, exist_ok=True)
-    name = "sm_partition.json" if a.read == "stream" else f"sm_partition_{a.read}.json"
+    name = "sm_partition.json" if a.read == "stream" else f"sm_partition_{a.read}{a.seg_rows}.json"
     save_json(out, os.path.join(a.out, name))
     return out
 

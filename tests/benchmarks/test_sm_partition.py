@@ -36,6 +36,8 @@ def test_off_hopper_writes_nothing(tmp_path, capsys):
         sp.main(["--out", str(tmp_path), "--splits", "108"])
     with pytest.raises(ValueError, match="--scale"):
         sp.main(["--out", str(tmp_path), "--scale", "0"])
+    with pytest.raises(ValueError, match="--seg-rows"):
+        sp.main(["--out", str(tmp_path), "--seg-rows", "100"])
 
 
 def test_attention_read_cross_lowers_beside_the_gemm():
