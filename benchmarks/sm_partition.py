@@ -16,7 +16,9 @@ For each ``G:k`` split: the GEMM alone, the read alone, both together, and both 
 ``LHS`` order (the control: one after the other). ``serial_us`` is the engine's way today: one
 program, the GEMM on every SM and then the read on every SM (``every_sm_alone``: each in a program
 of its own); ``vs_serial`` < 1 is time that overlap saves. Wall time, the median of ``--reps`` calls
-of the compiled program.
+of the compiled program, then the median of ``--rounds`` passes over every program, interleaved
+(in one call of run 49 the same attention program took 1,709 to 2,058 us from one split to the
+next; ``vs_serial`` is the median of each round's ratio to the serial program timed in that round).
 
 ``--read attention`` puts the engine's own Mosaic attention in the read's place: ``1024 * scale /
 seg_rows`` segments of ``--seg-rows`` rows at 4K context (at 128 rows, the K/V of a
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from typing import Optional, Sequence
 
 import jax
@@ -116,6 +119,16 @@ def read_bytes(read_args) -> int:
     return 2 * tables.size * page
 
 
+def interleaved_us(programs: dict, args, reps: int, rounds: int) -> dict:
+    """``{name: [us a round]}``: each round times every program once (median of ``reps`` calls), in
+    the same order, so a GPU whose speed drifts during the run moves every program alike."""
+    out = {name: [] for name in programs}
+    for _ in range(rounds):
+        for name, fn in programs.items():
+            out[name].append(median_s(fn, args, reps) * 1e6)
+    return out
+
+
 def compiler_options(mode: str) -> dict:
     # min graph size 1: a program of two launches still runs as one CUDA graph
     return {"xla_gpu_command_buffer_scheduling_mode": mode, "xla_gpu_graph_min_graph_size": 1}
@@ -128,6 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     ap.add_argument("--splits", nargs="*", default=["132:132", "108:24", "116:16", "100:32"])
     ap.add_argument("--scale", type=int, default=8, help="GEMM rows / 1024 and read bytes / 134 MB")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3, help="passes over every program, interleaved")
     ap.add_argument("--read", choices=READS, default="stream")
     ap.add_argument("--seg-rows", type=int, default=128, help="--read attention: rows a segment")
     ap.add_argument("--out", default=".")
@@ -135,6 +149,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     splits = [parse_split(s) for s in a.splits]
     if a.scale < 1:
         raise ValueError(f"--scale must be positive, got {a.scale}")
+    if a.rounds < 1 or a.reps < 1:
+        raise ValueError(f"--rounds and --reps must be positive, got {a.rounds} and {a.reps}")
     if a.seg_rows < 1 or ROWS % a.seg_rows:
         raise ValueError(f"--seg-rows must divide {ROWS}, got {a.seg_rows}")
     if not dispatch.hopper_available():
@@ -147,25 +163,40 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     reads = read_inputs(a.read, a.scale, jax.random.fold_in(key, 2), a.seg_rows)
     args = (x, w, *reads)
 
-    def timed(parts, g, k, mode="CONCURRENT"):
-        compiled = program(parts, g, k, a.read).lower(*args).compile(compiler_options=compiler_options(mode))
-        return median_s(compiled, args, a.reps) * 1e6
+    def compiled(parts, g, k, mode="CONCURRENT"):
+        return program(parts, g, k, a.read).lower(*args).compile(compiler_options=compiler_options(mode))
 
     # the engine's way: one program, the GEMM on every SM and then the read on every SM
-    serial = timed("both", sms, sms, "LHS")
-    alone = dict(gemm_us=timed("gemm", sms, sms), stream_us=timed("stream", sms, sms))
-    print(json.dumps(dict(serial_us=serial, sms=sms, **alone)), flush=True)
+    programs = {
+        "serial": compiled("both", sms, sms, "LHS"),
+        "gemm": compiled("gemm", sms, sms),
+        "stream": compiled("stream", sms, sms),
+    }
     records = []
     for g, k in splits:
         rec = dict(G=g, k=k)
         try:
-            rec.update(gemm_us=timed("gemm", g, k), stream_us=timed("stream", g, k))
-            for mode in MODES:
-                rec[f"both_{mode.lower()}_us"] = timed("both", g, k, mode)
-            rec["vs_serial"] = rec["both_concurrent_us"] / serial
+            split = {"gemm": compiled("gemm", g, k), "stream": compiled("stream", g, k)}
+            split.update({f"both_{m.lower()}": compiled("both", g, k, m) for m in MODES})
+            programs.update({(g, k, name): fn for name, fn in split.items()})
         except Exception as e:  # noqa: BLE001 - a split the GPU refuses is a record, not the end
             rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         records.append(rec)
+    rounds = interleaved_us(programs, args, a.reps, a.rounds)
+    serial = statistics.median(rounds["serial"])
+    alone = dict(gemm_us=statistics.median(rounds["gemm"]), stream_us=statistics.median(rounds["stream"]))
+    print(json.dumps(dict(serial_us=serial, serial_rounds_us=rounds["serial"], sms=sms, **alone)), flush=True)
+    for rec in records:
+        if "error" in rec:
+            print(json.dumps(rec), flush=True)
+            continue
+        g, k = rec["G"], rec["k"]
+        for name in ("gemm", "stream", *(f"both_{m.lower()}" for m in MODES)):
+            rec[f"{name}_us"] = statistics.median(rounds[(g, k, name)])
+        # each round's overlap against the serial program timed in the same round: clock drift
+        # between rounds moves both
+        per_round = [c / s for c, s in zip(rounds[(g, k, "both_concurrent")], rounds["serial"])]
+        rec.update(vs_serial=statistics.median(per_round), vs_serial_rounds=per_round)
         print(json.dumps(rec), flush=True)
     out = dict(
         benchmark="sm_partition",
@@ -176,7 +207,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
         read=a.read,
         seg_rows=a.seg_rows if a.read == "attention" else None,
         stream_bytes=read_bytes(reads),
+        rounds=a.rounds,
         serial_us=serial,
+        serial_rounds_us=rounds["serial"],
         every_sm_alone=alone,
         records=records,
     )

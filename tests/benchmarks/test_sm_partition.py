@@ -73,3 +73,18 @@ def test_read_bytes_counts_the_pages_the_tables_name():
     tables = jnp.zeros((2, 2), jnp.int32)
     # 4 pages named, K and V, each page 2 heads x 16 tokens x 8 dims x 2 bytes
     assert sp.read_bytes((None, kp, kp, None, None, None, tables)) == 2 * 4 * 2 * 16 * 8 * 2
+
+
+def test_interleaved_rounds_time_every_program_in_order(monkeypatch):
+    calls = []
+
+    def fake_median_s(fn, args, reps):
+        calls.append(fn)
+        return len(calls) * 1e-6
+
+    monkeypatch.setattr(sp, "median_s", fake_median_s)
+    out = sp.interleaved_us({"a": "A", ("g", 1): "B"}, (), reps=5, rounds=3)
+    assert calls == ["A", "B"] * 3
+    assert out == {"a": pytest.approx([1.0, 3.0, 5.0]), ("g", 1): pytest.approx([2.0, 4.0, 6.0])}
+    with pytest.raises(ValueError, match="--rounds"):
+        sp.main(["--rounds", "0"])
