@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from benchmarks.timing import median_s
 from benchmarks.weight_stream import stream
+from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.gate_up_silu_mgpu import Tuning, gate_up_silu
 
 __all__ = ["MODES", "main", "parse_split", "program"]
@@ -81,8 +82,6 @@ def program(parts: str, g: int, k: int, read: str = "stream"):
     def read_fn(*read_args):
         if read == "stream":
             return stream(read_args[0], ctas=k, stages=STREAM_STAGES, bk=STREAM_BK)
-        from pallas_kernels import ragged_paged_attention_mgpu as mgpu
-
         q = read_args[0]
         return mgpu.ragged_paged_attention_mgpu(*read_args, layer=jnp.int32(0), sm_scale=q.shape[-1] ** -0.5)
 
@@ -103,7 +102,7 @@ def read_inputs(read: str, scale: int, key, seg_rows: int = 128) -> tuple:
     shuffled order)."""
     if read == "stream":
         return (jax.random.normal(key, (HIDDEN, STREAM_COLS * scale), jnp.bfloat16),)
-    from benchmarks.attention_sweep import build_case
+    from benchmarks.attention_sweep import build_case  # here: that script sets XLA's env on import
 
     c = build_case(key, ROWS * scale // seg_rows, seg_rows, SEG_CTX)
     s = c["seg"]
@@ -193,8 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
         g, k = rec["G"], rec["k"]
         for name in ("gemm", "stream", *(f"both_{m.lower()}" for m in MODES)):
             rec[f"{name}_us"] = statistics.median(rounds[(g, k, name)])
-        # each round's overlap against the serial program timed in the same round: clock drift
-        # between rounds moves both
+        # each round's overlap against the serial program timed in the same round: a drift in the
+        # GPU's speed between rounds moves both
         per_round = [c / s for c, s in zip(rounds[(g, k, "both_concurrent")], rounds["serial"])]
         rec.update(vs_serial=statistics.median(per_round), vs_serial_rounds=per_round)
         print(json.dumps(rec), flush=True)
