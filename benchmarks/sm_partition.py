@@ -128,6 +128,21 @@ def interleaved_us(programs: dict, args, reps: int, rounds: int) -> dict:
     return out
 
 
+def fill_record(rec: dict, rounds: dict) -> None:
+    """A split's figures from ``interleaved_us``'s rounds: each program's median, and ``vs_serial``,
+    the median of each round's together / serial (a drift in the GPU's speed between rounds moves
+    both). A program the split lacks (``--read attention`` has one read program, whatever ``k``) is
+    the every-SM one. A record with an ``error`` stays as it is."""
+    if "error" in rec:
+        return
+    g, k = rec["G"], rec["k"]
+    for name in ("gemm", "stream", *(f"both_{m.lower()}" for m in MODES)):
+        key = (g, k, name) if (g, k, name) in rounds else name
+        rec[f"{name}_us"] = statistics.median(rounds[key])
+    per_round = [c / s for c, s in zip(rounds[(g, k, "both_concurrent")], rounds["serial"])]
+    rec.update(vs_serial=statistics.median(per_round), vs_serial_rounds=per_round)
+
+
 def compiler_options(mode: str) -> dict:
     # min graph size 1: a program of two launches still runs as one CUDA graph
     return {"xla_gpu_command_buffer_scheduling_mode": mode, "xla_gpu_graph_min_graph_size": 1}
@@ -175,7 +190,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     for g, k in splits:
         rec = dict(G=g, k=k)
         try:
-            split = {"gemm": compiled("gemm", g, k), "stream": compiled("stream", g, k)}
+            split = {"gemm": compiled("gemm", g, k)}
+            if a.read == "stream":  # the attention ignores k: its program is the every-SM one
+                split["stream"] = compiled("stream", g, k)
             split.update({f"both_{m.lower()}": compiled("both", g, k, m) for m in MODES})
             programs.update({(g, k, name): fn for name, fn in split.items()})
         except Exception as e:  # noqa: BLE001 - a split the GPU refuses is a record, not the end
@@ -186,16 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict | None:
     alone = dict(gemm_us=statistics.median(rounds["gemm"]), stream_us=statistics.median(rounds["stream"]))
     print(json.dumps(dict(serial_us=serial, serial_rounds_us=rounds["serial"], sms=sms, **alone)), flush=True)
     for rec in records:
-        if "error" in rec:
-            print(json.dumps(rec), flush=True)
-            continue
-        g, k = rec["G"], rec["k"]
-        for name in ("gemm", "stream", *(f"both_{m.lower()}" for m in MODES)):
-            rec[f"{name}_us"] = statistics.median(rounds[(g, k, name)])
-        # each round's overlap against the serial program timed in the same round: a drift in the
-        # GPU's speed between rounds moves both
-        per_round = [c / s for c, s in zip(rounds[(g, k, "both_concurrent")], rounds["serial"])]
-        rec.update(vs_serial=statistics.median(per_round), vs_serial_rounds=per_round)
+        fill_record(rec, rounds)
         print(json.dumps(rec), flush=True)
     out = dict(
         benchmark="sm_partition",

@@ -88,3 +88,23 @@ def test_interleaved_rounds_time_every_program_in_order(monkeypatch):
     assert out == {"a": pytest.approx([1.0, 3.0, 5.0]), ("g", 1): pytest.approx([2.0, 4.0, 6.0])}
     with pytest.raises(ValueError, match="--rounds"):
         sp.main(["--rounds", "0"])
+
+
+def test_a_record_takes_its_split_programs_and_each_rounds_ratio():
+    rounds = {
+        "serial": [100.0, 200.0, 100.0],
+        "gemm": [50.0] * 3,
+        "stream": [60.0, 61.0, 62.0],
+        (8, 1, "gemm"): [70.0] * 3,
+        (8, 1, "both_concurrent"): [80.0, 150.0, 90.0],
+        (8, 1, "both_lhs"): [110.0] * 3,
+    }
+    rec = dict(G=8, k=1)
+    sp.fill_record(rec, rounds)
+    # the read has no program of the split's own (attention): the every-SM one stands in
+    assert rec["gemm_us"] == 70.0 and rec["stream_us"] == 61.0 and rec["both_lhs_us"] == 110.0
+    assert rec["vs_serial_rounds"] == pytest.approx([0.8, 0.75, 0.9])
+    assert rec["vs_serial"] == pytest.approx(0.8)  # per round, not 90 / 100 of the medians
+    failed = dict(G=8, k=1, error="refused")
+    sp.fill_record(failed, rounds)
+    assert failed == dict(G=8, k=1, error="refused")
