@@ -30,7 +30,9 @@ engine bucket of ``R`` rows and ``R`` segment slots (the rest padding, as the sc
 at each ``--decode-ctx``: Triton with the engine's plan (built once per jit), every call the whole
 attention (partials and merge): what the padding rows of a bucket cost. On a GPU each record also
 holds ``kernel_us`` (CUPTI device time of each kernel of one call: the chain's per-call figure at 1K
-moved by 2x between runs, run 38) and ``device_us`` / ``device_gbps``. Writes
+moved by 2x between runs, run 38) and ``device_us`` / ``device_gbps``; on Hopper also the Mosaic
+decode attention (``pallas_kernels/decode_attention_mgpu.py``): ``ms["decode_mgpu"]``,
+``decode_mgpu_kernel_us`` and ``decode_mgpu_device_us``. Writes
 DIR/attention_decode_buckets_<R>[_<R2>].json (and .png), also copied to benchmarks/results/,
 instead of the sweep's files.
 
@@ -73,6 +75,7 @@ from jax.experimental.pallas import triton as pl_triton  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks import ceilings as ceilings_mod  # noqa: E402
 from benchmarks.timing import kernels_us, per_call_s  # noqa: E402
+from pallas_kernels import decode_attention_mgpu as decode_mgpu  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (
@@ -639,6 +642,8 @@ def run_bucket(bucket, active, ctx, *, key, reps, knobs=False):
     layers = c["layers"]
     ref = ref_fn(1, layers)(*args)
     fns = {"triton": lambda n: ours_fn(n, layers, None, kernel="triton")}
+    if dispatch.hopper_available():
+        fns["decode_mgpu"] = lambda n: decode_fn(n, layers)
     rec["ms"], rec["err_vs_reference"], rec["errors"] = {}, {}, {}
     for name, make in fns.items():
         try:
@@ -656,6 +661,12 @@ def run_bucket(bucket, active, ctx, *, key, reps, knobs=False):
             rec["device_gbps"] = kv_bytes / (rec["device_us"] * 1e-6) / 1e9
         except Exception as e:  # noqa: BLE001  (the record says so)
             rec["errors"]["kernel_us"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if "decode_mgpu" in rec["ms"]:
+            try:
+                rec["decode_mgpu_kernel_us"] = decode_kernels_us(args, reps=max(reps, 20))
+                rec["decode_mgpu_device_us"] = sum(rec["decode_mgpu_kernel_us"].values())
+            except Exception as e:  # noqa: BLE001  (the record says so)
+                rec["errors"]["decode_mgpu_kernel_us"] = f"{type(e).__name__}: {str(e)[:300]}"
         if knobs:
             rec["knobs"] = bucket_knob_records(args, active, reps=max(reps, 20))
             try:
@@ -706,6 +717,34 @@ def bucket_kernels_us(args, *, reps):
     """Device time (us) of each kernel of one planned Triton call (attention, combine), by name."""
     one, call_args = _planned_call(args, {})
     return kernels_us(one, *call_args, iters=reps)
+
+
+def decode_fn(n_calls, layers):
+    """``n_calls`` dependent calls of the Mosaic decode attention, its plan built once (as the
+    engine shares it between layers)."""
+
+    @jax.jit
+    def f(q, k, v, qs, ql, cl, bt):
+        plan = decode_mgpu.make_decode_plan(qs, ql, cl, bt, num_rows=q.shape[0], num_kv_heads=KVH)
+        for i in range(n_calls):
+            q = decode_mgpu.decode_attention_mgpu(
+                q, k, v, qs, ql, cl, bt, layer=jnp.int32(i % layers), sm_scale=SCALE, plan=plan
+            )
+        return q
+
+    return f
+
+
+def decode_kernels_us(args, *, reps):
+    """Device time (us) of each kernel of one Mosaic decode attention call, its plan built outside."""
+    q, k, v, qs, ql, cl, bt = args
+    plan = jax.jit(lambda *a: decode_mgpu.make_decode_plan(*a, num_rows=q.shape[0], num_kv_heads=KVH))(qs, ql, cl, bt)
+
+    @jax.jit
+    def one(q, k, v, plan, qs, ql, cl, bt):
+        return decode_mgpu.decode_attention_mgpu(q, k, v, qs, ql, cl, bt, layer=jnp.int32(0), sm_scale=SCALE, plan=plan)
+
+    return kernels_us(one, q, k, v, plan, qs, ql, cl, bt, iters=reps)
 
 
 def empty_launches(args, *, interpret: bool = False):
@@ -824,7 +863,9 @@ def bucket_main(args, key, reps, dev, t_start):
             rec = dict(kind="decode_bucket", shape=dict(bucket=b, active=a, ctx=c), error=str(e)[:500], ms={})
         records.append(rec)
         times = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rec["ms"].items() if v)
-        kern = ", ".join(f"{k} {v:.2f}" for k, v in rec.get("kernel_us", {}).items())
+        kern = ", ".join(
+            f"{k} {v:.2f}" for k, v in {**rec.get("kernel_us", {}), **rec.get("decode_mgpu_kernel_us", {})}.items()
+        )
         log(f"bucket {b} active {a} @{c}: us {times}; device us {kern} ({time.time() - t0:.1f} s)")
         dump(False)
     dump(True)

@@ -773,16 +773,35 @@ def _launch(
         name=f"ragged_paged_attention_bq{tuning.block_q}_bk{tuning.block_k}",
     )(*operands)
 
+    return combine_partials(
+        plan.rows,
+        o_part,
+        lse_part,
+        out,
+        num_kv_heads=kvh,
+        keep=bool(aliases),
+        num_warps=tuning.combine_warps,
+        interpret=interpret,
+    )
+
+
+def combine_partials(rows, o_part, lse_part, out, *, num_kv_heads: int, keep=False, num_warps=4, interpret=False):
+    """Kernel 2 on ``out`` in place: each row of a split tile (``rows``: ``Plan.rows``) merged from
+    its items' partials (``o_part [W, KVH, M, hd]`` f32 and ``lse_part [W, KVH, >= M]``, log2
+    domain), rows of no segment zeroed (with ``keep``: left as they are), one-item rows untouched
+    (their first kernel wrote them). Also the second launch of ``decode_attention_mgpu``."""
+    num_rows, num_heads, _ = out.shape
+    g = num_heads // num_kv_heads
     heads = combine_heads(num_rows, num_heads)
     return pl.pallas_call(
-        functools.partial(_combine_kernel, g=g, num_heads=num_heads, heads=heads, keep=bool(aliases)),
+        functools.partial(_combine_kernel, g=g, num_heads=num_heads, heads=heads, keep=bool(keep)),
         grid=(num_rows, _cdiv(num_heads, heads)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
         input_output_aliases={3: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.combine_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="ragged_paged_attention_combine",
-    )(plan.rows, o_part, lse_part, out)
+    )(rows, o_part, lse_part, out)
 
 
 def _drop_input(kernel, index, *refs):

@@ -237,19 +237,14 @@ class _RegisterAcc:
         return _RegisterAcc(value=value)
 
 
-@pytest.fixture
-def mosaic_attention_interpret(monkeypatch):
-    """The Mosaic GPU attention kernel (``ragged_paged_attention_mgpu``) on the CPU in Pallas' GPU
-    interpreter: TMA loads and stores, barriers, the K/V ring, warp specialisation and the output's
-    in-place stores run as written; wgmma (A from shared memory or registers) is an f32 product
-    into a register-accumulator stand-in. Not checked: wgmma, layouts and timing on the hardware
-    (the GPU tests). Returns the kernel function, unjitted."""
+def _interpret_attention(monkeypatch, module):
+    """``module``'s ``pl`` and ``plgpu`` replaced for Pallas' GPU interpreter (CPU): TMA loads and
+    stores, barriers, rings, warp specialisation and in-place stores run as written; wgmma (A from
+    shared memory or registers) is an f32 product into a register-accumulator stand-in."""
     import types
 
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 
     def wgmma(acc, a, b):
         a = a if isinstance(a, jax.Array) else a[...]
@@ -273,9 +268,30 @@ def mosaic_attention_interpret(monkeypatch):
     fake_gpu.wgmma, fake_gpu.ACC = wgmma, _RegisterAcc
     params = plgpu.InterpretGPUParams(uninitialized_memory="zero")
     fake_gpu.kernel = functools.partial(plgpu.kernel, interpret=params)
-    monkeypatch.setattr(mgpu, "pl", fake_pl)
-    monkeypatch.setattr(mgpu, "plgpu", fake_gpu)
+    monkeypatch.setattr(module, "pl", fake_pl)
+    monkeypatch.setattr(module, "plgpu", fake_gpu)
+
+
+@pytest.fixture
+def mosaic_attention_interpret(monkeypatch):
+    """The Mosaic GPU attention kernel (``ragged_paged_attention_mgpu``) on the CPU in Pallas' GPU
+    interpreter (``_interpret_attention``). Not checked: wgmma, layouts and timing on the hardware
+    (the GPU tests). Returns the kernel function, unjitted."""
+    from pallas_kernels import ragged_paged_attention_mgpu as mgpu
+
+    _interpret_attention(monkeypatch, mgpu)
     return mgpu.ragged_paged_attention_mgpu.__wrapped__
+
+
+@pytest.fixture
+def mosaic_decode_interpret(monkeypatch):
+    """The Mosaic GPU decode attention (``decode_attention_mgpu``) on the CPU: its first launch in
+    Pallas' GPU interpreter (``_interpret_attention``), the Triton combine in Pallas' interpret
+    mode. Returns the kernel function, unjitted."""
+    from pallas_kernels import decode_attention_mgpu as dec
+
+    _interpret_attention(monkeypatch, dec)
+    return functools.partial(dec.decode_attention_mgpu.__wrapped__, combine_interpret=True)
 
 
 def engine_with_and_without(monkeypatch, flag: str, spied_module, spied_name: str):
