@@ -80,7 +80,9 @@ def lockstep(params, kp, vp, ring, packed, previous, **kw):
         def loop(c):
             d, kp, vp, ring, rem, active, exit_h, depth, gates = c
             a = unpack(key, packed[first + d, :words])
-            kp, vp, ring, h, g, nxt, out = exit_loop(params, kp, vp, ring, a, prev, active, rem, d + 1, exits, **kw)
+            kp, vp, ring, h, g, nxt, out = exit_loop(
+                params, kp, vp, ring, a, prev, active, rem, d + 1, exits, decode_only=True, **kw
+            )
             exit_h = jnp.where(out[:, None], h.astype(h_dtype), exit_h)
             depth = jnp.where(out, d, depth)
             return d + 1, kp, vp, ring, nxt, active & ~out, exit_h, depth, gates.at[first + d].set(g)

@@ -96,7 +96,9 @@ def draft(params, kp, vp, ring, packed, *, key: SpecKey, **kw):
         def loop(c):
             i, kp, vp, ring, rem, active, state, depth = c
             a = unpack(bd, dblock[first + i, :words])
-            kp, vp, ring, h, _, nxt, out = exit_loop(params, kp, vp, ring, a, prev, active, rem, i + 1, exits, **kw_d)
+            kp, vp, ring, h, _, nxt, out = exit_loop(
+                params, kp, vp, ring, a, prev, active, rem, i + 1, exits, decode_only=True, **kw_d
+            )
             # an exiting row keeps its exit state; a row still running keeps its latest one
             state = jnp.where(active[:, None], h.astype(h_dtype), state)
             depth = jnp.where(out, i, depth)

@@ -270,8 +270,9 @@ def _generate(
 
 
 def decode_kernel(attention: str, config: OuroConfig, batch: int, dtype) -> AttentionKernel:
-    """The decode bucket's kernel, as the engine picks it for ``decode_rows(batch)`` rows of one
-    segment each (``dispatch.choose_attention``); Pallas kernels run in interpret mode off a GPU."""
+    """The decode bucket's kernel, as the engine's fused steps pick it for ``decode_rows(batch)`` rows
+    of one segment each (``dispatch.choose_attention``, ``decode_only``); Pallas kernels run in
+    interpret mode off a GPU."""
     r = decode_rows(batch)
     return choose_attention(
         attention,
@@ -283,6 +284,7 @@ def decode_kernel(attention: str, config: OuroConfig, batch: int, dtype) -> Atte
         block_size=BLOCK_SIZE,
         dtype=dtype_of(dtype),
         interpret=jax.default_backend() != "gpu",
+        decode_only=True,
     )
 
 

@@ -119,6 +119,7 @@ def recurrent(
     attention: str,
     interpret: bool,
     tp_size: int = 1,
+    decode_only: bool = False,
 ):
     """Steps 1-3 of one descriptor (``a``: its unpacked fields): returns ``(kp, vp, ring, h, g)``.
 
@@ -126,6 +127,8 @@ def recurrent(
     step; embedded instead of ``pre_token`` when the descriptor's ``feed_previous_tokens`` is set.
     ``tp_size > 1``: the body of a ``shard_map`` over ``"tp"``; ``config`` and the KV pools are one
     shard's (``parallel.local_config``), embed and lm_head are split by vocabulary.
+    ``decode_only``: every segment is one decode row (a fused step's, a draft's loop), which the
+    attention choice may serve with the decode kernel (``dispatch.choose_attention``).
     """
     tp = tp_size > 1
     c = local_config(config, tp_size)
@@ -158,6 +161,7 @@ def recurrent(
         dtype=dt,
         interpret=interpret,
         min_segment_rows=key.M,
+        decode_only=decode_only,
     )
     seg = (a["seg_q_start"], a["seg_q_len"], a["seg_ctx_len"], a["seg_block_table"])
     attn = PagedAttention(

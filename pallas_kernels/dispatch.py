@@ -14,6 +14,10 @@ tests/kernels/test_attention_dispatch.py checks it against benchmarks/results/at
   Mosaic kernel's 128-row tiles would be mostly padding;
 * buckets whose few segment slots average ``MGPU_MIN_ROWS_PER_SEGMENT`` rows or more, with
   ``MGPU_MIN_CTAS`` CTAs (query tiles x heads), on Hopper in bf16/f16 -> ``mgpu`` (TMA, wgmma);
+* invocations of decode rows only (a fused decode step's loops, ``generate()``'s decode, a
+  speculative draft: the caller says so with ``decode_only``) that the rule gives to ``triton``
+  -> ``decode`` where it serves them (Hopper, bf16/f16, MHA: ``decode_attention_mgpu.supported``):
+  the same split-K plan and combine, its first launch streaming pages by TMA into wgmma;
 * engine buckets (``S = R``: any row may be its own segment, so the bucket says nothing about
   segment lengths) of ``HYBRID_MIN_ROWS`` rows or more, which a full load of long segments would
   fill -> ``hybrid``: split per segment at run time, segments of ``HYBRID_MIN_SEGMENT_ROWS`` rows
@@ -47,6 +51,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import decode_attention_mgpu
 from pallas_kernels import ragged_paged_attention_mgpu as mgpu
 from pallas_kernels.choices import ATTENTION, KERNELS, check_attention
 from pallas_kernels.gate_up_silu_mgpu import supported as gate_up_silu_supported
@@ -202,7 +207,7 @@ class AttentionKernel:
     that plan.
     """
 
-    name: str  # "triton" | "mgpu" | "hybrid" | "reference"
+    name: str  # "triton" | "mgpu" | "hybrid" | "decode" | "reference"
     num_rows: int
     num_heads: int
     num_kv_heads: int
@@ -212,8 +217,8 @@ class AttentionKernel:
     min_segment_rows: int = 1
 
     def __post_init__(self):
-        object.__setattr__(self, "name", check_attention(self.name, (*KERNELS, "reference")))
-        if self.interpret and self.name in ("mgpu", "hybrid"):
+        object.__setattr__(self, "name", check_attention(self.name, (*KERNELS, "decode", "reference")))
+        if self.interpret and self.name in ("mgpu", "hybrid", "decode"):
             raise ValueError(_NO_INTERPRET)
 
     def _triton_plan(self, seg_q_start, seg_q_len, seg_ctx_len) -> Plan:
@@ -231,6 +236,9 @@ class AttentionKernel:
         """The invocation's work list, built once and shared by every layer."""
         if self.name == "reference":
             return None
+        if self.name == "decode":
+            seg = (seg_q_start, seg_q_len, seg_ctx_len, seg_block_table)
+            return decode_attention_mgpu.make_decode_plan(*seg, num_rows=self.num_rows, num_kv_heads=self.num_kv_heads)
         if self.name == "mgpu":
             # with min_segment_rows = 1 the bound for any segments (make_packing's default)
             tiles = mgpu.mgpu_tiles(self.num_rows, seg_q_len.shape[0], min_segment_rows=self.min_segment_rows)
@@ -271,6 +279,8 @@ class AttentionKernel:
             return ragged_paged_attention_reference(*args, layer=layer, sm_scale=sm_scale)
         if self.name == "mgpu":
             return mgpu.ragged_paged_attention_mgpu(*args, layer=layer, sm_scale=sm_scale, packing=plan)
+        if self.name == "decode":
+            return decode_attention_mgpu.decode_attention_mgpu(*args, layer=layer, sm_scale=sm_scale, plan=plan)
         if self.name == "hybrid":
             if plan is None:
                 plan = self.plan(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table)
@@ -290,10 +300,12 @@ def choose_attention(
     dtype,
     interpret: bool = False,
     min_segment_rows: int = 1,
+    decode_only: bool = False,
 ) -> AttentionKernel:
     """The kernel of one bucket: ``pallas`` (or ``auto`` on a GPU) asks :func:`select_kernel`,
     any other ``attention`` value forces its kernel. ``min_segment_rows``: every segment holds at
-    least this many rows (a long-segment variant, :func:`long_segment_rows`)."""
+    least this many rows (a long-segment variant, :func:`long_segment_rows`). ``decode_only``:
+    every segment holds one row, so the rule may pick ``decode`` (module docstring)."""
     name = bucket_kernel(
         attention,
         num_rows=num_rows,
@@ -305,6 +317,10 @@ def choose_attention(
     )
     if name == "hybrid" and min_segment_rows >= HYBRID_MIN_SEGMENT_ROWS:
         name = "mgpu"  # the split's Mosaic half alone: no segment is left for Triton
+    if decode_only and name == "triton" and check_attention(attention) in ("auto", "pallas") and not interpret:
+        why = decode_attention_mgpu.supported(dtype, num_heads, num_kv_heads, head_dim, block_size, num_rows)
+        if why is None and hopper_available():
+            name = "decode"
     return AttentionKernel(name, num_rows, num_heads, num_kv_heads, head_dim, interpret, min_segment_rows)
 
 

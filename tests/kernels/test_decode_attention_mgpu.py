@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels import dispatch
 from pallas_kernels.decode_attention_mgpu import (
     ITEM_FIELDS,
     decode_attention_mgpu,
@@ -98,6 +99,30 @@ def test_unsupported_launches_are_refused():
     z = jnp.zeros((1,), jnp.int32)
     with pytest.raises(ValueError, match="dtype float32"):
         decode_attention_mgpu(q, kp, kp, z, z, z, jnp.zeros((1, 4), jnp.int32), sm_scale=0.1)
+
+
+def test_decode_only_invocations_choose_the_decode_kernel(monkeypatch):
+    """``pallas`` on Hopper: decode-only invocations (fused steps, ``generate()``, drafts) run the
+    decode kernel where it serves them; other invocations, forced kernels, float32, GQA, CPU
+    interpretation and other GPUs keep their kernel."""
+    kw = dict(num_rows=8, num_segments=8, num_heads=16, num_kv_heads=16, head_dim=128, block_size=16)
+    kw["dtype"] = jnp.bfloat16
+
+    def pick(attention="pallas", **over):
+        return dispatch.choose_attention(attention, **{**kw, **over}).name
+
+    monkeypatch.setattr(dispatch, "hopper_available", lambda: True)
+    assert pick(decode_only=True) == "decode"
+    assert pick(decode_only=True, num_rows=128, num_segments=128) == "decode"
+    assert pick() == "triton"
+    assert pick("triton", decode_only=True) == "triton"
+    assert pick(decode_only=True, dtype=jnp.float32) == "triton"
+    assert pick(decode_only=True, num_kv_heads=4) == "triton"
+    assert pick(decode_only=True, interpret=True) == "triton"
+    monkeypatch.setattr(dispatch, "hopper_available", lambda: False)
+    assert pick(decode_only=True) == "triton"
+    with pytest.raises(ValueError, match="interpret"):
+        dispatch.AttentionKernel("decode", 8, 16, 16, 128, interpret=True)
 
 
 @pytest.mark.parametrize(
