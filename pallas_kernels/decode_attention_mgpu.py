@@ -56,7 +56,9 @@ TARGET_CTAS = 128
 MIN_SPLIT_TOKENS = 128
 WINDOW = 64  # wgmma's M: query rows computed per CTA
 ITEM_FIELDS = 8  # the columns of ``Plan.items``
-LSE_WIDTH = 8  # the log-sum-exp partial is stored 8-wide (a 32-byte TMA); the combine reads lane 0
+# The log-sum-exp partial is stored 32-wide, the combine reads lane 0: a TMA store's shared-memory
+# source must start on 128 bytes, and a staged row of 8 floats did not (misaligned address, run 50).
+LSE_WIDTH = 32
 
 
 def supported(q_dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_rows: int) -> str | None:
