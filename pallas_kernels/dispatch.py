@@ -15,9 +15,10 @@ tests/kernels/test_attention_dispatch.py checks it against benchmarks/results/at
 * buckets whose few segment slots average ``MGPU_MIN_ROWS_PER_SEGMENT`` rows or more, with
   ``MGPU_MIN_CTAS`` CTAs (query tiles x heads), on Hopper in bf16/f16 -> ``mgpu`` (TMA, wgmma);
 * invocations of decode rows only (a fused decode step's loops, ``generate()``'s decode, a
-  speculative draft: the caller says so with ``decode_only``) that the rule gives to ``triton``
-  -> ``decode`` where it serves them (Hopper, bf16/f16, MHA: ``decode_attention_mgpu.supported``):
-  the same split-K plan and combine, its first launch streaming pages by TMA into wgmma;
+  speculative draft: the caller says so with ``decode_only``) in buckets of up to
+  ``DECODE_MGPU_MAX_ROWS`` rows that the rule gives to ``triton`` -> ``decode`` where it serves
+  them (Hopper, bf16/f16, MHA: ``decode_attention_mgpu.supported``): the same split-K plan and
+  combine, its first launch streaming pages by TMA into wgmma;
 * engine buckets (``S = R``: any row may be its own segment, so the bucket says nothing about
   segment lengths) of ``HYBRID_MIN_ROWS`` rows or more, which a full load of long segments would
   fill -> ``hybrid``: split per segment at run time, segments of ``HYBRID_MIN_SEGMENT_ROWS`` rows
@@ -91,6 +92,9 @@ MGPU_MIN_CTAS = 64
 HYBRID_MIN_ROWS = 256
 # Rows of one segment from which the hybrid split gives it to the Mosaic kernel (module docstring).
 HYBRID_MIN_SEGMENT_ROWS = 32
+# Largest decode-only bucket on the decode kernel: measured in the 8-row bucket (run 50, one H100:
+# c=8 -2.7%, c=1 even); larger buckets run several waves of its one-CTA-an-SM items, not measured.
+DECODE_MGPU_MAX_ROWS = 8
 _NO_INTERPRET = "the Mosaic GPU kernel has no CPU interpret mode (wgmma); use attention='triton'"
 
 
@@ -317,7 +321,8 @@ def choose_attention(
     )
     if name == "hybrid" and min_segment_rows >= HYBRID_MIN_SEGMENT_ROWS:
         name = "mgpu"  # the split's Mosaic half alone: no segment is left for Triton
-    if decode_only and name == "triton" and check_attention(attention) in ("auto", "pallas") and not interpret:
+    pallas = check_attention(attention) in ("auto", "pallas")
+    if decode_only and name == "triton" and pallas and not interpret and num_rows <= DECODE_MGPU_MAX_ROWS:
         why = decode_attention_mgpu.supported(dtype, num_heads, num_kv_heads, head_dim, block_size, num_rows)
         if why is None and hopper_available():
             name = "decode"

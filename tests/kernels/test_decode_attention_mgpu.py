@@ -102,9 +102,9 @@ def test_unsupported_launches_are_refused():
 
 
 def test_decode_only_invocations_choose_the_decode_kernel(monkeypatch):
-    """``pallas`` on Hopper: decode-only invocations (fused steps, ``generate()``, drafts) run the
-    decode kernel where it serves them; other invocations, forced kernels, float32, GQA, CPU
-    interpretation and other GPUs keep their kernel."""
+    """``pallas`` on Hopper: decode-only invocations (fused steps, ``generate()``, drafts) of small
+    buckets run the decode kernel where it serves them; larger buckets, other invocations, forced
+    kernels, float32, GQA, CPU interpretation and other GPUs keep their kernel."""
     kw = dict(num_rows=8, num_segments=8, num_heads=16, num_kv_heads=16, head_dim=128, block_size=16)
     kw["dtype"] = jnp.bfloat16
 
@@ -113,7 +113,7 @@ def test_decode_only_invocations_choose_the_decode_kernel(monkeypatch):
 
     monkeypatch.setattr(dispatch, "hopper_available", lambda: True)
     assert pick(decode_only=True) == "decode"
-    assert pick(decode_only=True, num_rows=128, num_segments=128) == "decode"
+    assert pick(decode_only=True, num_rows=dispatch.DECODE_MGPU_MAX_ROWS * 2, num_segments=16) == "triton"
     assert pick() == "triton"
     assert pick("triton", decode_only=True) == "triton"
     assert pick(decode_only=True, dtype=jnp.float32) == "triton"
