@@ -277,7 +277,7 @@ def decode_partials(q, k_pages, v_pages, seg_block_table, layer, plan: DecodePla
     w_max = num_items(plan, seg_block_table)
     window = min(WINDOW, num_rows)  # a multiple of 8 (checked): the query box's row offset and size
 
-    def entry(meta_ref, layer_ref, q_ref, k_ref, v_ref, out_ref, o_part_ref, lse_part_ref):
+    def entry(*refs):  # meta, layer, q, k, v, then the outputs out, o_part, lse_part
         ts = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = [
             plgpu.SMEM((WINDOW, head_dim), q.dtype, transforms=ts),
@@ -289,24 +289,17 @@ def decode_partials(q, k_pages, v_pages, seg_block_table, layer, plan: DecodePla
             plgpu.SMEM((WINDOW, head_dim), q.dtype),
         ]
         pages = BLOCK_KV // block_size
+        kernel = functools.partial(
+            _kernel,
+            num_items=w_max,
+            window=window,
+            block_size=block_size,
+            scale_log2=float(sm_scale) * LOG2E,
+            max_blocks=seg_block_table.shape[1],
+            num_pages=num_pages,
+        )
         pl.run_scoped(
-            lambda *scoped: _kernel(
-                meta_ref,
-                layer_ref,
-                q_ref,
-                k_ref,
-                v_ref,
-                out_ref,
-                o_part_ref,
-                lse_part_ref,
-                scoped,
-                num_items=w_max,
-                window=window,
-                block_size=block_size,
-                scale_log2=float(sm_scale) * LOG2E,
-                max_blocks=seg_block_table.shape[1],
-                num_pages=num_pages,
-            ),
+            lambda *scoped: kernel(*refs, scoped),
             scratch,
             (
                 plgpu.Barrier(num_arrivals=pages, num_barriers=STEPS),
