@@ -1,8 +1,8 @@
 """Decode attention on Hopper: the split-K plan's first kernel with TMA and wgmma (Pallas, Mosaic GPU).
 
 Same contract as ``ragged_paged_attention`` (docs/contracts.md), written for invocations of decode
-rows (one query row per segment, MHA), where the Triton kernel's first launch reads K/V at 68% of
-the bandwidth at eight rows and 1K (docs/roadmap.md, "Decode at the bandwidth floor", item 3):
+rows (one query row per segment, MHA), where the Triton kernel's first launch reads K/V well under
+the bandwidth (docs/decisions.md, "Decode attention on TMA and wgmma"):
 
 * the work list is the Triton kernel's ``make_plan`` with one query row per tile (``block_q=1``)
   and a split target of ``TARGET_CTAS`` CTAs: one item a row where rows x heads fill the GPU,
@@ -57,7 +57,7 @@ MIN_SPLIT_TOKENS = 128
 WINDOW = 64  # wgmma's M: query rows computed per CTA
 ITEM_FIELDS = 8  # the columns of ``Plan.items``
 # The log-sum-exp partial is stored 32-wide, the combine reads lane 0: a TMA store's shared-memory
-# source must start on 128 bytes, and a staged row of 8 floats did not (misaligned address, run 50).
+# source must start on 128 bytes, which a staged row of 8 floats does not (a misaligned address).
 LSE_WIDTH = 32
 
 

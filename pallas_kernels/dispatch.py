@@ -92,8 +92,9 @@ MGPU_MIN_CTAS = 64
 HYBRID_MIN_ROWS = 256
 # Rows of one segment from which the hybrid split gives it to the Mosaic kernel (module docstring).
 HYBRID_MIN_SEGMENT_ROWS = 32
-# Largest decode-only bucket on the decode kernel: measured in the 8-row bucket (run 50, one H100:
-# c=8 -2.7%, c=1 even); larger buckets run several waves of its one-CTA-an-SM items, not measured.
+# Largest decode-only bucket on the decode kernel: it was measured in the 8-row bucket only
+# (docs/decisions.md, "Decode attention on TMA and wgmma"); larger buckets run several waves of its
+# one-CTA-an-SM items.
 DECODE_MGPU_MAX_ROWS = 8
 _NO_INTERPRET = "the Mosaic GPU kernel has no CPU interpret mode (wgmma); use attention='triton'"
 
