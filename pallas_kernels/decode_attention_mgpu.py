@@ -36,13 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.ragged_paged_attention import (
-    _cdiv,
-    _check_args,
-    combine_partials,
-    default_tuning,
-    make_plan,
-)
+from pallas_kernels.ragged_paged_attention import Tuning, _cdiv, _check_args, combine_partials, make_plan
 from pallas_kernels.ragged_paged_attention_mgpu import stream_kv
 
 LOG2E = math.log2(math.e)
@@ -94,25 +88,19 @@ def num_items(plan: DecodePlan, seg_block_table) -> int:
 def make_decode_plan(seg_q_start, seg_q_len, seg_ctx_len, seg_block_table, *, num_rows: int, num_kv_heads: int):
     """The kernel's work list (``make_plan`` with one-row tiles, ``BLOCK_KV``-token blocks, split for
     ``TARGET_CTAS`` CTAs)."""
-    tuning = _tuning(num_rows, seg_q_len.shape[0], num_kv_heads)
-    plan = make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=1, tuning=tuning)
-    items = lax.optimization_barrier(plan.items)  # computed once, not per element of the copy
-    meta = jnp.concatenate([items.reshape(-1), seg_block_table.astype(jnp.int32).reshape(-1)])
-    return DecodePlan(meta, plan.rows)
-
-
-def _tuning(num_rows: int, num_segments: int, num_kv_heads: int):
-    return default_tuning(
-        num_rows,
-        num_segments,
-        num_kv_heads,
-        num_kv_heads,
-        WINDOW,
+    # make_plan reads a Tuning's first four knobs only; the Triton launch knobs have no say here
+    tuning = Tuning(
         block_q=1,
         block_k=BLOCK_KV,
         extra_items=max(1, TARGET_CTAS // num_kv_heads),
         min_split_tokens=MIN_SPLIT_TOKENS,
+        num_warps=0,
+        num_stages=0,
     )
+    plan = make_plan(seg_q_start, seg_q_len, seg_ctx_len, num_rows=num_rows, num_q_per_kv=1, tuning=tuning)
+    items = lax.optimization_barrier(plan.items)  # computed once, not per element of the copy
+    meta = jnp.concatenate([items.reshape(-1), seg_block_table.astype(jnp.int32).reshape(-1)])
+    return DecodePlan(meta, plan.rows)
 
 
 def _kernel(
