@@ -12,6 +12,11 @@ base of the medians.
     python -m benchmarks.ab --base 88fe624 --rounds 3 -o ab.json -- benchmarks.decode \\
         --context 1024 --concurrency 1 8 --exit fixed --fused-decode-max-rows 128 --generate-batch
     python -m benchmarks.ab --base .scratch/base -- benchmarks.run --workload long4 --chunk 64 128
+    python -m benchmarks.ab --base . --new-env OURO_JAX_FUSED_XLA_OPTIONS=xla_gpu_enable_split_k_autotuning=false \
+        -- benchmarks.decode --context 1024 --concurrency 1 8
+
+``--new-env`` / ``--base-env NAME=VALUE`` set a variable in one side's processes only: with
+``--base .`` the two sides are one tree under two settings (XLA options, say).
 
 ``--base`` is a folder holding the older tree, or a commit, extracted with ``git archive`` (the
 device machine gets no ``.git``: extract it here into a carried folder and name that). The benchmark
@@ -58,10 +63,13 @@ def extract_base(base: str, into: str, repo: str = ".") -> str:
     return dest
 
 
-def run_side(tree: str, module: str, args: Sequence[str], out_dir: str, log_path: str, timeout: float) -> dict:
-    """``python -m module args --out out_dir`` in ``tree`` (its own code first on the path); the
-    exit status, seconds and the records it wrote."""
+def run_side(
+    tree: str, module: str, args: Sequence[str], out_dir: str, log_path: str, timeout: float, env_extra=None
+) -> dict:
+    """``python -m module args --out out_dir`` in ``tree`` (its own code first on the path, the
+    variables of ``env_extra`` set); the exit status, seconds and the records it wrote."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
+    env.update(env_extra or {})
     t = time.perf_counter()
     with open(log_path, "w") as log:
         try:
@@ -80,6 +88,17 @@ def run_side(tree: str, module: str, args: Sequence[str], out_dir: str, log_path
         with open(path) as f:
             records += json.load(f).get("records", [])
     return dict(rc=rc, seconds=time.perf_counter() - t, records=records, log=log_path)
+
+
+def parse_env(items: Sequence[str], flag: str) -> dict:
+    """``["NAME=VALUE", ...]`` as a dict (the value may hold ``=``); a clear error otherwise."""
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not name.replace("_", "").isalnum() or name[0].isdigit():
+            raise ValueError(f"{flag} takes NAME=VALUE with NAME a variable name, got {item!r}")
+        env[name] = value
+    return env
 
 
 def compare(runs: Sequence[tuple[str, list]]) -> list[dict]:
@@ -146,6 +165,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a process may run")
     ap.add_argument("--work", default=None, help="keep each process's output and log here (default: a temp folder)")
     ap.add_argument("-o", "--out", default="ab.json", help="the comparison's JSON")
+    for side in SIDES:
+        ap.add_argument(
+            f"--{side}-env",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help=f"a variable of the {side} side only",
+        )
     a = ap.parse_args(argv[:cut])
     bench = argv[cut + 1 :]
     if not bench:
@@ -154,13 +181,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
     if "--out" in bench:
         ap.error("the benchmark's --out is set by ab (one folder a process)")
+    try:
+        envs = {side: parse_env(getattr(a, f"{side}_env"), f"--{side}-env") for side in SIDES}
+    except ValueError as e:
+        ap.error(str(e))
     work = a.work or tempfile.mkdtemp(prefix="ab-")
     trees = dict(new=os.path.abspath(a.new), base=extract_base(a.base, work, a.new))
     runs, processes = [], []
     for i, side in enumerate(side_order(a.rounds)):
         out_dir = os.path.join(work, f"{i:02d}-{side}")
         os.makedirs(out_dir, exist_ok=True)
-        res = run_side(trees[side], bench[0], bench[1:], out_dir, os.path.join(work, f"{i:02d}-{side}.log"), a.timeout)
+        log = os.path.join(work, f"{i:02d}-{side}.log")
+        res = run_side(trees[side], bench[0], bench[1:], out_dir, log, a.timeout, envs[side])
         processes.append(
             dict(side=side, rc=res["rc"], seconds=res["seconds"], records=len(res["records"]), log=res["log"])
         )
@@ -169,7 +201,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         )
         runs.append((side, res["records"]))
     rows = compare(runs)
-    result = dict(benchmark="ab", command=bench, trees=trees, rounds=a.rounds, processes=processes, configurations=rows)
+    result = dict(
+        benchmark="ab", command=bench, trees=trees, env=envs, rounds=a.rounds, processes=processes, configurations=rows
+    )
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print(table(rows))

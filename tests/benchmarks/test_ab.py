@@ -12,6 +12,7 @@ from benchmarks import ab
 FAKE = """
 import argparse, json, os, sys
 from value import VALUE
+VALUE = float(os.environ.get("AB_TEST_VALUE", VALUE))  # a side's --new-env / --base-env
 ap = argparse.ArgumentParser(); ap.add_argument("--c", type=int); ap.add_argument("--out")
 a = ap.parse_args()
 order = os.environ["AB_TEST_ORDER"]
@@ -73,6 +74,30 @@ def test_sides_interleave_and_each_configuration_is_compared(tmp_path, monkeypat
     assert "c=8" in capsys.readouterr().out
 
 
+def test_one_tree_under_two_settings(tmp_path, monkeypatch):
+    tree = _tree(tmp_path / "t", 5.0)
+    monkeypatch.setenv("AB_TEST_ORDER", str(tmp_path / "order"))
+    monkeypatch.setenv("AB_TEST_VALUE", "7.0")  # the base side keeps the caller's environment
+    res = ab.main(
+        [
+            "--base",
+            tree,
+            "--new",
+            tree,
+            "--new-env",
+            "AB_TEST_VALUE=4.0",
+            "--rounds",
+            "1",
+            "-o",
+            str(tmp_path / "a.json"),
+        ]
+        + ["--", "fakebench"]
+    )
+    rows = {r["label"]: r for r in res["configurations"]}
+    assert rows["tok/s"]["new"] == [4000.0] and rows["tok/s"]["base"] == [7000.0]
+    assert res["env"] == {"new": {"AB_TEST_VALUE": "4.0"}, "base": {}}
+
+
 def test_a_failed_process_is_reported_not_compared(tmp_path, monkeypatch, capsys):
     new, base = _tree(tmp_path / "new", 5.0), _tree(tmp_path / "base", -1)
     monkeypatch.setenv("AB_TEST_ORDER", str(tmp_path / "order"))
@@ -90,6 +115,8 @@ def test_a_failed_process_is_reported_not_compared(tmp_path, monkeypatch, capsys
         (["--base", ".", "--"], "name the benchmark"),
         (["--base", ".", "--rounds", "0", "--", "m"], "rounds"),
         (["--base", ".", "--", "m", "--out", "x"], "--out is set by ab"),
+        (["--base", ".", "--new-env", "NOVALUE", "--", "m"], "NAME=VALUE"),
+        (["--base", ".", "--base-env", "1X=2", "--", "m"], "NAME=VALUE"),
     ],
 )
 def test_bad_arguments_are_refused(args, match, capsys):
