@@ -92,9 +92,9 @@ MGPU_MIN_CTAS = 64
 HYBRID_MIN_ROWS = 256
 # Rows of one segment from which the hybrid split gives it to the Mosaic kernel (module docstring).
 HYBRID_MIN_SEGMENT_ROWS = 32
-# Largest decode-only bucket on the decode kernel: it was measured in the 8-row bucket only
-# (docs/decisions.md, "Decode attention on TMA and wgmma"); larger buckets run several waves of its
-# one-CTA-an-SM items.
+# Largest decode-only bucket on the decode kernel: from 16 rows both kernels read K/V near the
+# bandwidth and the decode kernel is even or slower, in the kernel and in the engine (docs/decisions.md,
+# "The decode kernel stays out of buckets over 8 rows").
 DECODE_MGPU_MAX_ROWS = 8
 _NO_INTERPRET = "the Mosaic GPU kernel has no CPU interpret mode (wgmma); use attention='triton'"
 
