@@ -12,7 +12,7 @@ base of the medians.
     python -m benchmarks.ab --base 88fe624 --rounds 3 -o ab.json -- benchmarks.decode \\
         --context 1024 --concurrency 1 8 --exit fixed --fused-decode-max-rows 128 --generate-batch
     python -m benchmarks.ab --base .scratch/base -- benchmarks.run --workload long4 --chunk 64 128
-    python -m benchmarks.ab --base . --new-env OURO_JAX_FUSED_XLA_OPTIONS=xla_gpu_enable_split_k_autotuning=false \
+    python -m benchmarks.ab --base . --new-env OURO_JAX_FUSED_XLA_OPTIONS=xla_gpu_experimental_force_split_k=1 \
         -- benchmarks.decode --context 1024 --concurrency 1 8
 
 ``--new-env`` / ``--base-env NAME=VALUE`` set a variable in one side's processes only: with
