@@ -37,6 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.decode_gemm_mgpu import cdiv
+
 __all__ = ["BOX", "MODES", "LAYER_SHAPES", "chain", "main", "spin_prefetch"]
 
 BOX = (128, 128)  # one prefetch: 32 KB of bf16 (a TMA box dimension is at most 256)
@@ -44,10 +46,6 @@ MODES = ("cold", "prefetch", "warm")
 # Ouro-1.4B's decode GEMM weights [K, N]: Q/K/V fused, O, gate/up fused, down
 LAYER_SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "gate_up": (2048, 11264), "down": (5632, 2048)}
 _OUT = (8, 128)  # each CTA's sample of its spin result: keeps the loop live
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def spin_prefetch(w, after, *, ctas: int, spin: int, fraction: float = 0.0):
@@ -62,7 +60,7 @@ def spin_prefetch(w, after, *, ctas: int, spin: int, fraction: float = 0.0):
         raise ValueError(f"need 0 <= fraction <= 1, spin >= 0, ctas >= 1; got {fraction}, {spin}, {ctas}")
     boxes_n = n // BOX[1]
     total = round(fraction * (k // BOX[0]) * boxes_n)
-    per = _cdiv(total, ctas) if total else 0
+    per = cdiv(total, ctas) if total else 0
 
     def body(w_ref, after_ref, o_ref, o_smem):
         del after_ref
@@ -100,6 +98,32 @@ def chain(x, w, flush, *, mode: str, ctas: int, spin: int, fraction: float):
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
+def _measure(a, name: str, x, w, flush, kernels_us) -> list[dict]:
+    """The records of one weight: every spin, mode and (``prefetch``) fraction of ``a``."""
+    (k, n), records = w.shape, []
+    for spin, mode in itertools.product(a.spin, a.modes):
+        for fraction in a.fraction if mode == "prefetch" else [None]:
+            rec = dict(shape=name, k=k, n=n, rows=a.rows, mode=mode, spin=spin, fraction=fraction, ctas=a.ctas)
+            try:
+                fn = jax.jit(
+                    lambda x, w, f: chain(x, w, f, mode=mode, ctas=a.ctas, spin=spin, fraction=fraction or 0.0)
+                )
+                us = kernels_us(fn, x, w, flush, iters=a.iters)
+                names = list(us)  # launch order: [flush,] stand-in, GEMM kernels
+                stand_in = next(i for i, s in enumerate(names) if "mosaic" in s)
+                rec.update(
+                    kernels_us=us,
+                    stand_in_us=us[names[stand_in]],
+                    gemm_us=sum(us[s] for s in names[stand_in + 1 :]),
+                )
+                rec["gemm_tbps"] = k * n * 2 / rec["gemm_us"] / 1e6
+            except Exception as e:  # noqa: BLE001 - a launch the GPU refuses is a record, not the end
+                rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            records.append(rec)
+            print(json.dumps({x: v for x, v in rec.items() if x != "kernels_us"}), flush=True)
+    return records
+
+
 def _shape(text: str) -> tuple[str, tuple[int, int]]:
     name, _, dims = text.partition("=")
     k, _, n = dims.partition("x")
@@ -130,28 +154,10 @@ def main(argv=None) -> dict | None:
 
     flush = jnp.ones((a.flush_mb * 2**20 // 4,), jnp.float32)
     records = []
-    for (name, (k, n)), spin, mode in itertools.product(a.shapes, a.spin, a.modes):
+    for name, (k, n) in a.shapes:
         w = jax.random.normal(jax.random.PRNGKey(k + n), (k, n), jnp.bfloat16)
         x = jax.random.normal(jax.random.PRNGKey(1), (a.rows, k), jnp.bfloat16)
-        for fraction in a.fraction if mode == "prefetch" else [None]:
-            rec = dict(shape=name, k=k, n=n, rows=a.rows, mode=mode, spin=spin, fraction=fraction, ctas=a.ctas)
-            try:
-                fn = jax.jit(
-                    lambda x, w, f: chain(x, w, f, mode=mode, ctas=a.ctas, spin=spin, fraction=fraction or 0.0)
-                )
-                us = kernels_us(fn, x, w, flush, iters=a.iters)
-                names = list(us)  # launch order: [flush,] stand-in, GEMM kernels
-                stand_in = next(i for i, s in enumerate(names) if "mosaic" in s)
-                rec.update(
-                    kernels_us=us,
-                    stand_in_us=us[names[stand_in]],
-                    gemm_us=sum(us[s] for s in names[stand_in + 1 :]),
-                )
-                rec["gemm_tbps"] = k * n * 2 / rec["gemm_us"] / 1e6
-            except Exception as e:  # noqa: BLE001 - a launch the GPU refuses is a record, not the end
-                rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            records.append(rec)
-            print(json.dumps({x: v for x, v in rec.items() if x != "kernels_us"}), flush=True)
+        records += _measure(a, name, x, w, flush, kernels_us)
     out = dict(benchmark="l2_prefetch", device=jax.devices()[0].device_kind, jax_version=jax.__version__)
     out.update(args={k: v for k, v in vars(a).items() if k != "out"}, records=records)
     os.makedirs(a.out, exist_ok=True)
