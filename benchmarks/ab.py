@@ -67,7 +67,8 @@ def run_side(
     tree: str, module: str, args: Sequence[str], out_dir: str, log_path: str, timeout: float, env_extra=None
 ) -> dict:
     """``python -m module args --out out_dir`` in ``tree`` (its own code first on the path, the
-    variables of ``env_extra`` set); the exit status, seconds and the records it wrote."""
+    variables of ``env_extra`` set); the exit status, seconds, the records it wrote and the devices
+    its files name (their top-level ``device``)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
     env.update(env_extra or {})
     t = time.perf_counter()
@@ -83,11 +84,14 @@ def run_side(
             ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    records = []
+    records, devices = [], set()
     for path in sorted(glob.glob(os.path.join(out_dir, "*.json"))):
         with open(path) as f:
-            records += json.load(f).get("records", [])
-    return dict(rc=rc, seconds=time.perf_counter() - t, records=records, log=log_path)
+            doc = json.load(f)
+        records += doc.get("records", [])
+        if doc.get("device"):
+            devices.add(str(doc["device"]))
+    return dict(rc=rc, seconds=time.perf_counter() - t, records=records, devices=sorted(devices), log=log_path)
 
 
 def parse_env(items: Sequence[str], flag: str) -> dict:
@@ -194,15 +198,31 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         log = os.path.join(work, f"{i:02d}-{side}.log")
         res = run_side(trees[side], bench[0], bench[1:], out_dir, log, a.timeout, envs[side])
         processes.append(
-            dict(side=side, rc=res["rc"], seconds=res["seconds"], records=len(res["records"]), log=res["log"])
+            dict(
+                side=side,
+                rc=res["rc"],
+                seconds=res["seconds"],
+                records=len(res["records"]),
+                devices=res["devices"],
+                log=res["log"],
+            )
         )
         print(
             f"ab: {i + 1:2d} {side:4} rc={res['rc']} {res['seconds']:.0f} s, {len(res['records'])} records", flush=True
         )
         runs.append((side, res["records"]))
     rows = compare(runs)
+    # the machine the figures come from: a ratio is only meaningful on one kind of card
+    devices = sorted({d for p in processes for d in p["devices"]})
     result = dict(
-        benchmark="ab", command=bench, trees=trees, env=envs, rounds=a.rounds, processes=processes, configurations=rows
+        benchmark="ab",
+        command=bench,
+        trees=trees,
+        env=envs,
+        rounds=a.rounds,
+        devices=devices,
+        processes=processes,
+        configurations=rows,
     )
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -210,6 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     failed = [p for p in processes if p["rc"] != 0]
     if failed:
         print(f"ab: {len(failed)} of {len(processes)} processes failed: " + ", ".join(p["log"] for p in failed))
+    if len(devices) > 1:
+        print(f"ab: the processes ran on different devices ({', '.join(devices)}): the ratios mix cards")
     print(f"ab: wrote {a.out}")
     return result
 

@@ -270,9 +270,10 @@ def _generate(
 
 
 def decode_kernel(attention: str, config: OuroConfig, batch: int, dtype) -> AttentionKernel:
-    """The decode bucket's kernel, as the engine's fused steps pick it for ``decode_rows(batch)`` rows
-    of one segment each (``dispatch.choose_attention``, ``decode_only``); Pallas kernels run in
-    interpret mode off a GPU."""
+    """The decode bucket's kernel for ``decode_rows(batch)`` rows of one segment each
+    (``dispatch.choose_attention``); Pallas kernels run in interpret mode off a GPU. Not
+    ``decode_only``: on the decode kernel ``generate()`` b=8 was 4.9% slower than on Triton, b=1
+    even, while the engine's fused steps gained (docs/decisions.md, "generate() decodes on Triton")."""
     r = decode_rows(batch)
     return choose_attention(
         attention,
@@ -284,7 +285,6 @@ def decode_kernel(attention: str, config: OuroConfig, batch: int, dtype) -> Atte
         block_size=BLOCK_SIZE,
         dtype=dtype_of(dtype),
         interpret=jax.default_backend() != "gpu",
-        decode_only=True,
     )
 
 

@@ -24,7 +24,7 @@ n = sum(1 for _ in open(order))
 rec = lambda label, v, unit, lower: dict(label=label, mode="split", chunk=None,
     headline=dict(metric="TPOT p50", value=v, unit=unit, **({"lower_is_better": lower} if lower is not None else {})))
 records = [rec(f"c={a.c}", VALUE + 0.01 * n, "ms", True), rec("tok/s", 1000 * VALUE, "tok/s", None)]
-json.dump(dict(records=records), open(os.path.join(a.out, "fake.json"), "w"))
+json.dump(dict(device="Fake GPU", records=records), open(os.path.join(a.out, "fake.json"), "w"))
 """
 
 
@@ -71,6 +71,7 @@ def test_sides_interleave_and_each_configuration_is_compared(tmp_path, monkeypat
     thr = rows["tok/s"]  # higher is better: fewer tok/s on the new side loses
     assert not thr["lower_is_better"] and thr["ratio"] == pytest.approx(5 / 6) and thr["new_better"] is False
     assert [p["side"] for p in res["processes"]] == ab.side_order(3) and all(p["rc"] == 0 for p in res["processes"])
+    assert res["devices"] == ["Fake GPU"] and all(p["devices"] == ["Fake GPU"] for p in res["processes"])
     assert "c=8" in capsys.readouterr().out
 
 
