@@ -9,9 +9,10 @@ decode runs what the engine's fused decode step runs, so that a static batch is 
 * K/V in one stacked paged pool pair ``[L, KVH, NB, BS, hd]`` (``BLOCK_SIZE`` tokens a page) with a
   static identity block table: plane ``t`` of batch row ``b`` owns pages ``(t*B + b)*M .. +M-1``
   (``M = pages_per_row(P + N)``). Decode attention is the engine's ``AttentionKernel`` of a decode
-  bucket (one segment per row, ``dispatch.choose_attention``: the Triton ragged paged kernel on a
-  GPU, the jnp twin on the CPU), reading only each row's ``position + 1`` keys of its plane; a
-  dense cache sliced per plane and a softmax over all ``S_max`` positions cost more than that.
+  bucket (one segment per row, ``dispatch.choose_attention`` with ``decode_only``: on Hopper the
+  decode kernel, on other GPUs the Triton ragged paged kernel, the jnp twin on the CPU), reading
+  only each row's ``position + 1`` keys of its plane; a dense cache sliced per plane and a softmax
+  over all ``S_max`` positions cost more than that.
 * Decode rows are padded to a multiple of ``MIN_DECODE_ROWS`` (the engine's smallest bucket: XLA's
   one-row kernels are slower than eight rows, docs/performance.md); padding rows write no K/V and
   attend to nothing.
@@ -270,10 +271,9 @@ def _generate(
 
 
 def decode_kernel(attention: str, config: OuroConfig, batch: int, dtype) -> AttentionKernel:
-    """The decode bucket's kernel for ``decode_rows(batch)`` rows of one segment each
-    (``dispatch.choose_attention``); Pallas kernels run in interpret mode off a GPU. Not
-    ``decode_only``: on the decode kernel ``generate()`` b=8 was 4.9% slower than on Triton, b=1
-    even, while the engine's fused steps gained (docs/decisions.md, "generate() decodes on Triton")."""
+    """The decode bucket's kernel, as the engine's fused steps pick it for ``decode_rows(batch)`` rows
+    of one segment each (``dispatch.choose_attention``, ``decode_only``); Pallas kernels run in
+    interpret mode off a GPU."""
     r = decode_rows(batch)
     return choose_attention(
         attention,
@@ -285,6 +285,7 @@ def decode_kernel(attention: str, config: OuroConfig, batch: int, dtype) -> Atte
         block_size=BLOCK_SIZE,
         dtype=dtype_of(dtype),
         interpret=jax.default_backend() != "gpu",
+        decode_only=True,
     )
 
 

@@ -14,8 +14,8 @@ tests/kernels/test_attention_dispatch.py checks it against benchmarks/results/at
   Mosaic kernel's 128-row tiles would be mostly padding;
 * buckets whose few segment slots average ``MGPU_MIN_ROWS_PER_SEGMENT`` rows or more, with
   ``MGPU_MIN_CTAS`` CTAs (query tiles x heads), on Hopper in bf16/f16 -> ``mgpu`` (TMA, wgmma);
-* invocations of decode rows only (a fused decode step's loops, a speculative draft: the caller
-  says so with ``decode_only``; ``generate()`` does not, decisions.md says why) in buckets of up to
+* invocations of decode rows only (a fused decode step's loops, ``generate()``'s decode, a
+  speculative draft: the caller says so with ``decode_only``) in buckets of up to
   ``DECODE_MGPU_MAX_ROWS`` rows that the rule gives to ``triton`` -> ``decode`` where it serves
   them (Hopper, bf16/f16, MHA: ``decode_attention_mgpu.supported``): the same split-K plan and
   combine, its first launch streaming pages by TMA into wgmma;

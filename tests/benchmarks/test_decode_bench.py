@@ -228,6 +228,26 @@ def test_decode_generate_records_and_report(tmp_path):
     assert "## decode (benchmarks/decode.py)" in md and "decode.json engine c=1, fixed depth" in md
 
 
+@pytest.mark.parametrize(
+    "prompt, new, ref",
+    [
+        (1024, 64, 49),  # 68 pages a row for 49..64 tokens
+        (1024, 128, 113),
+        (20, 3, 1),  # one page boundary away: down to one token
+        (1023, 2, 1),  # 2 tokens open page 65, 1 token does not: no shorter call shares the pools
+        (1008, 16, 1),
+        (1008, 20, 17),
+    ],
+)
+def test_generate_reference_call_shares_the_pool_shape(prompt, new, ref):
+    from ouro_jax.static_generate import pages_per_row
+
+    got = dec.reference_tokens(prompt, new)
+    assert got == ref and 1 <= got < new
+    if got > 1:  # the fewest such tokens
+        assert pages_per_row(prompt + got) == pages_per_row(prompt + new) != pages_per_row(prompt + got - 1)
+
+
 def test_partial_traces_of_fused_steps_report_no_kernel_figures():
     prof = dict(device_plane="/device:GPU:0", kernels_per_loop=104.3, device_busy_share=0.24)
     got = hide_partial_trace(dict(prof), 127)

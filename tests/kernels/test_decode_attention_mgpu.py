@@ -102,7 +102,7 @@ def test_unsupported_launches_are_refused():
 
 
 def test_decode_only_invocations_choose_the_decode_kernel(monkeypatch):
-    """``pallas`` on Hopper: decode-only invocations (fused steps, drafts) of small
+    """``pallas`` on Hopper: decode-only invocations (fused steps, ``generate()``, drafts) of small
     buckets run the decode kernel where it serves them; larger buckets, other invocations, forced
     kernels, float32, GQA, CPU interpretation and other GPUs keep their kernel."""
     kw = dict(num_rows=8, num_segments=8, num_heads=16, num_kv_heads=16, head_dim=128, block_size=16)
@@ -125,16 +125,16 @@ def test_decode_only_invocations_choose_the_decode_kernel(monkeypatch):
         dispatch.AttentionKernel("decode", 8, 16, 16, 128, interpret=True)
 
 
-def test_generate_keeps_triton_for_its_decode(monkeypatch):
-    """``generate()``'s decode is not ``decode_only``: on Hopper it runs the Triton kernel, which
-    was faster there than the decode kernel (docs/decisions.md, "generate() decodes on Triton")."""
+def test_generate_decodes_on_the_decode_kernel(monkeypatch):
+    """``generate()``'s decode is ``decode_only``: on Hopper it runs the decode kernel, as the
+    engine's fused steps do (docs/decisions.md, "`generate()` decodes on the decode kernel")."""
     from ouro_jax import static_generate as sg
     from weights.config import get_preset
 
     monkeypatch.setattr(dispatch, "hopper_available", lambda: True)
     monkeypatch.setattr(sg.jax, "default_backend", lambda: "gpu")  # no interpret mode: a GPU's pick
     for batch in (1, 8):
-        assert sg.decode_kernel("pallas", get_preset("ouro-1.4b"), batch, "bfloat16").name == "triton"
+        assert sg.decode_kernel("pallas", get_preset("ouro-1.4b"), batch, "bfloat16").name == "decode"
 
 
 @pytest.mark.parametrize(
