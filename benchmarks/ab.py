@@ -2,8 +2,10 @@
 records compared configuration by configuration.
 
 One process's figures move by more than most changes do (run 38: a c=1 TPOT came out at ~6.52 or
-~6.85 ms a process on one H100, whatever the code), so a change wins only against its base measured
-in several processes of each side, interleaved on one machine. ``ab`` runs ``python -m MODULE ARGS
+~6.85 ms a process on one H100, whatever the code; run 53: ``generate()`` b=8 at 7.93-8.42 ms over
+three processes with identical GEMM configs), so a change wins only against its base measured in
+several processes of each side, interleaved on one machine, and the table marks a configuration
+whose two sides' spreads overlap. ``ab`` runs ``python -m MODULE ARGS
 --out DIR`` in this tree ("new") and in the base tree ("base"), in the order new, base, base, new,
 new, base, ... (each side first as often as the other), and writes for each configuration
 (``merge_results.record_key``) both sides' headline figures, their medians and spreads, and new /
@@ -107,7 +109,8 @@ def parse_env(items: Sequence[str], flag: str) -> dict:
 
 def compare(runs: Sequence[tuple[str, list]]) -> list[dict]:
     """Per configuration, in first-seen order: the headline values of each side (process order),
-    their medians, min and max, and ``ratio`` = new / base of the medians with ``new_better``."""
+    their medians, min and max, ``ratio`` = new / base of the medians with ``new_better``, and
+    ``spreads_overlap``: the two sides' [min, max] meet, so the processes do not separate them."""
     rows: dict[tuple, dict] = {}
     for side, records in runs:
         for r in records:
@@ -136,6 +139,9 @@ def compare(runs: Sequence[tuple[str, list]]) -> list[dict]:
         n, b = row["new_median"], row["base_median"]
         row["ratio"] = n / b if n is not None and b else None
         row["new_better"] = None if row["ratio"] is None else (row["ratio"] < 1) == row["lower_is_better"]
+        # a side's processes spread as far as the other's median: the ratio is not a verdict
+        ns, bs = row["new_spread"], row["base_spread"]
+        row["spreads_overlap"] = None if ns is None or bs is None else ns[0] <= bs[1] and bs[0] <= ns[1]
         out.append(row)
     return out
 
@@ -153,6 +159,7 @@ def table(rows: Sequence[dict]) -> str:
             lo, hi = r[f"{s}_spread"] or (None, None)
             cols.append(f"{_fmt(r[f'{s}_median'])} ({_fmt(lo)}-{_fmt(hi)})")
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}{' (better)' if r['new_better'] else ''}"
+        ratio += " (spreads overlap)" if r["spreads_overlap"] else ""
         lines.append(f"{name[:44]:44} {str(r['metric'])[:14]:14} {cols[0]:28} {cols[1]:28} {ratio}")
     return "\n".join(lines)
 

@@ -68,6 +68,7 @@ def test_sides_interleave_and_each_configuration_is_compared(tmp_path, monkeypat
     assert tpot["new"] == pytest.approx([5.01, 5.04, 5.05]) and tpot["base"] == pytest.approx([6.02, 6.03, 6.06])
     assert tpot["new_median"] == pytest.approx(5.04) and tpot["base_spread"] == pytest.approx([6.02, 6.06])
     assert tpot["ratio"] == pytest.approx(5.04 / 6.03) and tpot["lower_is_better"] and tpot["new_better"]
+    assert tpot["spreads_overlap"] is False
     thr = rows["tok/s"]  # higher is better: fewer tok/s on the new side loses
     assert not thr["lower_is_better"] and thr["ratio"] == pytest.approx(5 / 6) and thr["new_better"] is False
     assert [p["side"] for p in res["processes"]] == ab.side_order(3) and all(p["rc"] == 0 for p in res["processes"])
@@ -97,6 +98,18 @@ def test_one_tree_under_two_settings(tmp_path, monkeypatch):
     rows = {r["label"]: r for r in res["configurations"]}
     assert rows["tok/s"]["new"] == [4000.0] and rows["tok/s"]["base"] == [7000.0]
     assert res["env"] == {"new": {"AB_TEST_VALUE": "4.0"}, "base": {}}
+
+
+def test_overlapping_spreads_are_marked():
+    def rec(v):
+        return dict(label="c=1", mode="split", headline=dict(metric="TPOT p50", value=v, lower_is_better=True))
+
+    rows = ab.compare([("new", [rec(6.0)]), ("base", [rec(6.4)]), ("base", [rec(5.9)]), ("new", [rec(6.1)])])
+    assert rows[0]["new_better"] and rows[0]["spreads_overlap"]  # 6.0-6.1 inside 5.9-6.4
+    assert "(spreads overlap)" in ab.table(rows)
+    rows = ab.compare([("new", [rec(6.0)]), ("base", [rec(6.4)]), ("base", [rec(6.2)]), ("new", [rec(6.1)])])
+    assert rows[0]["spreads_overlap"] is False and "overlap" not in ab.table(rows)
+    assert ab.compare([("new", [rec(6.0)])])[0]["spreads_overlap"] is None  # one side only
 
 
 def test_a_failed_process_is_reported_not_compared(tmp_path, monkeypatch, capsys):
