@@ -25,6 +25,12 @@ Kernels per loop and device-busy share: after each timed run the same ``c`` prom
 (prefix cached), untimed until every request has its first token, then ``--profile-steps`` engine
 steps under ``jax.profiler`` (``profile_step.trace_kernels``). Kernels per loop = kernel events /
 invocations; device-busy share = union of the kernel intervals / wall time of the traced window.
+Fused decode steps on a GPU run their loops as conditional CUDA-graph nodes, whose kernels the
+profiler mostly misses (about an eighth of them, run 52): their configurations are profiled after
+the timed plan, in an engine of their own whose fused steps keep the loops out of CUDA graphs
+(``TRACEABLE_FUSED_OPTIONS``; the same kernels, launched from the host). Their kernels per loop and
+busy time per loop come from that trace, and their device-busy share is busy time per token over
+the timed TPOT (the traced engine's wall carries the host's loop round trips).
 
 One engine serves everything (split, chunk 128, prefix caching on, row buckets: powers of two from 8
 to ``max_num_seqs`` and ``max_num_batched_tokens``), compiled once and warmed once; it is closed
@@ -96,6 +102,42 @@ QUICK = dict(concurrency=[1, 8, 128], context=[1024], output_tokens=32, generate
 ESTIMATE_S = {"engine": 6.0, "generate": 45.0, PLAIN_MODE: 45.0}
 
 
+def traceable_fused_options(extra: str = "") -> str:
+    """Fused-step XLA options (``EngineConfig.fused_xla_options``) whose loops the profiler sees:
+    ``extra`` with the command-buffer kinds of ``compiler_options.FUSED_COMMAND_BUFFER`` less
+    ``CONDITIONAL`` and ``WHILE`` (the later entry wins)."""
+    from ouro_jax.compiler_options import FUSED_COMMAND_BUFFER
+
+    kinds = ",".join(k for k in FUSED_COMMAND_BUFFER.split(",") if k not in ("CONDITIONAL", "WHILE"))
+    return ";".join(filter(None, (extra, f"xla_gpu_enable_command_buffer={kinds}")))
+
+
+def loops_in_graphs(llm) -> bool:
+    """Whether ``llm``'s fused steps run their loops as CUDA-graph conditional nodes (on a GPU)."""
+    return llm.runner.device.platform == "gpu"
+
+
+def attach_fused_profile(rec: dict, prof: dict) -> dict:
+    """``rec``'s ``profile``, ``kernels_per_loop`` and ``device_busy_share`` from ``prof``, a trace of
+    its batch in the traceable engine (``traceable_fused_options``): busy time per token (busy per
+    loop x the record's loops per token) over the timed TPOT p50, since the traced engine's wall
+    holds the host's round trips between loops."""
+    loops = rec.get("fused_loops_per_token") or rec.get("mean_loops_per_token")
+    busy, tpot = prof.get("busy_ms_per_loop"), rec.get("tpot_p50_ms")
+    share = busy * loops / tpot if busy is not None and loops and tpot else None
+    prof = dict(
+        prof,
+        loops_traced=True,
+        traced_wall_device_busy_share=prof.get("device_busy_share"),
+        device_busy_share=share,
+        note="fused steps profiled with their loops out of CUDA graphs (traceable_fused_options): kernels per "
+        "loop and busy ms per loop from that trace; device_busy_share = busy ms per loop x loops per token / "
+        "the timed TPOT p50",
+    )
+    rec.update(kernels_per_loop=prof["kernels_per_loop"], device_busy_share=share, profile=prof)
+    return rec
+
+
 class Skip(Exception):
     """A configuration that cannot run as asked (the reason goes to ``skipped``)."""
 
@@ -116,9 +158,10 @@ def decode_shape(a) -> EngineShape:
 
 
 # ------------------------------------------------------------------------------- the profile
-def profile_decode(llm, specs: Sequence, steps: int, tag: str) -> dict:
+def profile_decode(llm, specs: Sequence, steps: int, tag: str, loops_traced: bool = False) -> dict:
     """Kernels per loop and device-busy share of ``steps`` engine steps of ``specs`` decoding
-    together (see the module doc); every request is aborted afterwards."""
+    together (see the module doc); every request is aborted afterwards. ``loops_traced``: the
+    engine's fused steps keep their loops out of CUDA graphs, so the trace is whole."""
     ids = [f"profile-{tag}-{i}" for i in range(len(specs))]
     for rid, s in zip(ids, specs):
         llm.add_request(s.prompt, s.params, request_id=rid)
@@ -141,7 +184,7 @@ def profile_decode(llm, specs: Sequence, steps: int, tag: str) -> dict:
         return time.perf_counter() - t
 
     try:
-        prof = profile_engine_window(llm, window)
+        prof = profile_engine_window(llm, window, loops_traced=loops_traced)
     finally:
         for rid in ids:
             llm.abort(rid)
@@ -185,10 +228,14 @@ def _headline(r: dict) -> dict:
 class EngineRunner:
     """The one engine of a sweep, its schedule recorder, and the prompts warmed into its cache."""
 
-    def __init__(self, h, a):
+    def __init__(self, h, a, fused_xla_options: Optional[str] = None):
+        """``fused_xla_options``: the engine's (``traceable_fused_options`` for the profile pass)."""
         self.h, self.a = h, a
         self.chunk = min(a.chunk, h.shape.max_num_batched_tokens)
-        self.llm, self.startup = h.engine(MODE, self.chunk, (), enable_prefix_caching=not a.cold)
+        kw = {} if fused_xla_options is None else dict(fused_xla_options=fused_xla_options)
+        self.llm, self.startup = h.engine(MODE, self.chunk, (), enable_prefix_caching=not a.cold, **kw)
+        # fused steps on a GPU: this engine's trace would miss most kernels (the module doc)
+        self.defers_profile = fused_xla_options is None and h.fused_decode_max_rows > 0 and loops_in_graphs(self.llm)
         self.rec = ScheduleRecorder(h.config, np.dtype(self.llm.runner.dtype).itemsize).attach(self.llm.runner)
         self.rec.enabled = False
         h._warm(self.llm, self.chunk)
@@ -273,7 +320,7 @@ class EngineRunner:
         r.update(_memory())
         if r["tpot_p50_ms"] is not None:
             r["headline"] = _headline(r)
-        if a.profile_steps:
+        if a.profile_steps and not self.defers_profile:
             try:
                 prof = profile_decode(llm, wl.requests, a.profile_steps, f"{c}-{wl.exit}-{context}")
                 # the profiler's own cost: wall per loop traced vs untraced (TPOT / loops per token)
@@ -594,6 +641,39 @@ def _resolve(a) -> None:
     a.context = list(dict.fromkeys(a.context))
 
 
+def profile_fused(h, a, deferred: Sequence) -> None:
+    """The profile pass of fused-step records (module doc): per fused-step variant, an engine whose
+    fused steps keep their loops out of CUDA graphs runs each record's batch again under the
+    profiler (``attach_fused_profile``); past ``--time-budget`` a record's profile says so."""
+    from ouro_jax import envs
+
+    for variant in dict.fromkeys(v for _, _, v in deferred):
+        if a.time_budget is not None and h.elapsed() + 60.0 > a.time_budget:
+            for rec, _, v in deferred:
+                if v == variant:
+                    rec["profile"] = dict(skipped=f"time budget: {h.elapsed():.0f} s used of {a.time_budget:.0f} s")
+            continue
+        h.fused_decode_tokens = variant
+        runner = EngineRunner(h, a, fused_xla_options=traceable_fused_options(envs.FUSED_XLA_OPTIONS))
+        try:
+            for rec, wl, v in deferred:
+                if v != variant:
+                    continue
+                tag = f"{wl.concurrency}-{wl.exit}-{rec['context']}"
+                try:
+                    attach_fused_profile(rec, profile_decode(runner.llm, wl.requests, a.profile_steps, tag, True))
+                except Exception as e:  # noqa: BLE001 - the timed figures stand without the profile
+                    traceback.print_exc()
+                    rec["profile"] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+                print(
+                    f"  profile {rec['label']}: {fmt.num(rec.get('kernels_per_loop'))} kernels/loop, "
+                    f"device busy {fmt.pct(rec.get('device_busy_share'))} of the timed TPOT",
+                    flush=True,
+                )
+        finally:
+            runner.close()
+
+
 def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
     import jax
 
@@ -666,6 +746,7 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
         if ctx in a.generate_context:
             plan += [("generate", ctx, b, None, None) for b in gen_batches]
     estimates: dict = {}
+    deferred: list = []  # (record, workload, fused-step variant) of fused steps profiled at the end
     engine: Optional[EngineRunner] = None
     gen, plain = GenerateRunner(h, a), PlainDecodeRunner(h, a)
     try:
@@ -699,6 +780,8 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
                         startups.append(engine.startup)
                     wl = decode_workload(h.config.vocab_size, c, exit_kind, ctx, a.scale, a.seed, a.output_tokens)
                     recs = [engine.run(wl, ctx)]
+                    if a.profile_steps and engine.defers_profile:
+                        deferred.append((recs[0], wl, h.fused_decode_tokens))
                 elif kind == PLAIN_MODE:
                     recs = [plain.run(ctx, c)]
                 else:
@@ -732,6 +815,12 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
                 if r.get("path") == PLAIN_MODE and "error" not in r:
                     for e in attach_baseline(records, r):
                         print(f"  engine / plain JAX: {e['engine_over_baseline']:.2f}x ({e['label']})", flush=True)
+            save()
+        if deferred:
+            if engine is not None:  # one KV pool at a time
+                engine.close()
+                engine = None
+            profile_fused(h, a, deferred)
             save()
     except KeyboardInterrupt:  # a suite's time limit: every finished record is already saved
         print("interrupted: records so far are saved", flush=True)

@@ -466,11 +466,13 @@ def _newest_xplane(trace_dir: str) -> str:
     return max(files, key=os.path.getmtime)
 
 
-def profile_engine_window(llm, window) -> dict:
+def profile_engine_window(llm, window, loops_traced: bool = False) -> dict:
     """An engine's kernels over ``window()`` (engine steps that end by waiting for the device and
     return their wall seconds) under the profiler: kernels, device-busy time and where the device
     waits (``gap_sites``), per loop (one-loop invocation) and as a share of the wall
-    (``benchmarks.decode`` over decode steps, ``benchmarks.run --profile`` over a workload)."""
+    (``benchmarks.decode`` over decode steps, ``benchmarks.run --profile`` over a workload).
+    ``loops_traced``: the engine's fused steps keep their loops out of CUDA graphs, so a window
+    with fused steps is traced whole (else ``hide_partial_trace``)."""
     s0 = llm.stats()
     wall, plane, events, _, _ = trace_kernels(window, None, getattr(llm.runner.device, "local_hardware_id", None) or 0)
     s1 = llm.stats()
@@ -502,7 +504,11 @@ def profile_engine_window(llm, window) -> dict:
     )
     if plane is None:
         out["note"] = "no device plane in the trace: kernel figures are XLA thunk events on host threads"
-    return hide_partial_trace(out, s1.get("fused_launches", 0) - s0.get("fused_launches", 0))
+    fused = s1.get("fused_launches", 0) - s0.get("fused_launches", 0)
+    if loops_traced:
+        out["fused_launches"] = fused
+        return out
+    return hide_partial_trace(out, fused)
 
 
 def hide_partial_trace(prof: dict, fused_launches: int) -> dict:

@@ -463,6 +463,9 @@ class Harness:
             tuple(keys),
             r.attention,
             r.dtype_name,
+            # the executables' XLA options (a profile engine's fused steps differ in these alone)
+            r.engine.fused_xla_options,
+            r.engine.step_xla_options,
         )
         ev0 = self.events.snapshot()
         t = time.perf_counter()

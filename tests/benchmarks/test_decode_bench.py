@@ -282,6 +282,60 @@ def test_decode_records_fused_loops_per_token_of_each_variant(tmp_path):
     assert recs[0]["exit_histogram"] == recs[1]["exit_histogram"]
 
 
+def test_traceable_fused_options_take_the_loops_out_of_cuda_graphs():
+    from ouro_jax.compiler_options import FUSED_COMMAND_BUFFER
+    from ouro_jax.engine_config import parse_xla_options
+
+    got = parse_xla_options(dec.traceable_fused_options("xla_gpu_autotune_level=0"), "t")
+    kinds = got["xla_gpu_enable_command_buffer"].split(",")
+    assert "CONDITIONAL" not in kinds and "WHILE" not in kinds and "FUSION" in kinds
+    assert set(kinds) == set(FUSED_COMMAND_BUFFER.split(",")) - {"CONDITIONAL", "WHILE"}
+    assert got["xla_gpu_autotune_level"] == 0  # the caller's options stay
+    # a caller's own command-buffer kinds give way: the later entry wins
+    own = parse_xla_options(dec.traceable_fused_options("xla_gpu_enable_command_buffer="), "t")
+    assert own["xla_gpu_enable_command_buffer"] == ",".join(kinds)
+
+
+def test_fused_profile_share_is_busy_time_per_token_over_the_timed_tpot():
+    rec = dict(tpot_p50_ms=8.0, fused_loops_per_token=4.0, mean_loops_per_token=3.5)
+    prof = dict(kernels_per_loop=350.0, busy_ms_per_loop=1.5, device_busy_share=0.6)
+    dec.attach_fused_profile(rec, prof)
+    assert rec["kernels_per_loop"] == 350.0 and rec["device_busy_share"] == pytest.approx(1.5 * 4 / 8)
+    assert rec["profile"]["traced_wall_device_busy_share"] == 0.6 and rec["profile"]["loops_traced"]
+    rec = dict(tpot_p50_ms=None, mean_loops_per_token=4.0)
+    assert dec.attach_fused_profile(rec, dict(prof))["device_busy_share"] is None
+
+
+@pytest.mark.slow  # three engine compiles on the tiny preset
+def test_fused_steps_with_loops_in_cuda_graphs_are_profiled_in_a_traceable_engine(tmp_path, monkeypatch):
+    """Where fused steps run their loops in CUDA graphs (a GPU; stood in for here), the timed engine
+    is not profiled: after the plan, an engine of each fused-step variant built with
+    ``traceable_fused_options`` profiles each record's batch, whole."""
+    monkeypatch.setattr(dec, "loops_in_graphs", lambda llm: True)
+    options = []
+    init = dec.EngineRunner.__init__
+
+    def spy(self, h, a, fused_xla_options=None):
+        options.append((h.fused_decode_tokens, fused_xla_options))
+        init(self, h, a, fused_xla_options)
+
+    monkeypatch.setattr(dec.EngineRunner, "__init__", spy)
+    out = str(tmp_path)
+    argv = TINY + ["--concurrency", "2", "--context", "1024", "--exit", "fixed"]
+    argv += ["--fused-decode-max-rows", "2", "--fused-decode-tokens", "1", "2", "--generate-batch", "--out", out]
+    dec.main(argv)
+    traceable = dec.traceable_fused_options()
+    assert options == [(1, None), (2, None), (1, traceable), (2, traceable)]
+    with open(os.path.join(out, "decode.json")) as f:
+        recs = [r for r in json.load(f)["records"] if r.get("path") == "engine"]
+    assert len(recs) == 2
+    for r in recs:
+        prof = r["profile"]
+        assert prof["loops_traced"] and prof["fused_launches"] > 0 and r["kernels_per_loop"] > 0
+        want = prof["busy_ms_per_loop"] * r["fused_loops_per_token"] / r["tpot_p50_ms"]
+        assert r["device_busy_share"] == pytest.approx(want)
+
+
 def test_report_keeps_fused_variants_apart():
     """Records of one workload from engines of different fused-step options are rows and series of
     their own in the report (their label suffix), with the device loops per token step shown."""
