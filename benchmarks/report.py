@@ -679,6 +679,19 @@ def _run_short(r: dict) -> str:
     return m.group(0) if m else "–"
 
 
+# generate() baselines of benchmarks.run timed before run 53 compiled without generate()'s options
+# (no ``xla_options`` in the record): on a GPU their loops waited for the host (decisions.md)
+GENERATE_HOST_LOOPS = " (loops waited for the host: before run 53)"
+
+
+def _label(r: dict) -> str:
+    """A workload record's label with what qualifies its figures."""
+    s = r["label"] + (" (truncated)" if r.get("truncated") else "")
+    if r.get("mode") == GENERATE_MODE and r.get("path") != "generate" and "xla_options" not in r:
+        s += GENERATE_HOST_LOOPS
+    return s
+
+
 def _workload_table(res: dict) -> str:
     rows = []
     tag = "decode" if res.get("workload") == "decode_under_prefill" else None
@@ -695,7 +708,7 @@ def _workload_table(res: dict) -> str:
         mem = r.get("peak_bytes_in_use")
         rows.append(
             [
-                r["label"] + (" (truncated)" if r.get("truncated") else ""),
+                _label(r),
                 r["mode"],
                 r.get("chunk") or "–",
                 f"{h['metric']}: **{_f(h['value'])}** / {_f(h['floor'])} {h['unit']}",

@@ -796,7 +796,7 @@ class Harness:
 
     # ---------------------------------------------------------------------- generate() baseline
     def run_generate(self, wl: Workload, reps: int = 1) -> dict:
-        from ouro_jax import generate
+        from ouro_jax import generate, static_generate
 
         c = self.config
         n = len(wl.requests) if wl.arrival != "closed_loop" else wl.concurrency
@@ -807,7 +807,11 @@ class Harness:
         for i, s in enumerate(specs):
             ids[i, : s.num_prompt_tokens] = s.prompt
         lengths = np.asarray([s.num_prompt_tokens for s in specs], np.int32)
-        fn = jax.jit(lambda prm, i, l: generate(prm, c, i, l, new))
+        # generate()'s own top-level options: under this jit it cannot apply them, and without them
+        # its loops wait for the host after every loop on a GPU (decisions.md, "`generate()`
+        # baselines compile with generate()'s options")
+        options = static_generate.xla_options() or None
+        fn = jax.jit(lambda prm, i, l: generate(prm, c, i, l, new), compiler_options=options)
         ev0 = self.events.snapshot()
         t = time.perf_counter()
         exe = fn.lower(self.params, ids, lengths).compile()
@@ -860,6 +864,9 @@ class Harness:
             fraction_of_floor=g["floor_s"] / sec,
             floor_bound=bound,
             compilations=0,
+            # the outer jit's options (generate()'s own); records without them timed loops that waited
+            # for the host (report.py marks those)
+            xla_options={k: str(v) for k, v in (options or {}).items()},
         )
         r["headline"] = dict(
             metric="output tok/s",

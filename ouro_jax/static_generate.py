@@ -154,6 +154,15 @@ def _jitted(options: tuple):
     return jax.jit(_generate, static_argnames=_STATIC, compiler_options=dict(options) or None)
 
 
+def xla_options() -> dict:
+    """The XLA options ``generate()`` compiles with when called at the top level: the fused steps'
+    (``compiler_options.step_options``), so that on the GPU its token and depth ``while_loop``s run
+    as CUDA-graph conditional nodes instead of waiting for the host after every loop. A caller that
+    wraps ``generate()`` in its own ``jax.jit`` passes these to that ``jit`` (JAX applies compiler
+    options only at the top level)."""
+    return step_options(fused=True)
+
+
 def _top_level() -> bool:
     """Whether this call runs outside any JAX trace (a nested ``jit`` refuses compiler options)."""
     from jax._src import core  # jax 0.11.2 has no public form of this check
@@ -311,7 +320,9 @@ def generate(
     ``attention``: the decode attention kernel, as ``LLM``'s option (``auto``: the engine's choice
     for a decode bucket on a GPU, the jnp ``reference`` elsewhere; a Pallas kernel off a GPU runs
     in interpret mode, for tests).
-    Returns ``GenerateResult(tokens [B, N], exit_depths [B, N])``. Jitted: one compilation per
+    Returns ``GenerateResult(tokens [B, N], exit_depths [B, N])``. Inside a ``jax.jit`` of the
+    caller's, pass ``compiler_options=static_generate.xla_options()`` to that ``jit``: without
+    them every loop waits for the host on a GPU. Jitted: one compilation per
     (config, dtype, shapes, max_new_tokens, min_loops, max_loops, top_k, kernel). Concrete inputs are checked
     on the host (``ValueError``: integer ids inside the vocabulary, lengths in ``[1, P]``); inside an
     outer ``jit`` only dtypes and shapes can be, and bad values give garbage tokens, not an error.
@@ -366,7 +377,7 @@ def generate(
     # while_loops become CUDA-graph conditional nodes instead of a host round trip per loop. JAX
     # takes compiler options only at the top-level jit: under a caller's trace the caller's options
     # hold (and theirs decide whether the loops wait for the host).
-    options = step_options(fused=True) if _top_level() else {}
+    options = xla_options() if _top_level() else {}
     return _jitted(tuple(sorted(options.items())))(
         params,
         prompt_ids,

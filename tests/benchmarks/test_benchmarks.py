@@ -179,6 +179,30 @@ def test_profile_drives_the_workload_again_under_the_profiler(results, tmp_path)
     assert prof["device_plane"] is None and "host plane" in prof["source"]  # a CPU: thunk events
 
 
+@pytest.mark.slow  # compiles generate() on the tiny preset
+def test_generate_baseline_compiles_with_generate_s_own_options(tmp_path, monkeypatch):
+    """``run_generate`` wraps ``generate()`` in a jit of its own, where ``generate()`` cannot apply
+    its options (on a GPU its loops would wait for the host): the outer jit takes
+    ``static_generate.xla_options()``. Stood in for by an option the CPU compile shows: a dump."""
+    from ouro_jax import static_generate
+
+    dump = tmp_path / "dump"
+    monkeypatch.setattr(static_generate, "xla_options", lambda: {"xla_dump_to": str(dump)})
+    h = run.harness_from_args(run.parser().parse_args(["--workload", "long4"] + SMALL + ["--out", str(tmp_path)]))
+    wl = make("long4", h.config.vocab_size, 0.02, 0.05)[0]
+    rec = h.run_generate(wl)
+    assert rec["output_tok_s"] > 0
+    assert dump.is_dir() and any("jit__lambda" in f for f in os.listdir(dump))  # run_generate's outer jit
+
+
+def test_report_marks_generate_baselines_timed_with_host_loops():
+    old = dict(label="serve1k c=1 fixed", mode=run.GENERATE_MODE)
+    assert report._label(old).endswith(report.GENERATE_HOST_LOOPS)
+    assert report._label(dict(old, xla_options={})) == "serve1k c=1 fixed"  # generate()'s options (none on a CPU)
+    assert report._label(dict(old, path="generate")) == "serve1k c=1 fixed"  # decode.json: top-level calls
+    assert report._label(dict(old, mode="split", truncated=True)) == "serve1k c=1 fixed (truncated)"
+
+
 def test_attach_prefill_baseline_marks_the_engine_records_with_a_whole_span():
     span = dict(prompt_tok_s=300.0)
     recs = [

@@ -147,7 +147,7 @@ def test_generate_in_cuda_graphs_equals_generate_without():
     nodes (the fused steps' options) and its sampler keeps XLA's sort; under a caller's ``jit`` it
     compiles with XLA's defaults. Both give the same sampled tokens and exit depths (gate rule,
     top-k and top-p sampling, a batch padded to 8 rows)."""
-    from ouro_jax import generate
+    from ouro_jax import generate, static_generate
 
     cfg = get_preset("ouro-small")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), random_params(cfg, 0))
@@ -161,3 +161,8 @@ def test_generate_in_cuda_graphs_equals_generate_without():
     nested = jax.jit(lambda p, x, n: generate(p, cfg, x, n, 12, **kw))(params, jnp.asarray(ids), jnp.asarray(lengths))
     np.testing.assert_array_equal(np.asarray(top.tokens), np.asarray(nested.tokens))
     np.testing.assert_array_equal(np.asarray(top.exit_depths), np.asarray(nested.exit_depths))
+    # a caller's jit with generate()'s own options (as benchmarks.run's baseline compiles it)
+    wrapped = jax.jit(lambda p, x, n: generate(p, cfg, x, n, 12, **kw), compiler_options=static_generate.xla_options())
+    got = wrapped(params, jnp.asarray(ids), jnp.asarray(lengths))
+    np.testing.assert_array_equal(np.asarray(top.tokens), np.asarray(got.tokens))
+    np.testing.assert_array_equal(np.asarray(top.exit_depths), np.asarray(got.exit_depths))
