@@ -139,7 +139,7 @@ def compare(runs: Sequence[tuple[str, list]]) -> list[dict]:
         n, b = row["new_median"], row["base_median"]
         row["ratio"] = n / b if n is not None and b else None
         row["new_better"] = None if row["ratio"] is None else (row["ratio"] < 1) == row["lower_is_better"]
-        # a side's processes spread as far as the other's median: the ratio is not a verdict
+        # the two sides' [min, max] meet: their processes do not separate them, whatever the ratio
         ns, bs = row["new_spread"], row["base_spread"]
         row["spreads_overlap"] = None if ns is None or bs is None else ns[0] <= bs[1] and bs[0] <= ns[1]
         out.append(row)

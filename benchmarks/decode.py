@@ -28,7 +28,7 @@ invocations; device-busy share = union of the kernel intervals / wall time of th
 Fused decode steps on a GPU run their loops as conditional CUDA-graph nodes, whose kernels the
 profiler mostly misses (about an eighth of them, run 52): their configurations are profiled after
 the timed plan, in an engine of their own whose fused steps keep the loops out of CUDA graphs
-(``TRACEABLE_FUSED_OPTIONS``; the same kernels, launched from the host). Their kernels per loop and
+(``traceable_fused_options``; the same kernels, launched from the host). Their kernels per loop and
 busy time per loop come from that trace, and their device-busy share is busy time per token over
 the timed TPOT (the traced engine's wall carries the host's loop round trips).
 
