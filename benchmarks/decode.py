@@ -43,7 +43,9 @@ defaults to 0.95 here, as in the suite (at JAX's 0.75 the pool holds ~100 1K str
 prompts: TPOT = (t(N tokens) - t(M tokens)) / (N - M), M the fewest tokens whose call has the same
 K/V pools (``reference_tokens``), both executables compiled first, the fastest of ``--generate-reps``
 interleaved calls each; fixed depth, and ``ouro<threshold>`` kinds on the same executables (the
-threshold is a runtime argument); ``synthetic`` has no counterpart there.
+threshold is a runtime argument); ``synthetic`` has no counterpart there. ``--generate-attention``
+with several kernels times each, their calls interleaved in one process (labels `` attention=K``
+where K is not ``auto``): how a kernel choice for ``generate()`` is settled (run 53).
 
 The plain-JAX baseline (``benchmarks/plain_jax.py``, issue 36; ``--no-plain-baseline`` skips it):
 per context and ``c`` when ``fixed`` is among the exit kinds, ``time_decode`` of ``c`` streams over
@@ -353,7 +355,9 @@ def reference_tokens(prompt_len: int, new_tokens: int) -> int:
 
 class GenerateRunner:
     """``ouro_jax.generate`` on the decode prompts: TPOT from the N-token call and a shorter one whose
-    K/V pools have the same shape (``reference_tokens``)."""
+    K/V pools have the same shape (``reference_tokens``), for each ``--generate-attention`` kernel,
+    every call of every kernel interleaved in this one process (processes of the same code spread by
+    up to 6% at b=8, run 53: a kernel choice is settled side by side in one process)."""
 
     def __init__(self, h, a):
         self.h, self.a = h, a
@@ -371,78 +375,86 @@ class GenerateRunner:
         ids = jax.device_put(np.stack([s.prompt for s in wl.requests]).astype(np.int32))
         p = int(ids.shape[1])
         lengths = jax.device_put(np.full((batch,), p, np.int32))
+        kernels = a.generate_attention
 
-        def call(new: int, thr: float):
-            out = generate(h.params, cfg, ids, lengths, new, exit_threshold=thr)
+        def call(new: int, thr: float, attention: str):
+            out = generate(h.params, cfg, ids, lengths, new, exit_threshold=thr, attention=attention)
             out.tokens.block_until_ready()
             return out
 
-        def timed(thr: float) -> tuple[dict, object]:
-            """Seconds of the N-token and reference calls, interleaved; the N-token call's output."""
-            ts, out = {n: [], ref: []}, None
+        def timed(thr: float) -> tuple[dict, dict]:
+            """Seconds of each kernel's N-token and reference calls, all interleaved; each kernel's
+            N-token output."""
+            ts, outs = {(k, m): [] for k in kernels for m in (n, ref)}, {}
             for _ in range(max(1, a.generate_reps)):
-                for new in (n, ref):
-                    t = time.perf_counter()
-                    got = call(new, thr)
-                    ts[new].append(time.perf_counter() - t)
-                    out = got if new == n else out
-            return ts, out
+                for k in kernels:
+                    for m in (n, ref):
+                        t = time.perf_counter()
+                        got = call(m, thr, k)
+                        ts[(k, m)].append(time.perf_counter() - t)
+                        if m == n:
+                            outs[k] = got
+            return ts, outs
 
         ref = reference_tokens(p, n)
         first = {}
-        for new in (n, ref):  # compile (the first call of each length)
-            t = time.perf_counter()
-            call(new, 1.0)
-            first[new] = time.perf_counter() - t
+        for k in kernels:
+            for m in (n, ref):  # compile (the first call of each length and kernel)
+                t = time.perf_counter()
+                call(m, 1.0, k)
+                first[(k, m)] = time.perf_counter() - t
         recs = []
         for kind in exits:
             params = exit_params(kind, n)
             if params.exit_mode == "synthetic":
                 continue
             thr = 1.0 if params.exit_mode == "fixed" else params.exit_threshold
-            ts, out = timed(thr)  # the reference's tokens under the same exit rule
-            # the fastest call of each: noise only adds time, and over the N - M tokens apart a
-            # median moved with the calls' drift (run 53, b=1: median 7.27 ms a token, fastest 6.57)
-            (tn, tn_all), (tr, tr_all) = ((float(np.min(ts[k])), ts[k]) for k in (n, ref))
-            depths = np.asarray(out.exit_depths)[:, 1:]
-            loops = float(np.mean(depths + 1)) if depths.size else float(cfg.num_loops)
-            tpot = (tn - tr) / (n - ref)
-            r = dict(
-                workload="decode",
-                path="generate",
-                variant=f"b={batch} {kind} ctx={context}",
-                label=f"decode generate() b={batch} {kind} ctx={context}",
-                mode=GENERATE_MODE,
-                chunk=None,
-                exit=kind,
-                concurrency=batch,
-                context=context,
-                prompt_len=p,
-                output_tokens_per_request=n,
-                output_tokens=batch * n,
-                wall_s=tn,
-                seconds_all=tn_all,
-                reference_tokens=ref,
-                reference_s=tr,
-                reference_seconds_all=tr_all,
-                compile_s=dict(n_tokens=first[n] - tn, reference=first[ref] - tr),
-                output_tok_s=batch * n / tn,
-                tpot_p50_ms=tpot * 1e3,
-                tpot_note="static batch: (t(N tokens) - t(M tokens)) / (N - M), fastest of the calls; M = "
-                "reference_tokens, the fewest tokens whose K/V pools have the N-token call's shape",
-                mean_loops_per_token=loops,
-                exit_histogram=dict(
-                    counts=np.bincount(depths.reshape(-1), minlength=cfg.num_loops).tolist(),
-                    tokens=int(depths.size),
-                    mean_loops=loops,
-                ),
-                compilations=0,
-                **_floor_fields(h, batch, p + n / 2, loops, tpot if tpot > 0 else None),
-            )
-            r.update(_memory())
-            if r["tpot_fraction_of_floor"] is not None:
-                r["headline"] = _headline(r)
-            recs.append(r)
+            ts, outs = timed(thr)  # the reference's tokens under the same exit rule
+            for k in kernels:
+                # the fastest call of each: noise only adds time, and over the N - M tokens apart a
+                # median moved with the calls' drift (run 53, b=1: median 7.27 ms a token, fastest 6.57)
+                (tn, tn_all), (tr, tr_all) = ((float(np.min(ts[(k, m)])), ts[(k, m)]) for m in (n, ref))
+                depths = np.asarray(outs[k].exit_depths)[:, 1:]
+                loops = float(np.mean(depths + 1)) if depths.size else float(cfg.num_loops)
+                tpot = (tn - tr) / (n - ref)
+                suffix = "" if k == "auto" else f" attention={k}"
+                r = dict(
+                    workload="decode",
+                    path="generate",
+                    variant=f"b={batch} {kind} ctx={context}{suffix}",
+                    label=f"decode generate() b={batch} {kind} ctx={context}{suffix}",
+                    mode=GENERATE_MODE,
+                    chunk=None,
+                    exit=kind,
+                    attention=k,
+                    concurrency=batch,
+                    context=context,
+                    prompt_len=p,
+                    output_tokens_per_request=n,
+                    output_tokens=batch * n,
+                    wall_s=tn,
+                    seconds_all=tn_all,
+                    reference_tokens=ref,
+                    reference_s=tr,
+                    reference_seconds_all=tr_all,
+                    compile_s=dict(n_tokens=first[(k, n)] - tn, reference=first[(k, ref)] - tr),
+                    output_tok_s=batch * n / tn,
+                    tpot_p50_ms=tpot * 1e3,
+                    tpot_note="static batch: (t(N tokens) - t(M tokens)) / (N - M), fastest of the calls; M = "
+                    "reference_tokens, the fewest tokens whose K/V pools have the N-token call's shape",
+                    mean_loops_per_token=loops,
+                    exit_histogram=dict(
+                        counts=np.bincount(depths.reshape(-1), minlength=cfg.num_loops).tolist(),
+                        tokens=int(depths.size),
+                        mean_loops=loops,
+                    ),
+                    compilations=0,
+                    **_floor_fields(h, batch, p + n / 2, loops, tpot if tpot > 0 else None),
+                )
+                r.update(_memory())
+                if r["tpot_fraction_of_floor"] is not None:
+                    r["headline"] = _headline(r)
+                recs.append(r)
         return recs
 
 
@@ -558,6 +570,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--generate-batch", nargs="*", type=int, default=None, help="default 1 8; none: no generate()")
     ap.add_argument("--generate-context", nargs="*", type=int, default=[1024], help="contexts of the generate() runs")
     ap.add_argument("--generate-reps", type=int, default=None, help="calls per timing (the fastest counts; default 3)")
+    ap.add_argument(
+        "--generate-attention",
+        nargs="+",
+        default=["auto"],
+        choices=ATTENTION,
+        help="generate()'s attention kernels (default auto); several: each timed, their calls interleaved in this "
+        "process",
+    )
     ap.add_argument("--profile-steps", type=int, default=8, help="engine steps under the profiler per config; 0: none")
     ap.add_argument(
         "--no-plain-baseline",
@@ -639,6 +659,7 @@ def _resolve(a) -> None:
     a.concurrency = sorted(dict.fromkeys(a.concurrency))
     a.exit = list(dict.fromkeys(a.exit))
     a.context = list(dict.fromkeys(a.context))
+    a.generate_attention = list(dict.fromkeys(a.generate_attention))
 
 
 def profile_fused(h, a, deferred: Sequence) -> None:
@@ -725,6 +746,7 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
                 plain_baseline=a.plain_baseline,
                 fused_variants=list(a.fused_variants) if a.fused_decode_max_rows else [],
                 generate_context=a.generate_context,
+                generate_attention=a.generate_attention,
                 generate_reps=a.generate_reps,
                 time_budget_s=a.time_budget,
                 context_note="context = prompt tokens (4K: 4096-token prompts); the floor is priced at the "

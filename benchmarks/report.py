@@ -335,7 +335,8 @@ def _engine_variant(r) -> str:
 def _decode_series(records) -> dict:
     """(context, path, exit) -> records sorted by concurrency (those with a positive TPOT and a floor;
     a generate() TPOT is a difference of two timings, which noise can make negative on a CPU). An
-    engine's path names its fused-step variant ("engine fused16x4 sync"), so that variants
+    engine's path names its fused-step variant ("engine fused16x4 sync"), and a generate() record
+    its attention kernel where it is not ``auto`` ("generate attention=triton"), so that variants
     of one workload are series of their own."""
     s = defaultdict(list)
     for r in records:
@@ -343,6 +344,8 @@ def _decode_series(records) -> dict:
             path = r.get("path", "engine")
             if path == "engine" and _engine_variant(r):
                 path = f"engine {_engine_variant(r)}"
+            if path == "generate" and r.get("attention", "auto") != "auto":
+                path = f"generate attention={r['attention']}"
             s[(r.get("context"), path, r.get("exit"))].append(r)
     for v in s.values():
         v.sort(key=lambda r: r["concurrency"])
@@ -380,11 +383,10 @@ def plot_decode(result: dict, path: str) -> Optional[str]:
                 name = f"plain JAX {e}"
                 ax.plot(x, [r["tpot_p50_ms"] for r in rs], "x-", color="k", label=name)
                 axf.plot(x, [100 * r["tpot_fraction_of_floor"] for r in rs], "x-", color="k", label=name)
-            else:
-                ax.plot(
-                    x, [r["tpot_p50_ms"] for r in rs], "s", mfc="none", ms=9, color=color[e], label=f"generate() {e}"
-                )
-                axf.plot(x, [100 * r["tpot_fraction_of_floor"] for r in rs], "s", mfc="none", ms=9, color=color[e])
+            else:  # generate(), its attention kernel named where it is not auto
+                name, mark = f"{p.replace('generate', 'generate()', 1)} {e}", "s" if p == "generate" else "D"
+                ax.plot(x, [r["tpot_p50_ms"] for r in rs], mark, mfc="none", ms=9, color=color[e], label=name)
+                axf.plot(x, [100 * r["tpot_fraction_of_floor"] for r in rs], mark, mfc="none", ms=9, color=color[e])
         cs = sorted({r["concurrency"] for (c0, _, _), rs in series.items() if c0 == ctx for r in rs})
         for a in (ax, axf):
             a.set_xscale("log", base=2)
@@ -412,7 +414,7 @@ def decode_section(res: dict) -> str:
             rows.append(
                 [
                     ctx,
-                    p if p.startswith("engine") else path_name.get(p, p),
+                    p if p.startswith("engine") else path_name.get(p, p.replace("generate", "generate()", 1)),
                     e,
                     r["concurrency"],
                     _f(r["tpot_p50_ms"], 2),
@@ -801,7 +803,11 @@ def _decode_targets(results: dict) -> list:
         match = [
             r
             for r in recs
-            if r.get("path") == path and exit_ok(r.get("exit")) and r["concurrency"] == c and r["context"] == ctx
+            if r.get("path") == path
+            and exit_ok(r.get("exit"))
+            and r["concurrency"] == c
+            and r["context"] == ctx
+            and r.get("attention", "auto") == "auto"  # generate()'s own choice, not a forced kernel
         ]
         kind = "fixed depth" if exit_ok("fixed") else "early exit"
         what = f"decode.json {'generate()' if path == 'generate' else 'engine'} c={c}, {kind}, context {ctx}"

@@ -203,13 +203,18 @@ def test_decode_generate_records_and_report(tmp_path):
     out = str(tmp_path)
     argv = TINY + ["--concurrency", "1", "--context", "1024", "--exit", "fixed", "ouro0.5", "synthetic2.5"]
     argv += ["--generate-batch", "1", "2", "--generate-reps", "1", "--profile-steps", "0", "--no-plain-baseline"]
-    dec.main(argv + ["--out", out])
+    dec.main(argv + ["--generate-attention", "auto", "reference", "--out", out])
     with open(os.path.join(out, "decode.json")) as f:
         d = json.load(f)
     # --no-plain-baseline: no plain-JAX records, no ratio on the engine's
     assert not d["config"]["plain_baseline"] and {r["path"] for r in d["records"]} == {"engine", "generate"}
     assert not [r for r in d["records"] if "engine_over_baseline" in r]
     gen = [r for r in d["records"] if r.get("path") == "generate"]
+    # both kernels, labelled apart, on the same tokens (on a CPU "auto" is the reference kernel)
+    other = {r["label"].removesuffix(" attention=reference"): r for r in gen if r["attention"] == "reference"}
+    gen = [r for r in gen if r["attention"] == "auto"]
+    assert sorted(other) == sorted(r["label"] for r in gen)
+    assert all(other[r["label"]]["exit_histogram"] == r["exit_histogram"] for r in gen)
     # fixed and ouro0.5 at batch 1 and 2; synthetic has no generate() counterpart
     assert sorted((r["concurrency"], r["exit"]) for r in gen) == [
         (1, "fixed"),
@@ -375,6 +380,37 @@ def test_report_keeps_fused_variants_apart():
         "decode.json engine c=1, early exit, context 1024 (ouro0.5) [fused16x8]",
         "decode.json engine c=1, early exit, context 1024 (ouro0.5)",
     ]
+
+
+def test_report_keeps_generate_kernels_apart_and_judges_generate_s_own_choice():
+    def rec(attention, tpot):
+        suffix = "" if attention == "auto" else f" attention={attention}"
+        return dict(
+            workload="decode",
+            path="generate",
+            label=f"decode generate() b=1 fixed ctx=1024{suffix}",
+            attention=attention,
+            concurrency=1,
+            exit="fixed",
+            context=1024,
+            tpot_p50_ms=tpot,
+            tpot_floor_ms=3.66,
+            tpot_fraction_of_floor=3.66 / tpot,
+            mean_loops_per_token=4.0,
+        )
+
+    res = dict(benchmark="decode", records=[rec("auto", 6.58), rec("triton", 6.63)])
+    assert set(report._decode_series(res["records"])) == {
+        (1024, "generate", "fixed"),
+        (1024, "generate attention=triton", "fixed"),
+    }
+    md = report.decode_section(res)
+    assert (
+        "| 1024 | generate() | fixed | 1 | 6.58 |" in md
+        and "| 1024 | generate() attention=triton | fixed | 1 | 6.63 |" in md
+    )
+    rows = [r for r in report._decode_targets({"decode": res}) if r[2] != "not run"]
+    assert len(rows) == 1 and "generate() c=1" in rows[0][0]  # the forced kernel is not judged
 
 
 def test_attach_baseline_marks_the_fixed_depth_engine_records_of_its_c():
