@@ -311,7 +311,7 @@ def test_fused_profile_share_is_busy_time_per_token_over_the_timed_tpot():
     assert dec.attach_fused_profile(rec, dict(prof))["device_busy_share"] is None
 
 
-@pytest.mark.slow  # three engine compiles on the tiny preset
+@pytest.mark.slow  # four engines on the tiny preset (two timed, two profiling)
 def test_fused_steps_with_loops_in_cuda_graphs_are_profiled_in_a_traceable_engine(tmp_path, monkeypatch):
     """Where fused steps run their loops in CUDA graphs (a GPU; stood in for here), the timed engine
     is not profiled: after the plan, an engine of each fused-step variant built with
