@@ -476,7 +476,7 @@ def profile_engine_window(llm, window, loops_traced: bool = False) -> dict:
     s0 = llm.stats()
     wall, plane, events, _, _ = trace_kernels(window, None, getattr(llm.runner.device, "local_hardware_id", None) or 0)
     s1 = llm.stats()
-    loops = s1["invocations"] - s0["invocations"]
+    loops = traced_loops(s0, s1) if loops_traced else s1["invocations"] - s0["invocations"]
     agg = aggregate(events, max(1, loops), top=8)
     busy_s = agg["busy_ms_per_inv"] * max(1, loops) / 1e3
     out = dict(
@@ -509,6 +509,19 @@ def profile_engine_window(llm, window, loops_traced: bool = False) -> dict:
         out["fused_launches"] = fused
         return out
     return hide_partial_trace(out, fused)
+
+
+def traced_loops(s0: dict, s1: dict) -> int:
+    """Loops whose kernels a window between engine stats ``s0`` and ``s1`` traced whole. A fused
+    step's loops are counted when its output is applied, but the window also traces the step it
+    launched ahead and applies next (run 54: 9 fused steps traced, 8 applied, so every per-loop
+    figure came out 9/8 too high): its fused loops are the fused steps launched in the window
+    (``fused_tokens``, counted at launch) times the loops per token of those applied."""
+    d = {k: s1.get(k, 0) - s0.get(k, 0) for k in ("invocations", "fused_loops", "fused_tokens", "fused_row_tokens")}
+    if not d["fused_row_tokens"]:
+        return d["invocations"]
+    per_token = d["fused_loops"] / d["fused_row_tokens"]
+    return round(d["invocations"] - d["fused_loops"] + per_token * d["fused_tokens"])
 
 
 def hide_partial_trace(prof: dict, fused_launches: int) -> dict:

@@ -449,3 +449,15 @@ def test_report_shows_the_plain_baseline_and_renders_older_files(tmp_path):
     assert "engine / plain JAX" in md and "plain JAX |" not in md.split("\n", 2)[2]
     if HAVE_MPL:
         assert os.path.getsize(report.plot_decode(dict(d, records=d["records"] + [base]), str(tmp_path / "d.png")))
+
+
+def test_generate_tpot_is_the_median_of_adjacent_pairs():
+    """Run 54's b=8 calls (ms): one fast 64-token call after a buffer moved. The fastest of each
+    length read 6.37 ms a token; the pairs' median reads the steady 8.4."""
+    long_s = [755.1, 786.8, 787.0, 787.6, 786.8]
+    short_s = [661.0, 661.0, 660.7, 659.6, 660.3]
+    tpot, paired = dec.paired_tpot(long_s, short_s, 15)
+    assert (min(long_s) - min(short_s)) / 15 < 6.4
+    assert tpot == pytest.approx((787.0 - 660.7) / 15) and len(paired) == 5
+    with pytest.raises(ValueError):
+        dec.paired_tpot([1.0, 2.0], [1.0], 1)

@@ -346,3 +346,15 @@ def test_small_buckets_only_get_a_shape_the_scheduler_accepts(monkeypatch):
         with pytest.raises(Stop):
             ps.main(["--preset", "tiny", "--buckets", "decode:8", *extra, "--out", "/dev/null"])
         assert (seen[-1].max_num_seqs, seen[-1].max_num_batched_tokens) == want
+
+
+def test_traced_loops_count_the_fused_step_launched_ahead():
+    """Run 54's window: 8 steps applied 8 fused tokens (32 loops) and launched 9 (one ahead), so the
+    trace held 36 loops' kernels; dividing by the 32 applied put busy time at 106-111% of TPOT."""
+    s0 = dict(invocations=100, fused_loops=40, fused_tokens=11, fused_row_tokens=10)
+    s1 = dict(invocations=132, fused_loops=72, fused_tokens=20, fused_row_tokens=18)
+    assert ps.traced_loops(s0, s1) == 36
+    # gated exits: 2.5 loops a token applied, plus 3 loop-by-loop invocations
+    s1 = dict(invocations=123, fused_loops=60, fused_tokens=20, fused_row_tokens=18)
+    assert ps.traced_loops(s0, s1) == round(3 + 2.5 * 9)
+    assert ps.traced_loops(dict(invocations=5), dict(invocations=12)) == 7  # no fused step
