@@ -20,6 +20,11 @@ base of the medians.
 ``--new-env`` / ``--base-env NAME=VALUE`` set a variable in one side's processes only: with
 ``--base .`` the two sides are one tree under two settings (XLA options, say).
 
+``--time-budget SECONDS`` starts no round (a process a side) that would end past it, judged by the
+slowest process so far after the first (the first compiles), so a device call with a hard limit
+keeps whole rounds; ``-o`` is rewritten after every process (``complete`` false until the end), so a
+run cut short still leaves the comparison of the processes it finished.
+
 ``--base`` is a folder holding the older tree, or a commit, extracted with ``git archive`` (the
 device machine gets no ``.git``: extract it here into a carried folder and name that). The benchmark
 must take ``--out DIR`` and write JSON files ``{"records": [...]}`` there, each record with a
@@ -146,6 +151,28 @@ def compare(runs: Sequence[tuple[str, list]]) -> list[dict]:
     return out
 
 
+def _result(head: dict, runs, processes: list, *, complete: bool, stopped: Optional[str] = None) -> dict:
+    """The comparison so far: ``head`` (command, trees, ...) with the processes and their rows."""
+    # the machine the figures come from: a ratio is only meaningful on one kind of card
+    devices = sorted({d for p in processes for d in p["devices"]})
+    return dict(
+        head,
+        rounds_run=sum(p["side"] == "new" for p in processes),
+        complete=complete,
+        stopped=stopped,
+        devices=devices,
+        processes=processes,
+        configurations=compare(runs),
+    )
+
+
+def _write(path: str, result: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)  # a reader (or a kill) never sees half a file
+
+
 def _fmt(v: Optional[float]) -> str:
     return "-" if v is None else f"{v:,.4g}"
 
@@ -174,6 +201,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--new", default=".", help="the newer tree (default: here)")
     ap.add_argument("--rounds", type=int, default=2, help="processes a side (default 2)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a process may run")
+    ap.add_argument(
+        "--time-budget", type=float, default=None, help="start no round that would end past this many seconds"
+    )
     ap.add_argument("--work", default=None, help="keep each process's output and log here (default: a temp folder)")
     ap.add_argument("-o", "--out", default="ab.json", help="the comparison's JSON")
     for side in SIDES:
@@ -190,6 +220,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         ap.error("name the benchmark module after --")
     if a.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    if a.time_budget is not None and not a.time_budget > 0:
+        ap.error(f"--time-budget must be positive, got {a.time_budget}")
     if "--out" in bench:
         ap.error("the benchmark's --out is set by ab (one folder a process)")
     try:
@@ -199,7 +231,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     work = a.work or tempfile.mkdtemp(prefix="ab-")
     trees = dict(new=os.path.abspath(a.new), base=extract_base(a.base, work, a.new))
     runs, processes = [], []
+    result = dict(benchmark="ab", command=bench, trees=trees, env=envs, rounds=a.rounds)
+    t0, stopped = time.perf_counter(), None
     for i, side in enumerate(side_order(a.rounds)):
+        if i % 2 == 0 and i and a.time_budget is not None:
+            # the slowest process after the first (which compiles) prices the next round
+            per = max(p["seconds"] for p in processes[1:])
+            if time.perf_counter() - t0 + 2 * per > a.time_budget:
+                stopped = f"time budget: {i // 2} of {a.rounds} rounds in {a.time_budget:.0f} s"
+                print(f"ab: {stopped}", flush=True)
+                break
         out_dir = os.path.join(work, f"{i:02d}-{side}")
         os.makedirs(out_dir, exist_ok=True)
         log = os.path.join(work, f"{i:02d}-{side}.log")
@@ -218,21 +259,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             f"ab: {i + 1:2d} {side:4} rc={res['rc']} {res['seconds']:.0f} s, {len(res['records'])} records", flush=True
         )
         runs.append((side, res["records"]))
-    rows = compare(runs)
-    # the machine the figures come from: a ratio is only meaningful on one kind of card
-    devices = sorted({d for p in processes for d in p["devices"]})
-    result = dict(
-        benchmark="ab",
-        command=bench,
-        trees=trees,
-        env=envs,
-        rounds=a.rounds,
-        devices=devices,
-        processes=processes,
-        configurations=rows,
-    )
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+        _write(a.out, _result(result, runs, processes, complete=False))
+    result = _result(result, runs, processes, complete=True, stopped=stopped)
+    _write(a.out, result)
+    rows, devices = result["configurations"], result["devices"]
     print(table(rows))
     failed = [p for p in processes if p["rc"] != 0]
     if failed:

@@ -131,6 +131,7 @@ def test_a_failed_process_is_reported_not_compared(tmp_path, monkeypatch, capsys
         (["--base", ".", "--", "m", "--out", "x"], "--out is set by ab"),
         (["--base", ".", "--new-env", "NOVALUE", "--", "m"], "NAME=VALUE"),
         (["--base", ".", "--base-env", "1X=2", "--", "m"], "NAME=VALUE"),
+        (["--base", ".", "--time-budget", "0", "--", "m"], "--time-budget must be positive"),
     ],
 )
 def test_bad_arguments_are_refused(args, match, capsys):
@@ -145,3 +146,62 @@ def test_base_from_a_commit(tmp_path):
     assert os.path.isfile(os.path.join(tree, "benchmarks", "merge_results.py"))
     with pytest.raises(ValueError, match="neither a folder nor a commit"):
         ab.extract_base("no-such-commit-xyz", str(tmp_path / "x"), repo)
+
+
+class _Clock:
+    """``time.perf_counter`` that only the fake processes move (each takes its ``seconds``)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _fake_sides(monkeypatch, clock, seconds, watch=None):
+    """``ab.run_side`` replaced: process ``i`` takes ``seconds[i]`` on ``clock`` and writes one
+    record. Returns the trees run and, per process, what the file ``watch`` held when it started."""
+    calls, seen = [], []
+
+    def run_side(tree, module, args, out_dir, log_path, timeout, env_extra=None):
+        if watch is not None:
+            seen.append(json.load(open(watch)) if os.path.exists(watch) else None)
+        i = len(calls)
+        calls.append(tree)
+        clock.now += seconds[i]
+        rec = dict(label="c=1", mode="split", headline=dict(metric="TPOT p50", value=5.0 + i, lower_is_better=True))
+        return dict(rc=0, seconds=seconds[i], records=[rec], devices=["Fake GPU"], log=log_path)
+
+    monkeypatch.setattr(ab, "run_side", run_side)
+    monkeypatch.setattr(ab.time, "perf_counter", clock)
+    return calls, seen
+
+
+def test_time_budget_keeps_whole_rounds(tmp_path, monkeypatch, capsys):
+    # the first process compiles (100 s), the others take 30: after two rounds (190 s) a third
+    # would end at 250 s, past the 240 s budget, so it does not start
+    clock = _Clock()
+    calls, _ = _fake_sides(monkeypatch, clock, [100, 30, 30, 30, 30, 30])
+    out = tmp_path / "ab.json"
+    res = ab.main(["--base", str(tmp_path), "--rounds", "3", "--time-budget", "240", "-o", str(out), "--", "m"])
+    assert len(calls) == 4 and [p["side"] for p in res["processes"]] == ["new", "base", "base", "new"]
+    assert res["rounds_run"] == 2 and res["complete"] and "2 of 3 rounds" in res["stopped"]
+    assert res["configurations"][0]["new"] == [5.0, 8.0] and "time budget" in capsys.readouterr().out
+    # with room for the third round all six run
+    clock.now = 0.0
+    calls.clear()
+    res = ab.main(["--base", str(tmp_path), "--rounds", "3", "--time-budget", "250", "-o", str(out), "--", "m"])
+    assert len(calls) == 6 and res["rounds_run"] == 3 and res["stopped"] is None
+
+
+def test_the_comparison_is_written_after_every_process(tmp_path, monkeypatch):
+    out = str(tmp_path / "ab.json")
+    _, seen = _fake_sides(monkeypatch, _Clock(), [1, 1, 1, 1], watch=out)
+    res = ab.main(["--base", str(tmp_path), "--rounds", "2", "-o", out, "--", "m"])
+    assert seen[0] is None  # nothing before the first process
+    for i, doc in enumerate(seen[1:], start=1):  # a kill here would leave the first i processes compared
+        assert not doc["complete"] and len(doc["processes"]) == i
+        row = doc["configurations"][0]
+        assert len(row["new"]) + len(row["base"]) == i
+    assert res["complete"] and json.load(open(out)) == json.loads(json.dumps(res))
+    assert not os.path.exists(out + ".tmp")
