@@ -572,6 +572,7 @@ def test_empty_launches_take_the_decode_calls_grids():
     assert not np.asarray(attn).any() and not np.asarray(combine).any()
 
 
+@pytest.mark.slow  # 28 s on 2 cores (13 interpreted launches): the README command keeps its 5 minutes
 def test_decode_knob_records_agree_with_the_defaults(monkeypatch):
     """Each knob set's plan and launch agree (interpret mode, one row of 200 tokens in an 8-row
     bucket): the output moves only by the order of bf16 accumulation."""
