@@ -86,6 +86,20 @@ PLAIN_PREFILL_ESTIMATE_S = 60.0  # a plain-JAX prefill baseline before one has r
 
 
 # ------------------------------------------------------------------------------- compile events
+
+# variables that change what a process measures without entering the engine's config: JAX's
+# allocator and memory fraction (run 54: processes under cuda_async ran near the faster of two speed
+# states), XLA's flags
+SETTINGS_PREFIXES = ("XLA_", "JAX_", "TF_GPU_", "OURO_JAX_", "CUDA_")
+
+
+def settings_environment(env=None) -> dict:
+    """The set variables of ``SETTINGS_PREFIXES`` (default ``os.environ``), sorted: what a record's
+    figures were measured under."""
+    env = os.environ if env is None else env
+    return {k: env[k] for k in sorted(env) if k.startswith(SETTINGS_PREFIXES)}
+
+
 class CompileEvents:
     """Process-wide counts of compile requests (XLA compilations and persistent-cache loads: the
     backend-compile event wraps both) and persistent-cache hits (``jax.monitoring``)."""
@@ -424,6 +438,7 @@ class Harness:
             ceilings_s=self.ceilings_s,
             executables_note="engines of one process with identical shapes share executables; the first "
             "compiles them or loads them from the persistent compilation cache",
+            environment=settings_environment(),
         )
 
     # ------------------------------------------------------------------------------ engines

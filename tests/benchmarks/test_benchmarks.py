@@ -98,6 +98,20 @@ def results(tmp_path_factory):
     return out, res, sweep, h
 
 
+def test_records_name_the_settings_they_were_measured_under():
+    env = {
+        "XLA_PYTHON_CLIENT_ALLOCATOR": "cuda_async",
+        "OURO_JAX_FUSED_XLA_OPTIONS": "a=1",
+        "JAX_PLATFORMS": "cuda",
+        "HOME": "/root",
+        "PATH": "/bin",
+        "MY_XLA_NOTE": "x",  # a prefix, not a substring
+    }
+    got = run.settings_environment(env)
+    assert got == {k: env[k] for k in ("JAX_PLATFORMS", "OURO_JAX_FUSED_XLA_OPTIONS", "XLA_PYTHON_CLIENT_ALLOCATOR")}
+    assert list(got) == sorted(got)
+
+
 @pytest.mark.slow  # the module's `results` fixture runs every workload once (~1 min)
 def test_every_workload_writes_its_records(results):
     out, res, _, _ = results
@@ -107,6 +121,7 @@ def test_every_workload_writes_its_records(results):
             d = json.load(f)
         assert {"device", "jax_version", "config", "ceilings", "records"} <= set(d)
         assert d["config"]["scale"] == 0.02 and d["config"]["variants"]
+        assert d["config"]["environment"] == run.settings_environment()  # e.g. conftest's JAX_PLATFORMS
         recs = d["records"]
         assert recs and not [r for r in recs if "error" in r]
         for r in recs:
