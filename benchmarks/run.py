@@ -72,7 +72,7 @@ from benchmarks.workloads import (
     shape_from_args,
     suite_shape,
 )
-from ouro_jax import LLM, get_preset
+from ouro_jax import LLM, envs, get_preset
 from ouro_jax.engine_config import EngineConfig
 from ouro_jax.model import init_params
 from ouro_jax.runner import SamplerKey, packed_shape
@@ -90,7 +90,7 @@ PLAIN_PREFILL_ESTIMATE_S = 60.0  # a plain-JAX prefill baseline before one has r
 # variables that change what a process measures without entering the engine's config: JAX's
 # allocator and memory fraction (run 54: processes under cuda_async ran near the faster of two speed
 # states), XLA's flags
-SETTINGS_PREFIXES = ("XLA_", "JAX_", "TF_GPU_", "OURO_JAX_", "CUDA_")
+SETTINGS_PREFIXES = ("XLA_", "JAX_", "TF_GPU_", envs.PREFIX, "CUDA_")
 
 
 def settings_environment(env=None) -> dict:
