@@ -157,7 +157,7 @@ def _result(head: dict, runs, processes: list, *, complete: bool, stopped: Optio
     devices = sorted({d for p in processes for d in p["devices"]})
     return dict(
         head,
-        rounds_run=sum(p["side"] == "new" for p in processes),
+        rounds_run=len(processes) // 2,  # whole rounds: a process a side
         complete=complete,
         stopped=stopped,
         devices=devices,
