@@ -85,8 +85,7 @@ GENERATE_MODE = "generate()"
 PLAIN_PREFILL_ESTIMATE_S = 60.0  # a plain-JAX prefill baseline before one has run (time budget): its compile
 
 
-# ------------------------------------------------------------------------------- compile events
-
+# ------------------------------------------------------------------------------- settings
 # variables that change what a process measures without entering the engine's config: JAX's
 # allocator and memory fraction (run 54: processes under cuda_async ran near the faster of two speed
 # states), XLA's flags
@@ -100,6 +99,7 @@ def settings_environment(env=None) -> dict:
     return {k: env[k] for k in sorted(env) if k.startswith(SETTINGS_PREFIXES)}
 
 
+# ------------------------------------------------------------------------------- compile events
 class CompileEvents:
     """Process-wide counts of compile requests (XLA compilations and persistent-cache loads: the
     backend-compile event wraps both) and persistent-cache hits (``jax.monitoring``)."""

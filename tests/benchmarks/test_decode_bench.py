@@ -341,24 +341,30 @@ def test_fused_steps_with_loops_in_cuda_graphs_are_profiled_in_a_traceable_engin
         assert r["device_busy_share"] == pytest.approx(want)
 
 
+def _report_record(path, label, c, exit_kind, tpot, floor, loops, **extra):
+    """A decode record with what the report reads: its series, TPOT and floor."""
+    return dict(
+        workload="decode",
+        path=path,
+        label=label,
+        concurrency=c,
+        exit=exit_kind,
+        context=1024,
+        tpot_p50_ms=tpot,
+        tpot_floor_ms=floor,
+        tpot_fraction_of_floor=floor / tpot,
+        mean_loops_per_token=loops,
+        **extra,
+    )
+
+
 def test_report_keeps_fused_variants_apart():
     """Records of one workload from engines of different fused-step options are rows and series of
     their own in the report (their label suffix), with the device loops per token step shown."""
 
     def rec(suffix, tpot, loops=None):
-        return dict(
-            workload="decode",
-            path="engine",
-            label=f"decode c=8 ouro0.5 ctx=1024{suffix}",
-            concurrency=8,
-            exit="ouro0.5",
-            context=1024,
-            tpot_p50_ms=tpot,
-            tpot_floor_ms=1.35,
-            tpot_fraction_of_floor=1.35 / tpot,
-            mean_loops_per_token=1.29,
-            fused_loops_per_token=loops,
-        )
+        label = f"decode c=8 ouro0.5 ctx=1024{suffix}"
+        return _report_record("engine", label, 8, "ouro0.5", tpot, 1.35, 1.29, fused_loops_per_token=loops)
 
     res = dict(
         benchmark="decode",
@@ -385,19 +391,8 @@ def test_report_keeps_fused_variants_apart():
 def test_report_keeps_generate_kernels_apart_and_judges_generate_s_own_choice():
     def rec(attention, tpot):
         suffix = "" if attention == "auto" else f" attention={attention}"
-        return dict(
-            workload="decode",
-            path="generate",
-            label=f"decode generate() b=1 fixed ctx=1024{suffix}",
-            attention=attention,
-            concurrency=1,
-            exit="fixed",
-            context=1024,
-            tpot_p50_ms=tpot,
-            tpot_floor_ms=3.66,
-            tpot_fraction_of_floor=3.66 / tpot,
-            mean_loops_per_token=4.0,
-        )
+        label = f"decode generate() b=1 fixed ctx=1024{suffix}"
+        return _report_record("generate", label, 1, "fixed", tpot, 3.66, 4.0, attention=attention)
 
     res = dict(benchmark="decode", records=[rec("auto", 6.58), rec("triton", 6.63)])
     assert set(report._decode_series(res["records"])) == {
