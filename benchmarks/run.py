@@ -64,6 +64,7 @@ from benchmarks.profile_step import profile_engine_window
 from benchmarks.workloads import (
     CHUNKS,
     EARLY_EXIT_MEAN_LOOPS,
+    EXIT_WORKLOADS,
     MODES,
     WORKLOADS,
     EngineShape,
@@ -1118,12 +1119,14 @@ def _result(
 
 def run_workload(h: Harness, name: str, args, estimates: dict) -> dict:
     kw = {}
+    if name in EXIT_WORKLOADS and args.exit is not None:
+        kw["exits"] = args.exit
     if name == "serve1k":
         conc = list(dict.fromkeys(args.concurrency + (args.generate_concurrency or [])))
-        kw = dict(concurrency=conc, exits=args.exit)
+        kw["concurrency"] = conc
     variants = make(name, h.config.vocab_size, args.scale, args.count_scale, args.seed, **kw)
     if name == "serve1k":  # the unscaled concurrency of every variant; engine runs only for --concurrency
-        kw["concurrency_of"] = [c0 for c0 in conc for _ in args.exit]
+        kw["concurrency_of"] = [c0 for c0 in conc for _ in range(len(variants) // len(conc))]
         engine_variants = [wl for wl, c0 in zip(variants, kw["concurrency_of"]) if c0 in args.concurrency]
     else:
         engine_variants = variants
@@ -1260,7 +1263,13 @@ def parser() -> argparse.ArgumentParser:
         help="abort a configuration after this many seconds (its record is marked truncated)",
     )
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 32, 128], help="serve1k")
-    ap.add_argument("--exit", nargs="+", choices=["fixed", "early"], default=["fixed", "early"], help="serve1k")
+    ap.add_argument(
+        "--exit",
+        nargs="+",
+        choices=["fixed", "early"],
+        default=None,
+        help="the streams' exits in serve1k (default: both) and decode_under_prefill (default: fixed)",
+    )
     ap.add_argument(
         "--generate-concurrency",
         nargs="+",
@@ -1380,6 +1389,8 @@ def main(argv=None, harness: Optional[Harness] = None) -> dict:
         a.workload_budget = {k: float(v) for k, v in (x.split("=", 1) for x in a.workload_budget)}
     except ValueError:
         raise SystemExit(f"--workload-budget takes NAME=SECONDS, got {a.workload_budget}") from None
+    if a.exit is not None and not EXIT_WORKLOADS & set(a.workload):
+        raise SystemExit(f"--exit applies to {' and '.join(sorted(EXIT_WORKLOADS))} only, not {a.workload}")
     for opt in ("target_tpot_ms", "target_tpot_floor_multiple"):
         bad = [x for x in getattr(a, opt) or () if not (x > 0 and np.isfinite(x))]
         if bad:

@@ -9,7 +9,8 @@
                           token (``prefill_span.seconds``) is what a burst of users waits
     decode_under_prefill  64 decoding streams (128 prompt, 256 out); 8064-token prompts arrive while
                           they decode (triggered by the streams' progress, so every configuration
-                          sees the same interference); the run stops when the streams finish
+                          sees the same interference); the run stops when the streams finish;
+                          streams at fixed depth, or synthetic early exit (variant "early")
     eos512                512 requests at t=0, 1024-token prompts, max_tokens=1024 as far as KV
                           reservation knows, stopping after 64-256 tokens (see ``eos512``);
                           variants: KV reserved at admission against allocated on demand
@@ -54,6 +55,7 @@ __all__ = [
     "SWEEP_MODES",
     "SWEEP_CHUNKS",
     "EARLY_EXIT_MEAN_LOOPS",
+    "EXIT_WORKLOADS",
     "DECODE_CONCURRENCY",
     "DECODE_CONTEXTS",
     "DECODE_EXITS",
@@ -297,30 +299,41 @@ def serve1k(
 
 
 def decode_under_prefill(
-    vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0
+    vocab_size: int,
+    scale: float = 1.0,
+    count_scale: float = 1.0,
+    seed: int = 0,
+    exits: Sequence[str] = ("fixed",),
 ) -> list[Workload]:
+    """One variant per exit mode of the streams (the long prompts' own 16 tokens run at fixed
+    depth): "fixed" keeps the variant name "" of the records before streams had a choice."""
     s = _Scaler(scale, count_scale)
-    rng = _rng("decode_under_prefill", seed)
     streams, sp, so = s.count(64), s.prompt(128), s.out(256)
     n_long, lp, lo = s.count(4), s.prompt(8064), s.out(16)
-    reqs = [RequestSpec(_ids(rng, sp, vocab_size), _params(so), tag="decode") for _ in range(streams)]
     # long prompts arrive spread over the streams' lifetime (by their progress, not by wall clock)
     after = [max(1, round(so * (i + 1) / (n_long + 2))) for i in range(n_long)]
-    reqs += [RequestSpec(_ids(rng, lp, vocab_size), _params(lo), tag="long", after_tokens=a) for a in after]
-    return [
-        Workload(
-            "decode_under_prefill",
-            "",
-            reqs,
-            "triggered",
-            background_tag="decode",
-            stop_when_background_done=True,
-            chunks=(16, 128),
-            description=f"{streams} decoding streams ({sp} prompt, {so} out); {n_long} prompts of {lp} "
-            f"tokens arrive after the streams produced {after} tokens; stops (aborting "
-            f"the long prompts) once the streams finish",
+    variants = []
+    for exit in exits:
+        rng = _rng("decode_under_prefill", seed)  # the same prompts for every exit mode
+        reqs = [RequestSpec(_ids(rng, sp, vocab_size), _params(so, exit), tag="decode") for _ in range(streams)]
+        reqs += [RequestSpec(_ids(rng, lp, vocab_size), _params(lo), tag="long", after_tokens=a) for a in after]
+        depth = f"synthetic early exit (mean {EARLY_EXIT_MEAN_LOOPS} loops)" if exit == "early" else "fixed depth"
+        variants.append(
+            Workload(
+                "decode_under_prefill",
+                "" if exit == "fixed" else exit,
+                reqs,
+                "triggered",
+                background_tag="decode",
+                stop_when_background_done=True,
+                chunks=(16, 128),
+                exit=exit,
+                description=f"{streams} decoding streams ({sp} prompt, {so} out, {depth}); {n_long} prompts "
+                f"of {lp} tokens arrive after the streams produced {after} tokens; stops (aborting "
+                f"the long prompts) once the streams finish",
+            )
         )
-    ]
+    return variants
 
 
 def eos512(vocab_size: int, scale: float = 1.0, count_scale: float = 1.0, seed: int = 0) -> list[Workload]:
@@ -456,6 +469,8 @@ WORKLOADS: dict[str, Callable[..., list[Workload]]] = {
     "eos512": eos512,
     "shared_prefix": shared_prefix,
 }
+# workloads whose streams take an exit choice (``exits=``: "fixed" and / or "early")
+EXIT_WORKLOADS = frozenset({"serve1k", "decode_under_prefill"})
 
 
 def make(

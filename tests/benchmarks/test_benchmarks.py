@@ -274,6 +274,27 @@ def test_serve_and_decode_under_prefill_specifics(results):
         assert r["headline"]["metric"].startswith("decode TPOT")
 
 
+def test_decode_under_prefill_streams_take_an_exit_choice_over_the_same_prompts():
+    fixed, early = make("decode_under_prefill", 1000, 0.05, 0.1, exits=("fixed", "early"))
+    assert (fixed.variant, fixed.exit, early.variant, early.exit) == ("", "fixed", "early", "early")
+    assert fixed.label == "decode_under_prefill"  # the records before the choice keep their key
+    assert len(fixed.requests) == len(early.requests)
+    for a, b in zip(fixed.requests, early.requests):
+        np.testing.assert_array_equal(a.prompt, b.prompt)
+        assert (a.tag, a.after_tokens) == (b.tag, b.after_tokens)
+        if a.tag == "decode":
+            assert (a.params.exit_mode, b.params.exit_mode) == ("fixed", "synthetic")
+        else:  # the long prompts' own tokens: fixed depth in both
+            assert a.params == b.params
+    assert [w.exit for w in make("decode_under_prefill", 1000, 0.05, 0.1)] == ["fixed"]
+
+
+def test_exit_is_refused_for_workloads_without_streams(tmp_path):
+    with pytest.raises(SystemExit, match="--exit applies to decode_under_prefill and serve1k only"):
+        run.main(["--workload", "long4", "--exit", "early", "--out", str(tmp_path)])
+    assert not os.listdir(tmp_path)
+
+
 class _Out:
     def __init__(self, times):
         self.metrics = type("M", (), {"token_times": list(times)})()
