@@ -1210,6 +1210,12 @@ def serve_features_section(res: dict) -> str:
     return out
 
 
+def report_device(workloads: dict) -> Optional[str]:
+    """The card most workload files were measured on (the first of a tie): the header's device."""
+    devices = [v.get("device") for v in workloads.values() if v.get("device")]
+    return max(dict.fromkeys(devices), key=devices.count) if devices else None
+
+
 def write_report(folder: str) -> str:
     results = load_results(folder)
     lines = [
@@ -1221,7 +1227,12 @@ def write_report(folder: str) -> str:
         "",
     ]
     wl = {k: v for k, v in results.items() if v.get("benchmark") == "workload"}
-    any_res = next(iter(wl.values()), None) or results.get("bucket_sweep") or results.get("generate")
+    main_device = report_device(wl)
+    # workload files of another card (``long4_h100.json``) keep their section but not the targets
+    other = {k for k, v in wl.items() if main_device and v.get("device") not in (None, main_device)}
+    any_res = (
+        next((v for k, v in wl.items() if k not in other), None) or results.get("bucket_sweep") or results.get("generate")
+    )
     if any_res:
         c = any_res.get("ceilings") or {}
         lines += [
@@ -1230,12 +1241,14 @@ def write_report(folder: str) -> str:
             f"({'measured in the run' if c.get('measured') else 'H200 defaults, not measured'}).",
             "",
         ]
-    lines += ["## Targets (docs/performance.md)", "", _targets(results), ""]
+    lines += ["## Targets (docs/performance.md)", "", _targets({k: v for k, v in results.items() if k not in other}), ""]
     order = ["serve1k", "long4", "mixed32", "decode_under_prefill", "mixed128"]
     for name in sorted(wl, key=lambda n: order.index(n) if n in order else 99):
         res = wl[name]
         cfg = res.get("config", {})
         lines += [f"## {name}", ""]
+        if name in other:
+            lines.append(f"Measured on **{res['device']}**, not the {main_device} of the header: not in the targets.")
         for v in cfg.get("variants", [])[:1]:
             lines.append(f"{v.get('description', '')}.")
         lines.append(

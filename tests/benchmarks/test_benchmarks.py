@@ -295,6 +295,25 @@ def test_exit_is_refused_for_workloads_without_streams(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_report_keeps_another_card_s_workload_out_of_the_targets(tmp_path):
+    src = os.path.join(os.path.dirname(report.__file__), "results")
+    h200, h100 = (json.load(open(os.path.join(src, f))) for f in ("long4.json", "long4_h100.json"))
+    assert report.report_device({"a": h200, "b": h100, "c": h200}) == h200["device"]
+    for name, res in (("long4", h200), ("long4_h100", h100)):
+        with open(tmp_path / f"{name}.json", "w") as f:
+            json.dump(res, f)
+    with open(tmp_path / "serve1k.json", "w") as f:
+        json.dump(dict(h200, workload="serve1k"), f)
+    with open(report.write_report(str(tmp_path))) as f:
+        text = f.read()
+    head, h100_section = text.split("## long4_h100")
+    assert f"Device: **{h200['device']}**" in head and h100["device"] not in head
+    assert f"Measured on **{h100['device']}**, not the {h200['device']} of the header" in h100_section
+    targets = head.split("## Targets")[1].split("\n## ")[0]
+    engine = [r for r in report._ok(h200["records"]) if r["mode"] not in report.BASELINE_MODES]
+    assert f"0 over {2 * len(engine)} runs" in targets  # long4 and serve1k: not the H100 file's records
+
+
 class _Out:
     def __init__(self, times):
         self.metrics = type("M", (), {"token_times": list(times)})()
