@@ -13,10 +13,10 @@ window of measured runs. The engine reads device results only now and then (prom
 block), so one measurement is the time between two blocking reads and covers every plan launched
 in between: the model is fitted on their summed features, which a linear model allows.
 
-Token cycles (staged prefill modes with fused decode steps, streams of one fixed depth). Such
+Token cycles (staged prefill modes with fused decode steps, streams that would run fused alone). Such
 streams first share the prompts' invocations, uncapped, as without a target; once their measured
 TPOT misses the target (``use_cycles``), each token of the streams is one fused step of all of
-them (their ``T`` loops in one launch: on the H200 64 streams at ~256 context took 11.3 ms a
+them (its loops, up to ``T``, in one launch: on the H200 64 streams at ~256 context took 11.3 ms a
 token fused against 14.2 ms loop by loop) followed by prompt-only invocations, the first of which
 the scheduler builds and launches while the fused step runs (``Scheduler.schedule_ahead``). A
 cycle is one token of every stream, so its measured time is the streams' TPOT. The prompt rows

@@ -398,13 +398,34 @@ def test_cycle_mode_switches_after_a_dwell():
     assert not lt.use_cycles() and lt.mode_switches == 2
 
 
-def test_early_exit_streams_use_the_shared_invocations():
-    """A stream whose exit reads gates runs every row of a fused step to the deepest exit: no cycles."""
+def test_streams_of_any_exit_run_token_cycles():
+    """Streams that would run fused alone cycle whatever their exits: a gated stream and one of
+    synthetic early exit beside two at fixed depth (a fused step runs each row to its own exit,
+    in lock step to the deepest)."""
+    reqs = cycle_workload(long_len=200)
+    reqs[0]["sp"] = SamplingParams(max_tokens=120, ignore_eos=True, seed=0, exit_threshold=0.6)
+    reqs[1]["sp"] = SamplingParams(
+        max_tokens=120, ignore_eos=True, seed=1, exit_mode="synthetic", synthetic_mean_loops=2.0
+    )
+    cfg = cycle_config(6.0)
+    h, objs, aborted = drive(cfg, reqs, CYCLE_COST)
+    assert h.cycle_start is not None and h.cycle_start < max(h.token_times["d0"])
+    assert h.s.stats()["cycle_fused_steps"] > 0
+    for rid in ("d0", "d1"):  # their tokens exit at several depths
+        assert len(set(objs[rid][0].exit_depths[1:])) > 1
+    check_against_reference(cfg, objs, aborted)
+
+
+def test_gated_streams_past_the_fused_gated_rows_use_the_shared_invocations(monkeypatch):
+    """More gated streams than ``FUSED_GATED_MAX_ROWS`` would pay the lock step to the deepest gated
+    exit every token: they keep the per-invocation cap until the gated stream has finished."""
+    import scheduler.scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "FUSED_GATED_MAX_ROWS", 2)
     reqs = cycle_workload(long_len=200)
     reqs[0]["sp"] = SamplingParams(max_tokens=120, ignore_eos=True, seed=0, exit_threshold=0.6)
     cfg = cycle_config(6.0)
     h, objs, aborted = drive(cfg, reqs, CYCLE_COST)
-    # cycles start only once the gated stream (it runs fewer loops a token) has finished
     assert h.s.latency.capped > 0 and h.cycle_start is not None
     assert h.cycle_start >= max(h.token_times["d0"])
     check_against_reference(cfg, objs, aborted)
@@ -416,16 +437,14 @@ CYCLES_SEEN = []  # cycles of each example of the test below (some examples must
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(workloads(), st.sampled_from([0.05, 2.0]), st.booleans())
 def test_token_cycles_keep_tokens_on_random_workloads(wl, target_ms, ahead):
-    """Random workloads (preemption, prefix hits, aborts, stop tokens, priorities) with every
-    request at fixed depth, fused steps and no dwell: token cycles start at the first miss, and
-    tokens, exit depths and the pool's bookkeeping stay the reference's."""
+    """Random workloads (preemption, prefix hits, aborts, stop tokens, priorities, every exit
+    rule) with fused steps and no dwell: token cycles start at the first miss, and tokens, exit
+    depths and the pool's bookkeeping stay the reference's."""
     import scheduler.latency_target as lt_mod
 
     cfg, reqs = wl
     assume(cfg.prefill_mode != "split")
     cfg = dataclasses.replace(cfg, target_tpot_ms=target_ms, fused_decode_max_rows=cfg.max_num_seqs)
-    fixed = dict(exit_mode="fixed", exit_threshold=1.0, min_loops=1, synthetic_mean_loops=None, synthetic_depths=None)
-    reqs = [dict(r, sp=dataclasses.replace(r["sp"], **fixed)) for r in reqs]
     dwell, lt_mod.MODE_DWELL = lt_mod.MODE_DWELL, 0
     try:
         h, objs, aborted = drive(cfg, reqs, CYCLE_COST, ahead=ahead)
