@@ -307,6 +307,18 @@ def profile_workload(llm, wl: Workload) -> dict:
     return profile_engine_window(llm, window)
 
 
+def requests_that_fit(blocks_needed: list[int], pool_blocks: int) -> int:
+    """How many requests of whole size ``blocks_needed`` (every plane) a pool of ``pool_blocks``
+    holds at once, the largest first: the count a workload of mixed sizes can rely on (a few long
+    prompts beside many short streams must not read as a few requests of the long size)."""
+    held, used = 0, 0
+    for n in sorted(blocks_needed, reverse=True):
+        if used + n > pool_blocks:
+            break
+        held, used = held + 1, used + n
+    return held
+
+
 def _kv_fields(wl: Workload, res: DriveResult, s1: dict, stats: dict) -> dict:
     """KV allocation and prefix-cache figures of one run (issue 16's eos512 and shared_prefix)."""
     submitted_prompt = sum(res.specs[r].num_prompt_tokens for r in res.submitted)
@@ -605,17 +617,16 @@ class Harness:
             if policy:
                 rec_out["latency_policy"] = policy
             rec_out.update(_kv_fields(wl, res, s1, stats))
-            # how many of this workload's largest requests the KV pool holds at once (all planes)
             sc, bm = llm.scheduler_config, llm.scheduler.block_manager
-            per_req = max(bm.blocks_needed(s.num_prompt_tokens + s.params.max_tokens - 1) for s in wl.requests)
-            rec_out["kv_fit_requests"] = (sc.num_blocks - 1) // per_req
+            need = [bm.blocks_needed(s.num_prompt_tokens + s.params.max_tokens - 1) for s in wl.requests]
+            rec_out["kv_fit_requests"] = requests_that_fit(need, sc.num_blocks - 1)
             if profile:
                 rec_out["profile"] = profile_workload(llm, wl)
             want = wl.concurrency or len(wl.requests)
             if rec_out["kv_fit_requests"] < min(want, sc.max_num_seqs):
                 print(
                     f"note: the KV pool holds {rec_out['kv_fit_requests']} of the {want} requests "
-                    f"{wl.label} wants at once",
+                    f"{wl.label} wants at once (the largest first)",
                     flush=True,
                 )
             return rec_out

@@ -314,6 +314,14 @@ def test_report_keeps_another_card_s_workload_out_of_the_targets(tmp_path):
     assert f"0 over {2 * len(engine)} runs" in targets  # long4 and serve1k: not the H100 file's records
 
 
+def test_requests_that_fit_count_the_largest_first():
+    # decode_under_prefill's shape: 4 long prompts of 500 blocks beside 64 streams of 24
+    assert run.requests_that_fit([24] * 64 + [500] * 4, 3600) == 68
+    assert run.requests_that_fit([24] * 64 + [500] * 4, 3000) == 4 + 41  # 2000 + 41 x 24 = 2984
+    assert run.requests_that_fit([500] * 4, 1999) == 3
+    assert run.requests_that_fit([10], 9) == 0
+
+
 class _Out:
     def __init__(self, times):
         self.metrics = type("M", (), {"token_times": list(times)})()
