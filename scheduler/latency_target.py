@@ -66,6 +66,43 @@ MODE_DWELL = 8
 # depth a prompt in the wavefront, leaves the target room for more than one).
 MAX_CYCLE_PROMPTS = 4
 
+# the feature subsets NNLS tries (every non-empty one of invocations, rows, context tokens)
+_FEATURE_SUBSETS = [c for k in (1, 2, 3) for c in itertools.combinations(range(3), k)]
+
+# a normal-equations system whose determinant is below this share of its diagonal's product has
+# collinear columns (exactly collinear columns leave ~1e-16 of rounding)
+_SINGULAR = 1e-10
+
+
+def _dot(a, b) -> float:
+    return sum(u * v for u, v in zip(a, b))
+
+
+def _solve_small(g: list, r: list) -> Optional[list]:
+    """``g c = r`` for a symmetric positive semi-definite ``g`` of 1 x 1 to 3 x 3 (Cramer's rule),
+    ``None`` where ``g`` is singular."""
+    k = len(r)
+    diag = math.prod(g[i][i] for i in range(k))
+    if k == 1:
+        return [r[0] / g[0][0]] if g[0][0] > 0 else None
+    if k == 2:
+        det = g[0][0] * g[1][1] - g[0][1] * g[1][0]
+        if det <= _SINGULAR * diag:
+            return None
+        return [(r[0] * g[1][1] - g[0][1] * r[1]) / det, (g[0][0] * r[1] - r[0] * g[1][0]) / det]
+    (a, b, c), (d, e, f), (h, i, j) = g
+    co = [e * j - f * i, f * h - d * j, d * i - e * h]  # cofactors of the first row
+    det = a * co[0] + b * co[1] + c * co[2]
+    if det <= _SINGULAR * diag:
+        return None
+    inv = [
+        [co[0], c * i - b * j, b * f - c * e],
+        [co[1], a * j - c * h, c * d - a * f],
+        [co[2], b * h - a * i, a * e - b * d],
+    ]
+    return [_dot(row, r) / det for row in inv]
+
+
 # Query rows that share one pass over their segment's K/V in the attention kernels (the Mosaic
 # kernel's 128-row tiles; the Triton kernel's tiles are 16-128 rows, one per short segment).
 KV_TILE_ROWS = 128
@@ -119,7 +156,10 @@ class CostModel:
         if not (isinstance(min_observations, int) and 1 <= min_observations <= window):
             raise ValueError(f"CostModel: min_observations must lie in [1, window], got {min_observations!r}")
         self.window, self.min_observations = window, min_observations
-        self._obs: collections.deque = collections.deque(maxlen=window)
+        # the last ``window`` runs in a ring: features, seconds (``_fit`` reads them without copies)
+        self._x = np.zeros((window, 3))
+        self._y = np.zeros(window)
+        self._held = 0  # rows of the ring in use
         self._coef: Optional[np.ndarray] = None
         self._dirty = False
         self.num_observations = 0
@@ -131,13 +171,15 @@ class CostModel:
             raise ValueError(f"CostModel.observe: seconds must be finite and >= 0, got {seconds!r}")
         if features[0] <= 0:
             return  # nothing ran
-        self._obs.append((*features, seconds))
+        i = self.num_observations % self.window
+        self._x[i], self._y[i] = features, seconds
+        self._held = min(self._held + 1, self.window)
         self.num_observations += 1
         self._dirty = True
 
     @property
     def fitted(self) -> bool:
-        return len(self._obs) >= self.min_observations
+        return self._held >= self.min_observations
 
     @property
     def coefficients(self) -> Optional[tuple[float, float, float]]:
@@ -149,23 +191,31 @@ class CostModel:
         return tuple(float(x) for x in self._coef)
 
     def _fit(self) -> np.ndarray:
-        """Non-negative least squares by trying every subset of the 3 features (the best feasible one)."""
-        data = np.asarray(self._obs, np.float64)
-        x, y = data[:, :3], data[:, 3]
+        """Non-negative least squares by trying every subset of the 3 features (the best feasible
+        one, the smaller subset where two fit alike), each on the window's normal equations, a
+        system of at most 3 x 3 solved in closed form: the fit runs before every capped
+        invocation, and ``lstsq`` on the window's rows took ~0.3 ms of host time a fit. A subset
+        whose columns are collinear (every run one invocation of one bucket, say) is skipped: a
+        smaller one spans the same fits."""
+        x, y = self._x[: self._held], self._y[: self._held]
         scale = np.maximum(x.max(axis=0), 1e-12)  # columns of very different sizes: solve on [0, 1] columns
         xs = x / scale
-        best, best_err = np.zeros(3), float(np.sum(y * y))
-        for k in (1, 2, 3):
-            for cols in itertools.combinations(range(3), k):
-                sol, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
-                if (sol < 0).any():
-                    continue
-                coef = np.zeros(3)
-                coef[list(cols)] = sol
-                err = float(np.sum((xs @ coef - y) ** 2))
-                if err < best_err - 1e-18:
-                    best, best_err = coef, err
-        return best / scale
+        gram, xty, yy = (xs.T @ xs).tolist(), (xs.T @ y).tolist(), float(y @ y)
+        best, best_err = [0.0, 0.0, 0.0], yy
+        for cols in _FEATURE_SUBSETS:
+            g = [[gram[i][j] for j in cols] for i in cols]
+            r = [xty[i] for i in cols]
+            sol = _solve_small(g, r)
+            if sol is None or min(sol) < 0:
+                continue
+            # |xs c - y|^2 = y.y - 2 c.(xs^T y) + c^T (xs^T xs) c
+            err = yy - 2.0 * _dot(sol, r) + _dot(sol, [_dot(row, sol) for row in g])
+            if err < best_err - 1e-12 * yy:
+                best = [0.0, 0.0, 0.0]
+                for i, v in zip(cols, sol):
+                    best[i] = v
+                best_err = err
+        return np.asarray(best) / scale
 
     def predict(self, rows: float, ctx: float, invocations: float = 1.0) -> float:
         a, b, c = self.coefficients

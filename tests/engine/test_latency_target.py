@@ -7,6 +7,7 @@ is told the time of each run of plans between two blocking reads, as ``LLM`` tel
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 
 import numpy as np
@@ -108,6 +109,43 @@ def test_cost_model_recovers_a_linear_cost_from_summed_runs():
     assert m.fitted
     np.testing.assert_allclose(m.coefficients, (a, b, c), rtol=1e-6)
     assert m.predict(256, 4096) == pytest.approx(a + b * 256 + c * 4096)
+
+
+def _nnls_on_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The cost model's fit done the slow way: every feature subset by lstsq on the window's rows."""
+    scale = np.maximum(x.max(axis=0), 1e-12)
+    xs = x / scale
+    best, best_err = np.zeros(3), float(y @ y)
+    for k in (1, 2, 3):
+        for cols in itertools.combinations(range(3), k):
+            sol = np.linalg.lstsq(xs[:, cols], y, rcond=None)[0]
+            err = float(np.sum((xs[:, cols] @ sol - y) ** 2))
+            if (sol >= 0).all() and err < best_err - 1e-12 * float(y @ y):
+                best, best_err = np.zeros(3), err
+                best[list(cols)] = sol
+    return best / scale
+
+
+@pytest.mark.parametrize("kind", ["noisy", "one_invocation", "rows_follow_invocations", "no_context", "noise_only"])
+def test_cost_model_fits_as_lstsq_on_the_window_rows(kind):
+    """The normal-equations fit predicts what lstsq on the window's rows does, collinear features
+    included, over a window that has wrapped several times."""
+    rng = np.random.default_rng(len(kind))
+    m = CostModel(window=48, min_observations=3)
+    xs, ys = [], []
+    for i in range(200):
+        n = 1 if kind == "one_invocation" else int(rng.integers(1, 4))
+        rows = 256.0 * n if kind == "rows_follow_invocations" else float(rng.integers(8, 1024) * n)
+        ctx = 0.0 if kind == "no_context" else float(rng.integers(0, 10**6))
+        t = 1e-3 * n + 5e-6 * rows + 1e-8 * ctx
+        t = abs(rng.normal(0.005, 0.003)) if kind == "noise_only" else max(0.0, t + rng.normal(0, 2e-4))
+        m.observe((n, rows, ctx), t)
+        xs.append((n, rows, ctx))
+        ys.append(t)
+        if i >= 2 and i % 13 == 0:
+            ref = _nnls_on_rows(np.array(xs[-48:], float), np.array(ys[-48:]))
+            for point in ((256, 4096), (1024, 5e5), (8, 0)):
+                assert m.predict(*point) == pytest.approx(float(ref @ (1.0, *point)), rel=1e-9, abs=1e-15)
 
 
 def test_cost_model_keeps_coefficients_non_negative():
