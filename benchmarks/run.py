@@ -63,12 +63,12 @@ from benchmarks.plain_jax import PLAIN_MODE, time_prefill
 from benchmarks.profile_step import profile_engine_window
 from benchmarks.workloads import (
     CHUNKS,
-    EARLY_EXIT_MEAN_LOOPS,
     EXIT_WORKLOADS,
     MODES,
     WORKLOADS,
     EngineShape,
     Workload,
+    exit_mean_loops,
     make,
     shape_from_args,
     suite_shape,
@@ -559,7 +559,9 @@ class Harness:
         what ``--target-tpot-floor-multiple`` multiplies, known before the run."""
         specs = [s for s in wl.requests if wl.background_tag is None or s.tag == wl.background_tag]
         ctx = float(np.mean([s.num_prompt_tokens + s.params.max_tokens / 2 for s in specs]))
-        loops = EARLY_EXIT_MEAN_LOOPS if wl.exit == "early" else self.config.num_loops
+        loops = exit_mean_loops(wl.exit, self.config.num_loops)
+        if loops is None:  # main() refuses floor multiples for such exits before any work
+            raise ValueError(f"{wl.label}: exit {wl.exit!r} has no decode floor before the run")
         return decode_step_floor(self.config, wl.concurrency or len(specs), ctx, loops, self.bw, self.peak)["floor_s"]
 
     def run(
@@ -1277,9 +1279,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--exit",
         nargs="+",
-        choices=["fixed", "early"],
         default=None,
-        help="the streams' exits in serve1k (default: both) and decode_under_prefill (default: fixed)",
+        help="the streams' exits in serve1k (default: fixed early) and decode_under_prefill (default: fixed): "
+        "fixed, early (synthetic, 2.5 loops), synthetic<mean loops>, ouro<q> (the model's gate rule)",
     )
     ap.add_argument(
         "--generate-concurrency",
@@ -1402,6 +1404,16 @@ def main(argv=None, harness: Optional[Harness] = None) -> dict:
         raise SystemExit(f"--workload-budget takes NAME=SECONDS, got {a.workload_budget}") from None
     if a.exit is not None and not EXIT_WORKLOADS & set(a.workload):
         raise SystemExit(f"--exit applies to {' and '.join(sorted(EXIT_WORKLOADS))} only, not {a.workload}")
+    for kind in a.exit or ():
+        try:
+            loops = exit_mean_loops(kind, 4)
+        except ValueError as e:
+            raise SystemExit(f"--exit: {e}") from None
+        if loops is None and a.target_tpot_floor_multiple:
+            raise SystemExit(
+                f"--exit {kind}: the gate rule's loops a token come out of the run, so it has no floor to "
+                "multiply before it: give --target-tpot-ms"
+            )
     for opt in ("target_tpot_ms", "target_tpot_floor_multiple"):
         bad = [x for x in getattr(a, opt) or () if not (x > 0 and np.isfinite(x))]
         if bad:

@@ -62,6 +62,7 @@ __all__ = [
     "decode_prompts",
     "decode_workload",
     "exit_params",
+    "exit_mean_loops",
 ]
 
 MODES = ("split", "mixed", "wavefront")
@@ -124,7 +125,7 @@ class Workload:
     generate_baseline: bool = False  # a static-batch generate() of the same batch applies
     # a plain-JAX one-shot prefill of the same prompts applies (all at t=0, of one length)
     plain_prefill_baseline: bool = False
-    exit: str = "fixed"  # "fixed" | "early" (synthetic)
+    exit: str = "fixed"  # "fixed", "early" (synthetic) or a kind of exit_params ("ouro0.5")
     description: str = ""
     engine_kw: dict = dataclasses.field(default_factory=dict)  # LLM options of this variant
     warm_prompts: tuple = ()  # run (1 token each) before the timed run, e.g. to fill a prefix cache
@@ -182,17 +183,27 @@ def _ids(rng: np.random.Generator, n: int, vocab_size: int) -> np.ndarray:
 
 
 def _params(max_tokens: int, exit: str = "fixed", seed: int = 0) -> SamplingParams:
-    if exit == "fixed":
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_mode="fixed", seed=seed)
-    if exit == "early":
-        return SamplingParams(
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            exit_mode="synthetic",
-            synthetic_mean_loops=EARLY_EXIT_MEAN_LOOPS,
-            seed=seed,
-        )
-    raise ValueError(f"exit must be 'fixed' or 'early', got {exit!r}")
+    """A workload stream's parameters: ``exit`` is "early" (synthetic, ``EARLY_EXIT_MEAN_LOOPS``)
+    or any kind of ``exit_params`` ("fixed", "synthetic2.5", "ouro0.5")."""
+    return exit_params(f"synthetic{EARLY_EXIT_MEAN_LOOPS:g}" if exit == "early" else exit, max_tokens, seed)
+
+
+def _exit_words(exit: str) -> str:
+    p = _params(1, exit)
+    if p.exit_mode == "synthetic":
+        return f"synthetic early exit (mean {p.synthetic_mean_loops:g} loops)"
+    if exit_mean_loops(exit, 1) is None:
+        return f"the model's gate rule at q = {p.exit_threshold:g}"
+    return "fixed full depth"
+
+
+def exit_mean_loops(exit: str, num_loops: int) -> Optional[float]:
+    """Loops a token of a workload stream runs on average, known before the run: ``None`` for the
+    model's gate rule (its depths come out of the run)."""
+    p = _params(1, exit)
+    if p.exit_mode == "synthetic":
+        return p.synthetic_mean_loops
+    return None if p.exit_mode in ("ouro", "delayed") and p.exit_threshold < 1 else float(num_loops)
 
 
 # ------------------------------------------------------------------------------------- workloads
@@ -287,12 +298,8 @@ def serve1k(
                     chunks=(64,),
                     generate_baseline=exit == "fixed",
                     exit=exit,
-                    description=f"closed loop at concurrency {c}: {2 * c} requests of {prompt} prompt / {out} out"
-                    + (
-                        f", synthetic early exit (mean {EARLY_EXIT_MEAN_LOOPS} loops)"
-                        if exit == "early"
-                        else ", fixed full depth"
-                    ),
+                    description=f"closed loop at concurrency {c}: {2 * c} requests of {prompt} prompt / {out} out, "
+                    + _exit_words(exit),
                 )
             )
     return variants
@@ -317,7 +324,7 @@ def decode_under_prefill(
         rng = _rng("decode_under_prefill", seed)  # the same prompts for every exit mode
         reqs = [RequestSpec(_ids(rng, sp, vocab_size), _params(so, exit), tag="decode") for _ in range(streams)]
         reqs += [RequestSpec(_ids(rng, lp, vocab_size), _params(lo), tag="long", after_tokens=a) for a in after]
-        depth = f"synthetic early exit (mean {EARLY_EXIT_MEAN_LOOPS} loops)" if exit == "early" else "fixed depth"
+        depth = _exit_words(exit)
         variants.append(
             Workload(
                 "decode_under_prefill",

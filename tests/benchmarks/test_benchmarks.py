@@ -16,7 +16,7 @@ from benchmarks import report, run, sweep_buckets
 from benchmarks.floors import prefill_floor
 from benchmarks.metrics import ScheduleRecorder, floor_of, mean_decoding_streams
 from benchmarks.plain_jax import PLAIN_MODE
-from benchmarks.workloads import WORKLOADS, make, suite_shape
+from benchmarks.workloads import WORKLOADS, exit_mean_loops, make, suite_shape
 from ouro_jax import get_preset
 from scheduler import SchedulerConfig
 from scheduler.fake_runner import FakeRunner
@@ -275,24 +275,43 @@ def test_serve_and_decode_under_prefill_specifics(results):
 
 
 def test_decode_under_prefill_streams_take_an_exit_choice_over_the_same_prompts():
-    fixed, early = make("decode_under_prefill", 1000, 0.05, 0.1, exits=("fixed", "early"))
-    assert (fixed.variant, fixed.exit, early.variant, early.exit) == ("", "fixed", "early", "early")
+    fixed, early, gated = make("decode_under_prefill", 1000, 0.05, 0.1, exits=("fixed", "early", "ouro0.5"))
+    assert [(w.variant, w.exit) for w in (fixed, early, gated)] == [
+        ("", "fixed"),
+        ("early", "early"),
+        ("ouro0.5", "ouro0.5"),
+    ]
     assert fixed.label == "decode_under_prefill"  # the records before the choice keep their key
-    assert len(fixed.requests) == len(early.requests)
-    for a, b in zip(fixed.requests, early.requests):
+    assert "gate rule at q = 0.5" in gated.description and "mean 2.5 loops" in early.description
+    assert len(fixed.requests) == len(early.requests) == len(gated.requests)
+    for a, b, c in zip(fixed.requests, early.requests, gated.requests):
         np.testing.assert_array_equal(a.prompt, b.prompt)
-        assert (a.tag, a.after_tokens) == (b.tag, b.after_tokens)
+        np.testing.assert_array_equal(a.prompt, c.prompt)
+        assert (a.tag, a.after_tokens) == (b.tag, b.after_tokens) == (c.tag, c.after_tokens)
         if a.tag == "decode":
-            assert (a.params.exit_mode, b.params.exit_mode) == ("fixed", "synthetic")
-        else:  # the long prompts' own tokens: fixed depth in both
-            assert a.params == b.params
+            assert (a.params.exit_mode, b.params.exit_mode, c.params.exit_mode) == ("fixed", "synthetic", "ouro")
+            assert c.params.exit_threshold == 0.5
+        else:  # the long prompts' own tokens: fixed depth in all
+            assert a.params == b.params == c.params
     assert [w.exit for w in make("decode_under_prefill", 1000, 0.05, 0.1)] == ["fixed"]
+    assert [exit_mean_loops(k, 4) for k in ("fixed", "early", "synthetic3", "ouro0.5", "ouro1")] == [4, 2.5, 3, None, 4]
 
 
-def test_exit_is_refused_for_workloads_without_streams(tmp_path):
-    with pytest.raises(SystemExit, match="--exit applies to decode_under_prefill and serve1k only"):
-        run.main(["--workload", "long4", "--exit", "early", "--out", str(tmp_path)])
-    assert not os.listdir(tmp_path)
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--workload", "long4", "--exit", "early"], "--exit applies to decode_under_prefill and serve1k only"),
+        (["--workload", "serve1k", "--exit", "late"], "--exit: exit kind must be"),
+        (
+            ["--workload", "decode_under_prefill", "--exit", "ouro0.5", "--target-tpot-floor-multiple", "3"],
+            "--exit ouro0.5: the gate rule's loops a token come out of the run",
+        ),
+    ],
+)
+def test_bad_exit_choices_are_refused_before_any_work(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        run.main(argv + ["--out", str(tmp_path / "out")])
+    assert not os.path.exists(tmp_path / "out")
 
 
 def test_report_keeps_another_card_s_workload_out_of_the_targets(tmp_path):
