@@ -10,7 +10,8 @@
     decode_under_prefill  64 decoding streams (128 prompt, 256 out); 8064-token prompts arrive while
                           they decode (triggered by the streams' progress, so every configuration
                           sees the same interference); the run stops when the streams finish;
-                          streams at fixed depth, or synthetic early exit (variant "early")
+                          streams at fixed depth, synthetic early exit (variant "early") or the
+                          model's gate rule (variant "ouro0.5")
     eos512                512 requests at t=0, 1024-token prompts, max_tokens=1024 as far as KV
                           reservation knows, stopping after 64-256 tokens (see ``eos512``);
                           variants: KV reserved at admission against allocated on demand
