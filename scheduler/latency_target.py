@@ -16,8 +16,8 @@ in between: the model is fitted on their summed features, which a linear model a
 Token cycles (staged prefill modes with fused decode steps, streams that would run fused alone). Such
 streams first share the prompts' invocations, uncapped, as without a target; once their measured
 TPOT misses the target (``use_cycles``), each token of the streams is one fused step of all of
-them (its loops, up to ``T``, in one launch: on the H200 64 streams at ~256 context took 11.3 ms a
-token fused against 14.2 ms loop by loop) followed by prompt-only invocations, the first of which
+them (its loops, up to ``T``, in one launch, faster than loop by loop: docs/decisions.md, "Why
+cycles, and why they failed before") followed by prompt-only invocations, the first of which
 the scheduler builds and launches while the fused step runs (``Scheduler.schedule_ahead``). A
 cycle is one token of every stream, so its measured time is the streams' TPOT. The prompt rows
 follow a feedback loop rather than the cost model's absolute prediction (a fused step's fixed
@@ -194,7 +194,8 @@ class CostModel:
         """Non-negative least squares by trying every subset of the 3 features (the best feasible
         one, the smaller subset where two fit alike), each on the window's normal equations, a
         system of at most 3 x 3 solved in closed form: the fit runs before every capped
-        invocation, and ``lstsq`` on the window's rows took ~0.3 ms of host time a fit. A subset
+        invocation, on the host (docs/decisions.md, "The cost model fits on its normal
+        equations"). A subset
         whose columns are collinear (every run one invocation of one bucket, say) is skipped: a
         smaller one spans the same fits."""
         x, y = self._x[: self._held], self._y[: self._held]

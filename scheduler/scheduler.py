@@ -889,8 +889,8 @@ class Scheduler:
         fused decode steps and no speculation, prompts prefilling beside the streams, and streams
         that would run fused on their own: within ``fused_decode_max_rows``, and no stream whose
         exit reads its gates beyond ``FUSED_GATED_MAX_ROWS`` streams (a fused step runs every row to
-        the deepest row's exit). Depths may differ: a fused token of 64 streams of synthetic early
-        exit (2.5 loops) ran 12.8 ms in lock step against 14.8 loop by loop (run 56, H100)."""
+        the deepest row's exit). Depths may differ: lock step still beats loop by loop for such
+        streams (docs/decisions.md, "Token cycles for streams of any exit")."""
         cfg = self.config
         if not cfg.fused_decode_max_rows or cfg.prefill_mode == "split" or self.round_policy is not None:
             return None
