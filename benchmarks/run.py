@@ -88,8 +88,8 @@ PLAIN_PREFILL_ESTIMATE_S = 60.0  # a plain-JAX prefill baseline before one has r
 
 # ------------------------------------------------------------------------------- settings
 # variables that change what a process measures without entering the engine's config: JAX's
-# allocator and memory fraction (run 54: processes under cuda_async ran near the faster of two speed
-# states), XLA's flags
+# allocator and memory fraction, XLA's flags (docs/decisions.md, "Processes of `generate()` b=8 fall
+# into two speed states")
 SETTINGS_PREFIXES = ("XLA_", "JAX_", "TF_GPU_", envs.PREFIX, "CUDA_")
 
 
@@ -1405,8 +1405,8 @@ def main(argv=None, harness: Optional[Harness] = None) -> dict:
     if a.exit is not None and not EXIT_WORKLOADS & set(a.workload):
         raise SystemExit(f"--exit applies to {' and '.join(sorted(EXIT_WORKLOADS))} only, not {a.workload}")
     for kind in a.exit or ():
-        try:
-            loops = exit_mean_loops(kind, 4)
+        try:  # any loop count validates the kind; None marks the gate rule
+            loops = exit_mean_loops(kind, num_loops=1)
         except ValueError as e:
             raise SystemExit(f"--exit: {e}") from None
         if loops is None and a.target_tpot_floor_multiple:
