@@ -1,9 +1,20 @@
 """A decode latency target (``SchedulerConfig.target_tpot_ms``): how many prompt rows an invocation may take.
 
 A decode token runs ``L`` invocations (one per loop it runs; ``L`` = mean loops per token, ``T`` at
-fixed depth), so a stream's TPOT is ``L`` times the time of the invocations it rides in. Staged modes
-(mixed, wavefront) share invocations: the cap keeps ``t(decode + prompt rows) <= target / L``. Split
-alternates prefill and decode invocations one for one per loop: ``t(prompt) + t(decode) <= target / L``.
+fixed depth), so a stream's TPOT is ``L`` times the time of the invocations it rides in.
+
+The measured TPOT first (staged modes: mixed, wavefront). While the streams' measured TPOT stays
+near the target they share the prompts' invocations uncapped, as without a target: a target they
+already meet costs the prompts nothing. Once it misses by more than ``CYCLE_START_MISS``
+(``constrain``) they run constrained: token cycles where they can (below), else the
+per-invocation cap; once constrained running leaves more than ``1 - CYCLE_STOP_SLACK`` of the
+target unused, they share uncapped again. Split mode runs under the cap from the start: its
+invocations never hold decode and prompt rows together, so no window measures the streams' TPOT
+beside the prompts.
+
+The per-invocation cap. Staged modes share invocations: the cap keeps ``t(decode + prompt rows) <=
+target / L``. Split alternates prefill and decode invocations one for one per loop: ``t(prompt) +
+t(decode) <= target / L``.
 
 ``CostModel`` predicts an invocation's seconds as ``a + b * R + c * kv`` (``R`` the row bucket it
 runs, ``kv`` the context tokens its attention reads: a decode row reads its context, a prompt
@@ -13,11 +24,10 @@ window of measured runs. The engine reads device results only now and then (prom
 block), so one measurement is the time between two blocking reads and covers every plan launched
 in between: the model is fitted on their summed features, which a linear model allows.
 
-Token cycles (staged prefill modes with fused decode steps, streams that would run fused alone). Such
-streams first share the prompts' invocations, uncapped, as without a target; once their measured
-TPOT misses the target (``use_cycles``), each token of the streams is one fused step of all of
-them (its loops, up to ``T``, in one launch, faster than loop by loop: docs/decisions.md, "Why
-cycles, and why they failed before") followed by prompt-only invocations, the first of which
+Token cycles (staged prefill modes with fused decode steps, streams that would run fused alone).
+Constrained, each token of such streams is one fused step of all of them (its loops, up to ``T``,
+in one launch, faster than loop by loop: docs/decisions.md, "Why cycles, and why they failed
+before") followed by prompt-only invocations, the first of which
 the scheduler builds and launches while the fused step runs (``Scheduler.schedule_ahead``). A
 cycle is one token of every stream, so its measured time is the streams' TPOT. The prompt rows
 follow a feedback loop rather than the cost model's absolute prediction (a fused step's fixed
@@ -27,8 +37,7 @@ invocation, ``b + c * pos / tile`` a prompt row), moved each cycle by ``CYCLE_GA
 measured cycle's error against the target, never below ``min_prompt_share`` of the cycle, never
 more than one invocation beyond what the cycle could spend. At least one chunk runs every cycle;
 where the prompts' ready work (one chunk a depth a prompt, in the wavefront) is less than the
-budget buys, up to ``MAX_CYCLE_PROMPTS`` prompt invocations run. Cycles that leave much of the
-target unused give way to the shared invocations again.
+budget buys, up to ``MAX_CYCLE_PROMPTS`` prompt invocations run.
 
 Never starving: decode rows are never capped; with no decode stream running prompts are not capped
 either; waiting prompts always get at least ``min_prompt_share`` of the predicted invocation time
@@ -54,10 +63,11 @@ __all__ = ["CostModel", "LatencyTarget", "plan_features", "make_latency_target",
 # budget each cycle: below 1, so that one slow cycle (a host hiccup) does not swing the next.
 CYCLE_GAIN = 0.5
 
-# Token cycles start when the shared invocations' measured TPOT misses the target by more than
-# this factor, and stop when cycles leave more than 1 - CYCLE_STOP_SLACK of it unused (where the
-# prompts' ready work is too little to use it, the shared invocations give them more), each after
-# MODE_DWELL tokens of the streams in the mode, so that the two do not alternate token by token.
+# The streams run constrained (token cycles, else the cap) when the uncapped shared invocations'
+# measured TPOT misses the target by more than this factor, and uncapped again when constrained
+# running leaves more than 1 - CYCLE_STOP_SLACK of it unused (where the prompts' ready work is too
+# little to use it, the shared invocations give them more), each after MODE_DWELL tokens of the
+# streams in the mode, so that the two do not alternate token by token.
 CYCLE_START_MISS = 1.05
 CYCLE_STOP_SLACK = 0.8
 MODE_DWELL = 8
@@ -273,7 +283,8 @@ class LatencyTarget:
         self._cycle_prompts = 0  # prompt invocations of the open cycle
         self._cycle_row_s = 0.0  # the latest predicted seconds of a prompt row
         self._row_budget = max(self.row_buckets)  # the most rows an invocation takes
-        self.cycling = False  # streams that could run token cycles run them (use_cycles)
+        self.constrained = False  # the streams run token cycles or the cap (constrain)
+        self._capping = False  # constrained streams that cannot cycle: capped shared invocations
         self.mode_switches = 0
         self._mode_tpot: Optional[float] = None  # smoothed measured TPOT in the current mode
         self._mode_tokens = 0.0  # tokens of the streams measured in the current mode
@@ -290,7 +301,8 @@ class LatencyTarget:
             self._control_cycle(seconds)
             self._mode_sample(seconds, 1.0)
         self._window_closed_cycle = closes_cycle
-        if not self.cycling and all(_shared_with_streams(p) for p in plans) and any(map(_has_prompt, plans)):
+        shared = all(_shared_with_streams(p) for p in plans) and any(map(_has_prompt, plans))
+        if shared and (not self.constrained or self._capping):
             # every stream rode every invocation of the window, a loop each: a token is L of them
             n = sum(f[0] for f in feats)
             self._mode_sample(self.mean_loops * seconds / n, n / self.mean_loops)
@@ -334,20 +346,24 @@ class LatencyTarget:
             return max(1, min(self.prompt_chunk, budget - (0 if split else n_d)))
         return cap
 
-    # ------------------------------------------------------------------ token cycles
-    def use_cycles(self) -> bool:
-        """Whether streams that could run token cycles run them now (``CYCLE_START_MISS``,
-        ``CYCLE_STOP_SLACK``): the shared invocations first, uncapped, while they keep the
-        measured TPOT near the target."""
+    # ------------------------------------------------------------------ the streams' mode
+    def constrain(self, split: bool, can_cycle: bool) -> bool:
+        """Whether the streams run constrained now (``CYCLE_START_MISS``, ``CYCLE_STOP_SLACK``): token
+        cycles where they ``can_cycle``, else the per-invocation cap; uncapped shared invocations
+        first while those keep the measured TPOT near the target. Split mode is always constrained
+        (the module docstring)."""
+        if split:
+            return True
         if self._mode_tpot is not None and self._mode_tokens >= MODE_DWELL:
-            if not self.cycling and self._mode_tpot > CYCLE_START_MISS * self.target_s:
+            if not self.constrained and self._mode_tpot > CYCLE_START_MISS * self.target_s:
                 self._switch_mode(True)
-            elif self.cycling and self._mode_tpot < CYCLE_STOP_SLACK * self.target_s:
+            elif self.constrained and self._mode_tpot < CYCLE_STOP_SLACK * self.target_s:
                 self._switch_mode(False)
-        return self.cycling
+        self._capping = self.constrained and not can_cycle
+        return self.constrained
 
-    def _switch_mode(self, cycling: bool) -> None:
-        self.cycling = cycling
+    def _switch_mode(self, constrained: bool) -> None:
+        self.constrained = constrained
         self.mode_switches += 1
         self._mode_tpot, self._mode_tokens = None, 0.0
         self._window_closed_cycle = False
@@ -358,6 +374,7 @@ class LatencyTarget:
         self._mode_tpot = tpot if self._mode_tpot is None else self._mode_tpot + w * (tpot - self._mode_tpot)
         self._mode_tokens += tokens
 
+    # ------------------------------------------------------------------ token cycles
     def cycle_step(self, plan) -> None:
         """A cycle's fused step was scheduled (``plan``): the window that reads it closes a cycle."""
         self.cycle_plan = plan

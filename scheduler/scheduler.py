@@ -638,8 +638,11 @@ class Scheduler:
             self._admit()
             self._stats["max_running"] = max(self._stats["max_running"], len(self.running))
             cycle = self._cycle_streams() if self.latency is not None else None
-            shared_free = cycle is not None and not self.latency.use_cycles()
-            if shared_free:  # the streams share the prompts' invocations, uncapped, while on time
+            # the streams share the prompts' invocations, uncapped, while their measured TPOT is on time
+            constrained = self.latency is not None and self.latency.constrain(
+                cfg.prefill_mode == "split", cycle is not None
+            )
+            if not constrained:
                 cycle = None
             if cycle is not None and cycle[1]:  # a token cycle (LatencyTarget, "Token cycles")
                 for req in self.running:
@@ -658,7 +661,7 @@ class Scheduler:
                     return plan
             self._cycle_prompt_due = False
             cap = None
-            if self.latency is not None and not shared_free:
+            if constrained:
                 cap = self.latency.prompt_cap(self.running, cfg.max_num_batched_tokens, cfg.prefill_mode == "split")
             self._verify_rows = self._reserve_verify_rows()
             budget = cfg.max_num_batched_tokens - sum(self._verify_rows.values())

@@ -46,6 +46,10 @@ class TimedHarness(Harness):
         self.decode_gap: dict = {}  # rid -> invocations since its last decode row
         self.max_decode_gap = 0
         self.fitted_at = None  # synthetic time at which the cost model first had enough observations
+        # synthetic time from which the streams run constrained (cycles or the cap): split mode's
+        # cap from the start, staged modes' once the uncapped invocations missed the target
+        self.constrained_at = 0.0 if cfg.prefill_mode == "split" else None
+        self.constrained_plan = 0 if cfg.prefill_mode == "split" else None  # index into plans of the same
         self.prompt_ahead = 0  # token cycles' prompt invocations launched behind their fused step
         self.cycle_start = None  # synthetic time of the first token cycle
 
@@ -77,6 +81,8 @@ class TimedHarness(Harness):
             return None
         if self.fitted_at is None and s.latency is not None and s.latency.model.fitted:
             self.fitted_at = self.host_now
+        if self.constrained_at is None and s.latency is not None and s.latency.constrained:
+            self.constrained_at, self.constrained_plan = self.host_now, n_plans
         for d in deltas:
             self.token_times.setdefault(d.request_id, []).extend([self.host_now] * len(d.new_token_ids))
         for plan in self.plans[n_plans:]:
@@ -95,6 +101,12 @@ class TimedHarness(Harness):
 
 def drive(cfg, reqs, cost, ahead=False):
     return run_workload(cfg, reqs, harness=TimedHarness(cfg, cost, ahead))
+
+
+def constrained_since(h) -> float:
+    """From when the target holds: the cost model fitted and the streams constrained."""
+    assert h.fitted_at is not None and h.constrained_at is not None, (h.fitted_at, h.constrained_at)
+    return max(h.fitted_at, h.constrained_at)
 
 
 # ------------------------------------------------------------------------------- unit
@@ -234,8 +246,9 @@ def test_fitted_model_keeps_decode_under_the_target(mode):
     lt = h.s.latency
     assert lt.model.fitted and lt.forced == 0 and lt.capped > 0
     np.testing.assert_allclose(lt.model.coefficients, (1e-3, 5e-5, 1e-7), rtol=1e-3, atol=1e-9)
-    # once the model has its observations, every token of every stream is on time
-    gaps = stream_intervals(h, h.fitted_at)
+    # once the model has its observations and the streams' measured TPOT put them under the cap
+    # (split mode: from the start), every token of every stream is on time
+    gaps = stream_intervals(h, constrained_since(h))
     assert gaps and max(gaps) <= target * (1 + 1e-9), max(gaps)
     # and the long prompts still got rows next to the streams (not just after them)
     end, clock, rows = max(h.token_times["d0"]), 0.0, 0
@@ -251,14 +264,19 @@ def test_fitted_model_keeps_decode_under_the_target(mode):
 
 
 def test_early_exit_budget_uses_mean_loops():
-    """Streams of ~2.5 loops a token may spend more per invocation than fixed-depth ones."""
-    target = 12e-3
+    """Streams of ~2.5 loops a token may spend more per invocation than fixed-depth ones, once
+    both are capped (at 12 ms the early-exit streams meet the target uncapped)."""
+    target = 10e-3
     fixed, _, _ = drive(config("wavefront", target * 1e3), streams_and_long_prompts("fixed"), COST)
     early, _, _ = drive(config("wavefront", target * 1e3), streams_and_long_prompts("synthetic"), COST)
     assert early.s.latency.mean_loops < 3.5 and fixed.s.latency.mean_loops == 4
-    rows = lambda h: max(p.num_rows for p in h.plans if any(r.phase is Phase.DECODE for r in p.ranges))  # noqa: E731
+
+    def rows(h):  # the most rows of a capped invocation
+        capped = h.plans[h.constrained_plan :]
+        return max(p.num_rows for p in capped if any(r.phase is Phase.DECODE for r in p.ranges))
+
     assert rows(early) > rows(fixed)
-    gaps = stream_intervals(early, early.fitted_at)
+    gaps = stream_intervals(early, constrained_since(early))
     assert np.median(gaps) <= target * (1 + 1e-9)
 
 
@@ -275,7 +293,7 @@ def test_infeasible_target_gives_prompts_their_minimum_share():
     check_against_reference(cfg, objs, aborted)
     # decode alone: 4 streams in the 8-row bucket at < 64 context tokens each: < 1 + 0.4 + 0.03 ms a loop
     bound = 4 * (1e-3 + 8 * 5e-5 + 4 * 64 * 1e-7) / (1 - lt.min_prompt_share)
-    gaps = stream_intervals(h, h.fitted_at)
+    gaps = stream_intervals(h, constrained_since(h))
     assert gaps and max(gaps) <= bound * (1 + 1e-9), (max(gaps), bound)
     # with no share at all the old trickle returns: prompts wait starve_after invocations at a time
     cfg0 = dataclasses.replace(cfg)
@@ -412,9 +430,30 @@ def test_a_target_the_shared_invocations_meet_runs_no_cycles():
     h, objs, aborted = drive(cycle_config(30.0), cycle_workload(long_len=200), CYCLE_COST, ahead=True)
     h_off, _, _ = drive(cycle_config(None), cycle_workload(long_len=200), CYCLE_COST, ahead=True)
     lt = h.s.latency
-    assert lt.cycles == 0 and lt.mode_switches == 0 and lt.cycling is False
+    assert lt.cycles == 0 and lt.mode_switches == 0 and lt.constrained is False
     assert [(p.kind, p.num_rows) for p in h.plans] == [(p.kind, p.num_rows) for p in h_off.plans]
     check_against_reference(h.cfg, objs, aborted)
+
+
+@pytest.mark.parametrize("mode", ["mixed", "wavefront"])
+def test_a_target_the_uncapped_invocations_meet_caps_nothing(mode):
+    """Streams that cannot cycle (no fused steps) and a loose target: the invocations are the ones
+    the engine runs without a target, and the prompts lose nothing to it; a tight one caps."""
+    reqs = streams_and_long_prompts("synthetic")
+    h, objs, aborted = drive(config(mode, 30.0), reqs, COST)
+    h_off, _, _ = drive(config(mode, None), reqs, COST)
+    lt = h.s.latency
+    assert lt.capped == 0 and lt.mode_switches == 0 and lt.constrained is False
+    assert [(p.kind, p.num_rows) for p in h.plans] == [(p.kind, p.num_rows) for p in h_off.plans]
+    check_against_reference(h.cfg, objs, aborted)
+    tight, _, _ = drive(config(mode, 8.0), reqs, COST)
+    assert tight.s.latency.capped > 0 and tight.constrained_at is not None
+
+
+def test_split_mode_caps_from_the_start():
+    """Split mode has no window that measures the streams beside the prompts: capped at once."""
+    h, _, _ = drive(config("split", 30.0), streams_and_long_prompts(), COST)
+    assert h.s.latency.capped > 0 and h.s.latency.mode_switches == 0
 
 
 def test_cycle_mode_switches_after_a_dwell():
@@ -425,15 +464,15 @@ def test_cycle_mode_switches_after_a_dwell():
     lt = LatencyTarget(0.010, 4, [8, 16], 16)
     for _ in range(MODE_DWELL - 1):
         lt._mode_sample(0.010 * (CYCLE_START_MISS + 0.05), 1.0)
-        assert not lt.use_cycles()
+        assert not lt.constrain(False, True)
     lt._mode_sample(0.010 * (CYCLE_START_MISS + 0.05), 1.0)
-    assert lt.use_cycles() and lt.mode_switches == 1
+    assert lt.constrain(False, True) and lt.mode_switches == 1
     for _ in range(MODE_DWELL):  # on time: cycles stay
         lt._mode_sample(0.0098, 1.0)
-        assert lt.use_cycles()
+        assert lt.constrain(False, True)
     for _ in range(2 * MODE_DWELL):
         lt._mode_sample(0.010 * (CYCLE_STOP_SLACK - 0.1), 1.0)
-    assert not lt.use_cycles() and lt.mode_switches == 2
+    assert not lt.constrain(False, True) and lt.mode_switches == 2
 
 
 def test_streams_of_any_exit_run_token_cycles():
@@ -461,7 +500,7 @@ def test_gated_streams_past_the_fused_gated_rows_use_the_shared_invocations(monk
 
     monkeypatch.setattr(sched_mod, "FUSED_GATED_MAX_ROWS", 2)
     reqs = cycle_workload(long_len=200)
-    reqs[0]["sp"] = SamplingParams(max_tokens=120, ignore_eos=True, seed=0, exit_threshold=0.6)
+    reqs[0]["sp"] = SamplingParams(max_tokens=60, ignore_eos=True, seed=0, exit_threshold=0.6)
     cfg = cycle_config(6.0)
     h, objs, aborted = drive(cfg, reqs, CYCLE_COST)
     assert h.s.latency.capped > 0 and h.cycle_start is not None
@@ -528,7 +567,11 @@ def test_split_starvation_counts_invocations_not_decisions():
 
 @pytest.mark.parametrize("mode", ["split", "mixed", "wavefront"])
 @pytest.mark.parametrize("exit_mode", ["fixed", "early"])
-def test_target_on_and_off_give_identical_tokens_and_exit_depths(mode, exit_mode):
+def test_target_on_and_off_give_identical_tokens_and_exit_depths(mode, exit_mode, monkeypatch):
+    """Capped from the first miss on (no dwell), tokens and exit depths are those of no target."""
+    import scheduler.latency_target as lt_mod
+
+    monkeypatch.setattr(lt_mod, "MODE_DWELL", 0)
     rng = np.random.default_rng(7)
     reqs = []
     for i in range(6):
