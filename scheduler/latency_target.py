@@ -5,9 +5,9 @@ fixed depth), so a stream's TPOT is ``L`` times the time of the invocations it r
 
 The measured TPOT first (staged modes: mixed, wavefront). While the streams' measured TPOT stays
 near the target they share the prompts' invocations uncapped, as without a target: a target they
-already meet costs the prompts nothing. Once it misses by more than ``CYCLE_START_MISS``
+already meet costs the prompts nothing. Once it misses by more than ``CONSTRAIN_MISS``
 (``constrain``) they run constrained: token cycles where they can (below), else the
-per-invocation cap; once constrained running leaves more than ``1 - CYCLE_STOP_SLACK`` of the
+per-invocation cap; once constrained running leaves more than ``1 - RELEASE_SLACK`` of the
 target unused, they share uncapped again. Split mode runs under the cap from the start: its
 invocations never hold decode and prompt rows together, so no window measures the streams' TPOT
 beside the prompts.
@@ -65,11 +65,11 @@ CYCLE_GAIN = 0.5
 
 # The streams run constrained (token cycles, else the cap) when the uncapped shared invocations'
 # measured TPOT misses the target by more than this factor, and uncapped again when constrained
-# running leaves more than 1 - CYCLE_STOP_SLACK of it unused (where the prompts' ready work is too
+# running leaves more than 1 - RELEASE_SLACK of it unused (where the prompts' ready work is too
 # little to use it, the shared invocations give them more), each after MODE_DWELL tokens of the
 # streams in the mode, so that the two do not alternate token by token.
-CYCLE_START_MISS = 1.05
-CYCLE_STOP_SLACK = 0.8
+CONSTRAIN_MISS = 1.05
+RELEASE_SLACK = 0.8
 MODE_DWELL = 8
 
 # Most prompt-only invocations of one token cycle (where the prompts' ready work, one chunk a
@@ -348,16 +348,16 @@ class LatencyTarget:
 
     # ------------------------------------------------------------------ the streams' mode
     def constrain(self, split: bool, can_cycle: bool) -> bool:
-        """Whether the streams run constrained now (``CYCLE_START_MISS``, ``CYCLE_STOP_SLACK``): token
+        """Whether the streams run constrained now (``CONSTRAIN_MISS``, ``RELEASE_SLACK``): token
         cycles where they ``can_cycle``, else the per-invocation cap; uncapped shared invocations
         first while those keep the measured TPOT near the target. Split mode is always constrained
         (the module docstring)."""
         if split:
             return True
         if self._mode_tpot is not None and self._mode_tokens >= MODE_DWELL:
-            if not self.constrained and self._mode_tpot > CYCLE_START_MISS * self.target_s:
+            if not self.constrained and self._mode_tpot > CONSTRAIN_MISS * self.target_s:
                 self._switch_mode(True)
-            elif self.constrained and self._mode_tpot < CYCLE_STOP_SLACK * self.target_s:
+            elif self.constrained and self._mode_tpot < RELEASE_SLACK * self.target_s:
                 self._switch_mode(False)
         self._capping = self.constrained and not can_cycle
         return self.constrained

@@ -457,21 +457,21 @@ def test_split_mode_caps_from_the_start():
 
 
 def test_cycle_mode_switches_after_a_dwell():
-    """Shared invocations missing the target by more than CYCLE_START_MISS start cycles, cycles
-    leaving more than 1 - CYCLE_STOP_SLACK of it unused stop them, each after MODE_DWELL tokens."""
-    from scheduler.latency_target import CYCLE_START_MISS, CYCLE_STOP_SLACK, MODE_DWELL
+    """Shared invocations missing the target by more than CONSTRAIN_MISS start cycles, cycles
+    leaving more than 1 - RELEASE_SLACK of it unused stop them, each after MODE_DWELL tokens."""
+    from scheduler.latency_target import CONSTRAIN_MISS, MODE_DWELL, RELEASE_SLACK
 
     lt = LatencyTarget(0.010, 4, [8, 16], 16)
     for _ in range(MODE_DWELL - 1):
-        lt._mode_sample(0.010 * (CYCLE_START_MISS + 0.05), 1.0)
+        lt._mode_sample(0.010 * (CONSTRAIN_MISS + 0.05), 1.0)
         assert not lt.constrain(False, True)
-    lt._mode_sample(0.010 * (CYCLE_START_MISS + 0.05), 1.0)
+    lt._mode_sample(0.010 * (CONSTRAIN_MISS + 0.05), 1.0)
     assert lt.constrain(False, True) and lt.mode_switches == 1
     for _ in range(MODE_DWELL):  # on time: cycles stay
         lt._mode_sample(0.0098, 1.0)
         assert lt.constrain(False, True)
     for _ in range(2 * MODE_DWELL):
-        lt._mode_sample(0.010 * (CYCLE_STOP_SLACK - 0.1), 1.0)
+        lt._mode_sample(0.010 * (RELEASE_SLACK - 0.1), 1.0)
     assert not lt.constrain(False, True) and lt.mode_switches == 2
 
 
