@@ -323,10 +323,11 @@ class EngineConfig:
     )
     target_tpot_ms: Optional[float] = _field(
         section="scheduler",
-        help="decode time per output token to hold while prompts prefill: fixed-depth streams with fused decode "
-        "steps share the prompts' invocations while on time, else alternate one fused token with prompt-only "
-        "invocations steered by the measured TPOT; other streams cap the prompt rows of each invocation by a "
-        "cost model fitted online (default: off)",
+        help="decode time per output token to hold while prompts prefill: the streams share the prompts' "
+        "invocations uncapped while their measured TPOT is on time; past it, streams that run fused decode steps "
+        "alternate one fused token with prompt-only invocations steered by the measured TPOT, other streams (and "
+        "split mode, from the start) cap the prompt rows of each invocation by a cost model fitted online "
+        "(default: off)",
         check=_optional(_positive_number),
         compile_free=True,
     )
