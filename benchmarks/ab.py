@@ -25,6 +25,10 @@ slowest process so far after the first (the first compiles), so a device call wi
 keeps whole rounds; ``-o`` is rewritten after every process (``complete`` false until the end), so a
 run cut short still leaves the comparison of the processes it finished.
 
+The comparison also holds each process's records (``processes[i]["results"]``, without their
+latency CDF points), so the one file carries every figure of the A/B, not only the headlines: a
+device call returns few files, and ``--work`` holds two a process.
+
 ``--base`` is a folder holding the older tree, or a commit, extracted with ``git archive`` (the
 device machine gets no ``.git``: extract it here into a carried folder and name that). The benchmark
 must take ``--out DIR`` and write JSON files ``{"records": [...]}`` there, each record with a
@@ -99,6 +103,16 @@ def run_side(
         if doc.get("device"):
             devices.add(str(doc["device"]))
     return dict(rc=rc, seconds=time.perf_counter() - t, records=records, devices=sorted(devices), log=log_path)
+
+
+def slim(record):
+    """``record`` without its ``cdf`` entries (a hundred points per latency metric): what the
+    comparison keeps of each process's records."""
+    if isinstance(record, dict):
+        return {k: slim(v) for k, v in record.items() if k != "cdf"}
+    if isinstance(record, list):
+        return [slim(v) for v in record]
+    return record
 
 
 def parse_env(items: Sequence[str], flag: str) -> dict:
@@ -253,6 +267,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                 records=len(res["records"]),
                 devices=res["devices"],
                 log=res["log"],
+                results=[slim(r) for r in res["records"]],
             )
         )
         print(

@@ -73,7 +73,16 @@ def test_sides_interleave_and_each_configuration_is_compared(tmp_path, monkeypat
     assert not thr["lower_is_better"] and thr["ratio"] == pytest.approx(5 / 6) and thr["new_better"] is False
     assert [p["side"] for p in res["processes"]] == ab.side_order(3) and all(p["rc"] == 0 for p in res["processes"])
     assert res["devices"] == ["Fake GPU"] and all(p["devices"] == ["Fake GPU"] for p in res["processes"])
+    # every process's records travel in the one file, not only the headlines
+    assert [p["results"][0]["headline"]["value"] for p in res["processes"]] == pytest.approx(
+        [5.01, 6.02, 6.03, 5.04, 5.05, 6.06]
+    )
     assert "c=8" in capsys.readouterr().out
+
+
+def test_slim_drops_latency_cdfs_only():
+    rec = dict(label="x", latency=dict(tpot=dict(p50=1.0, cdf=[1, 2]), cdf=dict(a=[3])), rows=[dict(cdf=1, n=2)])
+    assert ab.slim(rec) == dict(label="x", latency=dict(tpot=dict(p50=1.0)), rows=[dict(n=2)])
 
 
 def test_one_tree_under_two_settings(tmp_path, monkeypatch):
