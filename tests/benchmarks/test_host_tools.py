@@ -20,6 +20,13 @@ def test_host_schedule_measures_every_row_decoding():
     assert all(r["schedule_fused_s"] > 0 and r["pack_s"] > 0 for r in recs)
 
 
+def test_host_schedule_staged_times_loop_by_loop_invocations():
+    (rec,) = host_schedule.main(["--staged", "--concurrency", "40", "--reps", "5"])
+    assert rec["invocations"] == 5 and rec["schedule_s"] > 0 and rec["update_s"] > 0
+    with pytest.raises(SystemExit):  # 32 gated streams would fuse: not the staged case
+        host_schedule.main(["--staged", "--concurrency", "32"])
+
+
 @pytest.mark.slow  # compiles the tiny model's step twice (~10 s)
 def test_tp_collectives_counts_the_step_collectives():
     p = subprocess.run(
