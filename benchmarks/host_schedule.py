@@ -34,6 +34,26 @@ from scheduler.pipeline import StepPipeline
 __all__ = ["measure", "main"]
 
 
+def _decoding(cfg: SchedulerConfig, concurrency: int, prompt_len: int, max_tokens: int, exit_threshold: float):
+    """A scheduler on the fake runner (asynchronous pipeline) with ``concurrency`` requests of the
+    gate rule admitted and prefilled until every one has its first token: ``(scheduler, pipeline,
+    the rng that drew the prompts)``."""
+    s = Scheduler(cfg)
+    pipe = StepPipeline(s, FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, 1000, check=False), ahead=True)
+    rng = np.random.default_rng(0)
+    for i in range(concurrency):
+        ids = list(map(int, rng.integers(1, 1000, prompt_len)))
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_threshold=exit_threshold)
+        s.add_request(Request(f"r{i}", ids, params))
+    for _ in range(10_000):  # until every row has its first token: all decode from here
+        if len(s.running) == concurrency and all(r.output_token_ids for r in s.running):
+            break
+        pipe.advance()
+    if len(s.running) != concurrency or not all(r.output_token_ids for r in s.running):
+        raise RuntimeError(f"{len(s.running)} of {concurrency} rows decoding: raise num_blocks or shorten the prompts")
+    return s, pipe, rng
+
+
 def measure(concurrency: int, reps: int = 300, prompt_len: int = 1024, exit_threshold: float = 0.5) -> dict:
     """Best-of-``reps`` host seconds of ``fused_plan`` (one token) and of ``pack()`` at
     ``concurrency`` decoding rows."""
@@ -47,21 +67,9 @@ def measure(concurrency: int, reps: int = 300, prompt_len: int = 1024, exit_thre
         max_model_len=4096,
         fused_decode_max_rows=128,
     )
-    s = Scheduler(cfg)
-    pipe = StepPipeline(s, FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, 1000, check=False), ahead=True)
-    rng = np.random.default_rng(0)
-    max_tokens = cfg.max_model_len - prompt_len  # no row finishes before the last one decodes
-    for i in range(concurrency):
-        ids = list(map(int, rng.integers(1, 1000, prompt_len)))
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_threshold=exit_threshold)
-        s.add_request(Request(f"r{i}", ids, params))
-    for _ in range(10_000):  # until every row has its first token: all decode from here
-        if len(s.running) == concurrency and all(r.output_token_ids for r in s.running):
-            break
-        pipe.advance()
+    # no row finishes before the last one decodes
+    s, pipe, rng = _decoding(cfg, concurrency, prompt_len, cfg.max_model_len - prompt_len, exit_threshold)
     rows = list(s.running)
-    if len(rows) != concurrency or not all(r.output_token_ids for r in rows):
-        raise RuntimeError(f"{len(rows)} of {concurrency} rows decoding: raise num_blocks or shorten the prompts")
     best_schedule = best_pack = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
@@ -92,16 +100,7 @@ def measure_staged(concurrency: int, reps: int = 300, exit_threshold: float = 0.
         max_model_len=8192,
         fused_decode_max_rows=min(128, concurrency + LONG_PROMPTS),
     )
-    s = Scheduler(cfg)
-    pipe = StepPipeline(s, FakeRunner(cfg.num_blocks, cfg.block_size, cfg.num_ring_rows, 1000, check=False), ahead=True)
-    rng = np.random.default_rng(0)
-    for i in range(concurrency):
-        params = SamplingParams(max_tokens=4096, ignore_eos=True, exit_threshold=exit_threshold)
-        s.add_request(Request(f"d{i}", list(map(int, rng.integers(1, 1000, 128))), params))
-    for _ in range(10_000):  # until every stream decodes
-        if len(s.running) == concurrency and all(r.output_token_ids for r in s.running):
-            break
-        pipe.advance()
+    s, pipe, rng = _decoding(cfg, concurrency, 128, 4096, exit_threshold)
     for i in range(LONG_PROMPTS):
         s.add_request(Request(f"L{i}", list(map(int, rng.integers(1, 1000, 8064))), SamplingParams(max_tokens=1)))
     sched, upd = [], []

@@ -477,7 +477,7 @@ WORKLOADS: dict[str, Callable[..., list[Workload]]] = {
     "eos512": eos512,
     "shared_prefix": shared_prefix,
 }
-# workloads whose streams take an exit choice (``exits=``: "fixed" and / or "early")
+# workloads whose streams take an exit choice (``exits=``: "fixed", "early" or a kind of ``exit_params``)
 EXIT_WORKLOADS = frozenset({"serve1k", "decode_under_prefill"})
 
 
