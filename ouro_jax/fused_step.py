@@ -23,20 +23,7 @@ from .exit_rule import decide_exit_rows, fold_gate
 from .model import dtype_of
 from .step_program import coda, packed_size, recurrent, unpack
 
-__all__ = ["exit_loop", "lockstep", "output_slots"]
-
-
-def output_slots(key, n: int, config, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """The shapes of :func:`lockstep`'s outputs besides the pools, the ring and ``last``: ``(gates
-    [n, R], out [n / T, C + R + C * LOGPROB_WORDS], coda_h [C, D])`` of bucket ``key`` with ``n``
-    sub-steps. The runner donates buffers of these shapes into every launch so that XLA writes the
-    outputs in place (``runner._StepIO`` says why)."""
-    R, C, T = key.R, key.C, config.num_loops
-    return (
-        jax.ShapeDtypeStruct((n, R), jnp.float32),
-        jax.ShapeDtypeStruct((n // T, C + R + C * LOGPROB_WORDS), jnp.int32),
-        jax.ShapeDtypeStruct((C, config.hidden_size), jnp.dtype(dtype)),
-    )
+__all__ = ["exit_loop", "lockstep"]
 
 
 def exit_loop(params, kp, vp, ring, a: dict, prev, active, rem, loops_done, exits: tuple, **kw):

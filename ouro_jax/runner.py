@@ -96,45 +96,6 @@ def _flat_params(fn, treedef):
     return g
 
 
-def _with_output_slots(fn, inputs: int):
-    """A step ``fn(leaves, kp, vp, ring, packed, *extra, key)`` with ``inputs`` extra arguments (a
-    fused step's previous tokens) that also takes buffers of its other outputs' shapes
-    (``_output_slots``), donated so that XLA writes the outputs into them (``_StepIO`` says why)."""
-
-    def g(leaves, kp, vp, ring, packed, *rest, key):
-        return fn(leaves, kp, vp, ring, packed, *rest[:inputs], key=key)  # the slots: only their memory
-
-    return g
-
-
-def _overwrite(dst, src):
-    """``src`` written into the donated ``dst`` (same shape): a copy that keeps ``dst``'s address."""
-    return jax.lax.dynamic_update_slice(dst, src, (0,) * dst.ndim)
-
-
-def _copies(*xs):
-    return tuple(jnp.copy(x) for x in xs)
-
-
-class _StepIO:
-    """A step's device arguments and outputs at addresses that stay put from launch to launch.
-
-    A step executable is a CUDA graph (XLA command buffers) whose nodes hold the device addresses
-    of its arguments and outputs; when one moves, XLA records the graph again before the launch,
-    ~1 ms of host time for a fused step and more for a one-loop step of 64 gated rows, paid inside
-    the call while the device may be idle (docs/decisions.md, "Fused steps at fixed device addresses").
-    So the descriptor is copied into one buffer (``stage``), the outputs (and a fused step's
-    previous tokens) are written into the buffers the launch before wrote (donated), and the host
-    reads copies of the outputs it reads (``snapshot``), which the next launch does not overwrite."""
-
-    def __init__(self, packed: jax.Array, slots: tuple, stage, snapshot):
-        self.packed, self.slots, self.stage, self.snapshot = packed, slots, stage, snapshot
-
-    def put_descriptor(self, packed: jax.Array) -> jax.Array:
-        self.packed = self.stage(self.packed, packed)
-        return self.packed
-
-
 # Persistent-cache hits seen in this process (JAX's own monitoring event): ``warmup`` compiles in
 # threads once it knows the cache is warm.
 _CACHE_HITS = [0]
@@ -349,29 +310,12 @@ class ModelRunner:
             )
             for stage, fn in (("draft", speculative.draft), ("verify", speculative.verify))
         }
-        # a one-loop step's output slots are donated: its outputs keep their addresses (_StepIO)
-        n_out = 4 if self.separate_sampler else 2  # gates, tokens (, the coda rows' states and words)
-        self._jitted = jax.jit(
-            _with_output_slots(step, 0),
-            static_argnames=("key",),
-            donate_argnums=(1, 2, 3, *range(5, 5 + n_out)),
-            keep_unused=True,
-            **jit_kw,
-        )
-        # a fused step's previous tokens and output slots are donated too: its outputs keep their addresses
-        self._jitted_fused = jax.jit(
-            _with_output_slots(fused, 1),
-            static_argnames=("key",),
-            donate_argnums=(1, 2, 3, 5, 6, 7, 8),
-            keep_unused=True,
-            **fused_kw,
-        )
+        self._jitted = jax.jit(step, static_argnames=("key",), donate_argnums=(1, 2, 3), **jit_kw)
+        self._jitted_fused = jax.jit(fused, static_argnames=("key",), donate_argnums=(1, 2, 3), **fused_kw)
         # per coda size: the last tokens the latest fused step sampled (its ``previous`` output),
         # which a step scheduled ahead of reading them embeds (``Scheduler.schedule_ahead``)
         self._fused_last: dict[int, jax.Array] = {}
         self._coda_h = None  # the latest fused step's last coda states (ModelRunner.complete)
-        self._io: dict[Any, _StepIO] = {}  # per step key: its buffers at fixed addresses
-        self._stage_previous: dict[int, Any] = {}  # per coda size: copies sampled tokens into `previous`
         # executables by bucket key, and by (key, n) for fused decode steps of n sub-steps
         self._exe: dict[Any, Any] = {}
         self._long_keys: dict[BucketKey, Optional[BucketKey]] = {}  # long_segment_key's answers
@@ -469,7 +413,6 @@ class ModelRunner:
         fused = is_fused(key)
         fn, bucket = (self._jitted_fused, key[0]) if fused else (self._jitted, key)
         extra = (jax.ShapeDtypeStruct((bucket.C,), jnp.int32, sharding=on),) if fused else ()
-        extra += self._output_slots(key, on)
         return fn.lower(
             tuple(sds(x) for x in self._param_leaves),
             sds(self.k_pool),
@@ -547,59 +490,7 @@ class ModelRunner:
         fused = is_fused(key) or isinstance(key, SpecKey)  # a round's loops run as a fused step's
         return step_options(fused, self.engine.fused_xla_options if fused else self.engine.step_xla_options)
 
-    def _output_slots(self, key, sharding=None) -> tuple:
-        """Shapes of the output buffers step ``key`` takes besides the pools, the ring and a fused
-        step's last tokens: ``fused_step.output_slots`` for a fused step, ``(gates [R], tokens
-        [C], coda states [C, D], coda words [5, C])`` for one loop, the last two only where the
-        separate sampler reads them (``step_program.one_loop``)."""
-        if is_fused(key):
-            slots = fused_step.output_slots(key[0], key[1], self.config, self.dtype)
-        else:
-            slots = (jax.ShapeDtypeStruct((key.R,), jnp.float32), jax.ShapeDtypeStruct((key.C,), jnp.int32))
-            if self.separate_sampler:
-                slots += (
-                    jax.ShapeDtypeStruct((key.C, self.config.hidden_size), self.dtype),
-                    jax.ShapeDtypeStruct(packed_shape(SamplerKey(key.C, 0)), jnp.int32),
-                )
-        return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in slots)
-
-    def _io_of(self, key) -> _StepIO:
-        """``key``'s buffers at fixed addresses and the two small executables that feed and read them
-        (made with the step's executable or when adopting it: ``_record_compile``, ``adopt``)."""
-        io = self._io.get(key)
-        if io is None:
-            io = self._io[key] = self._new_io(key)
-        return io
-
-    def _new_io(self, key) -> _StepIO:
-        on = self._upload_to if (self.mesh is not None or self._pinned) else None
-        slots = self._output_slots(key, on)
-        packed = jax.ShapeDtypeStruct(packed_shape(key), jnp.int32, sharding=on)
-        stage = self._small_executable("overwrite", _overwrite, (packed, packed), donate=0)
-        # the host reads a fused step's gates (never), tokens and coda states; a one-loop step's gates and tokens
-        snapshot = self._small_executable("copies", _copies, slots if is_fused(key) else slots[:2])
-        if is_fused(key) and key[0].C not in self._stage_previous:
-            prev = jax.ShapeDtypeStruct((key[0].C,), jnp.int32, sharding=on)
-            self._stage_previous[key[0].C] = self._small_executable("overwrite", _overwrite, (prev, prev), donate=0)
-        zeros = lambda x: jax.device_put(np.zeros(x.shape, x.dtype), self._upload_to)  # noqa: E731
-        return _StepIO(zeros(packed), tuple(zeros(x) for x in slots), stage, snapshot)
-
-    def _small_executable(self, tag: str, fn, args: tuple, donate=()):
-        """``fn`` compiled for ``args`` (shape structs), through the store when there is one (a start
-        from the store traces nothing)."""
-
-        def compile_():
-            return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-
-        if self.store is None:
-            return compile_()
-        shapes = tuple((a.shape, str(a.dtype)) for a in args)
-        key = self.store.key(self._store_program, tag, shapes, donate)
-        return self.store.load_or_compile(key, self._store_devices, compile_)[0]
-
     def _record_compile(self, key, exe, dt: float) -> None:
-        if isinstance(key, BucketKey) or is_fused(key):  # a step (not a sampler, not a round)
-            self._io_of(key)
         self._exe[key] = exe
         self.compilations += 1
         self.compile_time += dt
@@ -768,21 +659,14 @@ class ModelRunner:
         if exe is None:
             exe = self._compile(key)  # not warmed up: counted in `compilations`
         fused = is_fused(key)
-        io = self._io_of(key)  # every buffer at its address (_StepIO)
-        packed = io.put_descriptor(packed)
         if fused:  # the previous fused step's last tokens in, its own out
-            out = exe(
-                self._param_leaves, self.k_pool, self.v_pool, self.ring, packed, self._previous(key[0].C), *io.slots
-            )
+            out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed, self._previous(key[0].C))
             self._fused_last[key[0].C] = out[5]
-            io.slots = (out[3], out[4], out[6])
-            gates, tokens, coda_h = io.snapshot(*io.slots)  # the host's copies: the next launch overwrites the slots
-            self._coda_h = coda_h  # the last token's coda states: a deferred coda samples them
         else:
-            out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed, *io.slots)
-            io.slots = tuple(out[3:])
-            gates, tokens = io.snapshot(out[3], out[4])  # the host's copies; the sampler reads the slots now
-        self.k_pool, self.v_pool, self.ring = out[:3]
+            out = exe(self._param_leaves, self.k_pool, self.v_pool, self.ring, packed)
+        self.k_pool, self.v_pool, self.ring, gates, tokens = out[:5]
+        if fused:
+            self._coda_h = out[6]  # the last token's coda states: a deferred coda samples them
         records = None
         if sample and not fused and len(out) > 5:
             skey = SamplerKey(key.C, 0 if adjust is None else adjust[1].shape[-1])
@@ -840,8 +724,7 @@ class ModelRunner:
         skey = SamplerKey(key.C, 0 if adjust is None else adjust[1].shape[-1])
         tokens, records = self.launch_sampler(skey, coda_h, words, mask, adjust)
         self.sampler_launches += 1
-        # into the next step's `previous` buffer, which that step donates: the host still reads `tokens`
-        self._fused_last[key.C] = self._stage_previous[key.C](self._previous(key.C), tokens)
+        self._fused_last[key.C] = tokens
         for arr in (tokens, records):
             arr.copy_to_host_async()
         result.set_tokens(_DeferredTokens(out, tokens, records, key))
@@ -927,9 +810,6 @@ class ModelRunner:
     def adopt(self, executables: dict) -> None:
         """Use executables compiled by another runner of the same shapes (pools, ring, params, options)."""
         self._exe.update(executables)
-        for key in executables:
-            if isinstance(key, BucketKey) or is_fused(key):
-                self._io_of(key)  # its buffers and small executables now, not in a timed launch
 
     @property
     def device(self):
@@ -954,8 +834,6 @@ class ModelRunner:
         self.k_pool = self.v_pool = self.ring = None
         self.params, self._param_leaves, self._top_leaves = None, (), ()
         self._fused_last.clear()
-        self._io.clear()
-        self._stage_previous.clear()
         self._coda_h = None
         self._free_masks.clear()
         self._free_adjust.clear()
