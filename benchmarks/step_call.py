@@ -1,0 +1,212 @@
+"""Where the host time of one step's call goes: the call timed on an idle device, beside no-op
+executables that take the same arguments, and the call's spans in a host trace.
+
+    python -m benchmarks.step_call --buckets decode:64 --decode-context 1024 --reps 40 \\
+        --out benchmarks/results/step_call_h100.json
+
+Loop by loop, a gated stream's next invocation is scheduled only after the host has read the
+gates of the one before (docs/roadmap.md, "Gated streams loop by loop wait for the host"), so
+the call's host time sits between two invocations' device work. Per bucket (``KIND:R[:CONTEXT]``
+as in ``benchmarks.profile_step``; the same synthetic descriptor and engine), each figure is the
+host seconds of the call alone (p10 / p50 / p90 of ``--reps``), the device idle before each call:
+
+* ``launch``: ``ModelRunner.launch`` on a descriptor uploaded once;
+* ``upload_launch``: a fresh upload and the launch, as the engine's ``step`` does (a descriptor
+  at a new address makes XLA update the step's CUDA graph before launching it);
+* ``upload``: the upload alone;
+* ``noop_weights``: an executable that does nothing with the step's arguments (every weight
+  leaf, the pools and the ring donated, the descriptor): JAX's and PJRT's cost of the arguments;
+* ``noop_stacked``: the same with the weights stacked by shape and dtype into a few arrays;
+* ``noop_no_weights``: the same without the weights.
+
+Then ``--steps`` launches as ``upload_launch`` under ``jax.profiler.trace``: every host span
+(``line | name``) with its milliseconds and count per launch, the largest ``--top`` first.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from benchmarks.profile_step import parse_bucket
+from benchmarks.profile_step import parser as profile_parser
+from benchmarks.sweep_buckets import synthetic_descriptor
+from benchmarks.workloads import EngineShape, shape_from_args
+
+__all__ = ["host_spans", "time_calls", "probe_bucket", "main"]
+
+
+def time_calls(call: Callable, sync: Callable, reps: int, warmup: int = 3) -> dict:
+    """Host milliseconds of ``call()`` (p10 / p50 / p90 over ``reps``), waiting for the device
+    (``sync(result)`` blocked on) after each so that every call finds it idle."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(sync(call()))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = call()
+        ts.append(time.perf_counter() - t)
+        jax.block_until_ready(sync(out))
+    ms = np.asarray(ts) * 1e3
+    return dict(p10=float(np.percentile(ms, 10)), p50=float(np.median(ms)), p90=float(np.percentile(ms, 90)))
+
+
+def host_spans(profile, launches: int, top: int = 40) -> dict:
+    """Spans of the host planes (``/host:...``) of a ``jax.profiler.ProfileData``, keyed
+    ``"line | name"``: ``[milliseconds, count]`` per launch, the ``top`` largest by time. Spans nest
+    (a call's span holds its executable's), so the figures overlap and do not sum."""
+    agg: dict = collections.defaultdict(lambda: [0.0, 0])
+    for plane in profile.planes:
+        if not plane.name.startswith("/host"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                k = f"{line.name} | {ev.name}"
+                agg[k][0] += ev.duration_ns / 1e6
+                agg[k][1] += 1
+    ranked = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+    return {k: [ms / launches, n / launches] for k, (ms, n) in ranked}
+
+
+def _noop(leaves, k_pool, v_pool, ring, packed):
+    return k_pool, v_pool, ring, packed[:1]
+
+
+def probe_bucket(
+    llm,
+    b: dict,
+    reps: int,
+    steps: int,
+    prefill_segment: int,
+    warmup: int = 3,
+    top: int = 40,
+    trace_dir: Optional[str] = None,
+) -> dict:
+    """The module doc's figures for one bucket (``parse_bucket``'s dict) on ``llm.runner``; the
+    trace is kept in ``trace_dir`` when given, else written to a temporary folder and removed."""
+    import jax
+    import jax.numpy as jnp
+
+    r = llm.runner
+    spec = llm.scheduler.bucket_spec
+    desc = synthetic_descriptor(spec, b["R"], b["kind"], b["context"], prefill_segment, r.num_blocks)
+    key = r.executable_key(desc)
+    r.executable(key)  # compiled (or loaded) before the clock
+    leaves = r._param_leaves
+    rec = dict(b, key=repr(key), weight_leaves=len(leaves), reps=reps)
+    packed = r.upload(desc)
+    on_runner = lambda out: (r.ring, out[0], out[1])  # noqa: E731 - the launch's pools, gates, tokens
+    rec["launch"] = time_calls(lambda: r.launch(key, packed), on_runner, reps, warmup)
+    rec["upload_launch"] = time_calls(lambda: r.launch(key, r.upload(desc)), on_runner, reps, warmup)
+    rec["upload"] = time_calls(lambda: r.upload(desc), lambda out: out, reps, warmup)
+
+    groups = collections.defaultdict(list)
+    for x in leaves:
+        groups[(x.shape, str(x.dtype))].append(x)
+    stacked = tuple(jnp.stack(v) for v in groups.values())
+    rec["stacked_arrays"] = len(stacked)
+    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+
+    def noop_call(weights):
+        exe = (
+            jax.jit(_noop, keep_unused=True, donate_argnums=(1, 2, 3))
+            .lower(tuple(map(sds, weights)), sds(r.k_pool), sds(r.v_pool), sds(r.ring), sds(packed))
+            .compile()
+        )
+
+        def call():  # the pools and the ring come back aliased: the runner keeps them
+            out = exe(weights, r.k_pool, r.v_pool, r.ring, packed)
+            r.k_pool, r.v_pool, r.ring = out[:3]
+            return out
+
+        return call
+
+    for name, weights in (("noop_weights", leaves), ("noop_stacked", stacked), ("noop_no_weights", ())):
+        rec[name] = time_calls(noop_call(weights), lambda out: out, reps, warmup)
+    del stacked
+
+    tdir = trace_dir or tempfile.mkdtemp(prefix="ouro_step_call_")
+    try:
+        options = jax.profiler.ProfileOptions()
+        options.host_tracer_level = 3  # PJRT's and XLA's own spans, not only JAX's
+        options.python_tracer_level = 0
+        with jax.profiler.trace(tdir, profiler_options=options):
+            for _ in range(steps):
+                jax.block_until_ready(on_runner(r.launch(key, r.upload(desc))))
+        path = sorted(glob.glob(os.path.join(tdir, "**", "*.xplane.pb"), recursive=True))[-1]
+        rec["host_spans_ms_per_launch"] = host_spans(jax.profiler.ProfileData.from_file(path), steps, top)
+        rec["traced_launches"] = steps
+    except Exception as e:  # noqa: BLE001 - keep the timings, record why the trace is missing
+        rec["trace_error"] = f"{type(e).__name__}: {e}"
+        rec["traceback"] = traceback.format_exc(limit=6)
+    finally:
+        if trace_dir is None:
+            shutil.rmtree(tdir, ignore_errors=True)
+    return rec
+
+
+def print_bucket(rec: dict, top: int = 25) -> None:
+    print(f"{rec['bucket']} ({rec['key']}, {rec['weight_leaves']} weight leaves):")
+    for name in ("launch", "upload_launch", "upload", "noop_weights", "noop_stacked", "noop_no_weights"):
+        t = rec[name]
+        print(f"  {name:16s} p10 {t['p10']:.3f}  p50 {t['p50']:.3f}  p90 {t['p90']:.3f} ms")
+    for k, (ms, n) in list(rec.get("host_spans_ms_per_launch", {}).items())[:top]:
+        print(f"  {ms:8.3f} ms x{n:5.1f}  {k}")
+    if "trace_error" in rec:
+        print("  trace:", rec["trace_error"])
+
+
+def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
+    ap = profile_parser()
+    ap.description = __doc__
+    ap.set_defaults(buckets=["decode:64"], out="benchmarks/results/step_call.json", reps=40, top=40)
+    a = ap.parse_args(argv)
+    buckets = [parse_bucket(x, a.decode_context, a.prefill_context) for x in a.buckets]
+    rows = sorted({b["R"] for b in buckets})
+    mnbt = a.max_num_batched_tokens or rows[-1]
+    row_buckets = tuple(sorted(set(rows) | ({mnbt} if mnbt > rows[-1] else set())))
+    import jax
+
+    from benchmarks.run import harness_from_args, save_json
+
+    seqs = a.max_num_seqs or min(EngineShape.max_num_seqs, mnbt)
+    shape = shape_from_args(a, max_num_batched_tokens=mnbt, buckets=row_buckets, max_num_seqs=seqs)
+    h = harness or harness_from_args(a, shape)
+    result = dict(
+        benchmark="step_call",
+        device=h.device,
+        jax_version=jax.__version__,
+        backend=jax.default_backend(),
+        preset=h.preset,
+        dtype=h.dtype,
+        argv=sys.argv[1:] if argv is None else list(argv),
+        engine_shape=h.shape.to_dict(),
+        buckets=[],
+    )
+    llm, _ = h.engine("split", h.shape.ring_chunk)
+    try:
+        for b in buckets:
+            tdir = os.path.join(a.trace_dir, b["bucket"].replace(":", "_")) if a.trace_dir else None
+            rec = probe_bucket(llm, b, a.reps, a.steps, a.prefill_segment, a.warmup, a.top, tdir)
+            result["buckets"].append(rec)
+            print_bucket(rec)
+            save_json(result, a.out)
+    finally:
+        del llm
+    print(f"step_call: wrote {a.out}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
