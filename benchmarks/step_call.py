@@ -21,6 +21,11 @@ host seconds of the call alone (p10 / p50 / p90 of ``--reps``), the device idle 
 
 Then ``--steps`` launches as ``upload_launch`` under ``jax.profiler.trace``: every host span
 (``line | name``) with its milliseconds and count per launch, the largest ``--top`` first.
+
+``--graph-nodes N [N ...]``: before the buckets (none unless ``--buckets`` names some), the call of
+a synthetic executable of ``N`` elementwise kernels (each behind an optimization barrier, so XLA
+fuses none together) on a ``[64, 2048]`` bf16 array, as one CUDA graph (XLA's default) and with
+command buffers off (each kernel launched by the host): how a graph's launch grows with its nodes.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from benchmarks.profile_step import parser as profile_parser
 from benchmarks.sweep_buckets import synthetic_descriptor
 from benchmarks.workloads import EngineShape, shape_from_args
 
-__all__ = ["host_spans", "time_calls", "probe_bucket", "main"]
+__all__ = ["host_spans", "time_calls", "probe_bucket", "graph_launch", "main"]
 
 
 def time_calls(call: Callable, sync: Callable, reps: int, warmup: int = 3) -> dict:
@@ -156,6 +161,28 @@ def probe_bucket(
     return rec
 
 
+def graph_launch(nodes: Sequence[int], reps: int, warmup: int = 3) -> list:
+    """The call of ``n`` chained elementwise kernels for each ``n`` in ``nodes``, with XLA's
+    command buffers (one CUDA graph) and without: ``[{nodes, graph, call}]`` (``time_calls``)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((64, 2048), jnp.bfloat16)
+    out = []
+    for n in nodes:
+
+        def chain(x, n=n):
+            for _ in range(n):
+                x = jax.lax.optimization_barrier(x * 1.0001 + 1.0)
+            return x
+
+        lowered = jax.jit(chain).lower(x)
+        for graph in (True, False):
+            exe = lowered.compile({} if graph else {"xla_gpu_enable_command_buffer": ""})
+            out.append(dict(nodes=n, graph=graph, call=time_calls(lambda: exe(x), lambda o: o, reps, warmup)))
+    return out
+
+
 def print_bucket(rec: dict, top: int = 25) -> None:
     print(f"{rec['bucket']} ({rec['key']}, {rec['weight_leaves']} weight leaves):")
     for name in ("launch", "upload_launch", "upload", "noop_weights", "noop_stacked", "noop_no_weights"):
@@ -170,30 +197,42 @@ def print_bucket(rec: dict, top: int = 25) -> None:
 def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
     ap = profile_parser()
     ap.description = __doc__
-    ap.set_defaults(buckets=["decode:64"], out="benchmarks/results/step_call.json", reps=40, top=40)
+    ap.set_defaults(buckets=None, out="benchmarks/results/step_call.json", reps=40, top=40)
+    ap.add_argument("--graph-nodes", type=int, nargs="+", default=None, help="kernels of the synthetic graphs")
     a = ap.parse_args(argv)
+    if a.graph_nodes is not None and min(a.graph_nodes) < 1:
+        raise SystemExit(f"--graph-nodes takes positive counts, got {a.graph_nodes}")
+    if a.buckets is None:
+        a.buckets = [] if a.graph_nodes else ["decode:64"]
     buckets = [parse_bucket(x, a.decode_context, a.prefill_context) for x in a.buckets]
-    rows = sorted({b["R"] for b in buckets})
-    mnbt = a.max_num_batched_tokens or rows[-1]
-    row_buckets = tuple(sorted(set(rows) | ({mnbt} if mnbt > rows[-1] else set())))
     import jax
 
     from benchmarks.run import harness_from_args, save_json
 
+    result = dict(
+        benchmark="step_call",
+        device=str(jax.devices()[0].device_kind),
+        jax_version=jax.__version__,
+        backend=jax.default_backend(),
+        argv=sys.argv[1:] if argv is None else list(argv),
+        buckets=[],
+    )
+    if a.graph_nodes:
+        result["graph_launch"] = graph_launch(a.graph_nodes, a.reps, a.warmup)
+        for g in result["graph_launch"]:
+            t = g["call"]
+            print(f"graph of {g['nodes']:4d} kernels, command buffer {g['graph']!s:5}: call p50 {t['p50']:.3f} ms")
+        save_json(result, a.out)
+    if not buckets:
+        print(f"step_call: wrote {a.out}", flush=True)
+        return result
+    rows = sorted({b["R"] for b in buckets})
+    mnbt = a.max_num_batched_tokens or rows[-1]
+    row_buckets = tuple(sorted(set(rows) | ({mnbt} if mnbt > rows[-1] else set())))
     seqs = a.max_num_seqs or min(EngineShape.max_num_seqs, mnbt)
     shape = shape_from_args(a, max_num_batched_tokens=mnbt, buckets=row_buckets, max_num_seqs=seqs)
     h = harness or harness_from_args(a, shape)
-    result = dict(
-        benchmark="step_call",
-        device=h.device,
-        jax_version=jax.__version__,
-        backend=jax.default_backend(),
-        preset=h.preset,
-        dtype=h.dtype,
-        argv=sys.argv[1:] if argv is None else list(argv),
-        engine_shape=h.shape.to_dict(),
-        buckets=[],
-    )
+    result.update(device=h.device, preset=h.preset, dtype=h.dtype, engine_shape=h.shape.to_dict())
     llm, _ = h.engine("split", h.shape.ring_chunk)
     try:
         for b in buckets:

@@ -39,6 +39,18 @@ def test_time_calls_waits_for_every_result():
     assert 0 <= res["p10"] <= res["p50"] <= res["p90"]
 
 
+def test_graph_nodes_alone_need_no_engine(tmp_path):
+    out = str(tmp_path / "graphs.json")
+    res = sc.main(["--graph-nodes", "2", "5", "--reps", "2", "--warmup", "1", "--out", out])
+    with open(out) as f:
+        d = json.load(f)
+    assert d == res and d["buckets"] == [] and "engine_shape" not in d
+    assert [(g["nodes"], g["graph"]) for g in d["graph_launch"]] == [(2, True), (2, False), (5, True), (5, False)]
+    assert all(g["call"]["p50"] > 0 for g in d["graph_launch"])
+    with pytest.raises(SystemExit):
+        sc.main(["--graph-nodes", "0", "--out", out])
+
+
 @pytest.fixture(scope="module")
 def harness():
     shape = suite_shape(0.02, 0.05, max_num_seqs=8, max_num_batched_tokens=8, buckets=(8,))
