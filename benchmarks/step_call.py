@@ -108,7 +108,7 @@ def probe_bucket(
     desc = synthetic_descriptor(spec, b["R"], b["kind"], b["context"], prefill_segment, r.num_blocks)
     key = r.executable_key(desc)
     r.executable(key)  # compiled (or loaded) before the clock
-    leaves = r._param_leaves
+    leaves = tuple(jax.tree.leaves(r.params))  # the flat tuple every step executable takes
     rec = dict(b, key=repr(key), weight_leaves=len(leaves), reps=reps)
     packed = r.upload(desc)
     on_runner = lambda out: (r.ring, out[0], out[1])  # noqa: E731 - the launch's pools, gates, tokens
