@@ -111,7 +111,7 @@ def probe_bucket(
     leaves = tuple(jax.tree.leaves(r.params))  # the flat tuple every step executable takes
     rec = dict(b, key=repr(key), weight_leaves=len(leaves), reps=reps)
     packed = r.upload(desc)
-    on_runner = lambda out: (r.ring, out[0], out[1])  # noqa: E731 - the launch's pools, gates, tokens
+    on_runner = lambda out: (r.ring, out[0], out[1])  # noqa: E731 - the ring it wrote, its gates and tokens
     rec["launch"] = time_calls(lambda: r.launch(key, packed), on_runner, reps, warmup)
     rec["upload_launch"] = time_calls(lambda: r.launch(key, r.upload(desc)), on_runner, reps, warmup)
     rec["upload"] = time_calls(lambda: r.upload(desc), lambda out: out, reps, warmup)
