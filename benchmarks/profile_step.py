@@ -839,21 +839,28 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
-    a = parser().parse_args(argv)
-    buckets = [parse_bucket(x, a.decode_context, a.prefill_context) for x in a.buckets]
+def bucket_shape(a, buckets: Sequence[dict]) -> EngineShape:
+    """The engine shape of a CLI (``parser``'s flags) that runs ``buckets`` (``parse_bucket``'s
+    dicts): their row counts as the row buckets, the largest (or ``--max-num-batched-tokens``) as
+    the invocation's rows."""
     rows = sorted({b["R"] for b in buckets})
     mnbt = a.max_num_batched_tokens or rows[-1]
     row_buckets = tuple(sorted(set(rows) | ({mnbt} if mnbt > rows[-1] else set())))
+    # Only small buckets asked for (``--buckets decode:8``): the suite's 128 streams would not fit
+    # an invocation of ``mnbt`` rows, which the scheduler refuses; fewer streams change no bucket.
+    seqs = a.max_num_seqs or min(EngineShape.max_num_seqs, mnbt)
+    return shape_from_args(a, max_num_batched_tokens=mnbt, buckets=row_buckets, max_num_seqs=seqs)
+
+
+def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
+    a = parser().parse_args(argv)
+    buckets = [parse_bucket(x, a.decode_context, a.prefill_context) for x in a.buckets]
     import jax
 
     from benchmarks.run import harness_from_args, save_json
 
-    # Only small buckets asked for (``--buckets decode:8``): the suite's 128 streams would not fit
-    # an invocation of ``mnbt`` rows, which the scheduler refuses; fewer streams change no bucket.
-    seqs = a.max_num_seqs or min(EngineShape.max_num_seqs, mnbt)
-    shape = shape_from_args(a, max_num_batched_tokens=mnbt, buckets=row_buckets, max_num_seqs=seqs)
-    h = harness or harness_from_args(a, shape)
+    h = harness or harness_from_args(a, bucket_shape(a, buckets))
+    row_buckets = h.shape.buckets
     reps = a.reps or a.steps
     out_dir = os.path.dirname(a.out)
     if out_dir:

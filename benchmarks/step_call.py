@@ -42,10 +42,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from benchmarks.profile_step import parse_bucket
+from benchmarks.profile_step import bucket_shape, parse_bucket
 from benchmarks.profile_step import parser as profile_parser
 from benchmarks.sweep_buckets import synthetic_descriptor
-from benchmarks.workloads import EngineShape, shape_from_args
 
 __all__ = ["host_spans", "time_calls", "probe_bucket", "graph_launch", "main"]
 
@@ -226,12 +225,7 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
     if not buckets:
         print(f"step_call: wrote {a.out}", flush=True)
         return result
-    rows = sorted({b["R"] for b in buckets})
-    mnbt = a.max_num_batched_tokens or rows[-1]
-    row_buckets = tuple(sorted(set(rows) | ({mnbt} if mnbt > rows[-1] else set())))
-    seqs = a.max_num_seqs or min(EngineShape.max_num_seqs, mnbt)
-    shape = shape_from_args(a, max_num_batched_tokens=mnbt, buckets=row_buckets, max_num_seqs=seqs)
-    h = harness or harness_from_args(a, shape)
+    h = harness or harness_from_args(a, bucket_shape(a, buckets))
     result.update(device=h.device, preset=h.preset, dtype=h.dtype, engine_shape=h.shape.to_dict())
     llm, _ = h.engine("split", h.shape.ring_chunk)
     try:
