@@ -2,8 +2,8 @@
 
     python -m benchmarks.decode [--concurrency 1 2 4 8 16 32 64 128] [--exit fixed synthetic2.5 ouro0.5]
         [--context 1024 4096] [--output-tokens 128] [--generate-batch 1 8] [--generate-context 1024]
-        [--profile-steps 8] [--no-plain-baseline] [--quick] [--time-budget SECONDS] [--preset ouro-1.4b]
-        [--out benchmarks/results]
+        [--profile-steps 8] [--host-spans N] [--no-plain-baseline] [--quick] [--time-budget SECONDS]
+        [--preset ouro-1.4b] [--out benchmarks/results]
 
 Per context and concurrency ``c``: ``c`` requests at t=0 with ``context``-token prompts (4K context
 means 4096-token prompts: the K/V a decode row reads is its prompt plus the tokens so far, so a 1K
@@ -31,6 +31,9 @@ the timed plan, in an engine of their own whose fused steps keep the loops out o
 (``traceable_fused_options``; the same kernels, launched from the host). Their kernels per loop and
 busy time per loop come from that trace, and their device-busy share is busy time per token over
 the timed TPOT (the traced engine's wall carries the host's loop round trips).
+``--host-spans N`` traces the host too, at PJRT's and XLA's level, and keeps the N largest host
+spans per launch in the record's ``profile`` (one-loop steps; the tracer slows the host, so the
+spans rank where the host's turnaround goes rather than time it).
 
 One engine serves everything (split, chunk 128, prefix caching on, row buckets: powers of two from 8
 to ``max_num_seqs`` and ``max_num_batched_tokens``), compiled once and warmed once; it is closed
@@ -161,10 +164,11 @@ def decode_shape(a) -> EngineShape:
 
 
 # ------------------------------------------------------------------------------- the profile
-def profile_decode(llm, specs: Sequence, steps: int, tag: str, loops_traced: bool = False) -> dict:
+def profile_decode(llm, specs: Sequence, steps: int, tag: str, loops_traced: bool = False, host_top: int = 0) -> dict:
     """Kernels per loop and device-busy share of ``steps`` engine steps of ``specs`` decoding
     together (see the module doc); every request is aborted afterwards. ``loops_traced``: the
-    engine's fused steps keep their loops out of CUDA graphs, so the trace is whole."""
+    engine's fused steps keep their loops out of CUDA graphs, so the trace is whole. ``host_top``:
+    the host's largest spans too (``profile_engine_window``)."""
     ids = [f"profile-{tag}-{i}" for i in range(len(specs))]
     for rid, s in zip(ids, specs):
         llm.add_request(s.prompt, s.params, request_id=rid)
@@ -187,7 +191,7 @@ def profile_decode(llm, specs: Sequence, steps: int, tag: str, loops_traced: boo
         return time.perf_counter() - t
 
     try:
-        prof = profile_engine_window(llm, window, loops_traced=loops_traced)
+        prof = profile_engine_window(llm, window, loops_traced=loops_traced, host_top=host_top)
     finally:
         for rid in ids:
             llm.abort(rid)
@@ -325,7 +329,9 @@ class EngineRunner:
             r["headline"] = _headline(r)
         if a.profile_steps and not self.defers_profile:
             try:
-                prof = profile_decode(llm, wl.requests, a.profile_steps, f"{c}-{wl.exit}-{context}")
+                prof = profile_decode(
+                    llm, wl.requests, a.profile_steps, f"{c}-{wl.exit}-{context}", host_top=a.host_spans
+                )
                 # the profiler's own cost: wall per loop traced vs untraced (TPOT / loops per token)
                 if r["tpot_p50_ms"] and loops:
                     prof["traced_over_untraced_wall"] = prof["wall_ms_per_loop"] / (r["tpot_p50_ms"] / loops)
@@ -334,6 +340,8 @@ class EngineRunner:
                     device_busy_share=prof["device_busy_share"],
                     profile=prof,
                 )
+                for k, (ms, n) in list(prof.get("host_spans_ms_per_launch", {}).items())[:12]:
+                    print(f"  host {ms:8.3f} ms x{n:5.1f} a launch  {k}")
             except Exception as e:  # noqa: BLE001 - the timed figures stand without the profile
                 traceback.print_exc()
                 r["profile"] = dict(error=f"{type(e).__name__}: {e}"[:2000])
@@ -589,6 +597,12 @@ def parser() -> argparse.ArgumentParser:
         "process",
     )
     ap.add_argument("--profile-steps", type=int, default=8, help="engine steps under the profiler per config; 0: none")
+    ap.add_argument(
+        "--host-spans",
+        type=int,
+        default=0,
+        help="the profile also traces the host (PJRT's and XLA's spans) and keeps its N largest spans per launch",
+    )
     ap.add_argument(
         "--no-plain-baseline",
         dest="plain_baseline",

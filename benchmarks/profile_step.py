@@ -466,15 +466,18 @@ def _newest_xplane(trace_dir: str) -> str:
     return max(files, key=os.path.getmtime)
 
 
-def profile_engine_window(llm, window, loops_traced: bool = False) -> dict:
+def profile_engine_window(llm, window, loops_traced: bool = False, host_top: int = 0) -> dict:
     """An engine's kernels over ``window()`` (engine steps that end by waiting for the device and
     return their wall seconds) under the profiler: kernels, device-busy time and where the device
     waits (``gap_sites``), per loop (one-loop invocation) and as a share of the wall
     (``benchmarks.decode`` over decode steps, ``benchmarks.run --profile`` over a workload).
     ``loops_traced``: the engine's fused steps keep their loops out of CUDA graphs, so a window
-    with fused steps is traced whole (else ``hide_partial_trace``)."""
+    with fused steps is traced whole (else ``hide_partial_trace``). ``host_top > 0``: also the
+    host's ``host_top`` largest spans per launch (``host_spans_ms_per_launch``; the host tracer
+    slows the window, so the spans rank the host's costs rather than time them)."""
     s0 = llm.stats()
-    wall, plane, events, _, _ = trace_kernels(window, None, getattr(llm.runner.device, "local_hardware_id", None) or 0)
+    device = getattr(llm.runner.device, "local_hardware_id", None) or 0
+    wall, plane, events, info, _ = trace_kernels(window, None, device, host_top)
     s1 = llm.stats()
     loops = traced_loops(s0, s1) if loops_traced else s1["invocations"] - s0["invocations"]
     agg = aggregate(events, max(1, loops), top=8)
@@ -504,6 +507,12 @@ def profile_engine_window(llm, window, loops_traced: bool = False) -> dict:
     )
     if plane is None:
         out["note"] = "no device plane in the trace: kernel figures are XLA thunk events on host threads"
+    launches = s1.get("launches", 0) - s0.get("launches", 0)
+    if host_top > 0:
+        out["launches"] = launches
+        out["host_spans_ms_per_launch"] = {
+            k: [ms / max(1, launches), n / max(1, launches)] for k, (ms, n) in info["host_spans"].items()
+        }
     fused = s1.get("fused_launches", 0) - s0.get("fused_launches", 0)
     if loops_traced:
         out["fused_launches"] = fused
@@ -542,11 +551,41 @@ def hide_partial_trace(prof: dict, fused_launches: int) -> dict:
     return prof
 
 
-def trace_kernels(fn, trace_dir: Optional[str] = None, device_index: int = 0) -> tuple:
+def host_spans(profile, launches: int, top: int = 40) -> dict:
+    """Spans of the host planes (``/host:...``) of a ``jax.profiler.ProfileData``, keyed
+    ``"line | name"``: ``[milliseconds, count]`` per launch, the ``top`` largest by time. Spans nest
+    (a call's span holds its executable's), so the figures overlap and do not sum."""
+    agg: dict = collections.defaultdict(lambda: [0.0, 0])
+    for plane in profile.planes:
+        if not plane.name.startswith("/host"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                k = f"{line.name} | {ev.name}"
+                agg[k][0] += ev.duration_ns / 1e6
+                agg[k][1] += 1
+    ranked = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
+    return {k: [ms / launches, n / launches] for k, (ms, n) in ranked}
+
+
+def host_trace_options():
+    """``jax.profiler.ProfileOptions`` whose host trace holds PJRT's and XLA's own spans (not only
+    JAX's), without Python's."""
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.host_tracer_level = 3
+    options.python_tracer_level = 0
+    return options
+
+
+def trace_kernels(fn, trace_dir: Optional[str] = None, device_index: int = 0, host_top: int = 0) -> tuple:
     """Run ``fn()`` under ``jax.profiler.trace`` and parse the trace (``kernel_events``): returns
     ``(fn's result, device plane or None, kernel events, info, trace file or None)``. The trace goes
     to a temporary folder removed afterwards unless ``trace_dir`` names one to keep it in. ``fn``
-    should end by waiting for the device, so that every kernel it launched is in the trace."""
+    should end by waiting for the device, so that every kernel it launched is in the trace.
+    ``host_top > 0``: the host is traced at PJRT's and XLA's level too (``host_trace_options``) and
+    ``info["host_spans"]`` holds its ``host_top`` largest spans (``host_spans``, totals)."""
     import jax
 
     PD = getattr(jax.profiler, "ProfileData", None)
@@ -555,10 +594,13 @@ def trace_kernels(fn, trace_dir: Optional[str] = None, device_index: int = 0) ->
     own = trace_dir is None
     tdir = tempfile.mkdtemp(prefix="ouro_trace_") if own else trace_dir
     try:
-        with jax.profiler.trace(tdir):
+        with jax.profiler.trace(tdir, profiler_options=host_trace_options() if host_top > 0 else None):
             out = fn()
         path = _newest_xplane(tdir)
-        plane, events, info = kernel_events(PD.from_file(path), device_index)
+        profile = PD.from_file(path)
+        plane, events, info = kernel_events(profile, device_index)
+        if host_top > 0:
+            info["host_spans"] = host_spans(profile, 1, host_top)
     finally:
         if own:
             shutil.rmtree(tdir, ignore_errors=True)

@@ -24,8 +24,11 @@ Then ``--steps`` launches as ``upload_launch`` under ``jax.profiler.trace``: eve
 
 ``--graph-nodes N [N ...]``: before the buckets (none unless ``--buckets`` names some), the call of
 a synthetic executable of ``N`` elementwise kernels (each behind an optimization barrier, so XLA
-fuses none together) on a ``[64, 2048]`` bf16 array, as one CUDA graph (XLA's default) and with
-command buffers off (each kernel launched by the host): how a graph's launch grows with its nodes.
+fuses none together) on a ``[R, 2048]`` bf16 array for each ``R`` of ``--graph-rows`` (default 64),
+as one CUDA graph (XLA's default) and with command buffers off (each kernel launched by the host):
+how a graph's launch grows with its nodes, and (more rows: longer kernels, same nodes) whether that
+is the host's time or a wait for the device. Run 61 (one H100): 0.07 / 0.37 / 0.53 / 1.01 / 1.91 ms
+a call at 8 / 128 / 256 / 512 / 1024 nodes as a graph, ~1.9 us a node (`step_call_h100.json`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from benchmarks.profile_step import bucket_shape, parse_bucket
+from benchmarks.profile_step import bucket_shape, host_spans, host_trace_options, parse_bucket
 from benchmarks.profile_step import parser as profile_parser
 from benchmarks.sweep_buckets import synthetic_descriptor
 
@@ -64,23 +67,6 @@ def time_calls(call: Callable, sync: Callable, reps: int, warmup: int = 3) -> di
         jax.block_until_ready(sync(out))
     ms = np.asarray(ts) * 1e3
     return dict(p10=float(np.percentile(ms, 10)), p50=float(np.median(ms)), p90=float(np.percentile(ms, 90)))
-
-
-def host_spans(profile, launches: int, top: int = 40) -> dict:
-    """Spans of the host planes (``/host:...``) of a ``jax.profiler.ProfileData``, keyed
-    ``"line | name"``: ``[milliseconds, count]`` per launch, the ``top`` largest by time. Spans nest
-    (a call's span holds its executable's), so the figures overlap and do not sum."""
-    agg: dict = collections.defaultdict(lambda: [0.0, 0])
-    for plane in profile.planes:
-        if not plane.name.startswith("/host"):
-            continue
-        for line in plane.lines:
-            for ev in line.events:
-                k = f"{line.name} | {ev.name}"
-                agg[k][0] += ev.duration_ns / 1e6
-                agg[k][1] += 1
-    ranked = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
-    return {k: [ms / launches, n / launches] for k, (ms, n) in ranked}
 
 
 def _noop(leaves, k_pool, v_pool, ring, packed):
@@ -142,10 +128,7 @@ def probe_bucket(
 
     tdir = trace_dir or tempfile.mkdtemp(prefix="ouro_step_call_")
     try:
-        options = jax.profiler.ProfileOptions()
-        options.host_tracer_level = 3  # PJRT's and XLA's own spans, not only JAX's
-        options.python_tracer_level = 0
-        with jax.profiler.trace(tdir, profiler_options=options):
+        with jax.profiler.trace(tdir, profiler_options=host_trace_options()):
             for _ in range(steps):
                 jax.block_until_ready(on_runner(r.launch(key, r.upload(desc))))
         path = sorted(glob.glob(os.path.join(tdir, "**", "*.xplane.pb"), recursive=True))[-1]
@@ -160,15 +143,17 @@ def probe_bucket(
     return rec
 
 
-def graph_launch(nodes: Sequence[int], reps: int, warmup: int = 3) -> list:
+def graph_launch(nodes: Sequence[int], reps: int, warmup: int = 3, rows: Sequence[int] = (64,)) -> list:
     """The call of ``n`` chained elementwise kernels for each ``n`` in ``nodes``, with XLA's
-    command buffers (one CUDA graph) and without: ``[{nodes, graph, call}]`` (``time_calls``)."""
+    command buffers (one CUDA graph) and without: ``[{nodes, rows, graph, call}]`` (``time_calls``),
+    on a ``[rows, 2048]`` bf16 array for each of ``rows``. The kernels' device time grows with the
+    rows; a launch whose host time does not is not waiting for the device."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones((64, 2048), jnp.bfloat16)
     out = []
-    for n in nodes:
+    for r, n in ((r, n) for r in rows for n in nodes):
+        x = jnp.ones((r, 2048), jnp.bfloat16)
 
         def chain(x, n=n):
             for _ in range(n):
@@ -178,7 +163,7 @@ def graph_launch(nodes: Sequence[int], reps: int, warmup: int = 3) -> list:
         lowered = jax.jit(chain).lower(x)
         for graph in (True, False):
             exe = lowered.compile({} if graph else {"xla_gpu_enable_command_buffer": ""})
-            out.append(dict(nodes=n, graph=graph, call=time_calls(lambda: exe(x), lambda o: o, reps, warmup)))
+            out.append(dict(nodes=n, rows=r, graph=graph, call=time_calls(lambda: exe(x), lambda o: o, reps, warmup)))
     return out
 
 
@@ -198,9 +183,12 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
     ap.description = __doc__
     ap.set_defaults(buckets=None, out="benchmarks/results/step_call.json", reps=40, top=40)
     ap.add_argument("--graph-nodes", type=int, nargs="+", default=None, help="kernels of the synthetic graphs")
+    ap.add_argument("--graph-rows", type=int, nargs="+", default=[64], help="rows of the synthetic graphs' array")
     a = ap.parse_args(argv)
     if a.graph_nodes is not None and min(a.graph_nodes) < 1:
         raise SystemExit(f"--graph-nodes takes positive counts, got {a.graph_nodes}")
+    if min(a.graph_rows) < 1:
+        raise SystemExit(f"--graph-rows takes positive counts, got {a.graph_rows}")
     if a.buckets is None:
         a.buckets = [] if a.graph_nodes else ["decode:64"]
     buckets = [parse_bucket(x, a.decode_context, a.prefill_context) for x in a.buckets]
@@ -217,10 +205,13 @@ def main(argv: Optional[Sequence[str]] = None, harness=None) -> dict:
         buckets=[],
     )
     if a.graph_nodes:
-        result["graph_launch"] = graph_launch(a.graph_nodes, a.reps, a.warmup)
+        result["graph_launch"] = graph_launch(a.graph_nodes, a.reps, a.warmup, a.graph_rows)
         for g in result["graph_launch"]:
             t = g["call"]
-            print(f"graph of {g['nodes']:4d} kernels, command buffer {g['graph']!s:5}: call p50 {t['p50']:.3f} ms")
+            print(
+                f"graph of {g['nodes']:4d} kernels on {g['rows']:5d} rows, command buffer {g['graph']!s:5}: "
+                f"call p50 {t['p50']:.3f} ms"
+            )
         save_json(result, a.out)
     if not buckets:
         print(f"step_call: wrote {a.out}", flush=True)

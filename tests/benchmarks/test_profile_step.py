@@ -358,3 +358,27 @@ def test_traced_loops_count_the_fused_step_launched_ahead():
     s1 = dict(invocations=123, fused_loops=60, fused_tokens=20, fused_row_tokens=18)
     assert ps.traced_loops(s0, s1) == round(3 + 2.5 * 9)
     assert ps.traced_loops(dict(invocations=5), dict(invocations=12)) == 7  # no fused step
+
+
+def test_profile_engine_window_keeps_the_host_spans_per_launch():
+    """``host_top``: the window's host trace, its largest spans as ``[ms, count]`` per launch."""
+    f = jax.jit(lambda x: x * 2 + 1)
+    x = jax.numpy.ones((64, 64))
+    counts = dict(invocations=0, launches=0, tokens=0, fused_launches=0)
+
+    def window():
+        for _ in range(3):
+            jax.block_until_ready(f(x))
+            counts["invocations"] += 1
+            counts["launches"] += 1
+        return 0.01
+
+    llm = NS(stats=lambda: dict(counts), runner=NS(device=jax.devices()[0]))
+    out = ps.profile_engine_window(llm, window, host_top=5)
+    assert out["launches"] == 3 and out["loops"] == 3
+    spans = out["host_spans_ms_per_launch"]
+    assert 0 < len(spans) <= 5 and all(" | " in k for k in spans)
+    assert all(ms >= 0 and n > 0 for ms, n in spans.values())
+    ranked = [ms for ms, _ in spans.values()]
+    assert ranked == sorted(ranked, reverse=True)
+    assert "host_spans_ms_per_launch" not in ps.profile_engine_window(llm, window)

@@ -46,9 +46,18 @@ def test_graph_nodes_alone_need_no_engine(tmp_path):
         d = json.load(f)
     assert d == res and d["buckets"] == [] and "engine_shape" not in d
     assert [(g["nodes"], g["graph"]) for g in d["graph_launch"]] == [(2, True), (2, False), (5, True), (5, False)]
-    assert all(g["call"]["p50"] > 0 for g in d["graph_launch"])
+    assert all(g["call"]["p50"] > 0 and g["rows"] == 64 for g in d["graph_launch"])
     with pytest.raises(SystemExit):
         sc.main(["--graph-nodes", "0", "--out", out])
+    with pytest.raises(SystemExit):
+        sc.main(["--graph-nodes", "2", "--graph-rows", "0", "--out", out])
+
+
+def test_graph_rows_each_timed_at_every_node_count(tmp_path):
+    out = str(tmp_path / "graphs.json")
+    res = sc.main(["--graph-nodes", "1", "3", "--graph-rows", "8", "16", "--reps", "2", "--warmup", "1", "--out", out])
+    got = [(g["rows"], g["nodes"], g["graph"]) for g in res["graph_launch"]]
+    assert got == [(r, n, gr) for r in (8, 16) for n in (1, 3) for gr in (True, False)]
 
 
 @pytest.fixture(scope="module")
