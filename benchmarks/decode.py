@@ -127,8 +127,13 @@ def attach_fused_profile(rec: dict, prof: dict) -> dict:
     """``rec``'s ``profile``, ``kernels_per_loop`` and ``device_busy_share`` from ``prof``, a trace of
     its batch in the traceable engine (``traceable_fused_options``): busy time per token (busy per
     loop x the record's loops per token) over the timed TPOT p50, since the traced engine's wall
-    holds the host's round trips between loops."""
-    loops = rec.get("fused_loops_per_token") or rec.get("mean_loops_per_token")
+    holds the host's round trips between loops. The loops a token costs are those of the steps the
+    window traced: a fused step's (its deepest row's, ``fused_loops_per_token``), or, in a window of
+    one-loop invocations only (gated streams past ``FUSED_GATED_MAX_ROWS`` go loop by loop), the
+    stream's own (``mean_loops_per_token``: each invocation runs one loop of every stream)."""
+    fused_window = prof.get("fused_launches", 1) > 0
+    basis = "fused_loops_per_token" if fused_window and rec.get("fused_loops_per_token") else "mean_loops_per_token"
+    loops = rec.get(basis)
     busy, tpot = prof.get("busy_ms_per_loop"), rec.get("tpot_p50_ms")
     share = busy * loops / tpot if busy is not None and loops and tpot else None
     prof = dict(
@@ -139,9 +144,15 @@ def attach_fused_profile(rec: dict, prof: dict) -> dict:
         note="fused steps profiled with their loops out of CUDA graphs (traceable_fused_options): kernels per "
         "loop and busy ms per loop from that trace; device_busy_share = busy ms per loop x loops per token / "
         "the timed TPOT p50",
+        loops_per_token_basis=basis,
     )
     rec.update(kernels_per_loop=prof["kernels_per_loop"], device_busy_share=share, profile=prof)
     return rec
+
+
+def print_host_spans(prof: dict, top: int = 12) -> None:
+    for k, (ms, n) in list(prof.get("host_spans_ms_per_launch", {}).items())[:top]:
+        print(f"  host {ms:8.3f} ms x{n:5.1f} a launch  {k}", flush=True)
 
 
 class Skip(Exception):
@@ -340,8 +351,7 @@ class EngineRunner:
                     device_busy_share=prof["device_busy_share"],
                     profile=prof,
                 )
-                for k, (ms, n) in list(prof.get("host_spans_ms_per_launch", {}).items())[:12]:
-                    print(f"  host {ms:8.3f} ms x{n:5.1f} a launch  {k}")
+                print_host_spans(prof)
             except Exception as e:  # noqa: BLE001 - the timed figures stand without the profile
                 traceback.print_exc()
                 r["profile"] = dict(error=f"{type(e).__name__}: {e}"[:2000])
@@ -706,7 +716,9 @@ def profile_fused(h, a, deferred: Sequence) -> None:
                     continue
                 tag = f"{wl.concurrency}-{wl.exit}-{rec['context']}"
                 try:
-                    attach_fused_profile(rec, profile_decode(runner.llm, wl.requests, a.profile_steps, tag, True))
+                    prof = profile_decode(runner.llm, wl.requests, a.profile_steps, tag, True, a.host_spans)
+                    attach_fused_profile(rec, prof)
+                    print_host_spans(prof)
                 except Exception as e:  # noqa: BLE001 - the timed figures stand without the profile
                     traceback.print_exc()
                     rec["profile"] = dict(error=f"{type(e).__name__}: {e}"[:2000])

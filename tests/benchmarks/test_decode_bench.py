@@ -311,6 +311,21 @@ def test_fused_profile_share_is_busy_time_per_token_over_the_timed_tpot():
     assert dec.attach_fused_profile(rec, dict(prof))["device_busy_share"] is None
 
 
+def test_fused_profile_share_of_a_loop_by_loop_window_counts_the_streams_loops():
+    """Gated streams past the lock-step cap run loop by loop: a window without fused launches runs
+    one loop of every stream an invocation, so a token costs its stream's mean loops, not the
+    deepest row's of the fused steps that ran at the tail of the timed batch (run 61: 85% read
+    for 43%)."""
+    rec = dict(tpot_p50_ms=10.56, fused_loops_per_token=2.95, mean_loops_per_token=1.49)
+    prof = dict(kernels_per_loop=341.0, busy_ms_per_loop=3.05, device_busy_share=0.3, fused_launches=0)
+    dec.attach_fused_profile(rec, prof)
+    assert rec["device_busy_share"] == pytest.approx(3.05 * 1.49 / 10.56)
+    assert rec["profile"]["loops_per_token_basis"] == "mean_loops_per_token"
+    dec.attach_fused_profile(rec, dict(prof, fused_launches=2))
+    assert rec["device_busy_share"] == pytest.approx(3.05 * 2.95 / 10.56)
+    assert rec["profile"]["loops_per_token_basis"] == "fused_loops_per_token"
+
+
 @pytest.mark.slow  # four engines on the tiny preset (two timed, two profiling)
 def test_fused_steps_with_loops_in_cuda_graphs_are_profiled_in_a_traceable_engine(tmp_path, monkeypatch):
     """Where fused steps run their loops in CUDA graphs (a GPU; stood in for here), the timed engine
