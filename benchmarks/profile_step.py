@@ -507,12 +507,9 @@ def profile_engine_window(llm, window, loops_traced: bool = False, host_top: int
     )
     if plane is None:
         out["note"] = "no device plane in the trace: kernel figures are XLA thunk events on host threads"
-    launches = s1.get("launches", 0) - s0.get("launches", 0)
     if host_top > 0:
-        out["launches"] = launches
-        out["host_spans_ms_per_launch"] = {
-            k: [ms / max(1, launches), n / max(1, launches)] for k, (ms, n) in info["host_spans"].items()
-        }
+        out["launches"] = s1.get("launches", 0) - s0.get("launches", 0)
+        out["host_spans_ms_per_launch"] = spans_per_launch(info["host_spans"], out["launches"])
     fused = s1.get("fused_launches", 0) - s0.get("fused_launches", 0)
     if loops_traced:
         out["fused_launches"] = fused
@@ -565,7 +562,13 @@ def host_spans(profile, launches: int, top: int = 40) -> dict:
                 agg[k][0] += ev.duration_ns / 1e6
                 agg[k][1] += 1
     ranked = sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]
-    return {k: [ms / launches, n / launches] for k, (ms, n) in ranked}
+    return spans_per_launch(dict(ranked), launches)
+
+
+def spans_per_launch(spans: dict, launches: int) -> dict:
+    """``host_spans``' ``[milliseconds, count]`` entries divided by ``launches`` (at least 1)."""
+    n = max(1, launches)
+    return {k: [ms / n, c / n] for k, (ms, c) in spans.items()}
 
 
 def host_trace_options():
@@ -585,7 +588,8 @@ def trace_kernels(fn, trace_dir: Optional[str] = None, device_index: int = 0, ho
     to a temporary folder removed afterwards unless ``trace_dir`` names one to keep it in. ``fn``
     should end by waiting for the device, so that every kernel it launched is in the trace.
     ``host_top > 0``: the host is traced at PJRT's and XLA's level too (``host_trace_options``) and
-    ``info["host_spans"]`` holds its ``host_top`` largest spans (``host_spans``, totals)."""
+    ``info["host_spans"]`` holds its ``host_top`` largest spans (``host_spans``, totals: divide with
+    ``spans_per_launch``)."""
     import jax
 
     PD = getattr(jax.profiler, "ProfileData", None)

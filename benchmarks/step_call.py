@@ -34,22 +34,19 @@ a call at 8 / 128 / 256 / 512 / 1024 nodes as a graph, ~1.9 us a node (`step_cal
 from __future__ import annotations
 
 import collections
-import glob
 import os
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from benchmarks.profile_step import bucket_shape, host_spans, host_trace_options, parse_bucket
+from benchmarks.profile_step import bucket_shape, parse_bucket, spans_per_launch, trace_kernels
 from benchmarks.profile_step import parser as profile_parser
 from benchmarks.sweep_buckets import synthetic_descriptor
 
-__all__ = ["host_spans", "time_calls", "probe_bucket", "graph_launch", "main"]
+__all__ = ["time_calls", "probe_bucket", "graph_launch", "main"]
 
 
 def time_calls(call: Callable, sync: Callable, reps: int, warmup: int = 3) -> dict:
@@ -84,7 +81,8 @@ def probe_bucket(
     trace_dir: Optional[str] = None,
 ) -> dict:
     """The module doc's figures for one bucket (``parse_bucket``'s dict) on ``llm.runner``; the
-    trace is kept in ``trace_dir`` when given, else written to a temporary folder and removed."""
+    trace is kept in ``trace_dir`` when given, else written to a temporary folder and removed
+    (``profile_step.trace_kernels``)."""
     import jax
     import jax.numpy as jnp
 
@@ -126,20 +124,17 @@ def probe_bucket(
         rec[name] = time_calls(noop_call(weights), lambda out: out, reps, warmup)
     del stacked
 
-    tdir = trace_dir or tempfile.mkdtemp(prefix="ouro_step_call_")
+    def traced():
+        for _ in range(steps):
+            jax.block_until_ready(on_runner(r.launch(key, r.upload(desc))))
+
     try:
-        with jax.profiler.trace(tdir, profiler_options=host_trace_options()):
-            for _ in range(steps):
-                jax.block_until_ready(on_runner(r.launch(key, r.upload(desc))))
-        path = sorted(glob.glob(os.path.join(tdir, "**", "*.xplane.pb"), recursive=True))[-1]
-        rec["host_spans_ms_per_launch"] = host_spans(jax.profiler.ProfileData.from_file(path), steps, top)
+        _, _, _, info, _ = trace_kernels(traced, trace_dir, host_top=top)
+        rec["host_spans_ms_per_launch"] = spans_per_launch(info["host_spans"], steps)
         rec["traced_launches"] = steps
     except Exception as e:  # noqa: BLE001 - keep the timings, record why the trace is missing
         rec["trace_error"] = f"{type(e).__name__}: {e}"
         rec["traceback"] = traceback.format_exc(limit=6)
-    finally:
-        if trace_dir is None:
-            shutil.rmtree(tdir, ignore_errors=True)
     return rec
 
 

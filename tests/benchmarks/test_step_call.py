@@ -1,5 +1,5 @@
-"""benchmarks/step_call.py: the host-span aggregation on a made-up trace, and the script end to
-end on the tiny preset (CPU)."""
+"""benchmarks/step_call.py (and the host-span aggregation it shares with profile_step, on a made-up
+trace): the script end to end on the tiny preset (CPU)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
+from benchmarks import profile_step as ps
 from benchmarks import step_call as sc
 from benchmarks.run import Harness
 from benchmarks.workloads import suite_shape
@@ -25,11 +26,11 @@ def test_host_spans_per_launch_from_host_planes_only():
             _plane("/device:GPU:0", [("Stream #1", [("kernel", 9e9)])]),
         ]
     )
-    spans = sc.host_spans(profile, launches=2, top=2)
+    spans = ps.host_spans(profile, launches=2, top=2)
     assert list(spans) == ["python | Execute", "other | flush"]  # largest first, cut at top
     assert spans["python | Execute"] == pytest.approx([2.0, 1.0])  # ms and count per launch
     assert spans["other | flush"] == pytest.approx([0.2, 0.5])
-    assert not any("kernel" in k for k in sc.host_spans(profile, 1))
+    assert not any("kernel" in k for k in ps.host_spans(profile, 1))
 
 
 def test_time_calls_waits_for_every_result():
